@@ -1,0 +1,225 @@
+"""`DataPlaneClient`: the one boundary between training code and a key/value store.
+
+Everything above this module (driver helpers, worker fetch, trainers) talks to a store only
+through these methods; everything below (adapters) implements them. The in-process
+:class:`~nemo_dataplane.adapters.memory.InMemoryClient` is the executable specification: where a
+docstring here is ambiguous, its behaviour is the contract, and ``tests/unit/test_conformance.py``
+holds every adapter to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from nemo_dataplane.meta import KVBatchMeta
+
+Fields = TensorDict | Mapping[str, torch.Tensor]
+
+
+class DataPlaneError(RuntimeError):
+    """A store could not be reached, bootstrapped or used (not a caller mistake)."""
+
+
+class DataPlaneClient(ABC):
+    """Abstract key/value store for batches addressed by ``(partition_id, key)``.
+
+    Contract shared by every adapter:
+
+    * ``fields`` is a ``TensorDict`` or a dict of tensors with batch size ``len(keys)``; a jagged
+      field is a ``torch.nested`` tensor of jagged layout (see :mod:`nemo_dataplane.codec`).
+    * Putting to an existing key upserts: the given fields replace those fields, other fields
+      and tags stay; given tags are merged into the key's tags.
+    * A key repeated within one call raises ``ValueError``.
+    * Reads return rows in the order of the keys asked for, each field with the dtype, shape and
+      layout it was put with. ``select_fields`` is always explicit: nothing fetches every field.
+    * A missing key or field raises ``KeyError`` naming what is missing; nothing is dropped.
+    * ``kv_clear`` of absent keys or an unknown partition is a no-op.
+
+    Sync methods may be called from any thread; the ``async_`` twins may be gathered
+    concurrently on one event loop.
+    """
+
+    # ------------------------------------------------------------------ by key
+    @abstractmethod
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Write ``fields`` (and merge ``tags``) for ``keys`` in ``partition_id``.
+
+        Returns:
+            A meta of exactly ``keys`` (in order) with their tags after the merge and ``fields``
+            naming every field now stored for all of them.
+
+        Raises:
+            ValueError: no keys, a repeated key, ``tags`` of the wrong length, a field whose batch
+                size is not ``len(keys)``, or neither fields nor tags given.
+            TypeError: a non-tensor value or unsupported dtype (names the field).
+        """
+
+    @abstractmethod
+    def kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        """Read ``select_fields`` of the given keys, rows in the order asked for.
+
+        ``partition_id`` comes from the meta when a meta is given (passing a different one is
+        a ``ValueError``) and is required when plain keys are given.
+
+        Raises:
+            ValueError: keys without ``partition_id``, empty or repeated ``select_fields``.
+            KeyError: keys absent from the partition, or fields absent on some keys (names them).
+        """
+
+    @abstractmethod
+    def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        """Delete ``keys`` (``None``: every key) of ``partition_id``; absent keys are ignored."""
+
+    @abstractmethod
+    def kv_list(self, partition_id: str) -> KVBatchMeta:
+        """Every key in ``partition_id`` in insertion order, with tags; ``fields`` lists the
+        fields stored for every one of them. An unknown partition gives an empty meta."""
+
+    # ------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Release this client's resources. Shared infrastructure is only shut down by the
+        client that created it; calling ``close`` twice is harmless."""
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ async twins
+    # Default twins run the sync call in a worker thread so any adapter is usable from
+    # asyncio.gather; adapters with a native async path override them.
+    async def async_kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Async twin of :meth:`kv_batch_put`."""
+        return await asyncio.to_thread(self.kv_batch_put, keys, partition_id, fields, tags)
+
+    async def async_kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        """Async twin of :meth:`kv_batch_get`."""
+        return await asyncio.to_thread(self.kv_batch_get, meta_or_keys, select_fields, partition_id)
+
+    async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        """Async twin of :meth:`kv_clear`."""
+        await asyncio.to_thread(self.kv_clear, keys, partition_id)
+
+    async def async_kv_list(self, partition_id: str) -> KVBatchMeta:
+        """Async twin of :meth:`kv_list`."""
+        return await asyncio.to_thread(self.kv_list, partition_id)
+
+
+# ---------------------------------------------------------------- argument checks
+# Shared by adapters so every backend rejects bad input with the same words.
+
+
+def check_partition(partition_id: Any) -> str:
+    """Return ``partition_id`` if it is a non-empty str, else raise ``ValueError``."""
+    if not isinstance(partition_id, str) or not partition_id:
+        raise ValueError(f"partition_id must be a non-empty str, got {partition_id!r}")
+    return partition_id
+
+
+def check_keys(keys: Any, *, allow_empty: bool = False) -> list[str]:
+    """Return ``keys`` as a list after checking they are unique non-empty strs.
+
+    Raises:
+        ValueError: naming the repeated keys, or when empty and ``allow_empty`` is false.
+        TypeError: a key that is not a str.
+    """
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a sequence of str, got the single str {keys!r}; wrap it in a list")
+    keys = list(keys)
+    if not keys and not allow_empty:
+        raise ValueError("keys must not be empty")
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise TypeError(f"every key must be a non-empty str, got {k!r}")
+    seen: set[str] = set()
+    dups = [k for k in keys if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+    if dups:
+        raise ValueError(f"keys repeat within one call: {sorted(set(dups))[:10]}")
+    return keys
+
+
+def check_select_fields(select_fields: Any) -> list[str]:
+    """Return ``select_fields`` as a list of unique names, or raise ``ValueError``/``TypeError``."""
+    if select_fields is None:
+        raise ValueError("select_fields is required: name the fields to read (nothing fetches every field)")
+    if isinstance(select_fields, str):
+        select_fields = [select_fields]
+    names = list(select_fields)
+    if not names:
+        raise ValueError("select_fields must name at least one field")
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise TypeError(f"select_fields entries must be non-empty str, got {n!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"select_fields repeats a name: {names}")
+    return names
+
+
+def check_tags(tags: Any, n_keys: int) -> list[dict[str, Any]] | None:
+    """Return ``tags`` as a list of dicts of length ``n_keys`` (or ``None``), else ``ValueError``."""
+    if tags is None:
+        return None
+    tags = list(tags)
+    if len(tags) != n_keys:
+        raise ValueError(f"tags must hold one dict per key: got {len(tags)} for {n_keys} keys")
+    for i, t in enumerate(tags):
+        if not isinstance(t, Mapping):
+            raise TypeError(f"tags[{i}] must be a dict, got {type(t).__name__}")
+    return [dict(t) for t in tags]
+
+
+def resolve_get_target(
+    meta_or_keys: KVBatchMeta | Sequence[str], partition_id: str | None
+) -> tuple[list[str], str]:
+    """Turn ``kv_batch_get``'s first two arguments into ``(keys, partition_id)``.
+
+    Raises:
+        ValueError: plain keys without ``partition_id``, or a meta with a different partition.
+    """
+    if isinstance(meta_or_keys, KVBatchMeta):
+        meta_pid = meta_or_keys.partition_id
+        if meta_pid is None and partition_id is None:
+            raise ValueError("kv_batch_get: the meta has no partition_id; pass partition_id=")
+        if partition_id is not None and meta_pid is not None and partition_id != meta_pid:
+            raise ValueError(
+                f"kv_batch_get: partition_id={partition_id!r} contradicts the meta's {meta_pid!r}"
+            )
+        return list(meta_or_keys.keys), check_partition(meta_pid or partition_id)
+    if partition_id is None:
+        raise ValueError("kv_batch_get by keys needs partition_id (only a KVBatchMeta carries its own)")
+    return check_keys(meta_or_keys, allow_empty=True), check_partition(partition_id)

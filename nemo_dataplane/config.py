@@ -1,0 +1,160 @@
+"""Typed, validated ``data_plane`` configuration. Every default is documented here, once.
+
+YAML shape (all keys optional)::
+
+    data_plane:
+      enabled: false              # trainers: move batches through the store (true) or Ray (false)
+      backend: transfer_queue     # transfer_queue | memory | "pkg.module:MyClient"
+      backend_kwargs: {}          # passed to a custom backend's constructor
+      fetch_policy: auto          # independent | leader_broadcast | auto
+      column_max_bytes_per_sample: 64   # driver column I/O refuses wider fields
+      transfer_queue:
+        ray_address: null         # null: join a running Ray if one is up, else start a local one
+        num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
+        storage_unit_num_cpus: 0.5
+        controller_num_cpus: 0.5
+        bootstrap_timeout_s: 60   # how long creating/attaching may take before a clear error
+        op_timeout_s: 300         # bound on any single put/get/clear/list
+        quiet: true               # silence TransferQueue's per-op log lines
+      observability:
+        enabled: false            # wrap the client to record every op
+      packing:
+        mode: none                # none | sequence | dynamic
+        max_tokens_per_microbatch: null   # required for sequence / dynamic
+        micro_batch_size: null            # required for none
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args
+
+FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
+PackingMode = Literal["none", "sequence", "dynamic"]
+
+
+@dataclass(frozen=True)
+class TransferQueueConfig:
+    """How the TransferQueue adapter finds or creates its controller and storage."""
+
+    ray_address: str | None = None
+    num_storage_units: int | None = None
+    storage_unit_num_cpus: float = 0.5
+    controller_num_cpus: float = 0.5
+    bootstrap_timeout_s: float = 60.0
+    op_timeout_s: float = 300.0
+    quiet: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_storage_units is not None and self.num_storage_units < 1:
+            raise ValueError(f"data_plane.transfer_queue.num_storage_units must be >= 1, got {self.num_storage_units}")
+        for name in ("storage_unit_num_cpus", "controller_num_cpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"data_plane.transfer_queue.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("bootstrap_timeout_s", "op_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data_plane.transfer_queue.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Whether the factory wraps the client in :class:`~nemo_dataplane.observability.ObservedClient`."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """How the driver cuts each DP rank's share into micro-batches.
+
+    * ``none``: fixed ``micro_batch_size`` samples per micro-batch.
+    * ``sequence``: samples packed into micro-batches of at most ``max_tokens_per_microbatch``.
+    * ``dynamic``: micro-batches sized by the same token budget, keeping sample boundaries
+      in length order (no bin packing).
+    """
+
+    mode: PackingMode = "none"
+    max_tokens_per_microbatch: int | None = None
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in get_args(PackingMode):
+            raise ValueError(f"data_plane.packing.mode must be one of {get_args(PackingMode)}, got {self.mode!r}")
+        if self.mode == "none":
+            if self.micro_batch_size is None or self.micro_batch_size < 1:
+                raise ValueError(
+                    f"data_plane.packing.micro_batch_size must be >= 1 when mode is 'none', got {self.micro_batch_size}"
+                )
+        elif self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch < 1:
+            raise ValueError(
+                "data_plane.packing.max_tokens_per_microbatch must be >= 1 when mode is "
+                f"{self.mode!r}, got {self.max_tokens_per_microbatch}"
+            )
+
+
+def _default_packing() -> PackingConfig:
+    return PackingConfig(mode="none", micro_batch_size=4)
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """The ``data_plane`` section. Build from YAML/dicts with :meth:`from_dict`."""
+
+    enabled: bool = False
+    backend: str = "transfer_queue"
+    backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    fetch_policy: FetchPolicy = "auto"
+    column_max_bytes_per_sample: int = 64
+    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    packing: PackingConfig = field(default_factory=_default_packing)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"data_plane.backend must be a non-empty str, got {self.backend!r}")
+        if self.fetch_policy not in get_args(FetchPolicy):
+            raise ValueError(
+                f"data_plane.fetch_policy must be one of {get_args(FetchPolicy)}, got {self.fetch_policy!r}"
+            )
+        if self.column_max_bytes_per_sample < 1:
+            raise ValueError(
+                f"data_plane.column_max_bytes_per_sample must be >= 1, got {self.column_max_bytes_per_sample}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | DataPlaneConfig | None) -> DataPlaneConfig:
+        """Validate a plain mapping (e.g. from OmegaConf) into a config.
+
+        Raises:
+            ValueError: an unknown key (named with its dotted path) or an invalid value.
+        """
+        if isinstance(data, DataPlaneConfig):
+            return data
+        return _build(cls, dict(data or {}), "data_plane")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (round-trips through :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
+
+
+T = TypeVar("T")
+
+
+def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
+    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[f'{path}.{k}' for k in unknown]}; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    nested = {"transfer_queue": TransferQueueConfig, "observability": ObservabilityConfig, "packing": PackingConfig}
+    for name, value in data.items():
+        sub = nested.get(name) if cls is DataPlaneConfig else None
+        if sub is not None and isinstance(value, Mapping):
+            kwargs[name] = _build(sub, dict(value), f"{path}.{name}")
+        elif name == "backend_kwargs":
+            kwargs[name] = dict(value or {})
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)

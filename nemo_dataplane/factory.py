@@ -1,0 +1,89 @@
+"""`build_data_plane_client(config, bootstrap)`: one place that turns config into a client.
+
+Backends are named in ``data_plane.backend``:
+
+* ``transfer_queue`` (default): the real TransferQueue on Ray (local Ray when none is running);
+* ``memory``: the in-process reference backend;
+* ``"pkg.module:ClassName"``: any :class:`DataPlaneClient` subclass. If it defines a
+  ``from_config(config, bootstrap)`` classmethod that is used, else it is called with
+  ``**data_plane.backend_kwargs``.
+
+Optional dependencies are imported only when their backend is asked for, and a missing one
+fails with a message naming what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from nemo_dataplane.client import DataPlaneClient
+from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.observability import ObservedClient, OpEvent
+
+Bootstrap = bool | Literal["auto"]
+
+_BUILTIN: dict[str, tuple[str, str]] = {
+    # name -> (import path, what to install if the import fails)
+    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue:TransferQueueClient", "transferqueue==0.1.11 ray"),
+    "memory": ("nemo_dataplane.adapters.memory:InMemoryClient", "nemo-dataplane"),
+}
+
+
+def resolve_backend(name: str) -> type[DataPlaneClient]:
+    """The client class for a backend name or ``"pkg.module:ClassName"`` path.
+
+    Raises:
+        ValueError: an unknown name, a malformed path, or a class that is not a DataPlaneClient.
+        ImportError: the backend's module (or its dependency) cannot be imported.
+    """
+    target, hint = _BUILTIN.get(name, (name, None))
+    if ":" not in target:
+        raise ValueError(
+            f"data_plane.backend={name!r} is neither a built-in backend {sorted(_BUILTIN)} "
+            "nor a 'pkg.module:ClassName' path"
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        extra = f" (install: pip install {hint})" if hint else ""
+        raise ImportError(f"data_plane.backend={name!r}: cannot import {module_name!r}: {e}{extra}") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"data_plane.backend={name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, DataPlaneClient)):
+        raise ValueError(
+            f"data_plane.backend={name!r}: {target} is not a nemo_dataplane.DataPlaneClient subclass "
+            f"(got {cls!r})"
+        )
+    return cls
+
+
+def build_data_plane_client(
+    config: DataPlaneConfig | Mapping[str, Any] | None = None,
+    bootstrap: Bootstrap = "auto",
+    on_event: Callable[[OpEvent], None] | None = None,
+) -> DataPlaneClient:
+    """Build the client named by ``config.backend``.
+
+    Args:
+        config: the ``data_plane`` section (a :class:`DataPlaneConfig` or a plain mapping).
+        bootstrap: for shared backends, ``"auto"`` attaches to a running store or creates one;
+            ``True`` always creates; ``False`` only attaches (worker processes) and fails clearly
+            when there is nothing to attach to.
+        on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
+    """
+    if bootstrap not in (True, False, "auto"):
+        raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
+    cfg = DataPlaneConfig.from_dict(config)
+    cls = resolve_backend(cfg.backend)
+    from_config = getattr(cls, "from_config", None)
+    if callable(from_config):
+        client = from_config(cfg, bootstrap=bootstrap)
+    else:
+        client = cls(**dict(cfg.backend_kwargs))
+    if cfg.observability.enabled:
+        client = ObservedClient(client, on_event)
+    return client

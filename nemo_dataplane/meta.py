@@ -1,0 +1,263 @@
+"""`KVBatchMeta`: the metadata that travels between driver and workers instead of tensors.
+
+It mirrors ``transfer_queue.metadata.KVBatchMeta`` field for field (``keys``, ``tags``,
+``partition_id``, ``fields``, ``extra_info``) so a meta can cross into TransferQueue's own
+clients and back without loss. Unlike TransferQueue's class it is frozen: every transform
+returns a new meta and never touches the store.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import transfer_queue
+
+
+def _duplicates(items: Iterable[str]) -> list[str]:
+    seen: set[str] = set()
+    dups: list[str] = []
+    for item in items:
+        if item in seen and item not in dups:
+            dups.append(item)
+        seen.add(item)
+    return dups
+
+
+@dataclass(frozen=True)
+class KVBatchMeta:
+    """Keys of one batch in one partition, with per-key tags and batch-level info.
+
+    Contract:
+        * ``keys`` are unique strings; ``tags`` holds exactly one dict per key, aligned by index.
+        * ``fields`` names the columns known to be stored for these keys (``None``: unknown).
+        * ``extra_info`` carries batch-level plans (packing, padding) that ride with the batch.
+        * Tags and ``extra_info`` are deep-copied on construction, so a meta never aliases
+          another meta's dicts; treat them as read-only.
+
+    Raises:
+        ValueError: on misaligned tags, duplicated keys or fields, or non-string keys.
+    """
+
+    keys: tuple[str, ...] = ()
+    tags: tuple[dict[str, Any], ...] = ()
+    partition_id: str | None = None
+    fields: tuple[str, ...] | None = None
+    extra_info: dict[str, Any] | None = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        keys = tuple(self.keys)
+        tags = tuple(self.tags) if self.tags is not None else ()
+        for i, key in enumerate(keys):
+            if not isinstance(key, str):
+                raise ValueError(f"KVBatchMeta.keys[{i}] must be a str, got {type(key).__name__}: {key!r}")
+        if len(tags) != len(keys):
+            raise ValueError(
+                f"KVBatchMeta.tags must hold one dict per key: got {len(tags)} tags for {len(keys)} keys"
+            )
+        for i, tag in enumerate(tags):
+            if not isinstance(tag, Mapping):
+                raise ValueError(f"KVBatchMeta.tags[{i}] (key {keys[i]!r}) must be a dict, got {type(tag).__name__}")
+        dups = _duplicates(keys)
+        if dups:
+            raise ValueError(f"KVBatchMeta.keys must be unique; duplicated: {dups[:10]}")
+        fields = None if self.fields is None else tuple(self.fields)
+        if fields is not None:
+            dup_fields = _duplicates(fields)
+            if dup_fields:
+                raise ValueError(f"KVBatchMeta.fields must be unique; duplicated: {dup_fields}")
+        if self.partition_id is not None and not isinstance(self.partition_id, str):
+            raise ValueError(f"KVBatchMeta.partition_id must be a str or None, got {self.partition_id!r}")
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "tags", tuple(copy.deepcopy(dict(t)) for t in tags))
+        object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "extra_info", copy.deepcopy(self.extra_info))
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def size(self) -> int:
+        """Number of keys (TransferQueue's name for ``len``)."""
+        return len(self.keys)
+
+    def tag_values(self, name: str) -> list[Any]:
+        """The tag ``name`` of every key, in key order.
+
+        Raises:
+            KeyError: naming the first keys that lack the tag.
+        """
+        missing = [k for k, t in zip(self.keys, self.tags) if name not in t]
+        if missing:
+            raise KeyError(f"tag {name!r} missing on {len(missing)} key(s), e.g. {missing[:5]}")
+        return [t[name] for t in self.tags]
+
+    def __repr__(self) -> str:
+        head = list(self.keys[:3]) + (["..."] if len(self.keys) > 3 else [])
+        return (
+            f"KVBatchMeta(n={len(self.keys)}, partition_id={self.partition_id!r}, keys={head}, "
+            f"fields={None if self.fields is None else list(self.fields)}, "
+            f"extra_info={sorted((self.extra_info or {}).keys())})"
+        )
+
+    # ------------------------------------------------------------ transforms
+    def _replace(self, **changes: Any) -> KVBatchMeta:
+        kwargs = dict(
+            keys=self.keys,
+            tags=self.tags,
+            partition_id=self.partition_id,
+            fields=self.fields,
+            extra_info=self.extra_info,
+        )
+        kwargs.update(changes)
+        return KVBatchMeta(**kwargs)
+
+    def subset(self, indices: Sequence[int]) -> KVBatchMeta:
+        """The keys at ``indices`` in that order (no repeats; negative indices allowed).
+
+        Raises:
+            IndexError: an index is out of range.  ValueError: an index repeats.
+        """
+        n = len(self.keys)
+        norm: list[int] = []
+        for i in indices:
+            j = int(i)
+            if not -n <= j < n:
+                raise IndexError(f"KVBatchMeta.subset: index {j} out of range for {n} keys")
+            norm.append(j % n if n else j)
+        dups = _duplicates(str(j) for j in norm)
+        if dups:
+            raise ValueError(f"KVBatchMeta.subset: repeated indices {dups[:10]}")
+        return self._replace(keys=[self.keys[j] for j in norm], tags=[self.tags[j] for j in norm])
+
+    def reorder(self, indices: Sequence[int]) -> KVBatchMeta:
+        """A permutation of all keys: ``new.keys[i] == self.keys[indices[i]]``.
+
+        Raises:
+            ValueError: ``indices`` is not a permutation of ``range(len(self))``.
+        """
+        if sorted(int(i) for i in indices) != list(range(len(self.keys))):
+            raise ValueError(
+                f"KVBatchMeta.reorder needs a permutation of range({len(self.keys)}), got {list(indices)[:20]}"
+            )
+        return self.subset(indices)
+
+    def select_keys(self, keys: Sequence[str]) -> KVBatchMeta:
+        """The given keys, in the given order.
+
+        Raises:
+            KeyError: naming keys not in this meta.  ValueError: a key repeats.
+        """
+        index = {k: i for i, k in enumerate(self.keys)}
+        missing = [k for k in keys if k not in index]
+        if missing:
+            raise KeyError(f"KVBatchMeta.select_keys: keys not in this batch: {missing[:10]}")
+        dups = _duplicates(keys)
+        if dups:
+            raise ValueError(f"KVBatchMeta.select_keys: duplicated keys {dups[:10]}")
+        return self.subset([index[k] for k in keys])
+
+    def chunk(self, n: int) -> list[KVBatchMeta]:
+        """Split into ``n`` contiguous parts whose sizes differ by at most one (earlier parts larger).
+
+        Raises:
+            ValueError: ``n`` < 1.
+        """
+        if n < 1:
+            raise ValueError(f"KVBatchMeta.chunk: n must be >= 1, got {n}")
+        base, extra = divmod(len(self.keys), n)
+        out: list[KVBatchMeta] = []
+        start = 0
+        for i in range(n):
+            stop = start + base + (1 if i < extra else 0)
+            out.append(self.subset(range(start, stop)))
+            start = stop
+        return out
+
+    @staticmethod
+    def concat(metas: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        """Join metas of one partition, keys in order; ``extra_info`` and ``fields`` of the first.
+
+        ``fields`` becomes the intersection (in the first meta's order) when they differ, since
+        only those are known to be stored for every key.
+
+        Raises:
+            ValueError: empty input, mixed partitions, or a key in two metas.
+        """
+        if not metas:
+            raise ValueError("KVBatchMeta.concat needs at least one meta")
+        partitions = {m.partition_id for m in metas}
+        if len(partitions) > 1:
+            raise ValueError(f"KVBatchMeta.concat: metas span several partitions {sorted(map(str, partitions))}")
+        fields: tuple[str, ...] | None = metas[0].fields
+        for m in metas[1:]:
+            if fields is None or m.fields is None:
+                fields = None
+                break
+            other = set(m.fields)
+            fields = tuple(f for f in fields if f in other)
+        return metas[0]._replace(
+            keys=[k for m in metas for k in m.keys],
+            tags=[t for m in metas for t in m.tags],
+            fields=fields,
+        )
+
+    def with_fields(self, fields: Iterable[str] | None) -> KVBatchMeta:
+        """The same keys, with ``fields`` replaced."""
+        return self._replace(fields=None if fields is None else tuple(fields))
+
+    def add_fields(self, fields: Iterable[str]) -> KVBatchMeta:
+        """The same keys, with ``fields`` appended to the known fields (no duplicates)."""
+        known = list(self.fields or ())
+        known += [f for f in fields if f not in known]
+        return self._replace(fields=known)
+
+    def with_extra_info(self, **info: Any) -> KVBatchMeta:
+        """The same keys, with ``extra_info`` updated by ``info``."""
+        merged = dict(self.extra_info or {})
+        merged.update(info)
+        return self._replace(extra_info=merged)
+
+    def stamp_tags(self, tags: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> KVBatchMeta:
+        """Merge tags into every key: one dict for all keys, or one dict per key.
+
+        Only the meta changes; write tags to the store with ``kv_batch_put(..., tags=...)``.
+
+        Raises:
+            ValueError: a per-key list whose length differs from the number of keys.
+        """
+        if isinstance(tags, Mapping):
+            per_key: Sequence[Mapping[str, Any]] = [tags] * len(self.keys)
+        else:
+            per_key = list(tags)
+            if len(per_key) != len(self.keys):
+                raise ValueError(f"stamp_tags: got {len(per_key)} tag dicts for {len(self.keys)} keys")
+        return self._replace(tags=[{**old, **dict(new)} for old, new in zip(self.tags, per_key)])
+
+    # ------------------------------------------------------ TransferQueue I/O
+    def to_transfer_queue(self) -> transfer_queue.KVBatchMeta:
+        """The equivalent ``transfer_queue.metadata.KVBatchMeta`` (lossless)."""
+        from transfer_queue.metadata import KVBatchMeta as TQMeta
+
+        return TQMeta(
+            keys=list(self.keys),
+            tags=[dict(t) for t in self.tags],
+            partition_id=self.partition_id,
+            fields=None if self.fields is None else list(self.fields),
+            extra_info=copy.deepcopy(self.extra_info),
+        )
+
+    @classmethod
+    def from_transfer_queue(cls, meta: Any) -> KVBatchMeta:
+        """Build from a ``transfer_queue.metadata.KVBatchMeta`` (lossless)."""
+        return cls(
+            keys=list(meta.keys),
+            tags=[dict(t) for t in meta.tags],
+            partition_id=meta.partition_id,
+            fields=None if meta.fields is None else list(meta.fields),
+            extra_info=copy.deepcopy(meta.extra_info),
+        )

@@ -1,0 +1,196 @@
+"""A wrapper client that records every op and how many bytes the store holds.
+
+``ObservedClient(inner, on_event)`` forwards each call to ``inner`` and reports one
+:class:`OpEvent` per call (errors are recorded, then re-raised unchanged). It keeps
+``bytes_outstanding`` (payload bytes this client put and has not cleared) and its peak, so a
+trainer can check that a step left nothing behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tensordict import TensorDict
+
+from nemo_dataplane.client import DataPlaneClient, Fields
+from nemo_dataplane.codec import batch_nbytes, normalize_fields, tensor_nbytes
+from nemo_dataplane.meta import KVBatchMeta
+
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One store operation as seen by the caller."""
+
+    op: str
+    partition_id: str | None
+    n_keys: int
+    n_bytes: int
+    wall_ms: float
+    status: str  # "ok" | "error"
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ObservedClient(DataPlaneClient):
+    """Records ``{op, partition_id, n_keys, n_bytes, wall_ms, status}`` for every call."""
+
+    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None) -> None:
+        self.inner = inner
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], dict[str, int]] = {}
+        self.bytes_outstanding = 0
+        self.peak_bytes_outstanding = 0
+        self.op_counts: Counter[str] = Counter()
+        self.bytes_by_op: Counter[str] = Counter()
+
+    # ------------------------------------------------------------- recording
+    def _emit(self, op: str, pid: str | None, n_keys: int, n_bytes: int, t0: float, err: BaseException | None) -> None:
+        event = OpEvent(
+            op=op,
+            partition_id=pid,
+            n_keys=n_keys,
+            n_bytes=n_bytes,
+            wall_ms=(time.perf_counter() - t0) * 1e3,
+            status="ok" if err is None else "error",
+            error=None if err is None else f"{type(err).__name__}: {err}",
+        )
+        with self._lock:
+            self.op_counts[op] += 1
+            self.bytes_by_op[op] += n_bytes
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def _account_put(self, keys: Sequence[str], pid: str, fields: Fields | None) -> None:
+        columns = normalize_fields(fields, len(keys))
+        per_row = {name: tensor_nbytes(t) // max(len(keys), 1) for name, t in columns.items()}
+        with self._lock:
+            for k in keys:
+                held = self._held.setdefault((pid, k), {})
+                for name, nb in per_row.items():
+                    self.bytes_outstanding += nb - held.get(name, 0)
+                    held[name] = nb
+            self.peak_bytes_outstanding = max(self.peak_bytes_outstanding, self.bytes_outstanding)
+
+    def _account_clear(self, keys: Sequence[str] | None, pid: str) -> None:
+        with self._lock:
+            targets = [hk for hk in self._held if hk[0] == pid] if keys is None else [(pid, k) for k in keys]
+            for hk in targets:
+                held = self._held.pop(hk, None)
+                if held:
+                    self.bytes_outstanding -= sum(held.values())
+
+    @staticmethod
+    def _get_target(meta_or_keys: KVBatchMeta | Sequence[str], pid: str | None) -> tuple[int, str | None]:
+        if isinstance(meta_or_keys, KVBatchMeta):
+            return len(meta_or_keys), meta_or_keys.partition_id or pid
+        return len(list(meta_or_keys)), pid
+
+    @contextmanager
+    def _recording(self, op: str, pid: str | None, n_keys: int, n_bytes: int = 0) -> Iterator[_Tally]:
+        tally = _Tally(n_bytes)
+        t0 = time.perf_counter()
+        try:
+            yield tally
+        except BaseException as e:
+            self._emit(op, pid, n_keys, tally.n_bytes, t0, e)
+            raise
+        self._emit(op, pid, n_keys if tally.n_keys is None else tally.n_keys, tally.n_bytes, t0, None)
+
+    # ----------------------------------------------------------------- sync
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        keys = list(keys)
+        with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
+            meta = self.inner.kv_batch_put(keys, partition_id, fields, tags)
+            self._account_put(keys, partition_id, fields)
+            return meta
+
+    def kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        n_keys, pid = self._get_target(meta_or_keys, partition_id)
+        with self._recording("kv_batch_get", pid, n_keys) as tally:
+            out = self.inner.kv_batch_get(meta_or_keys, select_fields, partition_id)
+            tally.n_bytes = batch_nbytes(out)
+            return out
+
+    def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        keys = None if keys is None else list(keys)
+        with self._recording("kv_clear", partition_id, -1 if keys is None else len(keys)):
+            self.inner.kv_clear(keys, partition_id)
+            self._account_clear(keys, partition_id)
+
+    def kv_list(self, partition_id: str) -> KVBatchMeta:
+        with self._recording("kv_list", partition_id, 0) as tally:
+            meta = self.inner.kv_list(partition_id)
+            tally.n_keys = len(meta)
+            return meta
+
+    # ---------------------------------------------------------------- async
+    async def async_kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        keys = list(keys)
+        with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
+            meta = await self.inner.async_kv_batch_put(keys, partition_id, fields, tags)
+            self._account_put(keys, partition_id, fields)
+            return meta
+
+    async def async_kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        n_keys, pid = self._get_target(meta_or_keys, partition_id)
+        with self._recording("kv_batch_get", pid, n_keys) as tally:
+            out = await self.inner.async_kv_batch_get(meta_or_keys, select_fields, partition_id)
+            tally.n_bytes = batch_nbytes(out)
+            return out
+
+    async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        keys = None if keys is None else list(keys)
+        with self._recording("kv_clear", partition_id, -1 if keys is None else len(keys)):
+            await self.inner.async_kv_clear(keys, partition_id)
+            self._account_clear(keys, partition_id)
+
+    async def async_kv_list(self, partition_id: str) -> KVBatchMeta:
+        with self._recording("kv_list", partition_id, 0) as tally:
+            meta = await self.inner.async_kv_list(partition_id)
+            tally.n_keys = len(meta)
+            return meta
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class _Tally:
+    n_bytes: int = 0
+    n_keys: int | None = None
+
+
+def _nbytes(fields: Any) -> int:
+    return batch_nbytes(fields) if isinstance(fields, (TensorDict, Mapping)) else 0

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: installs what it needs (./.venv), then runs the whole suite on CPU.
+# GPU tests skip cleanly without a GPU. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash .ci/setup-env
+. .venv/bin/activate
+# One thread per process keeps Ray actors, TransferQueue and the trainer's workers from
+# oversubscribing a 2-core machine; tests that need another setting set it themselves.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export RAY_DEDUP_LOGS=0 RAY_USAGE_STATS_ENABLED=0
+python -m pytest -q --durations=15 "$@"

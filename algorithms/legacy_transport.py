@@ -1,0 +1,86 @@
+"""The legacy transport: the baseline every data-plane comparison is made against.
+
+The driver holds the whole step's ``TensorDict``, cuts it into per-rank shards with the same
+planner the data plane uses, and ships each rank its shard through the Ray object store
+(``ray.put`` on the driver, ``ray.get`` on the worker). Every byte passes through the driver.
+
+Deliberately independent of the data plane: this module imports only the planner/preshard
+helpers and ``KVBatchMeta``'s package (plus torch, ray, tensordict), never the store client,
+adapters, fan-out, column I/O or worker fetch, so the baseline cannot quietly use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from tensordict import TensorDict
+
+from nemo_dataplane.driver.planner import Preshards
+from nemo_dataplane.driver.preshard import select_rows, split_microbatches
+
+__all__ = ["LegacyShard", "fetch_shard", "legacy_shard", "ship_shards"]
+
+
+@dataclass(frozen=True)
+class LegacyShard:
+    """One DP rank's shard as the driver ships it.
+
+    Attributes:
+        rank: the DP rank.
+        data: that rank's rows, in the rank's local order (every field of the batch).
+        plan: the rank's packing plan, :meth:`Preshards.rank_plan` (identical to the data plane's).
+        extra_info: the same batch-level entries a fan-out meta carries.
+    """
+
+    rank: int
+    data: TensorDict
+    plan: dict[str, Any]
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def microbatches(self) -> list[TensorDict]:
+        """The shard cut by the driver's plan (as ``FetchedBatch.microbatches`` does)."""
+        return split_microbatches(self.data, self.plan)
+
+
+def legacy_shard(batch: TensorDict, preshards: Preshards) -> list[LegacyShard]:
+    """Cut ``batch`` into one :class:`LegacyShard` per DP rank, following ``preshards``.
+
+    Raises:
+        ValueError: the batch's row count differs from the plan's.
+    """
+    n = batch.batch_size[0] if batch.batch_dims else 0
+    if n != preshards.num_samples:
+        raise ValueError(f"legacy_shard: the batch has {n} rows but the plan covers {preshards.num_samples}")
+    return [
+        LegacyShard(
+            rank=r,
+            data=select_rows(batch, preshards.rank_indices[r]),
+            plan=preshards.rank_plan(r),
+            extra_info={
+                "global_forward_pad_seqlen": preshards.global_forward_pad_seqlen,
+                "dp_rank": r,
+                "dp_world": preshards.dp_world,
+            },
+        )
+        for r in range(preshards.dp_world)
+    ]
+
+
+def ship_shards(shards: Sequence[LegacyShard]) -> list[ray.ObjectRef]:
+    """``ray.put`` each shard from the driver; pass the refs to the rank actors."""
+    return [ray.put(s) for s in shards]
+
+
+def fetch_shard(ref: ray.ObjectRef | LegacyShard, timeout_s: float = 300.0) -> LegacyShard:
+    """Worker side: resolve a shipped shard (Ray resolves top-level ref arguments already, so a
+    ``LegacyShard`` passes through).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the object did not arrive within ``timeout_s``.
+    """
+    if isinstance(ref, LegacyShard):
+        return ref
+    return ray.get(ref, timeout=timeout_s)

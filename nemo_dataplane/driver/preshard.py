@@ -1,0 +1,164 @@
+"""`driver_balanced_preshards`: plan a step's DP shards once, on the driver, from lengths only.
+
+Also home of the two row helpers both transports share (:func:`select_rows`,
+:func:`split_microbatches`), so the data-plane worker and the legacy baseline cut batches with
+the same code and can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from nemo_dataplane.config import DataPlaneConfig, PackingConfig
+from nemo_dataplane.driver.planner import Preshards, plan
+from nemo_dataplane.meta import KVBatchMeta
+
+__all__ = ["driver_balanced_preshards", "resolve_packing_config", "select_rows", "split_microbatches"]
+
+
+def driver_balanced_preshards(
+    batch_or_meta: TensorDict | KVBatchMeta,
+    dp_world: int,
+    packing_config: PackingConfig | DataPlaneConfig | Mapping[str, Any],
+    *,
+    seq_len_field: str = "seq_len",
+) -> Preshards:
+    """Plan which samples each of ``dp_world`` ranks trains on and how each rank's share is cut
+    into micro-batches, balancing tokens across ranks.
+
+    The planner runs once, here, over sequence lengths only: from a ``KVBatchMeta`` it reads the
+    ``seq_len_field`` tag of every key (no store I/O); from a ``TensorDict`` the
+    ``seq_len_field`` field (``[B]`` integers).
+
+    Why once, on the driver: every DP rank must step through the same number of micro-batches.
+    Training issues a cross-DP collective per micro-batch (gradient all-reduce / reduce-scatter
+    in Megatron and FSDP). If each rank packed its own share, a rank holding shorter samples would
+    pack them into fewer micro-batches, finish its loop, and move on while its peers sit in the
+    next all-reduce waiting for it: the job hangs at the first cross-DP collective until the NCCL
+    watchdog kills it. Planning globally with a micro-batch count that is a multiple of
+    ``dp_world`` (``bin_count_multiple=dp_world``) rules that out by construction.
+
+    Args:
+        packing_config: a :class:`PackingConfig`, a :class:`DataPlaneConfig` (its ``packing``), or
+            the ``data_plane.packing`` mapping.
+
+    Raises:
+        KeyError: a key lacks the ``seq_len`` tag (names the key), or the batch lacks the field.
+        ValueError: a non-integer or negative length (names the key or row), or an infeasible plan.
+    """
+    cfg = resolve_packing_config(packing_config)
+    if isinstance(batch_or_meta, KVBatchMeta):
+        seq_lens = _lengths_from_tags(batch_or_meta, seq_len_field)
+    elif isinstance(batch_or_meta, TensorDict):
+        seq_lens = _lengths_from_field(batch_or_meta, seq_len_field)
+    else:
+        raise TypeError(
+            f"driver_balanced_preshards takes a TensorDict or a KVBatchMeta, got {type(batch_or_meta).__name__}"
+        )
+    return plan(seq_lens, dp_world, cfg)
+
+
+def resolve_packing_config(cfg: PackingConfig | DataPlaneConfig | Mapping[str, Any]) -> PackingConfig:
+    """A :class:`PackingConfig` from itself, a :class:`DataPlaneConfig` or a ``packing`` mapping."""
+    if isinstance(cfg, PackingConfig):
+        return cfg
+    if isinstance(cfg, DataPlaneConfig):
+        return cfg.packing
+    if isinstance(cfg, Mapping):
+        return DataPlaneConfig.from_dict({"packing": dict(cfg)}).packing
+    raise TypeError(f"packing_config must be a PackingConfig, DataPlaneConfig or mapping, got {type(cfg).__name__}")
+
+
+def _lengths_from_tags(meta: KVBatchMeta, name: str) -> list[int]:
+    out: list[int] = []
+    for key, tag in zip(meta.keys, meta.tags):
+        if name not in tag:
+            raise KeyError(
+                f"key {key!r} (partition {meta.partition_id!r}) has no {name!r} tag; every key needs "
+                f"{name}=<prompt + response tokens> to be planned (tag it when the rollout is put)"
+            )
+        out.append(_as_length(tag[name], f"tag {name!r} of key {key!r}"))
+    return out
+
+
+def _lengths_from_field(batch: TensorDict, name: str) -> list[int]:
+    if name not in batch.keys():
+        raise KeyError(f"batch has no {name!r} field (fields: {sorted(batch.keys())}); add [B] token counts")
+    t = batch.get(name)
+    if not isinstance(t, torch.Tensor) or getattr(t, "is_nested", False) or t.dim() != 1:
+        raise ValueError(f"field {name!r} must be a dense [B] tensor of token counts, got {getattr(t, 'shape', t)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"field {name!r} must hold integers, got dtype {t.dtype}")
+    return [_as_length(v, f"{name}[{i}]") for i, v in enumerate(t.tolist())]
+
+
+def _as_length(value: Any, where: str) -> int:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
+        raise ValueError(f"{where} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+# ------------------------------------------------------------------ row helpers
+def select_rows(batch: TensorDict, indices: Sequence[int]) -> TensorDict:
+    """A new ``TensorDict`` of ``batch``'s rows at ``indices`` (in that order), every field kept.
+
+    Jagged fields stay jagged (fresh contiguous values and offsets); dense fields are gathered
+    with ``index_select``. No row is shared with ``batch``.
+
+    Raises:
+        IndexError: an index out of range.  TypeError: a nested ``TensorDict`` field.
+    """
+    n = batch.batch_size[0] if batch.batch_dims else 0
+    idx = [int(i) for i in indices]
+    bad = [i for i in idx if not 0 <= i < n]
+    if bad:
+        raise IndexError(f"select_rows: indices {bad[:5]} out of range for a batch of {n} rows")
+    index = torch.tensor(idx, dtype=torch.int64)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in batch.items():
+        if isinstance(value, TensorDict):
+            raise TypeError(f"select_rows: field {name!r} is a nested TensorDict; flatten it into named tensors")
+        out[name] = _take(value, index)
+    return TensorDict(out, batch_size=[len(idx)])
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if getattr(t, "is_nested", False) and t.layout == torch.jagged:
+        values, offsets = t.values(), t.offsets()
+        starts, stops = offsets[index], offsets[index + 1]
+        lengths = stops - starts
+        new_offsets = torch.zeros(len(index) + 1, dtype=offsets.dtype)
+        torch.cumsum(lengths, 0, out=new_offsets[1:])
+        if len(index):
+            pieces = [values[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+            new_values = torch.cat(pieces, 0)
+        else:
+            new_values = values[:0].clone()
+        return torch.nested.nested_tensor_from_jagged(new_values, offsets=new_offsets)
+    return t.index_select(0, index)
+
+
+def split_microbatches(data: TensorDict, plan_dict: Mapping[str, Any] | None) -> list[TensorDict]:
+    """Cut a rank's rows into the driver's micro-batches (``plan_dict["microbatches"]``, positions
+    within the shard); without a plan, the whole shard is one micro-batch.
+
+    Raises:
+        ValueError: the plan's positions do not partition ``data``'s rows.
+    """
+    if not plan_dict or "microbatches" not in plan_dict:
+        return [data]
+    mbs = [list(mb) for mb in plan_dict["microbatches"]]
+    n = data.batch_size[0] if data.batch_dims else 0
+    flat = sorted(p for mb in mbs for p in mb)
+    if flat != list(range(n)) or any(not mb for mb in mbs):
+        raise ValueError(
+            f"packing plan does not match the fetched rows: its micro-batches cover positions "
+            f"{flat[:10]}{'...' if len(flat) > 10 else ''} but {n} rows arrived"
+        )
+    return [select_rows(data, mb) for mb in mbs]

@@ -1,0 +1,286 @@
+"""Tiny causal LMs for GRPO: build (random init from a config, or a local HF dir), pad, score, sample.
+
+Nothing is ever downloaded: a config builds a randomly initialised model under a fixed seed and
+a path loads with ``local_files_only=True``. All functions are single-process and deterministic
+on CPU for fixed inputs (and a fixed ``torch.Generator`` for sampling).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, overload, Literal
+
+import torch
+from torch import Tensor
+
+from algorithms.grpo import entropy_from_logits
+
+__all__ = [
+    "build_model",
+    "generate",
+    "pad_batch",
+    "save_pretrained_dir",
+    "sequence_logprobs",
+]
+
+_ARCHS = ("llama", "qwen2")
+
+
+def _config_class(arch: str) -> type:
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config
+    raise ValueError(f"model.arch must be one of {list(_ARCHS)}, got {arch!r}")
+
+
+def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) -> torch.nn.Module:
+    """A float32 causal LM from ``model_cfg``, in train mode.
+
+    ``model_cfg`` is either ``{"path": "/local/hf/dir"}`` (``config.json`` + safetensors, loaded
+    with ``local_files_only=True``) or ``{"hf_config": {...config kwargs...}, "arch": "llama" |
+    "qwen2", "seed": int}`` (random init under ``seed``; the global torch RNG is left untouched).
+    ``vocab_size`` (the tokenizer's) fills ``hf_config.vocab_size`` when missing and is checked
+    against the model's embedding: a model smaller than the tokenizer raises ``ValueError``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(model_cfg, Mapping):
+        raise TypeError(f"model config must be a mapping, got {type(model_cfg).__name__}")
+    has_path = model_cfg.get("path") not in (None, "")
+    has_cfg = model_cfg.get("hf_config") is not None
+    if has_path == has_cfg:
+        raise ValueError("model config needs exactly one of 'path' (local HF dir) or 'hf_config' (random init)")
+
+    if has_path:
+        path = os.fspath(model_cfg["path"])
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"model.path {path!r}: no config.json (expected a local Hugging Face model dir)")
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    else:
+        kwargs = dict(model_cfg["hf_config"])
+        if vocab_size is not None:
+            kwargs.setdefault("vocab_size", vocab_size)
+        if "vocab_size" not in kwargs:
+            raise ValueError("model.hf_config.vocab_size is missing (pass vocab_size=tokenizer.vocab_size)")
+        config_cls = _config_class(str(model_cfg.get("arch", "llama")))
+        try:
+            config = config_cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"model.hf_config: {e}") from e
+        seed = int(model_cfg.get("seed", 0))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    n_emb = model.get_input_embeddings().num_embeddings
+    if vocab_size is not None and n_emb < vocab_size:
+        raise ValueError(f"model vocab_size {n_emb} < tokenizer vocab_size {vocab_size}")
+    model.train()
+    return model
+
+
+def save_pretrained_dir(model: torch.nn.Module, path: str | os.PathLike[str]) -> str:
+    """Write ``model`` as a local HF dir (config.json + model.safetensors); returns the path."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(os.fspath(path))
+    return os.fspath(path)
+
+
+def pad_batch(
+    seqs: Sequence[Sequence[int]] | Sequence[Tensor] | Tensor,
+    pad_id: int,
+    *,
+    left: bool = False,
+    length: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Pad sequences to ``input_ids [N, L]`` (long) and ``attention_mask [N, L]`` (long, 1 = token).
+
+    ``seqs`` is a list of id lists / 1-D tensors or a jagged ``torch.nested`` tensor. Right padding
+    by default (training); ``left=True`` for batched generation. ``L`` = longest sequence, or
+    ``length`` if given (must be >= the longest).
+    """
+    if isinstance(seqs, Tensor) and seqs.is_nested:
+        rows = [t.reshape(-1).long() for t in seqs.unbind()]
+    elif isinstance(seqs, Tensor):
+        if seqs.dim() != 2:
+            raise ValueError(f"pad_batch: a dense tensor must be [N, L], got shape {tuple(seqs.shape)}")
+        rows = [r.long() for r in seqs]
+    else:
+        rows = [s.reshape(-1).long() if isinstance(s, Tensor) else torch.tensor(list(s), dtype=torch.long) for s in seqs]
+    n = len(rows)
+    longest = max((r.numel() for r in rows), default=0)
+    L = longest if length is None else length
+    if L < longest:
+        raise ValueError(f"pad_batch: length={length} < longest sequence {longest}")
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        k = r.numel()
+        if k == 0:
+            continue
+        if left:
+            input_ids[i, L - k :] = r
+            attention_mask[i, L - k :] = 1
+        else:
+            input_ids[i, :k] = r
+            attention_mask[i, :k] = 1
+    return input_ids, attention_mask
+
+
+def _position_ids(attention_mask: Tensor) -> Tensor:
+    # Left padding: positions count real tokens only, so a padded prompt sees the same positions
+    # as the unpadded one.
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+@overload
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor | None = ...,
+    *,
+    return_entropy: Literal[False] = ...,
+    temperature: float = ...,
+) -> Tensor: ...
+
+
+@overload
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor | None = ...,
+    *,
+    return_entropy: Literal[True],
+    temperature: float = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor | None = None,
+    *,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-prob of every next token: ``out[:, t] = log p(input_ids[:, t + 1] | input_ids[:, :t + 1])``.
+
+    Shapes: ``input_ids``, ``attention_mask``, ``response_mask`` ``[N, L]``; result ``[N, L - 1]``
+    float32. Where ``response_mask[:, t + 1]`` is 0 the result is 0 (so it can be used directly as
+    the token mask shifted by one: ``response_mask[:, 1:]``). ``return_entropy=True`` also returns
+    the entropy of each next-token distribution ``[N, L - 1]`` (masked the same way). Logits are
+    divided by ``temperature`` so the scores match what the sampler drew from. Gradients flow
+    unless called under ``torch.no_grad()``.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"sequence_logprobs: input_ids and attention_mask must be the same [N, L] shape, got "
+            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
+    if response_mask is not None and response_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"sequence_logprobs: response_mask shape {tuple(response_mask.shape)} != input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature}")
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    keep = attention_mask[:, 1:].bool()
+    if response_mask is not None:
+        keep = keep & response_mask[:, 1:].bool()
+    logp = torch.where(keep, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    ent = entropy_from_logits(logits)
+    ent = torch.where(keep, ent, torch.zeros_like(ent))
+    return logp, ent
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos_id: int,
+    pad_id: int,
+) -> list[list[int]]:
+    """Sample ``n`` responses per prompt with a KV-cached loop; deterministic for a given ``generator`` state.
+
+    Returns ``len(prompt_ids) * n`` token lists, group-major (the ``n`` responses of prompt ``i``
+    are at ``[i * n, (i + 1) * n)``). A response ends with ``eos_id`` when the model emitted it,
+    otherwise it has exactly ``max_new_tokens`` tokens. ``temperature <= 0`` means greedy.
+    The model's train/eval mode is restored on exit.
+    """
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
+    if not prompt_ids:
+        return []
+    from transformers import DynamicCache
+
+    rows = [list(p) for p in prompt_ids for _ in range(n)]
+    input_ids, attention_mask = pad_batch(rows, pad_id, left=True)
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    B = input_ids.shape[0]
+    was_training = model.training
+    model.eval()
+    try:
+        cache = DynamicCache()
+        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths = torch.zeros(B, dtype=torch.long, device=device)
+        cur_ids, position_ids = input_ids, _position_ids(attention_mask)
+        for step in range(max_new_tokens):
+            out = model(
+                input_ids=cur_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                # Sampled on CPU so one generator drives CPU and GPU runs alike.
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
+            else:
+                nxt = logits.argmax(dim=-1)
+            nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
+            out_tokens[:, step] = nxt
+            lengths += (~finished).long()
+            finished = finished | (nxt == eos_id)
+            if bool(finished.all()):
+                break
+            cur_ids = nxt.unsqueeze(1)
+            position_ids = position_ids[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+    finally:
+        model.train(was_training)
+    out_cpu, len_cpu = out_tokens.cpu(), lengths.cpu()
+    return [out_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]

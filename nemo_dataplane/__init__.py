@@ -5,10 +5,25 @@ Public names are re-exported here; everything else is imported from its layer's 
 (``nemo_dataplane.driver``, ``nemo_dataplane.worker``, ``nemo_dataplane.refit``, ...).
 """
 
-from nemo_dataplane.client import DataPlaneClient, DataPlaneError
-from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
-from nemo_dataplane.factory import build_data_plane_client
-from nemo_dataplane.meta import KVBatchMeta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nemo_dataplane.client import DataPlaneClient, DataPlaneError
+    from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
+    from nemo_dataplane.factory import build_data_plane_client
+    from nemo_dataplane.meta import KVBatchMeta
+
+# Public names resolve on first access (PEP 562): code that needs only the planners or the meta
+# (the legacy transport) does not load the store client, the factory or the adapters.
+_WHERE = {
+    "DataPlaneClient": "client",
+    "DataPlaneError": "client",
+    "DataPlaneConfig": "config",
+    "PackingConfig": "config",
+    "TransferQueueConfig": "config",
+    "build_data_plane_client": "factory",
+    "KVBatchMeta": "meta",
+}
 
 __all__ = [
     "DataPlaneClient",
@@ -19,3 +34,11 @@ __all__ = [
     "TransferQueueConfig",
     "build_data_plane_client",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"nemo_dataplane.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'nemo_dataplane' has no attribute {name!r}")

@@ -4,10 +4,30 @@ Nothing here moves bulk tensors through the driver except a ``TensorDict`` fan-o
 which is written straight to the store.
 """
 
-from nemo_dataplane.driver.columns import read_columns, write_columns
-from nemo_dataplane.driver.fan_out import async_fan_out_per_rank_metas, fan_out_per_rank_metas
-from nemo_dataplane.driver.planner import Preshards, plan, plan_dynamic, plan_none, plan_sequence_packing
-from nemo_dataplane.driver.preshard import driver_balanced_preshards, select_rows, split_microbatches
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nemo_dataplane.driver.columns import read_columns, write_columns
+    from nemo_dataplane.driver.fan_out import async_fan_out_per_rank_metas, fan_out_per_rank_metas
+    from nemo_dataplane.driver.planner import Preshards, plan, plan_dynamic, plan_none, plan_sequence_packing
+    from nemo_dataplane.driver.preshard import driver_balanced_preshards, select_rows, split_microbatches
+
+# Names resolve on first access (PEP 562), so importing the planner or preshard alone (the legacy
+# transport does) does not load fan-out or column I/O, which need the store client.
+_WHERE = {
+    "read_columns": "columns",
+    "write_columns": "columns",
+    "async_fan_out_per_rank_metas": "fan_out",
+    "fan_out_per_rank_metas": "fan_out",
+    "Preshards": "planner",
+    "plan": "planner",
+    "plan_dynamic": "planner",
+    "plan_none": "planner",
+    "plan_sequence_packing": "planner",
+    "driver_balanced_preshards": "preshard",
+    "select_rows": "preshard",
+    "split_microbatches": "preshard",
+}
 
 __all__ = [
     "Preshards",
@@ -23,3 +43,11 @@ __all__ = [
     "split_microbatches",
     "write_columns",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"nemo_dataplane.driver.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'nemo_dataplane.driver' has no attribute {name!r}")

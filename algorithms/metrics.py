@@ -1,0 +1,244 @@
+"""What the user sees: progress bar, per-step JSONL, TensorBoard mirror, PNG plot, summary line.
+
+Also :func:`payload_bytes`, the one way the trainer counts bytes that cross a process boundary
+(tensors by their storage, everything else by its pickled size), used for both "data-plane
+bytes moved" and "bytes through the driver" so the two transports are measured alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+# Keys every step line carries (absent values are written as null), in display order.
+STEP_KEYS: tuple[str, ...] = (
+    "step",
+    "reward",
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "grad_norm",
+    "response_len",
+    "samples",
+    "samples_dropped",
+    "tokens",
+    "tokens_per_s",
+    "step_s",
+    "dp_bytes",
+    "driver_bytes",
+    "keys_outstanding",
+    "weight_version",
+    "val_reward",
+)
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes ``obj`` occupies on the wire: tensor storage for tensors (a jagged tensor counts its
+    values and offsets), recursively through dicts/lists/TensorDicts, pickled size otherwise."""
+    from tensordict import TensorDictBase
+
+    if isinstance(obj, torch.Tensor):
+        if getattr(obj, "is_nested", False) and obj.layout == torch.jagged:
+            return payload_bytes(obj.values()) + payload_bytes(obj.offsets())
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, TensorDictBase):
+        return sum(payload_bytes(v) for v in obj.values(include_nested=True, leaves_only=True))
+    if isinstance(obj, Mapping):
+        return sum(len(pickle.dumps(k)) + payload_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in obj):
+        return sum(payload_bytes(v) for v in obj)
+    if hasattr(obj, "data") and hasattr(obj, "plan") and isinstance(getattr(obj, "data"), TensorDictBase):
+        return payload_bytes(obj.data) + len(pickle.dumps(obj.plan))  # a legacy shard
+    try:
+        return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 - unpicklable handles carry no payload worth counting
+        return 0
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.4g}"
+    return str(x)
+
+
+def _human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"  # pragma: no cover
+
+
+class MetricsLogger:
+    """Writes one JSON line per step to ``metrics.jsonl`` (appending on resume), mirrors scalars
+    to TensorBoard when asked, and drives a tqdm bar (stderr) with reward, loss and step time.
+
+    Contract: :meth:`log_step` takes the step's flat dict of scalars; ``close`` is idempotent.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        tensorboard: bool = False,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / "metrics.jsonl"
+        if start_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run owns the file; a resumed one appends
+        elif start_step > 0 and self.path.exists():
+            self._truncate_after(start_step)
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self.rows: list[dict[str, Any]] = self._read_rows()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, desc="grpo", unit="step", file=stream or sys.stderr,
+                dynamic_ncols=True, leave=True,
+            )
+
+    def _read_rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def _truncate_after(self, start_step: int) -> None:
+        # A resumed run replays steps after its checkpoint: drop lines the crashed run wrote past it.
+        keep = [r for r in self._read_rows() if r.get("step", -1) < start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+
+    def log_step(self, row: Mapping[str, Any]) -> None:
+        """Record one step (JSONL line, TensorBoard scalars, bar update)."""
+        full = {k: row.get(k) for k in STEP_KEYS}
+        full.update({k: v for k, v in row.items() if k not in full})
+        self.rows.append(full)
+        assert self._file is not None, "MetricsLogger is closed"
+        self._file.write(json.dumps(full) + "\n")
+        self._file.flush()
+        step = int(full["step"])
+        if self._tb is not None:
+            for k, v in full.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(k.replace(".", "/"), v, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(
+                f"reward={_fmt(full['reward'])} loss={_fmt(full['loss'])} step_s={_fmt(full['step_s'])}",
+                refresh=False,
+            )
+            self._bar.update(1)
+
+    def write(self, msg: str) -> None:
+        """Print a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """Write a reward/loss PNG (train reward, validation reward, loss vs step); None if no rows."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_r.plot(steps, [r.get("reward") for r in rows], label="train reward")
+    val = [(r["step"], r["val_reward"]) for r in rows if r.get("val_reward") is not None]
+    if val:
+        ax_r.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation reward")
+    ax_r.set_xlabel("step")
+    ax_r.set_ylabel("mean reward")
+    ax_r.set_ylim(-0.05, 1.05)
+    ax_r.legend()
+    ax_l.plot(steps, [r.get("loss") for r in rows], label="loss", color="tab:red")
+    ax_l.set_xlabel("step")
+    ax_l.set_ylabel("loss")
+    ax_l.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def summary_line(rows: Sequence[Mapping[str, Any]], *, wall_s: float, status: str, path: str | Path) -> str:
+    """One line for the end of a run: status, steps, reward first->last, best validation, time."""
+    if not rows:
+        return f"grpo_sync {status}: 0 steps in {wall_s:.1f}s; metrics: {path}"
+    first, last = rows[0], rows[-1]
+    head = min(3, len(rows))
+    r0 = sum(r["reward"] for r in rows[:head]) / head
+    r1 = sum(r["reward"] for r in rows[-head:]) / head
+    vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
+    best = f", best val reward {max(vals):.3f}" if vals else ""
+    return (
+        f"grpo_sync {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
+        f"(first/last {head} steps){best}, loss {_fmt(last.get('loss'))}, "
+        f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}, "
+        f"{wall_s:.1f}s wall; metrics: {path}"
+    )
+
+
+class PhaseTimer:
+    """Accumulates seconds per named phase: ``with timer("train"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> _Phase:
+        return _Phase(self, name)
+
+
+class _Phase:
+    def __init__(self, timer: PhaseTimer, name: str) -> None:
+        self.timer, self.name = timer, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.seconds[self.name] = self.timer.seconds.get(self.name, 0.0) + time.perf_counter() - self.t0

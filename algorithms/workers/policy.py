@@ -1,0 +1,349 @@
+"""Policy worker: one DP rank of the trained model, run as a Ray actor.
+
+Each rank holds the policy (``algorithms.models.build_model``), a frozen copy of the initial
+weights (the KL reference) and AdamW. Ranks form one ``torch.distributed`` group (gloo on CPU)
+for the gradient all-reduce. Every compute method takes the rank's share of the step's batch in
+one of two forms, and that is the only place the two transports differ:
+
+* a :class:`~nemo_dataplane.meta.KVBatchMeta` (data plane): the rank fetches its rows with
+  :class:`~nemo_dataplane.worker.fetch.WorkerFetcher` and writes results back leader-only;
+* a legacy shard (``algorithms.legacy_transport.LegacyShard``, resolved by Ray from the driver's
+  ``ray.put``): results go back to the driver as tensors.
+
+Micro-batches come from the driver's plan in both cases, so the arithmetic is identical.
+Data-plane modules are imported only when the data plane is enabled.
+
+Rollout fields (one row per sample): ``input_ids`` jagged int64 (prompt + response),
+``prompt_len`` int64, ``advantages`` float32, and per-token ``prev_logprobs`` / ``ref_logprobs``
+jagged float32 of length ``seq_len - 1`` (position ``t`` scores token ``t + 1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from nemo_dataplane.meta import KVBatchMeta
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the ``debug.fail_*`` hook (tests of the failure path)."""
+
+
+def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A jagged nested tensor from 1-D rows (contiguous values + offsets, no copies kept)."""
+    lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def jagged_rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a jagged nested tensor (or a dense ``[N, ...]`` tensor) as 1-D tensors."""
+    if getattr(t, "is_nested", False):
+        values, offsets = t.values(), t.offsets().tolist()
+        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return list(t.unbind(0))
+
+
+def pad_float_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Right-pad 1-D float rows with 0 to ``[N, length]``."""
+    out = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def model_inputs(mb: TensorDict, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids [n, L]``, ``attention_mask [n, L]``, ``response_mask [n, L]`` for a micro-batch
+    with a jagged ``input_ids`` field and a ``prompt_len`` field (response = positions >= prompt_len)."""
+    from algorithms.models import pad_batch
+
+    input_ids, attn = pad_batch(jagged_rows(mb["input_ids"]), pad_id)
+    pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    response = (pos >= mb["prompt_len"].reshape(-1, 1)) & attn.bool()
+    return input_ids.to(device), attn.to(device), response.to(device)
+
+
+class PolicyWorker:
+    """One DP rank. Construct through Ray (``ray.remote(PolicyWorker)``); all ranks must be
+    created together, since the constructor joins the gradient all-reduce group.
+
+    Args:
+        rank, world_size: this DP rank and the DP size.
+        cfg: ``TrainerConfig.to_dict()``.
+        master_addr, master_port: rendezvous of the all-reduce group.
+    """
+
+    def __init__(self, rank: int, world_size: int, cfg: Mapping[str, Any], master_addr: str, master_port: int) -> None:
+        from algorithms.models import build_model
+        from algorithms.tasks import CharTokenizer
+
+        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        torch.set_num_threads(int(cfg["trainer"]["num_threads"]))
+        torch.manual_seed(int(cfg["trainer"]["seed"]) * 1000 + rank)
+        pcfg = cfg["policy"]
+        self.device = torch.device("cuda" if pcfg["device"] == "cuda" else "cpu")
+        self.timeout_s = float(cfg["trainer"]["step_timeout_s"])
+        self.tokenizer = CharTokenizer()
+        self.model = build_model(pcfg["model"], vocab_size=self.tokenizer.vocab_size).to(self.device)
+        self.ref_model = copy.deepcopy(self.model).eval()
+        for p in self.ref_model.parameters():
+            p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=pcfg["lr"], weight_decay=pcfg["weight_decay"], betas=tuple(pcfg["betas"])
+        )
+        self.temperature = float(cfg["generation"]["temperature"]) or 1.0
+        self.grpo = cfg["grpo"]
+        self.debug = cfg["debug"]
+        dist.init_process_group(
+            backend=pcfg["dist_backend"],
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        self._fetcher: Any = None
+        self._refit_group: Any = None
+        self._sender: Any = None
+
+    # ---------------------------------------------------------------- set-up
+    def ready(self) -> int:
+        """The rank, once constructed (the driver waits on it, bounded)."""
+        return self.rank
+
+    def attach_data_plane(self, data_plane_cfg: Mapping[str, Any]) -> None:
+        """Attach to the driver's store (data-plane path only; the legacy path never calls this)."""
+        from nemo_dataplane.factory import build_data_plane_client
+        from nemo_dataplane.worker.fetch import WorkerFetcher
+
+        client = build_data_plane_client(data_plane_cfg, bootstrap=False)
+        # One rank per model replica here (no TP/CP/PP), so every rank is its own leader.
+        self._fetcher = WorkerFetcher(
+            client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"), replica_ranks=[self.rank],
+            timeout_s=self.timeout_s,
+        )
+
+    def init_refit(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the refit group as its source (collective with the generator)."""
+        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+        from nemo_dataplane.refit.packed import RefitSender
+
+        rcfg = self.cfg["refit"]
+        self._refit_group = StatelessProcessGroup(
+            host, port, 0, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit"
+        )
+        self._sender = RefitSender(self._refit_group, self.model.named_parameters, bucket_bytes=rcfg["bucket_bytes"])
+        self._sender.prepare_refit_info()
+
+    def send_weights(self, version: int) -> float:
+        """Broadcast the current weights to the generator (collective); returns seconds."""
+        t0 = time.perf_counter()
+        self._sender.send_weights(version)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------- batches
+    def _maybe_fail(self, phase: str, step: int) -> None:
+        if (
+            self.debug.get("fail_in") == phase
+            and self.debug.get("fail_at_step") == step
+            and self.debug.get("fail_rank", 0) == self.rank
+        ):
+            raise InjectedFailure(f"debug.fail_in={phase}: injected failure at step {step} on policy rank {self.rank}")
+
+    def _load(self, batch: Any, fields: Sequence[str]) -> tuple[list[TensorDict], list[list[int]], int, int]:
+        """Micro-batches, their positions within the shard, shard size, bytes fetched from the store."""
+        if isinstance(batch, KVBatchMeta):
+            if self._fetcher is None:
+                raise RuntimeError(f"policy rank {self.rank}: got a KVBatchMeta but the data plane is not attached")
+            fetched = self._fetcher.fetch(batch, list(fields))
+            mbs, plan, n = fetched.microbatches, fetched.plan, len(batch)
+            nbytes = _td_bytes(fetched.data)
+        else:  # a legacy shard, already resolved by Ray
+            mbs, plan, n = batch.microbatches(), batch.plan, batch.data.batch_size[0]
+            nbytes = 0
+        positions = [list(mb) for mb in plan["microbatches"]] if plan and "microbatches" in plan else [list(range(n))]
+        return mbs, positions, n, nbytes
+
+    def _logprobs(self, model: torch.nn.Module, batch: Any, field: str, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        mbs, positions, n, in_bytes = self._load(batch, ["input_ids", "prompt_len"])
+        t_fetch = time.perf_counter() - t0
+        rows: list[torch.Tensor | None] = [None] * n
+        from algorithms.models import sequence_logprobs
+
+        with torch.no_grad():
+            for mb, pos in zip(mbs, positions):
+                ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
+                lp = sequence_logprobs(model, ids, attn, resp, temperature=self.temperature).float().cpu()
+                lens = attn.sum(1).tolist()
+                for j, p in enumerate(pos):
+                    rows[p] = lp[j, : int(lens[j]) - 1].clone()
+        col = jagged_from_rows([r for r in rows if r is not None])
+        out: dict[str, Any] = {"fetch_s": t_fetch, "compute_s": time.perf_counter() - t0 - t_fetch, "dp_bytes": in_bytes}
+        if isinstance(batch, KVBatchMeta):
+            self._fetcher.write_back(batch, {field: col})
+            out["dp_bytes"] += _tensor_bytes(col)
+        else:
+            out[field] = col
+        return out
+
+    def get_logprobs(self, batch: Any, step: int) -> dict[str, Any]:
+        """Per-token log-probs of the current policy (``prev_logprobs``) for this rank's rows.
+
+        Data plane: written back to the store (leader-only), returns timings.
+        Legacy: returns ``{"prev_logprobs": jagged [n, seq_len - 1]}`` in the shard's order.
+        """
+        self._maybe_fail("logprobs", step)
+        return self._logprobs(self.model, batch, "prev_logprobs", step)
+
+    def get_reference_logprobs(self, batch: Any, step: int) -> dict[str, Any]:
+        """As :meth:`get_logprobs`, from the frozen initial weights, into ``ref_logprobs``."""
+        return self._logprobs(self.ref_model, batch, "ref_logprobs", step)
+
+    def train(self, batch: Any, step: int) -> dict[str, float]:
+        """``grpo.epochs`` optimizer steps over this rank's rows; returns loss metrics.
+
+        The loss is the token mean over the *whole* step batch (all ranks): each rank's token
+        count is all-reduced first, gradients are summed across ranks. Metrics are this rank's
+        share with the same denominator, so the driver sums them over ranks.
+        """
+        from algorithms.grpo import masked_sum, policy_loss
+        from algorithms.models import sequence_logprobs
+
+        self._maybe_fail("train", step)
+        t0 = time.perf_counter()
+        fields = ["input_ids", "prompt_len", "advantages", "prev_logprobs", "ref_logprobs"]
+        mbs, _, _, in_bytes = self._load(batch, fields)
+        t_fetch = time.perf_counter() - t0
+        prepared = []
+        local_tokens = 0
+        for mb in mbs:
+            ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
+            mask = (resp[:, 1:] & attn[:, 1:].bool()).float()
+            width = ids.shape[1] - 1
+            old = pad_float_rows(jagged_rows(mb["prev_logprobs"]), width).to(self.device)
+            ref = pad_float_rows(jagged_rows(mb["ref_logprobs"]), width).to(self.device)
+            adv = mb["advantages"].float().to(self.device)
+            prepared.append((ids, attn, resp, mask, old, ref, adv))
+            local_tokens += int(mask.sum().item())
+        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        global_tokens = max(float(counts.item()), 1.0)
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        grad_norm = 0.0
+        epochs = int(self.grpo["epochs"])
+        for epoch in range(epochs):
+            self.optimizer.zero_grad(set_to_none=False)
+            last = epoch == epochs - 1
+            for ids, attn, resp, mask, old, ref, adv in prepared:
+                lp, ent = sequence_logprobs(
+                    self.model, ids, attn, resp, return_entropy=True, temperature=self.temperature
+                )
+                loss, m = policy_loss(
+                    lp, old, ref, adv, mask, clip_eps=self.grpo["clip_eps"], kl_coef=self.grpo["kl_coef"],
+                    loss_agg=self.grpo["loss_agg"], global_token_count=global_tokens,
+                )
+                loss.backward()
+                if last:
+                    sums["loss"] += float(loss.detach())
+                    for k in ("pg_loss", "kl", "clip_frac"):
+                        sums[k] += float(m[k])
+                    sums["entropy"] += float(masked_sum(ent.detach(), mask)) / global_tokens
+            grad_norm = self._all_reduce_and_step()
+        return {
+            **sums,
+            "grad_norm": grad_norm,
+            "tokens": float(local_tokens),
+            "fetch_s": t_fetch,
+            "compute_s": time.perf_counter() - t0 - t_fetch,
+            "dp_bytes": float(in_bytes),
+        }
+
+    def _all_reduce_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # sum: the loss is already divided by the global token count
+        off = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[off : off + n].view_as(p).clone()
+            off += n
+        max_norm = float(self.cfg["policy"]["max_grad_norm"])
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.linalg.vector_norm(flat)
+        self.optimizer.step()
+        return float(norm)
+
+    # ------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes model, reference and optimizer state; every rank its RNG state."""
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            torch.save(
+                {"model": self.model.state_dict(), "ref_model": self.ref_model.state_dict(),
+                 "optimizer": self.optimizer.state_dict()},
+                d / "policy.pt",
+            )
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, d / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Every rank loads the same model/optimizer state and its own RNG state."""
+        d = Path(path)
+        state = torch.load(d / "policy.pt", map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.ref_model.load_state_dict(state["ref_model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        rng_file = d / f"rng_rank{self.rank}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def loaded_modules(self) -> list[str]:
+        """Names in this process's ``sys.modules`` under ``nemo_dataplane``/``transfer_queue``
+        (the architecture test checks the legacy path never loads the data-plane client)."""
+        import sys
+
+        return sorted(m for m in sys.modules if m.startswith(("nemo_dataplane", "transfer_queue")))
+
+    def shutdown(self) -> None:
+        """Tear down the groups (best effort; the actor is killed afterwards anyway)."""
+        if self._refit_group is not None:
+            try:
+                self._refit_group.destroy()
+            except Exception:  # noqa: BLE001 - shutting down after a failure
+                pass
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if getattr(t, "is_nested", False):
+        return _tensor_bytes(t.values()) + _tensor_bytes(t.offsets())
+    return t.numel() * t.element_size()
+
+
+def _td_bytes(td: TensorDict) -> int:
+    return sum(_tensor_bytes(v) for v in td.values())

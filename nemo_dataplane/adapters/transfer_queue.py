@@ -1,0 +1,558 @@
+"""TransferQueue adapter: :class:`DataPlaneClient` over TransferQueue 0.1.11 on Ray.
+
+Keys, field names and per-key tags are stored exactly as TransferQueue's own
+``kv_batch_put`` stores them, so ``transfer_queue.kv_batch_get``/``kv_list`` in any process
+read what this adapter wrote and vice versa. On top of TransferQueue it adds what the client
+contract asks for (see :mod:`nemo_dataplane.client`): ``KeyError`` for missing keys or fields
+instead of silently dropped rows, dense fields coming back dense, timeouts on every op, and a
+controller lifetime owned by the client that created it.
+
+Layout: TransferQueue returns every non-scalar field as a jagged nested tensor. To hand back what
+was put, each key carries one reserved tag, ``__nd_layout__ = {field: "dense" | "jagged"}``,
+merged on every put and stripped from the tags callers see. A field written by another
+TransferQueue client (no layout entry) comes back dense when every row is a scalar and jagged
+otherwise, which is TransferQueue's own rule.
+
+Every TransferQueue quirk worked around here is implemented in :mod:`.tq_compat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.client import (
+    DataPlaneClient,
+    DataPlaneError,
+    Fields,
+    check_keys,
+    check_partition,
+    check_select_fields,
+    check_tags,
+    resolve_get_target,
+)
+from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields
+from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig
+from nemo_dataplane.meta import KVBatchMeta
+
+LAYOUT_TAG = "__nd_layout__"
+DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
+DEFAULT_NAMESPACE = "transfer_queue"
+
+Bootstrap = bool | Literal["auto"]
+T = TypeVar("T")
+
+
+def auto_storage_units(free_cpus: float) -> int:
+    """One storage unit per two free CPUs, at least 1 and at most 8.
+
+    A unit serializes on one thread; half the CPUs stay with the processes that put and get.
+    """
+    return max(1, min(8, int(free_cpus) // 2))
+
+
+class TransferQueueClient(DataPlaneClient):
+    """:class:`DataPlaneClient` backed by a TransferQueue controller and SimpleStorage units.
+
+    Args:
+        config: the ``data_plane.transfer_queue`` section (or a whole ``DataPlaneConfig``).
+        bootstrap: ``"auto"`` attaches to the named controller or creates it; ``True`` creates
+            it (error if it exists); ``False`` only attaches (what worker actors use).
+        controller_name / namespace: the Ray actor to attach to or create. Defaults are
+            TransferQueue's own, so ``transfer_queue.init()`` elsewhere joins the same store.
+
+    Only the client that created the controller (``owns_store``) shuts it and the storage units
+    down on :meth:`close`; attached clients just disconnect. When this client had to start Ray
+    itself, ``close`` also shuts Ray down.
+
+    Raises:
+        DataPlaneError: nothing to attach to (``bootstrap=False``), a controller already exists
+            (``bootstrap=True``), or bootstrap could not finish within ``bootstrap_timeout_s``
+            (the message says which resources were missing).
+    """
+
+    def __init__(
+        self,
+        config: TransferQueueConfig | DataPlaneConfig | Mapping[str, Any] | None = None,
+        bootstrap: Bootstrap = "auto",
+        controller_name: str = DEFAULT_CONTROLLER,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        if bootstrap not in (True, False, "auto"):
+            raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
+        self.cfg = _tq_config(config)
+        self.controller_name = controller_name
+        self.namespace = namespace
+        self.owns_store = False
+        self.started_ray = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._controller: Any = None
+        self._storage: dict[str, Any] = {}
+        self._tq: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        if self.cfg.quiet:
+            compat.quiet_logs()
+        with compat.preserve_torch_threads():
+            self._ensure_ray()
+            try:
+                conf = self._bootstrap(bootstrap)
+                self.num_storage_units = compat.storage_units_of(conf)
+                self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
+            except BaseException:
+                self._teardown()
+                if self.started_ray and ray.is_initialized():
+                    ray.shutdown()
+                raise
+        self._loop, self._thread = compat.loop_thread(f"nd-tq-{controller_name}")
+
+    @classmethod
+    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Bootstrap = "auto") -> TransferQueueClient:
+        """Build from the ``data_plane`` config (the factory's hook).
+
+        ``data_plane.backend_kwargs`` may set ``controller_name`` and ``namespace``.
+        """
+        kwargs = dict(cfg.backend_kwargs or {})
+        unknown = sorted(set(kwargs) - {"controller_name", "namespace"})
+        if unknown:
+            raise ValueError(
+                f"data_plane.backend_kwargs {unknown} are not understood by the transfer_queue backend "
+                "(known: controller_name, namespace)"
+            )
+        return cls(cfg.transfer_queue, bootstrap=bootstrap, **kwargs)
+
+    # ------------------------------------------------------------- bootstrap
+    def _ensure_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, namespace=None, log_to_driver=not self.cfg.quiet)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=not self.cfg.quiet)
+            self.started_ray = True
+
+    def _find_controller(self) -> Any | None:
+        try:
+            return ray.get_actor(self.controller_name, namespace=self.namespace)
+        except ValueError:
+            return None
+
+    def _bootstrap(self, bootstrap: Bootstrap) -> Any:
+        handle = self._find_controller()
+        if handle is None and bootstrap is False:
+            raise DataPlaneError(
+                f"no TransferQueue controller named {self.controller_name!r} in Ray namespace "
+                f"{self.namespace!r}; create one first with build_data_plane_client(cfg, bootstrap=True) "
+                "(or 'auto') in the driver, then attach from workers with bootstrap=False"
+            )
+        if handle is not None and bootstrap is True:
+            raise DataPlaneError(
+                f"a TransferQueue controller named {self.controller_name!r} already exists in namespace "
+                f"{self.namespace!r}; attach with bootstrap=False/'auto' or pick another controller_name"
+            )
+        if handle is not None:
+            return self._attach(handle)
+        try:
+            return self._create()
+        except DataPlaneError:
+            raise
+        except ValueError as e:
+            # Lost a race with another process creating the same name: attach to theirs.
+            if bootstrap == "auto" and (handle := self._find_controller()) is not None:
+                self._teardown()
+                return self._attach(handle)
+            raise DataPlaneError(f"creating TransferQueue controller {self.controller_name!r} failed: {e}") from e
+
+    def _attach(self, handle: Any) -> Any:
+        deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                conf = ray.get(handle.get_config.remote(), timeout=max(left, 0.01))
+            except ray.exceptions.GetTimeoutError:
+                conf = None
+            if conf is not None:
+                return conf
+            if time.monotonic() >= deadline:
+                raise DataPlaneError(
+                    f"TransferQueue controller {self.controller_name!r} (namespace {self.namespace!r}) exists "
+                    f"but published no config within bootstrap_timeout_s={self.cfg.bootstrap_timeout_s}s; "
+                    "is the process that creates it stuck or dead?"
+                )
+            time.sleep(0.2)
+
+    def _create(self) -> Any:
+        cfg = self.cfg
+        free = float(ray.available_resources().get("CPU", 0.0))
+        n_units = cfg.num_storage_units or auto_storage_units(free)
+        need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
+        what = (
+            f"TransferQueue needs {need:g} CPUs for its controller ({cfg.controller_num_cpus:g}) and "
+            f"{n_units} storage unit(s) ({cfg.storage_unit_num_cpus:g} each), cluster has {free:g} free"
+        )
+        hint = (
+            "lower data_plane.transfer_queue.num_storage_units / storage_unit_num_cpus / "
+            "controller_num_cpus, or give Ray more CPUs"
+        )
+        if need > free + 1e-9:
+            raise DataPlaneError(f"{what}; {hint}")
+        deadline = time.monotonic() + cfg.bootstrap_timeout_s
+
+        def wait_info(handle: Any, who: str) -> Any:
+            try:
+                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01))
+            except ray.exceptions.GetTimeoutError:
+                raise DataPlaneError(
+                    f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "
+                    f"{what} (other actors may hold CPUs); {hint}"
+                ) from None
+
+        self._controller = compat.create_controller(
+            self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet
+        )
+        self.owns_store = True
+        conf = compat.base_config(n_units)
+        conf.controller.zmq_info = wait_info(self._controller, "the controller")
+        self._storage = compat.create_storage_units(
+            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet
+        )
+        conf.backend[compat.BACKEND].zmq_info = {
+            name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
+        }
+        ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
+        return conf
+
+    # ------------------------------------------------------------- lifecycle
+    def _teardown(self) -> None:
+        """Kill what this client created (storage units, controller); never someone else's."""
+        if not self.owns_store:
+            self._storage, self._controller = {}, None
+            return
+        handles = list(self._storage.values())
+        if handles and ray.is_initialized():
+            try:
+                ray.get([h.shutdown.remote() for h in handles], timeout=10)
+            except Exception:  # noqa: BLE001 - best effort; killed below either way
+                pass
+        for h in [*handles, self._controller]:
+            if h is not None and ray.is_initialized():
+                try:
+                    ray.kill(h)
+                except Exception:  # noqa: BLE001
+                    pass
+        self._storage, self._controller = {}, None
+        self.owns_store = False
+
+    def close(self) -> None:
+        """Disconnect; the creating client also kills the controller and storage units.
+
+        Idempotent. Shuts Ray down only if this client started it.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            if not self._loop.is_running():
+                self._loop.close()
+        if self._tq is not None:
+            try:
+                self._tq.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection must not raise
+                pass
+        self._teardown()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DataPlaneError("TransferQueueClient is closed")
+
+    # ----------------------------------------------------------- op plumbing
+    async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(coro, self.cfg.op_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within "
+                f"op_timeout_s={self.cfg.op_timeout_s}s"
+            ) from None
+
+    def _run(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
+        self._check_open()
+        assert self._loop is not None
+        with compat.preserve_torch_threads():
+            fut = asyncio.run_coroutine_threadsafe(self._bounded(op, partition_id, n_keys, coro), self._loop)
+            try:
+                # The op bounds itself; the grace covers scheduling onto a busy loop.
+                return fut.result(timeout=self.cfg.op_timeout_s + 5)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                raise TimeoutError(
+                    f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within "
+                    f"op_timeout_s={self.cfg.op_timeout_s}s"
+                ) from None
+
+    async def _run_async(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
+        self._check_open()
+        with compat.preserve_torch_threads():
+            return await self._bounded(op, partition_id, n_keys, coro)
+
+    async def _retrieve(self, keys: list[str], partition_id: str, create: bool) -> Any:
+        return await self._tq.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=create)
+
+    # ------------------------------------------------------------------- put
+    def _prepare_put(
+        self, keys: Sequence[str], partition_id: str, fields: Fields | None, tags: Any
+    ) -> tuple[list[str], str, dict[str, torch.Tensor], list[dict[str, Any]] | None]:
+        keys = check_keys(keys)
+        partition_id = check_partition(partition_id)
+        tag_list = check_tags(tags, len(keys))
+        columns = normalize_fields(fields, len(keys))
+        if not columns and tag_list is None:
+            raise ValueError("kv_batch_put needs fields or tags (got neither)")
+        if tag_list is not None:
+            for i, t in enumerate(tag_list):
+                if LAYOUT_TAG in t:
+                    raise ValueError(f"tags[{i}] (key {keys[i]!r}) uses the reserved tag name {LAYOUT_TAG!r}")
+        # Detach and make contiguous up front so a bad tensor fails before the store is touched.
+        columns = {k: (v.detach() if is_jagged(v) else v.detach().contiguous()) for k, v in columns.items()}
+        return keys, partition_id, columns, tag_list
+
+    async def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        columns: dict[str, torch.Tensor],
+        tag_list: list[dict[str, Any]] | None,
+    ) -> KVBatchMeta:
+        bm = await self._retrieve(keys, partition_id, create=True)
+        if bm.size != len(keys):
+            raise DataPlaneError(
+                f"TransferQueue returned {bm.size} slots for {len(keys)} keys in partition {partition_id!r}"
+            )
+        # Keys with no tags yet were created by this call (every put of ours leaves a tag):
+        # those are removed again if the write fails, so a failed put leaves no keys behind.
+        fresh = [i for i, cm in enumerate(bm.custom_meta) if not cm]
+        before_fields = list(bm.field_schema.keys())
+        layout = {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}
+        new_meta = []
+        for i, cm in enumerate(bm.custom_meta):
+            merged = dict(cm)
+            if tag_list is not None:
+                merged.update(tag_list[i])
+            if layout:
+                merged[LAYOUT_TAG] = {**cm.get(LAYOUT_TAG, {}), **layout}
+            new_meta.append(merged)
+        bm.custom_meta = new_meta
+        try:
+            if columns:
+                jagged = {k for k, v in layout.items() if v == "jagged"}
+                await compat.put_rows(self._tq, bm, columns, jagged)
+            await self._tq.async_set_custom_meta(bm)
+        except BaseException:
+            if fresh:
+                await asyncio.shield(self._tq.async_clear_samples(bm.select_samples(fresh)))
+            raise
+        known = _field_order(before_fields + [f for f in columns if f not in before_fields], new_meta[0])
+        return KVBatchMeta(
+            keys=keys,
+            tags=[_public_tags(cm) for cm in new_meta],
+            partition_id=partition_id,
+            fields=known,
+        )
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        keys, pid, columns, tag_list = self._prepare_put(keys, partition_id, fields, tags)
+        return self._run("kv_batch_put", pid, len(keys), self._put(keys, pid, columns, tag_list))
+
+    async def async_kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        keys, pid, columns, tag_list = self._prepare_put(keys, partition_id, fields, tags)
+        return await self._run_async("kv_batch_put", pid, len(keys), self._put(keys, pid, columns, tag_list))
+
+    # ------------------------------------------------------------------- get
+    async def _missing_keys(self, keys: list[str], partition_id: str, bm: Any) -> list[str]:
+        if bm.size == 0:
+            return keys
+        present = set(await self._tq.async_kv_retrieve_keys(global_indexes=bm.global_indexes, partition_id=partition_id))
+        return [k for k in keys if k not in present]
+
+    async def _get(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
+        if not keys:
+            return TensorDict({}, batch_size=[0])
+        bm = await self._retrieve(keys, partition_id, create=False)
+        if bm.size != len(keys):
+            missing = await self._missing_keys(keys, partition_id, bm)
+            raise KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
+        stored = set(bm.field_schema.keys())
+        for name in names:
+            if name not in stored:
+                lacking = [k for k, cm in zip(keys, bm.custom_meta) if name not in cm.get(LAYOUT_TAG, {})]
+                where = f"e.g. {lacking[:5]}" if lacking else "(some keys lack it)"
+                raise KeyError(
+                    f"field {name!r} is not stored for {len(lacking) or 'some'} key(s) in partition "
+                    f"{partition_id!r}, {where}"
+                )
+        try:
+            rows = await compat.get_rows(self._tq, bm, names)
+        except compat.StorageKeyNotFoundError as e:
+            raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
+        columns = {
+            name: _assemble(name, rows[name], [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
+            for name in names
+        }
+        return make_batch(columns, len(keys))
+
+    def kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        keys, pid = resolve_get_target(meta_or_keys, partition_id)
+        names = check_select_fields(select_fields)
+        return self._run("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
+
+    async def async_kv_batch_get(
+        self,
+        meta_or_keys: KVBatchMeta | Sequence[str],
+        select_fields: Sequence[str],
+        partition_id: str | None = None,
+    ) -> TensorDict:
+        keys, pid = resolve_get_target(meta_or_keys, partition_id)
+        names = check_select_fields(select_fields)
+        return await self._run_async("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
+
+    # ----------------------------------------------------------- clear / list
+    async def _clear(self, keys: list[str] | None, partition_id: str) -> None:
+        if keys is None:
+            if partition_id in await self._tq.async_get_partition_list():
+                await self._tq.async_clear_partition(partition_id)
+            return
+        if not keys:
+            return
+        bm = await self._retrieve(keys, partition_id, create=False)
+        if bm.size:
+            await self._tq.async_clear_samples(bm)
+
+    def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        pid = check_partition(partition_id)
+        key_list = None if keys is None else check_keys(keys, allow_empty=True)
+        self._run("kv_clear", pid, -1 if key_list is None else len(key_list), self._clear(key_list, pid))
+
+    async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        pid = check_partition(partition_id)
+        key_list = None if keys is None else check_keys(keys, allow_empty=True)
+        await self._run_async("kv_clear", pid, -1 if key_list is None else len(key_list), self._clear(key_list, pid))
+
+    async def _list(self, partition_id: str) -> KVBatchMeta:
+        info = (await self._tq.async_kv_list(partition_id)).get(partition_id, {})
+        keys = list(info.keys())
+        fields: list[str] = []
+        if keys:
+            bm = await self._retrieve(keys, partition_id, create=False)
+            fields = _field_order(list(bm.field_schema.keys()), info[keys[0]])
+        return KVBatchMeta(
+            keys=keys,
+            tags=[_public_tags(info[k]) for k in keys],
+            partition_id=partition_id,
+            fields=fields,
+        )
+
+    def kv_list(self, partition_id: str) -> KVBatchMeta:
+        pid = check_partition(partition_id)
+        return self._run("kv_list", pid, 0, self._list(pid))
+
+    async def async_kv_list(self, partition_id: str) -> KVBatchMeta:
+        pid = check_partition(partition_id)
+        return await self._run_async("kv_list", pid, 0, self._list(pid))
+
+
+# ---------------------------------------------------------------- helpers
+def _tq_config(config: Any) -> TransferQueueConfig:
+    if config is None:
+        return TransferQueueConfig()
+    if isinstance(config, TransferQueueConfig):
+        return config
+    if isinstance(config, DataPlaneConfig):
+        return config.transfer_queue
+    if isinstance(config, Mapping):
+        return DataPlaneConfig.from_dict({"transfer_queue": dict(config)}).transfer_queue
+    raise TypeError(f"config must be a TransferQueueConfig, DataPlaneConfig or mapping, got {type(config).__name__}")
+
+
+def _field_order(fields: list[str], first_key_meta: Mapping[str, Any]) -> list[str]:
+    """``fields`` in the order they were first put on the first key (the reference client's
+    order); fields without a layout entry (written by other clients) keep their place at the end."""
+    layout = first_key_meta.get(LAYOUT_TAG, {})
+    common = set(fields)
+    return [f for f in layout if f in common] + [f for f in fields if f not in layout]
+
+
+def _public_tags(custom_meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in custom_meta.items() if k != LAYOUT_TAG}
+
+
+def _assemble(name: str, rows: list[torch.Tensor], layouts: list[str | None]) -> torch.Tensor:
+    """One field from its per-row tensors, in the layout it was put with (no per-row tensor ops).
+
+    Raises:
+        TypeError: rows disagree in dtype.  ValueError: dense rows disagree in shape.
+    """
+    if any(lay == "jagged" for lay in layouts):
+        jagged = True
+    elif all(lay == "dense" for lay in layouts):
+        jagged = False
+    else:  # written by another TransferQueue client: TransferQueue's own rule
+        jagged = any(r.dim() > 0 for r in rows)
+    dtypes = {r.dtype for r in rows}
+    if len(dtypes) > 1:
+        raise TypeError(f"field {name!r}: rows were stored with different dtypes {sorted(map(str, dtypes))}")
+    if not jagged:
+        try:
+            return torch.stack(rows, 0)
+        except RuntimeError:
+            shapes = sorted({tuple(r.shape) for r in rows})
+            raise ValueError(
+                f"field {name!r}: rows have different shapes {shapes[:5]}; put it as a jagged nested tensor"
+            ) from None
+    if any(r.dim() == 0 for r in rows):
+        raise ValueError(f"field {name!r}: scalar rows cannot form a jagged tensor")
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    try:
+        values = torch.cat(rows, 0)
+    except RuntimeError:
+        raise ValueError(
+            f"field {name!r}: rows cannot form one jagged tensor (shapes {[tuple(r.shape) for r in rows[:5]]})"
+        ) from None
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)

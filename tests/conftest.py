@@ -1,0 +1,69 @@
+"""Session fixtures: one local Ray cluster and one TransferQueue store for the whole test run.
+
+* ``ray_session``: Ray started once with 2 CPUs (the CI machine) and no dashboard; shut down at
+  session end. Every test that needs Ray shares it.
+* ``tq_client``: a bootstrapped :class:`TransferQueueClient` on that cluster, under
+  TransferQueue's default controller name so ``transfer_queue.init()`` in an actor attaches to
+  the same store. Tests must use their own partition ids and clear them.
+* ``memory_client``: a fresh :class:`InMemoryClient` per test.
+
+Nothing here is importable as ``tests.*`` (TransferQueue's wheel ships a top-level ``tests``
+package); pytest runs with ``--import-mode=importlib``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# Must be set before Ray starts: actors spawned by the fixtures inherit it, and TransferQueue
+# reads it at import time.
+os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+RAY_NUM_CPUS = 2
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """Ray initialized in this process (2 CPUs, no dashboard) for the whole session."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+        started = True
+    yield ray
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tq_client(ray_session: Any) -> Iterator[Any]:
+    """A real TransferQueue store (1 storage unit, fractional CPUs) shared by the session."""
+    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.config import TransferQueueConfig
+
+    client = TransferQueueClient(
+        TransferQueueConfig(num_storage_units=1, bootstrap_timeout_s=60, op_timeout_s=60),
+        bootstrap=True,
+    )
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def memory_client() -> Iterator[Any]:
+    from nemo_dataplane.adapters.memory import InMemoryClient
+
+    client = InMemoryClient()
+    yield client
+    client.close()

@@ -1,0 +1,34 @@
+"""The client contract (nemo_dataplane.testing.conformance) run against every built-in adapter.
+
+``TestMemoryConformance`` pins the reference semantics; ``TestTransferQueueConformance`` holds
+the real TransferQueue on local Ray (the session ``tq_client``) to the same tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from nemo_dataplane.adapters.memory import InMemoryClient
+from nemo_dataplane.client import DataPlaneClient
+from nemo_dataplane.testing.conformance import DataPlaneConformance
+
+
+class TestMemoryConformance(DataPlaneConformance):
+    @pytest.fixture
+    def client(self) -> Iterator[DataPlaneClient]:
+        c = InMemoryClient()
+        yield c
+        c.close()
+
+
+class TestTransferQueueConformance(DataPlaneConformance):
+    @pytest.fixture
+    def client(self, tq_client: DataPlaneClient) -> DataPlaneClient:
+        return tq_client
+
+    def remote_config(self) -> Mapping[str, Any] | None:
+        # Workers attach (bootstrap=False) to the session store under its default name.
+        return {"backend": "transfer_queue", "transfer_queue": {"bootstrap_timeout_s": 60, "op_timeout_s": 60}}

@@ -1,0 +1,603 @@
+"""A process group that lives outside ``torch.distributed``'s global state.
+
+Trainer and generator processes each already run their own ``torch.distributed`` world (or
+none); a refit group joins ranks of both without touching either. Ranks meet through a
+``TCPStore`` hosted by rank 0 and build their communicator from it:
+
+* ``backend="nccl"``: rank 0 creates an NCCL unique id with nccl4py and publishes it in the
+  store; every rank builds an ``nccl.core.Communicator`` on its CUDA device.
+* ``backend="gloo"``: a ``ProcessGroupGloo`` built directly on a prefixed view of the store
+  (no ``init_process_group``), for CPU-only machines and CI.
+
+Every key lives under ``spg/<group_name>/`` so several groups can share one store, and any
+number of groups can live in one process. Every host-side wait is bounded by ``timeout``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "StatelessGroupError",
+    "StatelessGroupTimeout",
+    "StatelessProcessGroup",
+    "Work",
+    "wire_view",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+# Float8 formats have no native NCCL/gloo type in every release we support; their bytes
+# travel as uint8. ``getattr`` because older torch builds lack some of them.
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(
+    d
+    for d in (
+        getattr(torch, n, None)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    )
+    if d is not None
+)
+
+# What each backend carries natively; anything else (fp8, int16, complex, ...) goes as bytes.
+_NATIVE_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "nccl": frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+         torch.int32, torch.int64, torch.bool}
+    ),
+    "gloo": frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+         torch.int32, torch.int64, torch.bool}
+    ),
+}
+
+_GPU_EXTRA_HINT = "pip install 'nemo-dataplane[gpu]'"
+
+# Polling cadence for store keys and CUDA events: start tight so fast paths stay fast, back
+# off so long waits do not hammer the store server.
+_POLL_MIN_S = 0.0002
+_POLL_MAX_S = 0.02
+# CUDA event queries are cheap and their latency is on the refit's critical path.
+_EVENT_POLL_MAX_S = 0.0001
+# Watch callbacks cost a store round trip; run them at most this often.
+_WATCH_EVERY_S = 0.1
+
+
+class StatelessGroupError(RuntimeError):
+    """A stateless group failed; the message names the rank, world size and store."""
+
+
+class StatelessGroupTimeout(StatelessGroupError, TimeoutError):
+    """A bounded wait of a stateless group ran out of time."""
+
+
+def _import_nccl() -> Any:
+    """Import nccl4py lazily so CPU-only installs never need it."""
+    try:
+        import nccl.core as nccl  # type: ignore[import-not-found]
+    except ImportError as e:  # also covers a missing/mismatched cuda-bindings
+        raise ImportError(
+            "StatelessProcessGroup(backend='nccl') needs nccl4py (import path `nccl.core`) and "
+            f"cuda-bindings; install the gpu extra: {_GPU_EXTRA_HINT} ({e})"
+        ) from e
+    return nccl
+
+
+def wire_view(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+    """Return ``tensor`` itself, or a ``uint8`` view of its bytes if ``backend`` cannot carry its dtype.
+
+    The view shares storage, so data received into it lands in ``tensor``. Requires a
+    contiguous tensor.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"communication needs a contiguous tensor (shape {tuple(tensor.shape)}, "
+            f"stride {tensor.stride()}); call .contiguous() first"
+        )
+    if tensor.dtype in _NATIVE_DTYPES[backend]:
+        return tensor
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class Work:
+    """Handle of an issued operation. ``wait()`` blocks the host at most the group's timeout."""
+
+    def __init__(self, group: StatelessProcessGroup, what: str, *, gloo_work: Any = None,
+                 event: torch.cuda.Event | None = None) -> None:
+        self._group = group
+        self._what = what
+        self._gloo_work = gloo_work
+        self._event = event
+        self._done = gloo_work is None and event is None
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (non-blocking)."""
+        if self._done:
+            return True
+        if self._gloo_work is not None:
+            return bool(self._gloo_work.is_completed())
+        assert self._event is not None
+        return bool(self._event.query())
+
+    def wait(self, *, watch: Callable[[], str | None] | None = None, timeout: float | None = None) -> None:
+        """Block until done; raise ``StatelessGroupTimeout`` after ``timeout`` (default: the group's).
+
+        ``watch`` is called periodically and may return an error message reported by a peer
+        (e.g. read from the store); the wait then stops and raises with that message instead
+        of running into the timeout.
+        """
+        if self._done:
+            return
+        g = self._group
+        timeout = g.timeout if timeout is None else timeout
+        if self._gloo_work is not None and watch is None:
+            try:
+                self._gloo_work.wait(datetime.timedelta(seconds=timeout))
+            except Exception as e:  # gloo reports timeouts and peer loss as RuntimeError
+                g._mark_broken()
+                raise g._error(StatelessGroupTimeout if "imeout" in str(e) else StatelessGroupError,
+                               f"{self._what} failed: {e}") from e
+            self._done = True
+            return
+        g._poll(self.is_completed, self._what, timeout=timeout, watch=watch, abort_on_timeout=True,
+                max_sleep=_EVENT_POLL_MAX_S if self._event is not None else 0.001)
+        if self._gloo_work is not None:
+            try:
+                self._gloo_work.wait(datetime.timedelta(seconds=max(timeout, 1.0)))
+            except Exception as e:
+                g._mark_broken()
+                raise g._error(StatelessGroupError, f"{self._what} failed: {e}") from e
+        self._done = True
+
+
+class StatelessProcessGroup:
+    """A communicator among ``world_size`` processes, independent of ``torch.distributed``'s world.
+
+    Contract:
+      * Construction is collective: it returns on every rank only once all ranks have joined,
+        the communicator is built and a warm-up broadcast from rank 0 checked out; otherwise
+        it raises ``StatelessGroupError`` naming the ranks that never arrived.
+      * ``gloo``: operations block the host (bounded) unless ``async_op=True``.
+        ``nccl``: operations are enqueued on ``stream`` (default: the current stream of
+        ``device``) and are ordered with later work on that stream, like NCCL itself; use
+        ``synchronize()`` or the returned ``Work`` to wait on the host (bounded).
+      * dtypes a backend cannot carry (float8 variants, ...) travel as a ``uint8`` view of the
+        same bytes for ``broadcast``/``send``/``recv``; reductions on them are refused.
+      * After a timeout or a peer failure the group is broken; further calls raise.
+
+    Args:
+        host: address of the rendezvous store (rank 0 listens there).
+        port: its TCP port.
+        rank: this process's rank in the group, ``0 <= rank < world_size``.
+        world_size: number of processes in the group.
+        backend: ``"nccl"`` (GPU, via nccl4py) or ``"gloo"`` (CPU).
+        timeout: seconds every wait may take, rendezvous included.
+        device: CUDA device for ``nccl`` (default: the current device); ignored for gloo.
+        group_name: key prefix inside the store; distinct groups sharing one store need
+            distinct names.
+        store: an existing ``torch.distributed.Store`` to use instead of creating a TCPStore
+            at ``host:port``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout: float = DEFAULT_TIMEOUT_S,
+        *,
+        device: torch.device | int | str | None = None,
+        group_name: str = "default",
+        store: dist.Store | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.host = host
+        self.port = int(port)
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.group_name = group_name
+        self.prefix = f"spg/{group_name}"
+        self._broken = False
+        self._destroyed = False
+        self._barrier_count = 0
+        self._nccl: Any = None
+        self._comm: Any = None
+        self._pg: Any = None
+        self._in_coalesce = False
+
+        if backend == "nccl":
+            # Import first: a missing extra should fail before any peer is kept waiting on us.
+            self._nccl = _import_nccl()
+            if not torch.cuda.is_available():
+                raise self._error(StatelessGroupError, "backend='nccl' needs a CUDA device, none is visible")
+            dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+            if dev.type != "cuda":
+                raise ValueError(f"backend='nccl' needs a CUDA device, got {dev}")
+            self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+        t0 = time.monotonic()
+        self._owns_store = store is None
+        self.store: dist.Store = store if store is not None else self._connect_store()
+        self._rendezvous()
+        if backend == "nccl":
+            self._init_nccl()
+        else:
+            self._init_gloo()
+        self._warm_up()
+        self.init_seconds = time.monotonic() - t0
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def store_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _where(self) -> str:
+        return (f"rank {self.rank} of world size {self.world_size}, group {self.group_name!r}, "
+                f"store {self.store_address}")
+
+    def _error(self, cls: type[StatelessGroupError], msg: str) -> StatelessGroupError:
+        return cls(f"[{self._where()}] {msg}")
+
+    def _connect_store(self) -> dist.Store:
+        td = datetime.timedelta(seconds=self.timeout)
+        if self.rank == 0:
+            try:
+                return dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,
+                                     wait_for_workers=False)
+            except Exception as e:
+                raise self._error(StatelessGroupError,
+                                  f"rank 0 could not host the rendezvous store: {e}") from e
+        try:
+            # TCPStore's own connect retries overshoot its timeout severalfold; probe the port
+            # ourselves so "rank 0 never arrived" is reported on time.
+            self._await_port(time.monotonic() + self.timeout)
+            return dist.TCPStore(self.host, self.port, self.world_size, False, timeout=td)
+        except Exception as e:
+            raise self._error(
+                StatelessGroupTimeout,
+                f"could not reach the rendezvous store within {self.timeout:g}s; "
+                f"rank 0 (which hosts it) never arrived: missing ranks [0] ({e})",
+            ) from e
+
+    def _await_port(self, deadline: float) -> None:
+        sleep = _POLL_MIN_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"nothing listens on {self.store_address}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=min(1.0, remaining)).close()
+                return
+            except OSError:
+                time.sleep(min(sleep, max(remaining, 0)))
+                sleep = min(sleep * 2, 0.05)
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *(str(p) for p in parts)])
+
+    def _rendezvous(self) -> None:
+        # ``add`` rather than ``set``: a second process claiming the same rank is caught here
+        # instead of corrupting the communicator later.
+        if self.store.add(self._key("arrived", self.rank), 1) != 1:
+            raise self._error(StatelessGroupError,
+                              f"rank {self.rank} joined twice: another process already claimed it")
+        self.wait_for_ranks(lambda r: self._key("arrived", r), range(self.world_size), "rendezvous")
+
+    def _init_gloo(self) -> None:
+        prefixed = dist.PrefixStore(self._key("gloo"), self.store)
+        try:
+            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size,
+                                             datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise self._error(StatelessGroupError, f"gloo group construction failed: {e}") from e
+
+    def _init_nccl(self) -> None:
+        nccl = self._nccl
+        uid_key = self._key("nccl_unique_id")
+        if self.rank == 0:
+            self.store.set(uid_key, nccl.get_unique_id().as_bytes)
+        else:
+            self.wait_for_ranks(lambda r: uid_key, [0], "NCCL unique id from rank 0")
+        uid = nccl.UniqueId.from_bytes(self.store.get(uid_key))
+
+        def _build() -> Any:
+            # NCCL binds the communicator to the device current at init time.
+            with torch.cuda.device(self.device):
+                return nccl.Communicator.init(self.world_size, self.rank, uid)
+
+        # ncclCommInitRank blocks until every rank joins and has no timeout of its own; run it
+        # on a thread so a rank dying after the store rendezvous cannot hang us forever.
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"spg-init-{self.group_name}")
+        fut = pool.submit(_build)
+        try:
+            self._comm = fut.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError as e:
+            self._broken = True
+            raise self._error(StatelessGroupTimeout,
+                              f"NCCL communicator init did not finish within {self.timeout:g}s "
+                              "although every rank reached the store") from e
+        except Exception as e:
+            raise self._error(StatelessGroupError, f"NCCL communicator init failed: {e}") from e
+        finally:
+            pool.shutdown(wait=False)
+
+    def _warm_up(self) -> None:
+        # A value rank 0 alone knows: seeing it everywhere proves data really moved.
+        expected = 1000 + self.world_size
+        t = torch.full((4,), expected if self.rank == 0 else -1, dtype=torch.int32, device=self.device)
+        self.broadcast(t, src=0)
+        self.synchronize()
+        got = t.tolist()
+        if got != [expected] * 4:
+            raise self._error(
+                StatelessGroupError,
+                f"warm-up broadcast from rank 0 returned {got}, expected {[expected] * 4}; "
+                "the communicator is not usable",
+            )
+
+    # ------------------------------------------------------------------ waiting
+
+    def _mark_broken(self) -> None:
+        self._broken = True
+
+    def _check_usable(self, op: str) -> None:
+        if self._destroyed:
+            raise self._error(StatelessGroupError, f"{op} on a destroyed group")
+        if self._broken:
+            raise self._error(StatelessGroupError,
+                              f"{op} on a broken group (an earlier operation timed out or failed)")
+
+    def _poll(self, done: Callable[[], bool], what: str, *, timeout: float | None = None,
+              watch: Callable[[], str | None] | None = None, abort_on_timeout: bool = False,
+              detail: Callable[[], str] | None = None, max_sleep: float = _POLL_MAX_S) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        next_watch = start + _WATCH_EVERY_S
+        sleep = _POLL_MIN_S
+        while True:
+            try:
+                if done():
+                    return
+            except dist.DistError as e:
+                # The store host (rank 0) is gone, usually because it gave up first.
+                self._broken = True
+                extra = f"; {detail()}" if detail is not None else ""
+                raise self._error(StatelessGroupError,
+                                  f"{what}: lost the rendezvous store hosted by rank 0 ({e}){extra}") from e
+            now = time.monotonic()
+            if watch is not None and now >= next_watch:
+                msg = watch()
+                if msg:
+                    if abort_on_timeout:
+                        self._abort()
+                    raise self._error(StatelessGroupError, f"{what} stopped: {msg}")
+                next_watch = now + _WATCH_EVERY_S
+            if now >= deadline:
+                if abort_on_timeout:
+                    self._abort()
+                extra = f"; {detail()}" if detail is not None else ""
+                raise self._error(StatelessGroupTimeout, f"{what} did not finish within {timeout:g}s{extra}")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, max_sleep)
+
+    def wait_for_ranks(self, key_of: Callable[[int], str], ranks: Iterable[int], what: str,
+                       *, timeout: float | None = None,
+                       watch: Callable[[], str | None] | None = None) -> None:
+        """Wait until ``key_of(r)`` exists in the store for every rank ``r`` in ``ranks``.
+
+        On timeout raises ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
+        """
+        pending = sorted(set(ranks))
+
+        def done() -> bool:
+            nonlocal pending
+            if pending and self.store.check([key_of(r) for r in pending]):
+                pending = []
+            elif len(pending) > 1:
+                pending = [r for r in pending if not self.store.check([key_of(r)])]
+            return not pending
+
+        self._poll(done, what, timeout=timeout, watch=watch,
+                   detail=lambda: f"missing ranks {pending} never arrived")
+
+    def _abort(self) -> None:
+        self._broken = True
+        if self._comm is not None:
+            with contextlib.suppress(Exception):
+                self._comm.abort()
+            self._comm = None
+        if self._pg is not None and hasattr(self._pg, "abort"):
+            with contextlib.suppress(Exception):
+                self._pg.abort()
+
+    def _stream_handle(self, stream: torch.cuda.Stream | None) -> int:
+        s = torch.cuda.current_stream(self.device) if stream is None else stream
+        return int(s.cuda_stream)
+
+    def synchronize(self, stream: torch.cuda.Stream | None = None, *,
+                    watch: Callable[[], str | None] | None = None, what: str = "synchronize") -> None:
+        """Block the host until work enqueued so far on ``stream`` finished (nccl); no-op for gloo.
+
+        Bounded by the group's timeout: on expiry the NCCL communicator is aborted (which frees
+        the GPU from a collective whose peer is gone) and ``StatelessGroupTimeout`` is raised.
+        """
+        if self.backend != "nccl":
+            return
+        self._check_usable(what)
+        s = torch.cuda.current_stream(self.device) if stream is None else stream
+        ev = torch.cuda.Event()
+        ev.record(s)
+        self._poll(ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S)
+
+    # ------------------------------------------------------------------ operations
+
+    def _issue(self, what: str, async_op: bool, stream: torch.cuda.Stream | None,
+               gloo_work: Any = None) -> Work | None:
+        if self.backend == "gloo":
+            w = Work(self, what, gloo_work=gloo_work)
+            if async_op:
+                return w
+            w.wait()
+            return None
+        if not async_op:
+            return None
+        if self._in_coalesce:
+            raise ValueError("async_op=True is not supported inside coalesce(); synchronize the stream instead")
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device) if stream is None else stream)
+        return Work(self, what, event=ev)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None,
+                  async_op: bool = False) -> Work | None:
+        """Broadcast ``tensor`` from rank ``src`` into ``tensor`` on every rank (in place)."""
+        self._check_usable("broadcast")
+        self._check_peer(src, "src")
+        wire = wire_view(tensor.detach(), self.backend)
+        what = f"broadcast of {wire.numel()} x {wire.dtype} from rank {src}"
+        if self.backend == "nccl":
+            self._comm.broadcast(wire, wire, src, stream=self._stream_handle(stream))
+            return self._issue(what, async_op, stream)
+        return self._issue(what, async_op, None, self._pg.broadcast(wire, src))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None,
+                   async_op: bool = False) -> Work | None:
+        """Reduce ``tensor`` across ranks in place; ``op`` in sum/prod/max/min (nccl also avg)."""
+        self._check_usable("all_reduce")
+        if tensor.dtype not in _NATIVE_DTYPES[self.backend] or tensor.dtype == torch.bool:
+            raise TypeError(f"all_reduce cannot reduce {tensor.dtype} on {self.backend}; its bytes are not numbers")
+        wire = wire_view(tensor.detach(), self.backend)
+        what = f"all_reduce({op}) of {wire.numel()} x {wire.dtype}"
+        if self.backend == "nccl":
+            nccl = self._nccl
+            ops = {"sum": nccl.SUM, "prod": nccl.PROD, "max": nccl.MAX, "min": nccl.MIN, "avg": nccl.AVG}
+            if op not in ops:
+                raise ValueError(f"unknown reduce op {op!r}; one of {sorted(ops)}")
+            self._comm.allreduce(wire, wire, ops[op], stream=self._stream_handle(stream))
+            return self._issue(what, async_op, stream)
+        ops_g = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+                 "min": dist.ReduceOp.MIN}
+        if op not in ops_g:
+            raise ValueError(f"unknown reduce op {op!r} for gloo; one of {sorted(ops_g)}")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = ops_g[op]
+        return self._issue(what, async_op, None, self._pg.allreduce([wire], opts))
+
+    def send(self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None,
+             async_op: bool = False) -> Work | None:
+        """Send ``tensor`` to rank ``dst`` (matched by a ``recv`` there)."""
+        self._check_usable("send")
+        self._check_peer(dst, "dst", not_self=True)
+        wire = wire_view(tensor.detach(), self.backend)
+        what = f"send of {wire.numel()} x {wire.dtype} to rank {dst}"
+        if self.backend == "nccl":
+            self._comm.send(wire, dst, stream=self._stream_handle(stream))
+            return self._issue(what, async_op, stream)
+        return self._issue(what, async_op, None, self._pg.send([wire], dst, 0))
+
+    def recv(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None,
+             async_op: bool = False) -> Work | None:
+        """Receive into ``tensor`` from rank ``src``."""
+        self._check_usable("recv")
+        self._check_peer(src, "src", not_self=True)
+        wire = wire_view(tensor.detach(), self.backend)
+        what = f"recv of {wire.numel()} x {wire.dtype} from rank {src}"
+        if self.backend == "nccl":
+            self._comm.recv(wire, src, stream=self._stream_handle(stream))
+            return self._issue(what, async_op, stream)
+        return self._issue(what, async_op, None, self._pg.recv([wire], src, 0))
+
+    @contextlib.contextmanager
+    def coalesce(self) -> Iterator[None]:
+        """Group the NCCL operations issued inside into one launch (no-op for gloo)."""
+        if self.backend != "nccl":
+            yield
+            return
+        self._in_coalesce = True
+        self._nccl.group_start()
+        try:
+            yield
+        finally:
+            self._in_coalesce = False
+            self._nccl.group_end()
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Wait until every rank reached this barrier; on timeout name the ranks that did not.
+
+        On nccl, first waits (bounded) for this rank's current stream so that a barrier also
+        orders device work, then meets through the store.
+        """
+        self._check_usable("barrier")
+        self.synchronize(what="barrier (device work before it)")
+        n = self._barrier_count
+        self._barrier_count += 1
+        self.store.set(self._key("barrier", n, self.rank), b"1")
+        self.wait_for_ranks(lambda r: self._key("barrier", n, r), range(self.world_size),
+                            f"barrier #{n}", timeout=timeout)
+        # Every rank in barrier n has left barrier n-1, so barrier n-2's keys are unobserved.
+        if n >= 2:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(self._key("barrier", n - 2, self.rank))
+
+    def _check_peer(self, r: int, name: str, not_self: bool = False) -> None:
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{name}={r} is not a rank of a group of world size {self.world_size}")
+        if not_self and r == self.rank:
+            raise ValueError(f"{name}={r} is this rank itself")
+
+    def destroy(self) -> None:
+        """Release the communicator (and the store, if this rank hosts it). Idempotent.
+
+        nccl: a healthy communicator is destroyed (which, per NCCL, all ranks on a node should
+        do together); a broken one is aborted so destroy cannot hang on a dead peer.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            with contextlib.suppress(Exception):
+                if self._broken:
+                    comm.abort()
+                else:
+                    comm.destroy()
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            if hasattr(pg, "shutdown"):
+                with contextlib.suppress(Exception):
+                    pg.shutdown()
+        if self._owns_store:
+            self.store = None  # type: ignore[assignment]
+
+    def __enter__(self) -> StatelessProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else "broken" if self._broken else "ok"
+        return (f"StatelessProcessGroup({self.backend}, {self._where()}, device={self.device}, {state})")
+

@@ -1,0 +1,703 @@
+"""Packed weight refit: trainer rank ``src`` broadcasts its parameters to every generator rank.
+
+Protocol (see docs/refit.md):
+
+1. ``prepare_refit_info()`` (once, collective): the sender publishes a ``RefitInfo`` (names,
+   shapes, dtypes, bucket schedule parameters) in the group's store; each receiver checks it
+   against its own tensors and posts ``ok`` or its list of mismatches; every rank waits for
+   all posts and raises if any rank failed, so no bulk transfer starts on a bad layout.
+2. ``send_weights(version)`` / ``receive_weights()`` (each refit, collective): a 4-int header
+   ``[magic, fingerprint, version, status]`` is broadcast, then the plan derived from the
+   ``RefitInfo`` (identical on all ranks): small tensors packed back to back into buckets of
+   ``bucket_bytes``, each bucket one broadcast; tensors of at least ``direct_bytes`` (and any
+   larger than a bucket) broadcast on their own, straight from/into the tensor when it is
+   contiguous. Two bucket buffers alternate, so packing bucket k+1 (sender) and unpacking
+   bucket k-1 (receiver) overlap with broadcasting bucket k.
+
+Peak extra memory per rank: two buckets (allocated on first use, kept for later refits until
+``release_buffers()``), plus one temporary copy of a direct tensor that is not contiguous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Union
+
+import torch
+
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES_CPU",
+    "DEFAULT_BUCKET_BYTES_GPU",
+    "Bucket",
+    "Direct",
+    "NamedTensors",
+    "RefitError",
+    "RefitInfo",
+    "RefitMismatchError",
+    "RefitReceiver",
+    "RefitSender",
+    "TensorSpec",
+    "build_plan",
+    "diff_specs",
+]
+
+DEFAULT_BUCKET_BYTES_GPU = 1 << 30
+DEFAULT_BUCKET_BYTES_CPU = 64 << 20
+# Each packed tensor starts on this boundary so a bucket slice can be viewed as any dtype and
+# copies stay vectorised.
+_ALIGN = 256
+_MAGIC = 0x52454649  # "REFI"
+_STATUS_OK = 0
+_STATUS_ABORT = 1
+# Direct tensors issued in one NCCL group (one launch) at most.
+_MAX_OPS_PER_GROUP = 64
+# Mismatch messages list at most this many lines per rank.
+_MAX_LISTED = 20
+
+NamedTensors = Union[
+    Mapping[str, torch.Tensor],
+    Iterable[tuple[str, torch.Tensor]],
+    Callable[[], Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]],
+]
+
+
+class RefitError(RuntimeError):
+    """A refit failed; the message names the rank(s) and tensor(s) at fault."""
+
+
+class RefitMismatchError(RefitError):
+    """Sender and receiver layouts differ; raised on every rank before any bulk transfer."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise RefitError(f"unknown dtype {name!r} in refit metadata (torch {torch.__version__})")
+    return dt
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one transferred tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tuple(int(s) for s in tensor.shape), _dtype_name(tensor.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _dtype_from_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RefitInfo:
+    """What the sender announces once. Later protocol versions add fields (e.g. layouts)."""
+
+    tensors: tuple[TensorSpec, ...]
+    bucket_bytes: int
+    direct_bytes: int
+    src: int
+    protocol: int = 1
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["tensors"] = [[t.name, list(t.shape), t.dtype] for t in self.tensors]
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RefitInfo:
+        d = json.loads(data)
+        tensors = tuple(TensorSpec(n, tuple(s), dt) for n, s, dt in d.pop("tensors"))
+        return cls(tensors=tensors, **d)
+
+    def fingerprint(self) -> int:
+        """A 31-bit checksum of the metadata; travels in every refit header."""
+        return zlib.crc32(self.to_bytes()) & 0x7FFFFFFF
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors packed back to back: ``entries`` are (index into RefitInfo.tensors, byte offset)."""
+
+    nbytes: int
+    entries: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Direct:
+    """One tensor broadcast on its own."""
+
+    index: int
+
+
+def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
+    """The transfer schedule, a pure function of ``info`` so every rank derives the same one.
+
+    Tensors keep the sender's order; empty tensors are skipped.
+    """
+    plan: list[Bucket | Direct] = []
+    entries: list[tuple[int, int]] = []
+    end = 0
+
+    def close() -> None:
+        nonlocal entries, end
+        if entries:
+            plan.append(Bucket(end, tuple(entries)))
+        entries, end = [], 0
+
+    for i, spec in enumerate(info.tensors):
+        n = spec.nbytes
+        if n == 0:
+            continue
+        if n >= info.direct_bytes or n > info.bucket_bytes:
+            close()
+            plan.append(Direct(i))
+            continue
+        off = _align(end)
+        if off + n > info.bucket_bytes:
+            close()
+            off = 0
+        entries.append((i, off))
+        end = off + n
+    close()
+    return plan
+
+
+def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec]) -> list[str]:
+    """Human-readable differences between the sender's and a receiver's tensors (empty if none)."""
+    mine = {s.name: s for s in local}
+    theirs = {s.name: s for s in sent}
+    out: list[str] = []
+    for s in sent:
+        m = mine.get(s.name)
+        if m is None:
+            out.append(f"{s.name}: sent by the trainer, but the receiver has no such tensor")
+            continue
+        if m.shape != s.shape:
+            out.append(f"{s.name}: shape sender {list(s.shape)} != receiver {list(m.shape)}")
+        if m.dtype != s.dtype:
+            out.append(f"{s.name}: dtype sender {s.dtype} != receiver {m.dtype}")
+    for m in local:
+        if m.name not in theirs:
+            out.append(f"{m.name}: receiver tensor not sent by the trainer (it would go stale)")
+    return out
+
+
+def _clip(lines: list[str]) -> str:
+    shown = lines[:_MAX_LISTED]
+    more = f"; ... and {len(lines) - _MAX_LISTED} more" if len(lines) > _MAX_LISTED else ""
+    return "; ".join(shown) + more
+
+
+def _materialize(source: NamedTensors) -> NamedTensors:
+    # A generator (e.g. module.named_parameters()) can be iterated once only; callables are
+    # re-evaluated at every refit so they may return fresh views.
+    if callable(source) or isinstance(source, Mapping):
+        return source
+    return _to_dict(source)
+
+
+def _to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    pairs = items.items() if isinstance(items, Mapping) else items
+    out: dict[str, torch.Tensor] = {}
+    for name, t in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"named tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if name in out:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        out[name] = t.detach()
+    return out
+
+
+class _Endpoint:
+    """What sender and receiver share: store keys, plan, buffers, streams."""
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, channel: str) -> None:
+        self.group = group
+        self.channel = channel
+        self._source = _materialize(named_tensors)
+        self._gen = 0
+        self.info: RefitInfo | None = None
+        self.plan: list[Bucket | Direct] = []
+        self._bufs: list[torch.Tensor] = []
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._cuda = group.backend == "nccl"
+
+    # -- helpers
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.group.prefix, "refit", self.channel, *(str(p) for p in parts)])
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        src = self._source() if callable(self._source) else self._source
+        return _to_dict(src)
+
+    def _specs_and_tensors(self) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+        tensors = self._tensors()
+        dev = self.group.device
+        bad = [f"{n} on {t.device}" for n, t in tensors.items() if t.device != dev]
+        if bad:
+            raise RefitError(f"rank {self.group.rank}: tensors must be on the group's device {dev}: {_clip(bad)}")
+        return [TensorSpec.of(n, t) for n, t in tensors.items()], tensors
+
+    def _ordered(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors in ``info`` order, checked against ``info`` (layout may not change after prepare)."""
+        assert self.info is not None
+        problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()])
+        if problems:
+            raise RefitMismatchError(
+                f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {_clip(problems)}")
+        return [tensors[s.name] for s in self.info.tensors]
+
+    def _publish_error(self, msg: str) -> None:
+        with contextlib.suppress(Exception):
+            self.group.store.set(self._key("error", self.group.rank), msg.encode())
+
+    def _errors_of(self, ranks: Iterable[int]) -> str | None:
+        store = self.group.store
+        found = [f"rank {r}: {store.get(self._key('error', r)).decode()}"
+                 for r in ranks if store.check([self._key("error", r)])]
+        return "; ".join(found) or None
+
+    def _buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        if len(self._bufs) < n or (self._bufs and self._bufs[0].numel() < nbytes):
+            self._bufs = []  # drop first so old and new buffers never coexist
+            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.group.device) for _ in range(n)]
+        return self._bufs
+
+    def _bucket_buffers(self) -> list[torch.Tensor]:
+        sizes = [b.nbytes for b in self.plan if isinstance(b, Bucket)]
+        if not sizes:
+            return []
+        return self._buffers(min(2, len(sizes)), max(sizes))
+
+    def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if self._streams is None:
+            dev = self.group.device
+            self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+        return self._streams
+
+    def release_buffers(self) -> None:
+        """Free the bucket buffers (they are re-allocated by the next refit)."""
+        self._bufs = []
+
+    def _view(self, buf: torch.Tensor, off: int, spec: TensorSpec) -> torch.Tensor:
+        return buf[off: off + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+
+    def _handshake(self, my_status: str, what: str) -> None:
+        """Post this rank's status, wait for everyone's, raise if any rank failed."""
+        g = self.group
+        g.store.set(self._key(self._gen, "status", g.rank), my_status.encode())
+        g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size), what)
+        errors = []
+        for r in range(g.world_size):
+            st = g.store.get(self._key(self._gen, "status", r)).decode()
+            if st != "ok":
+                errors.append(f"rank {r}: {st}")
+        if errors:
+            raise RefitMismatchError(
+                f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(errors))
+
+
+class RefitSender(_Endpoint):
+    """Trainer side: broadcasts ``named_tensors`` from this rank (the group's ``src``).
+
+    Args:
+        group: the refit group; this rank is the source.
+        named_tensors: name -> tensor (a dict, pairs, or a callable returning either); tensors
+            may be non-contiguous; they must keep their layout after ``prepare_refit_info``.
+        bucket_bytes: bucket size (default 1 GiB on GPU, 64 MiB on CPU).
+        direct_bytes: tensors at least this large skip the buckets and go on their own
+            (default: only those larger than a bucket). ``0`` sends every tensor on its own.
+        channel: store namespace, for several senders on one group.
+    """
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
+                 bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
+                 channel: str = "default") -> None:
+        super().__init__(group, named_tensors, channel)
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
+        if bucket_bytes < _ALIGN:
+            raise ValueError(f"bucket_bytes must be >= {_ALIGN}, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.direct_bytes = self.bucket_bytes + 1 if direct_bytes is None else int(direct_bytes)
+        self.src = group.rank
+        self.version: int | None = None
+
+    def prepare_refit_info(self) -> RefitInfo:
+        """Publish names/shapes/dtypes; return once every receiver accepted them (collective).
+
+        Raises ``RefitMismatchError`` listing each receiver's mismatches if any rank rejects.
+        """
+        g = self.group
+        self._gen += 1
+        try:
+            specs, _ = self._specs_and_tensors()
+            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src)
+        except Exception as e:
+            # Receivers are waiting on this key; tell them why instead of letting them time out.
+            g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
+            raise
+        g.store.set(self._key(self._gen, "info"), info.to_bytes())
+        self.info = info
+        self.plan = build_plan(info)
+        self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
+        return info
+
+    def send_weights(self, version: int) -> None:
+        """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
+        if self.info is None:
+            raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before send_weights()")
+        g = self.group
+        try:
+            ordered = self._ordered(self._tensors())
+        except Exception as e:
+            # Receivers are blocked on the header broadcast: tell them to stop, then raise.
+            self._publish_error(str(e))
+            self._broadcast_header(version, _STATUS_ABORT)
+            raise
+        try:
+            with torch.no_grad():
+                if self._cuda:
+                    self._send_cuda(ordered, version)
+                else:
+                    self._send_cpu(ordered, version)
+        except Exception as e:
+            self._publish_error(f"sender failed during refit of version {version}: {e}")
+            raise
+        self.version = version
+
+    def _header(self, version: int, status: int) -> torch.Tensor:
+        assert self.info is not None
+        return torch.tensor([_MAGIC, self.info.fingerprint(), version, status], dtype=torch.int64,
+                            device=self.group.device)
+
+    def _broadcast_header(self, version: int, status: int) -> None:
+        g = self.group
+        with contextlib.suppress(Exception):
+            g.broadcast(self._header(version, status), self.src)
+            g.synchronize()
+
+    def _watch(self) -> str | None:
+        return self._errors_of(r for r in range(self.group.world_size) if r != self.src)
+
+    def _send_cpu(self, tensors: list[torch.Tensor], version: int) -> None:
+        g = self.group
+        works = [g.broadcast(self._header(version, _STATUS_OK), self.src, async_op=True)]
+        bufs = self._bucket_buffers()
+        in_flight: list = [None, None]  # per buffer: the broadcast still reading it
+        keep: list[torch.Tensor] = []  # contiguous copies of direct tensors, alive until sent
+        b = 0
+        for item in self.plan:
+            if isinstance(item, Bucket):
+                slot = b & 1
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait(watch=self._watch)
+                buf = bufs[slot]
+                for idx, off in item.entries:
+                    self._view(buf, off, self.info.tensors[idx]).copy_(tensors[idx])  # type: ignore[union-attr]
+                in_flight[slot] = g.broadcast(buf[: item.nbytes], self.src, async_op=True)
+                b += 1
+            else:
+                t = tensors[item.index]
+                wire = t if t.is_contiguous() else t.contiguous()
+                keep.append(wire)
+                works.append(g.broadcast(wire, self.src, async_op=True))
+        for w in [*works, *in_flight]:
+            if w is not None:
+                w.wait(watch=self._watch)
+
+    def _send_cuda(self, tensors: list[torch.Tensor], version: int) -> None:
+        g = self.group
+        cur = torch.cuda.current_stream(g.device)
+        comm, pack = self._side_streams()
+        header = self._header(version, _STATUS_OK)
+        # Both side streams start after whatever produced the weights (and the header's
+        # host-to-device copy) on the current stream.
+        comm.wait_stream(cur)
+        pack.wait_stream(cur)
+        g.broadcast(header, self.src, stream=comm)
+        bufs = self._bucket_buffers()
+        free: list[torch.cuda.Event | None] = [None, None]  # per buffer: its last broadcast done
+        directs: list[torch.Tensor] = []
+        direct_bytes = 0
+        b = 0
+
+        def flush() -> None:
+            nonlocal directs, direct_bytes
+            keep = []  # contiguous copies must outlive the group launch
+            with torch.cuda.stream(comm), g.coalesce():
+                for t in directs:
+                    wire = t if t.is_contiguous() else t.contiguous()
+                    keep.append(wire)
+                    g.broadcast(wire, self.src, stream=comm)
+            directs, direct_bytes = [], 0
+            del keep
+
+        for item in self.plan:
+            if isinstance(item, Bucket):
+                if directs:
+                    flush()
+                slot = b & 1
+                buf = bufs[slot]
+                with torch.cuda.stream(pack):
+                    if free[slot] is not None:
+                        pack.wait_event(free[slot])
+                    for idx, off in item.entries:
+                        self._view(buf, off, self.info.tensors[idx]).copy_(tensors[idx])  # type: ignore[union-attr]
+                    packed = torch.cuda.Event()
+                    packed.record(pack)
+                comm.wait_event(packed)
+                g.broadcast(buf[: item.nbytes], self.src, stream=comm)
+                done = torch.cuda.Event()
+                done.record(comm)
+                free[slot] = done
+                b += 1
+            else:
+                t = tensors[item.index]
+                directs.append(t)
+                direct_bytes += t.numel() * t.element_size()
+                if direct_bytes >= self.bucket_bytes or len(directs) >= _MAX_OPS_PER_GROUP:
+                    flush()
+        if directs:
+            flush()
+        # Later writes to the weights (optimizer step) must wait for the broadcasts reading them.
+        cur.wait_stream(comm)
+        cur.wait_stream(pack)
+        g.synchronize(comm, watch=self._watch, what=f"refit send of version {version}")
+
+
+class RefitReceiver(_Endpoint):
+    """Generator side: receives into ``named_tensors`` in place from rank ``src``.
+
+    ``version`` holds the version of the last completed refit (``None`` before the first).
+    """
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, src: int = 0,
+                 *, channel: str = "default") -> None:
+        super().__init__(group, named_tensors, channel)
+        if src == group.rank:
+            raise ValueError(f"RefitReceiver on rank {src}, which is the source; use RefitSender there")
+        self.src = src
+        self.version: int | None = None
+
+    def prepare_refit_info(self) -> RefitInfo:
+        """Read the sender's metadata, check it against our tensors, agree with every rank (collective).
+
+        Raises ``RefitMismatchError`` listing the mismatches (ours and other ranks') before any
+        bulk data moves.
+        """
+        g = self.group
+        self._gen += 1
+        key = self._key(self._gen, "info")
+        g.wait_for_ranks(lambda r: key, [self.src], f"refit info from sender rank {self.src}")
+        raw = g.store.get(key)
+        decoded = json.loads(raw)
+        if "error" in decoded:
+            msg = f"sender rank {self.src} failed to prepare: {decoded['error']}"
+            g.store.set(self._key(self._gen, "status", g.rank), msg.encode())
+            raise RefitError(f"rank {g.rank}: {msg}")
+        info = RefitInfo.from_bytes(raw)
+        problems: list[str] = []
+        try:
+            specs, _ = self._specs_and_tensors()
+            problems = diff_specs(info.tensors, specs)
+        except RefitError as e:
+            problems = [str(e)]
+        if info.src != self.src:
+            problems.insert(0, f"sender is rank {info.src}, receiver expects src={self.src}")
+        status = "ok" if not problems else f"{len(problems)} mismatch(es): {_clip(problems)}"
+        try:
+            self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
+        except RefitMismatchError as e:
+            if problems:
+                raise RefitMismatchError(
+                    f"rank {g.rank}: sender and receiver layouts differ, no weights were moved: "
+                    f"{_clip(problems)} || all ranks: {e}") from None
+            raise
+        self.info = info
+        self.plan = build_plan(info)
+        return info
+
+    def receive_weights(self) -> int:
+        """Receive one refit into our tensors in place; return (and store) its version."""
+        if self.info is None:
+            raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before receive_weights()")
+        try:
+            ordered = self._ordered(self._tensors())
+        except RefitMismatchError as e:
+            # Nothing was received yet; the sender is told and its send stops at the timeout
+            # check instead of hanging.
+            self._publish_error(str(e))
+            raise
+        try:
+            with torch.no_grad():
+                version = self._recv_cuda(ordered) if self._cuda else self._recv_cpu(ordered)
+        except RefitError:
+            raise
+        except Exception as e:
+            self._publish_error(f"receiver failed: {e}")
+            raise
+        self.version = version
+        return version
+
+    def _watch(self) -> str | None:
+        return self._errors_of([self.src])
+
+    def _check_header(self, header: torch.Tensor) -> int:
+        assert self.info is not None
+        magic, fp, version, status = (int(x) for x in header.tolist())
+        g = self.group
+        if status == _STATUS_ABORT:
+            why = self._errors_of([self.src]) or "no reason posted"
+            raise RefitError(f"rank {g.rank}: sender rank {self.src} aborted refit of version {version}: {why}")
+        if magic != _MAGIC or fp != self.info.fingerprint():
+            msg = (f"refit header mismatch (magic {magic:#x}, fingerprint {fp} vs ours "
+                   f"{self.info.fingerprint()}): sender and receiver prepared different layouts")
+            self._publish_error(msg)
+            raise RefitError(f"rank {g.rank}: {msg}")
+        return version
+
+    def _recv_cpu(self, tensors: list[torch.Tensor]) -> int:
+        g = self.group
+        header = torch.zeros(4, dtype=torch.int64)
+        g.broadcast(header, self.src, async_op=True).wait(watch=self._watch)  # type: ignore[union-attr]
+        version = self._check_header(header)
+        bufs = self._bucket_buffers()
+        pending: tuple | None = None  # (work, buffer, bucket) received but not yet unpacked
+        directs: list[tuple] = []  # (work, tmp or None, destination)
+        b = 0
+
+        def unpack(p: tuple) -> None:
+            work, buf, bucket = p
+            work.wait(watch=self._watch)
+            for idx, off in bucket.entries:
+                tensors[idx].copy_(self._view(buf, off, self.info.tensors[idx]))  # type: ignore[union-attr]
+
+        for item in self.plan:
+            if isinstance(item, Bucket):
+                buf = bufs[b & 1]  # its previous bucket (b-2) was unpacked one step ago
+                work = g.broadcast(buf[: item.nbytes], self.src, async_op=True)
+                if pending is not None:
+                    unpack(pending)
+                pending = (work, buf, item)
+                b += 1
+            else:
+                t = tensors[item.index]
+                tmp = None if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+                directs.append((g.broadcast(t if tmp is None else tmp, self.src, async_op=True), tmp, t))
+        if pending is not None:
+            unpack(pending)
+        for work, tmp, t in directs:
+            work.wait(watch=self._watch)
+            if tmp is not None:
+                t.copy_(tmp)
+        return version
+
+    def _recv_cuda(self, tensors: list[torch.Tensor]) -> int:
+        g = self.group
+        cur = torch.cuda.current_stream(g.device)
+        comm, unpack = self._side_streams()
+        # The tensors may still be read by work on the current stream (e.g. generation).
+        comm.wait_stream(cur)
+        unpack.wait_stream(cur)
+        with torch.cuda.stream(comm):
+            header = torch.zeros(4, dtype=torch.int64, device=g.device)
+        g.broadcast(header, self.src, stream=comm)
+        # One host sync here lets a sender abort (or a layout mismatch) stop us before any bulk.
+        g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
+        version = self._check_header(header)
+        bufs = self._bucket_buffers()
+        free: list[torch.cuda.Event | None] = [None, None]  # per buffer: unpack of its last bucket done
+        directs: list[torch.Tensor] = []
+        direct_bytes = 0
+        b = 0
+
+        def flush() -> None:
+            nonlocal directs, direct_bytes
+            copies = []
+            with torch.cuda.stream(comm), g.coalesce():
+                for t in directs:
+                    if t.is_contiguous():
+                        g.broadcast(t, self.src, stream=comm)
+                    else:
+                        tmp = torch.empty(t.shape, dtype=t.dtype, device=g.device)
+                        g.broadcast(tmp, self.src, stream=comm)
+                        copies.append((tmp, t))
+            with torch.cuda.stream(comm):
+                for tmp, t in copies:
+                    t.copy_(tmp)
+            directs, direct_bytes = [], 0
+
+        for item in self.plan:
+            if isinstance(item, Bucket):
+                if directs:
+                    flush()
+                slot = b & 1
+                buf = bufs[slot]
+                if free[slot] is not None:
+                    comm.wait_event(free[slot])
+                g.broadcast(buf[: item.nbytes], self.src, stream=comm)
+                got = torch.cuda.Event()
+                got.record(comm)
+                with torch.cuda.stream(unpack):
+                    unpack.wait_event(got)
+                    for idx, off in item.entries:
+                        tensors[idx].copy_(self._view(buf, off, self.info.tensors[idx]))  # type: ignore[union-attr]
+                    done = torch.cuda.Event()
+                    done.record(unpack)
+                free[slot] = done
+                b += 1
+            else:
+                t = tensors[item.index]
+                directs.append(t)
+                direct_bytes += t.numel() * t.element_size()
+                if direct_bytes >= self.info.bucket_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
+                    flush()
+        if directs:
+            flush()
+        unpack.wait_stream(comm)
+        g.synchronize(unpack, watch=self._watch, what=f"refit receive of version {version}")
+        cur.wait_stream(unpack)
+        return version
+
+
+def iter_plan_sizes(plan: Sequence[Bucket | Direct], info: RefitInfo) -> Iterator[int]:
+    """Bytes moved by each broadcast of ``plan`` (for logging and benchmarks)."""
+    for item in plan:
+        yield item.nbytes if isinstance(item, Bucket) else info.tensors[item.index].nbytes

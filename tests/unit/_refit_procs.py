@@ -1,0 +1,337 @@
+"""Per-rank bodies for the stateless-group and refit tests, run in spawned worker processes.
+
+They live in their own module (imported by file-system path, never as ``tests.*``) because a
+spawned child re-imports a task's module by name, and pytest's importlib mode gives test
+modules names that a child cannot import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit import RefitReceiver, RefitSender
+
+HOST = "127.0.0.1"
+HAS_FP8 = hasattr(torch, "float8_e4m3fn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(pool: ProcessPoolExecutor, fn: Callable[..., Any], ranks: list[int], *,
+              limit: float = 60.0, **kw: Any) -> dict[int, Any]:
+    """Run ``fn(rank, **kw)`` for each rank concurrently; return rank -> result or the exception."""
+    futs: dict[int, Future] = {r: pool.submit(fn, r, **kw) for r in ranks}
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + limit
+    for r, f in futs.items():
+        try:
+            out[r] = f.result(timeout=max(0.1, deadline - time.monotonic()))
+        except FutureTimeout:
+            kill_pool(pool)
+            raise AssertionError(f"rank {r} of {fn.__name__} still running after {limit}s") from None
+        except Exception as e:  # the rank's own failure is the test's observable
+            out[r] = e
+    return out
+
+
+def make_pool(workers: int = 4) -> ProcessPoolExecutor:
+    """Worker processes for rank bodies.
+
+    A fork server that pre-imports this module (and so torch and nemo_dataplane) hands out
+    fresh workers in milliseconds; plain spawn re-imports everything per worker, which costs
+    several seconds each on a 2-core CI machine. The children are still clean processes (no
+    fork of the pytest process, no inherited threads).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+
+
+def kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Terminate this pool's own worker processes (by pid) and shut it down."""
+    for p in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(Exception):
+            p.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _dev(backend: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _group(rank: int, world: int, port: int, backend: str, timeout: float = 20.0, **kw: Any) -> StatelessProcessGroup:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    return StatelessProcessGroup(HOST, port, rank, world, backend, timeout, **kw)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of ``t`` on the CPU, for exact comparison of any dtype (fp8 included)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).clone() if t.dtype != torch.bool else t.to(torch.uint8).reshape(-1)
+
+
+# ---------------------------------------------------------------- group bodies
+
+
+def collectives(rank: int, world: int, port: int, backend: str = "gloo") -> dict[str, Any]:
+    """Broadcast of several dtypes, all_reduce, ring send/recv, barrier."""
+    g = _group(rank, world, port, backend)
+    dev = _dev(backend, rank)
+    res: dict[str, Any] = {"init_seconds": g.init_seconds}
+    gen = torch.Generator().manual_seed(1234)
+    payloads = {
+        "f32": torch.randn(33, generator=gen),
+        "bf16": torch.randn(7, 5, generator=gen).to(torch.bfloat16),
+        "i64": torch.randint(-(2**40), 2**40, (9,), generator=gen),
+        "bool": torch.rand(11, generator=gen) > 0.5,
+    }
+    if HAS_FP8:
+        payloads["fp8_e4m3"] = torch.randn(6, 4, generator=gen).to(torch.float8_e4m3fn)
+        payloads["fp8_e5m2"] = torch.randn(13, generator=gen).to(torch.float8_e5m2)
+    for name, ref in payloads.items():
+        t = ref.to(dev) if rank == 0 else torch.zeros_like(ref, device=dev)
+        g.broadcast(t, src=0)
+        g.synchronize()
+        res[f"bcast_{name}"] = bool(torch.equal(_bytes(t), _bytes(ref)))
+    s = torch.full((5,), float(rank + 1), device=dev)
+    g.all_reduce(s, "sum")
+    m = torch.full((3,), rank, dtype=torch.int64, device=dev)
+    g.all_reduce(m, "max")
+    g.synchronize()
+    res["sum"] = s.cpu().tolist()
+    res["max"] = m.cpu().tolist()
+    # Ring: even ranks send first so blocking gloo send/recv cannot deadlock.
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    out = torch.arange(4, device=dev) + 100 * rank
+    inbox = torch.zeros(4, dtype=torch.int64, device=dev)
+    if rank % 2 == 0:
+        g.send(out, nxt)
+        g.recv(inbox, prv)
+    else:
+        g.recv(inbox, prv)
+        g.send(out, nxt)
+    g.synchronize()
+    res["ring"] = inbox.cpu().tolist()
+    for _ in range(3):
+        g.barrier()
+    g.destroy()
+    return res
+
+
+def join_then_idle(rank: int, world: int, port: int, timeout: float, backend: str = "gloo",
+                   skip: str = "") -> dict[str, Any]:
+    """Join a group; then, unless told to skip it, take part in a barrier / a recv."""
+    t0 = time.monotonic()
+    try:
+        g = _group(rank, world, port, backend, timeout)
+    except Exception as e:
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    try:
+        if not (skip == "barrier" and rank != 0):
+            t0 = time.monotonic()
+            g.barrier()
+        if rank == 0 and skip == "send":
+            t0 = time.monotonic()
+            g.recv(torch.zeros(3, device=g.device), 1)
+            g.synchronize()
+        return {"error": None}
+    except Exception as e:
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    finally:
+        if skip:
+            # Let the peer's bounded wait expire before our group (and the store) go away.
+            time.sleep(timeout + 1.0 if rank != 0 else 0)
+        g.destroy()
+
+
+def two_groups(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict[str, Any]:
+    """Three groups in each of two processes: A, B sharing A's store, C with swapped ranks."""
+    a = _group(rank, 2, ports[0], backend, group_name="a")
+    b = StatelessProcessGroup(HOST, ports[0], rank, 2, backend, 20.0, group_name="b", store=a.store,
+                              device=a.device)
+    c = _group(1 - rank, 2, ports[1], backend, group_name="c")
+    dev = a.device
+    res = {}
+    for name, g in (("a", a), ("b", b), ("c", c)):
+        val = {"a": 11, "b": 22, "c": 33}[name]
+        t = torch.full((4,), val if g.rank == 0 else -1, dtype=torch.int32, device=dev)
+        g.broadcast(t, 0)
+        g.synchronize()
+        res[name] = (g.rank, t.cpu().tolist())
+    # Refit in both directions over two groups of the same process.
+    tensors = {"w": torch.arange(12, dtype=torch.float32, device=dev).reshape(3, 4) * (rank + 1)}
+    if a.rank == 0:
+        snd = RefitSender(a, tensors, bucket_bytes=1024)
+        snd.prepare_refit_info()
+        snd.send_weights(5)
+        dst = {"w": torch.zeros(3, 4, device=dev)}
+        rcv = RefitReceiver(c, dst)
+        rcv.prepare_refit_info()
+        res["got"] = (rcv.receive_weights(), dst["w"].cpu().tolist())
+    else:
+        dst = {"w": torch.zeros(3, 4, device=dev)}
+        rcv = RefitReceiver(a, dst)
+        rcv.prepare_refit_info()
+        got = (rcv.receive_weights(), dst["w"].cpu().tolist())
+        snd = RefitSender(c, tensors, bucket_bytes=1024)
+        snd.prepare_refit_info()
+        snd.send_weights(6)
+        res["got"] = got
+    for g in (c, b, a):
+        g.destroy()
+    return res
+
+
+# ---------------------------------------------------------------- refit bodies
+
+
+def model_tensors(seed: int, dev: torch.device, *, big_numel: int = 3000) -> dict[str, torch.Tensor]:
+    """A small model's worth of tensors covering every path of the refit plan."""
+    gen = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(40, 16, generator=gen).to(torch.bfloat16),
+        "layers.0.attn.qkv": torch.randn(48, 16, generator=gen).to(torch.bfloat16),
+        "layers.0.mlp.up": torch.randn(16, 24, generator=gen),  # fp32
+        "layers.0.norm": torch.randn(16, generator=gen).to(torch.float16),
+        "layers.0.scale": torch.randn((), generator=gen),  # 0-dim
+        "layers.0.empty": torch.zeros(0, 5),
+        "buffers.positions": torch.randint(-(2**50), 2**50, (17,), generator=gen),
+        "buffers.mask": torch.rand(3, 7, generator=gen) > 0.3,
+        "buffers.i8": torch.randint(-128, 127, (21,), generator=gen, dtype=torch.int8),
+        "lm_head.big": torch.randn(big_numel, generator=gen),  # larger than a test bucket
+    }
+    if HAS_FP8:
+        t["layers.0.mlp.down_fp8"] = torch.randn(24, 16, generator=gen).to(torch.float8_e4m3fn)
+        t["layers.0.mlp.down_scale_fp8"] = torch.randn(5, generator=gen).to(torch.float8_e5m2)
+    return {k: v.to(dev) for k, v in t.items()}
+
+
+def _noncontig(t: torch.Tensor) -> torch.Tensor:
+    """Same values, transposed storage: a non-contiguous view."""
+    return t.t().contiguous().t() if t.dim() == 2 else t
+
+
+def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", bucket_bytes: int = 4096,
+                    direct_bytes: int | None = None, versions: tuple[int, ...] = (7, 8)) -> dict[str, Any]:
+    """Refit ``model_tensors`` twice (different values, versions); receivers return bit patterns."""
+    g = _group(rank, world, port, backend)
+    dev = g.device
+    if rank == 0:
+        src = model_tensors(0, dev)
+        # Non-contiguous sender tensors exercise packing from strided views.
+        src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
+        snd = RefitSender(g, lambda: src, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
+        info = snd.prepare_refit_info()
+        for i, v in enumerate(versions):
+            if i:
+                fresh = model_tensors(i, dev)
+                for k in src:  # in place, as an optimizer step would
+                    src[k].copy_(fresh[k])
+            snd.send_weights(v)
+        g.barrier()
+        g.destroy()
+        return {"n_tensors": len(info.tensors)}
+    dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
+    dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])  # receive into a strided view
+    dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]  # strided, direct
+    rcv = RefitReceiver(g, list(dst.items()))  # pairs, not a dict
+    rcv.prepare_refit_info()
+    got = []
+    for i in range(len(versions)):
+        v = rcv.receive_weights()
+        want = model_tensors(i, torch.device("cpu"))
+        wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
+        got.append({"version": v, "attr_version": rcv.version, "wrong": wrong})
+    g.barrier()
+    g.destroy()
+    return {"refits": got}
+
+
+def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
+                   backend: str = "gloo") -> dict[str, Any]:
+    """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""
+    g = _group(rank, world, port, backend)
+    dev = g.device
+    base = {"a": torch.ones(4, 4, device=dev), "b": torch.ones(8, dtype=torch.bfloat16, device=dev),
+            "c": torch.ones(3, device=dev)}
+    if rank == 0:
+        tensors = base
+    else:
+        tensors = {k: torch.zeros_like(v) for k, v in base.items()}
+        if rank in bad_ranks:
+            tensors = {"a": torch.zeros(4, 5, device=dev),  # shape
+                       "b": torch.zeros(8, dtype=torch.float32, device=dev),  # dtype
+                       "extra": torch.zeros(2, device=dev)}  # "c" missing, "extra" unexpected
+    try:
+        ep = RefitSender(g, tensors, bucket_bytes=1024) if rank == 0 else RefitReceiver(g, tensors)
+        ep.prepare_refit_info()
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "msg": str(e)}
+    if rank != 0:
+        out["untouched"] = all(bool((t == 0).all()) for t in tensors.values())
+    g.destroy()
+    return out
+
+
+def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo") -> dict[str, Any]:
+    """The sender's tensor changes shape after prepare: it must abort and receivers must hear why."""
+    g = _group(rank, world, port, backend, timeout=10.0)
+    dev = g.device
+    holder = {"w": torch.ones(6, device=dev)}
+    try:
+        if rank == 0:
+            snd = RefitSender(g, lambda: holder, bucket_bytes=1024)
+            snd.prepare_refit_info()
+            holder["w"] = torch.ones(7, device=dev)
+            snd.send_weights(3)
+        else:
+            rcv = RefitReceiver(g, {"w": torch.zeros(6, device=dev)})
+            rcv.prepare_refit_info()
+            rcv.receive_weights()
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "msg": str(e)}
+    g.destroy()
+    return out
+
+
+def refit_missing_receiver(rank: int, world: int, port: int, timeout: float,
+                           backend: str = "gloo") -> dict[str, Any]:
+    """The last rank joins the group but never takes part in the refit handshake."""
+    g = _group(rank, world, port, backend, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        if rank == world - 1:
+            time.sleep(timeout + 1.0)  # keep the group (and its store entry) alive, do nothing
+            return {"error": None}
+        tensors = {"w": torch.ones(4, device=g.device)}
+        ep = RefitSender(g, tensors) if rank == 0 else RefitReceiver(g, tensors)
+        ep.prepare_refit_info()
+        return {"error": None}
+    except Exception as e:
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    finally:
+        g.destroy()
+
+
+def format_exc(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))

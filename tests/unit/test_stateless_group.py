@@ -1,0 +1,143 @@
+"""StatelessProcessGroup on CPU (gloo): collectives, rendezvous failures, several groups per process."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_dataplane.distributed.stateless_group import (
+    StatelessGroupError,
+    StatelessGroupTimeout,
+    StatelessProcessGroup,
+    wire_view,
+)
+
+# Spawned workers import the rank bodies by module name, so that module's folder must be on
+# sys.path (inherited by the children); it is never imported as part of a ``tests`` package.
+sys.path.insert(0, str(Path(__file__).parent))
+import _refit_procs as P  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    ex = P.make_pool()
+    yield ex
+    P.kill_pool(ex)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_gloo(pool: ProcessPoolExecutor, world: int) -> None:
+    port = P.free_port()
+    res = P.run_ranks(pool, P.collectives, list(range(world)), world=world, port=port)
+    for r in range(world):
+        out = res[r]
+        assert not isinstance(out, BaseException), P.format_exc(out)
+        bcasts = {k: v for k, v in out.items() if k.startswith("bcast_")}
+        assert bcasts and all(bcasts.values()), (r, bcasts)
+        if P.HAS_FP8:
+            assert "bcast_fp8_e4m3" in bcasts
+        assert out["sum"] == [world * (world + 1) / 2] * 5
+        assert out["max"] == [world - 1] * 3
+        prv = (r - 1) % world
+        assert out["ring"] == [100 * prv + i for i in range(4)]
+        assert out["init_seconds"] < 5.0
+
+
+def test_rank_that_never_joins_is_named(pool: ProcessPoolExecutor) -> None:
+    port, timeout = P.free_port(), 2.0
+    res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=3, port=port, timeout=timeout)
+    for r in (0, 1):
+        out = res[r]
+        assert out["error"] in ("StatelessGroupTimeout", "StatelessGroupError"), out
+        assert "missing ranks [2]" in out["msg"], out["msg"]
+        assert f"rank {r} of world size 3" in out["msg"]
+        assert f"127.0.0.1:{port}" in out["msg"]
+        assert out["elapsed"] < timeout + 3.0
+
+
+def test_missing_rank0_is_named(pool: ProcessPoolExecutor) -> None:
+    port, timeout = P.free_port(), 1.5
+    res = P.run_ranks(pool, P.join_then_idle, [1], world=2, port=port, timeout=timeout)
+    out = res[1]
+    assert out["error"] == "StatelessGroupTimeout", out
+    assert "missing ranks [0]" in out["msg"] and "rank 0" in out["msg"]
+    assert out["elapsed"] < timeout + 1.5
+
+
+def test_rank_skipping_barrier_is_named(pool: ProcessPoolExecutor) -> None:
+    port, timeout = P.free_port(), 2.0
+    res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=port, timeout=timeout, skip="barrier")
+    out = res[0]
+    assert out["error"] == "StatelessGroupTimeout", out
+    assert "barrier #0" in out["msg"] and "missing ranks [1]" in out["msg"], out["msg"]
+    assert out["elapsed"] < timeout + 2.0
+
+
+def test_dead_peer_recv_times_out(pool: ProcessPoolExecutor) -> None:
+    port, timeout = P.free_port(), 2.0
+    res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=port, timeout=timeout, skip="send")
+    out = res[0]
+    assert out["error"] in ("StatelessGroupTimeout", "StatelessGroupError"), out
+    assert "recv" in out["msg"] and "from rank 1" in out["msg"], out["msg"]
+    assert out["elapsed"] < timeout + 2.0
+
+
+def test_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:
+    ports = (P.free_port(), P.free_port())
+    res = P.run_ranks(pool, P.two_groups, [0, 1], ports=ports)
+    for r in (0, 1):
+        out = res[r]
+        assert not isinstance(out, BaseException), P.format_exc(out)
+        assert out["a"] == (r, [11] * 4)
+        assert out["b"] == (r, [22] * 4)  # same store as "a", separate key prefix
+        assert out["c"] == (1 - r, [33] * 4)  # roles swapped
+    w = [[float(i * 4 + j) for j in range(4)] for i in range(3)]
+    assert res[1]["got"] == (5, w)  # from process 0 over group a
+    assert res[0]["got"] == (6, [[2 * x for x in row] for row in w])  # from process 1 over group c
+
+
+def test_single_rank_group_and_validation() -> None:
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=5) as g:
+        t = torch.arange(5)
+        g.broadcast(t, 0)
+        g.barrier()
+        assert t.tolist() == list(range(5))
+        with pytest.raises(ValueError, match="contiguous"):
+            g.broadcast(torch.zeros(4, 4).t(), 0)
+        with pytest.raises(ValueError, match="src=3"):
+            g.broadcast(t, 3)
+        if P.HAS_FP8:
+            with pytest.raises(TypeError, match="float8"):
+                g.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn))
+    with pytest.raises(StatelessGroupError, match="destroyed"):
+        g.barrier()
+    with pytest.raises(ValueError, match="rank must be"):
+        StatelessProcessGroup(P.HOST, port, 2, 2)
+    with pytest.raises(ValueError, match="backend"):
+        StatelessProcessGroup(P.HOST, port, 0, 1, "mpi")
+
+
+@pytest.mark.skipif(not P.HAS_FP8, reason="torch without float8 dtypes")
+def test_fp8_travels_as_uint8_view() -> None:
+    x = torch.randn(3, 4).to(torch.float8_e4m3fn)
+    v = wire_view(x, "nccl")
+    assert v.dtype == torch.uint8 and v.numel() == 12 and v.data_ptr() == x.data_ptr()
+    b = torch.randn(6).to(torch.bfloat16)
+    assert wire_view(b, "nccl") is b
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nccl") is not None, reason="nccl4py is installed")
+def test_nccl_backend_without_nccl4py_names_the_extra() -> None:
+    with pytest.raises(ImportError, match=r"nemo-dataplane\[gpu\]"):
+        StatelessProcessGroup(P.HOST, P.free_port(), 0, 1, "nccl", timeout=2)
+
+
+def test_timeout_error_is_a_runtime_error() -> None:
+    assert issubclass(StatelessGroupTimeout, RuntimeError) and issubclass(StatelessGroupTimeout, TimeoutError)

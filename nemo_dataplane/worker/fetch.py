@@ -21,7 +21,6 @@ Write-back is leader-only under every policy, so each field is written exactly o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -82,7 +81,8 @@ class WorkerFetcher:
         replica_group: the ``torch.distributed`` group of ranks sharing this DP shard
             (``None``: this rank alone).
         replica_ranks: the group's global ranks, leader first (default: the group's ranks).
-        timeout_s: bound on each store op and each broadcast.
+        timeout_s: bound on each broadcast and each async store op (sync store ops are bounded
+            by the client's own op timeout, e.g. ``data_plane.transfer_queue.op_timeout_s``).
 
     Raises:
         ValueError: an unknown policy, this rank missing from ``replica_ranks``, or a rank that
@@ -138,43 +138,63 @@ class WorkerFetcher:
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     # ------------------------------------------------------------------ fetch
-    async def async_fetch(self, meta: KVBatchMeta, select_fields: Sequence[str]) -> FetchedBatch:
+    def fetch(self, meta: KVBatchMeta, select_fields: Sequence[str]) -> FetchedBatch:
         """Fetch ``select_fields`` of ``meta``'s keys under the policy; every rank of the replica
         group gets identical CPU tensors, rows in ``meta`` order, cut by the driver's plan.
 
         Under ``leader_broadcast`` every rank of the group must call this with the same meta and
         fields. A leader that fails to fetch tells the others, so they raise too (no hang).
+        Store ops are bounded by the client's own op timeout; each broadcast by ``timeout_s``.
 
         Raises:
-            KeyError: missing keys/fields (on the leader, or relayed to non-leaders as RuntimeError).
-            TimeoutError: the store or the broadcast took longer than ``timeout_s``.
+            KeyError: missing keys/fields (on the leader; relayed to non-leaders as RuntimeError).
+            TimeoutError: a broadcast took longer than ``timeout_s``.
         """
         names = check_select_fields(select_fields)
         if self.fetch_policy == "independent":
-            data = await self._get(meta, names)
+            data = self._client().kv_batch_get(meta, names)
         elif self.is_leader:
             try:
-                data = await self._get(meta, names)
+                data = self._client().kv_batch_get(meta, names)
+            except BaseException as e:
+                self._send_error(f"{type(e).__name__}: {e}")
+                raise
+            self._send(data, names)
+        else:
+            data = self._receive(names)
+        return self._finish(meta, data)
+
+    async def async_fetch(self, meta: KVBatchMeta, select_fields: Sequence[str]) -> FetchedBatch:
+        """Async twin of :meth:`fetch` (the store op is awaited with a ``timeout_s`` bound; the
+        broadcast runs in a worker thread so the event loop stays free)."""
+        names = check_select_fields(select_fields)
+        if self.fetch_policy == "independent":
+            data = await self._async_get(meta, names)
+        elif self.is_leader:
+            try:
+                data = await self._async_get(meta, names)
             except BaseException as e:
                 await asyncio.to_thread(self._send_error, f"{type(e).__name__}: {e}")
                 raise
             await asyncio.to_thread(self._send, data, names)
         else:
             data = await asyncio.to_thread(self._receive, names)
+        return self._finish(meta, data)
+
+    def _client(self) -> DataPlaneClient:
+        assert self.client is not None  # checked in __init__ for every rank that touches the store
+        return self.client
+
+    def _finish(self, meta: KVBatchMeta, data: TensorDict) -> FetchedBatch:
         n = data.batch_size[0] if data.batch_dims else 0
         if n != len(meta):
             raise RuntimeError(f"rank {self.rank}: fetched {n} rows for a meta of {len(meta)} keys")
         plan = (meta.extra_info or {}).get("packing")
         return FetchedBatch(data=data, microbatches=split_microbatches(data, plan), plan=plan, meta=meta)
 
-    def fetch(self, meta: KVBatchMeta, select_fields: Sequence[str]) -> FetchedBatch:
-        """Sync twin of :meth:`async_fetch`."""
-        return _run_sync(self.async_fetch(meta, select_fields))
-
-    async def _get(self, meta: KVBatchMeta, names: list[str]) -> TensorDict:
-        assert self.client is not None
+    async def _async_get(self, meta: KVBatchMeta, names: list[str]) -> TensorDict:
         try:
-            return await asyncio.wait_for(self.client.async_kv_batch_get(meta, names), self.timeout_s)
+            return await asyncio.wait_for(self._client().async_kv_batch_get(meta, names), self.timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"rank {self.rank}: fetching {len(meta)} keys of partition {meta.partition_id!r} took over "
@@ -182,9 +202,7 @@ class WorkerFetcher:
             ) from None
 
     # ------------------------------------------------------------ write-back
-    async def async_write_back(
-        self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor] | TensorDict
-    ) -> KVBatchMeta | None:
+    def write_back(self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor] | TensorDict) -> KVBatchMeta | None:
         """Write ``fields`` (one row per key of ``meta``, meta order) to the store, from the
         replica group's leader only; other ranks return ``None`` without touching the store.
 
@@ -193,21 +211,34 @@ class WorkerFetcher:
         """
         if not self.is_leader:
             return None
-        assert self.client is not None
-        if meta.partition_id is None:
-            raise ValueError("write_back: the meta has no partition_id")
-        cols = normalize_fields(fields, len(meta))
+        cols = self._check_write(meta, fields)
+        self._client().kv_batch_put(list(meta.keys), meta.partition_id, cols)  # type: ignore[arg-type]
+        return meta.add_fields(cols)
+
+    async def async_write_back(
+        self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor] | TensorDict
+    ) -> KVBatchMeta | None:
+        """Async twin of :meth:`write_back`, bounded by ``timeout_s``."""
+        if not self.is_leader:
+            return None
+        cols = self._check_write(meta, fields)
         try:
             await asyncio.wait_for(
-                self.client.async_kv_batch_put(list(meta.keys), meta.partition_id, cols), self.timeout_s
+                self._client().async_kv_batch_put(list(meta.keys), meta.partition_id, cols),  # type: ignore[arg-type]
+                self.timeout_s,
             )
         except asyncio.TimeoutError:
             raise TimeoutError(f"rank {self.rank}: writing {sorted(cols)} back took over {self.timeout_s}s") from None
         return meta.add_fields(cols)
 
-    def write_back(self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor] | TensorDict) -> KVBatchMeta | None:
-        """Sync twin of :meth:`async_write_back`."""
-        return _run_sync(self.async_write_back(meta, fields))
+    @staticmethod
+    def _check_write(meta: KVBatchMeta, fields: Mapping[str, torch.Tensor] | TensorDict) -> dict[str, torch.Tensor]:
+        if meta.partition_id is None:
+            raise ValueError("write_back: the meta has no partition_id")
+        cols = normalize_fields(fields, len(meta))
+        if not cols:
+            raise ValueError("write_back: no fields given")
+        return cols
 
     # -------------------------------------------------------------- broadcast
     def _bcast(self, t: torch.Tensor) -> None:
@@ -290,11 +321,3 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of ``t``'s bytes (copied only if ``t`` is not contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
-
-def _run_sync(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()

@@ -247,19 +247,15 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for name, value in data.items():
         key = f"{path}.{name}" if path else name
         tp = hints[name]
-        if tp is DataPlaneConfig:
-            try:
-                kwargs[name] = DataPlaneConfig.from_dict(_plain(value))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(str(e)) from e
-        elif dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
         else:
             kwargs[name] = _coerce(value, tp, key)
     try:
         return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # pragma: no cover - nested dataclass checks
-        raise ConfigError(f"{path}: {e}") from e
+    except (ValueError, TypeError) as e:  # the section's own checks (data_plane.* name their key)
+        msg = str(e)
+        raise ConfigError(msg if path and path in msg else f"{path or 'config'}: {msg}") from e
 
 
 def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:

@@ -88,6 +88,7 @@ class Trainer:
         self.workers: Any = None
         self.actors: list[Any] = []
         self.logger: MetricsLogger | None = None
+        self.transport: Any = None
         self._ray_started = False
 
     # ------------------------------------------------------------------ set-up
@@ -221,12 +222,19 @@ class Trainer:
                 prompts.load_state_dict(state["prompts"])
                 torch.set_rng_state(state["torch_rng"])
                 random.setstate(state["python_rng"])
+            marks = [time.perf_counter()]
             self._start_ray()
+            marks.append(time.perf_counter())
             if cfg.data_plane.enabled:
                 from nemo_dataplane.factory import build_data_plane_client
 
                 self.client = build_data_plane_client(cfg.data_plane, bootstrap=True)
+            marks.append(time.perf_counter())
             self._start_workers()
+            marks.append(time.perf_counter())
+            summary["startup_s"] = {
+                "ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2],
+            }
             if resume is not None:
                 from algorithms.step import gather
 
@@ -244,6 +252,8 @@ class Trainer:
             print(f"grpo_sync: error: {e}", file=sys.stderr)
             summary["error"] = str(e)
         finally:
+            if self.transport is not None:
+                summary["keys_outstanding_at_exit"] = self.transport.last_outstanding
             self._shutdown()
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
@@ -271,6 +281,7 @@ class Trainer:
 
         cfg = self.cfg
         transport = DataPlaneTransport(self.client, cfg) if cfg.data_plane.enabled else LegacyTransport(cfg)
+        self.transport = transport
         self.logger = MetricsLogger(
             self.out, total_steps=cfg.trainer.steps, start_step=start, progress=cfg.logging.progress,
             tensorboard=cfg.logging.tensorboard,

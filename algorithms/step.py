@@ -18,6 +18,7 @@ imports the data-plane client; this module imports neither transport's dependenc
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class Transport(Protocol):
 
     name: str
     driver_bytes: int
+    last_outstanding: int  # keys left in the last cleared partition (-1: the clear failed)
 
     def partition(self, step: int) -> str | None: ...
 
@@ -179,9 +181,16 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
             row["tokens"] = int(sum(m["tokens"] for m in metrics))
-    finally:
-        with timer("clear"):
-            outstanding = transport.clear(step)
+    except BaseException:
+        # Clear, then re-raise the step's own error; a failing clear must not mask it.
+        try:
+            transport.last_outstanding = transport.clear(step)
+        except Exception as e:  # noqa: BLE001
+            transport.last_outstanding = -1
+            print(f"grpo_sync: clearing partition of step {step} after a failure also failed: {e}", file=sys.stderr)
+        raise
+    with timer("clear"):
+        outstanding = transport.last_outstanding = transport.clear(step)
     row["keys_outstanding"] = outstanding
     with timer("refit"):
         send = workers.policy[0].send_weights.remote(step + 1)
@@ -215,6 +224,7 @@ class DataPlaneTransport:
         self.cfg = cfg
         self.driver_bytes = 0
         self.column_bytes = 0
+        self.last_outstanding = 0
 
     def partition(self, step: int) -> str:
         return f"step{step}"
@@ -280,6 +290,7 @@ class LegacyTransport:
         self.cfg = cfg
         self.driver_bytes = 0
         self.column_bytes = 0
+        self.last_outstanding = 0
 
     def partition(self, step: int) -> None:
         return None

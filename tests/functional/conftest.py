@@ -1,0 +1,80 @@
+"""Helpers for trainer runs: each run is its own subprocess (it owns its Ray cluster).
+
+``run_trainer(out_dir, *overrides)`` runs ``python -m algorithms.grpo_sync`` with the tiny test
+config below plus ``overrides`` and returns a :class:`TrainerRun` (exit code, output, metrics
+rows, summary). Runs are bounded by a timeout and leave no Ray processes behind (the trainer
+stops the cluster it started; the test checks it via the summary's exit path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "grpo_tiny.yaml"
+
+# Small and fast, but the same code path as the default run: 2 policy ranks, TransferQueue,
+# refit over gloo, validation, several micro-batches per rank.
+TINY: tuple[str, ...] = (
+    "trainer.steps=6",
+    "trainer.val_every=3",
+    "trainer.step_timeout_s=120",
+    "trainer.startup_timeout_s=240",
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "task.val_size=8",
+    "data_plane.packing.micro_batch_size=4",
+    "checkpoint.every=0",
+    "logging.progress=false",
+    "logging.plot=false",
+)
+
+
+@dataclass
+class TrainerRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    out_dir: Path
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        path = self.out_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.out_dir / "summary.json").read_text())
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+
+def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> TrainerRun:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)  # a run starts its own cluster, never the test session's
+    cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(CONFIG), *TINY,
+           f"logging.output_dir={out_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return TrainerRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
+
+
+@pytest.fixture(scope="session")
+def run_trainer():
+    """``run_trainer(out_dir, *overrides) -> TrainerRun``."""
+
+    def run(out_dir: Path, *overrides: str, timeout: float = 420) -> TrainerRun:
+        return _run(Path(out_dir), tuple(overrides), timeout)
+
+    return run

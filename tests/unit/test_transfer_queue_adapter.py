@@ -1,0 +1,309 @@
+"""TransferQueue adapter specifics: bootstrap, lifecycle, the quirks it absorbs, interop with
+TransferQueue's own clients. The contract itself is covered by test_conformance.py."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_dataplane.adapters import tq_compat
+from nemo_dataplane.adapters.transfer_queue import LAYOUT_TAG, TransferQueueClient, auto_storage_units
+from nemo_dataplane.client import DataPlaneError
+from nemo_dataplane.config import TransferQueueConfig
+from nemo_dataplane.testing.conformance import assert_same_field, jagged
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def pid(tq_client: TransferQueueClient) -> Iterator[str]:
+    p = f"tqa-{uuid.uuid4().hex[:8]}"
+    yield p
+    tq_client.kv_clear(None, p)
+
+
+def _actor_gone(name: str, namespace: str, timeout_s: float = 20.0) -> bool:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# ------------------------------------------------------------------ bootstrap
+def test_storage_units_are_sized_to_the_cluster(tq_client: TransferQueueClient) -> None:
+    assert [auto_storage_units(c) for c in (0, 1, 2, 3, 4, 16, 64)] == [1, 1, 1, 1, 2, 8, 8]
+    # TransferQueue's default (2 units x 1 CPU + controller) would hang on this 2-CPU cluster.
+    assert tq_client.num_storage_units == 1 and tq_client.owns_store
+
+
+def test_bootstrap_that_cannot_fit_fails_fast_naming_the_shortfall(ray_session: Any) -> None:
+    name = f"nd-big-{uuid.uuid4().hex[:6]}"
+    cfg = TransferQueueConfig(num_storage_units=4, storage_unit_num_cpus=1.0, controller_num_cpus=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(DataPlaneError, match=r"needs 4\.5 CPUs .* 4 storage unit\(s\) .* cluster has [\d.]+ free"):
+        TransferQueueClient(cfg, bootstrap=True, controller_name=name, namespace="nd_tests")
+    assert time.monotonic() - t0 < 10
+    assert _actor_gone(name, "nd_tests", timeout_s=1)
+
+
+def test_bootstrap_timeout_names_what_it_waited_for_and_cleans_up(ray_session: Any) -> None:
+    name = f"nd-slow-{uuid.uuid4().hex[:6]}"
+    cfg = TransferQueueConfig(num_storage_units=1, storage_unit_num_cpus=0.1, controller_num_cpus=0.1, bootstrap_timeout_s=0.05)
+    with pytest.raises(DataPlaneError, match=r"timed out after 0\.05s waiting for the controller.*needs 0\.2 CPUs"):
+        TransferQueueClient(cfg, bootstrap=True, controller_name=name, namespace="nd_tests")
+    assert _actor_gone(name, "nd_tests")
+
+
+def test_attach_only_without_a_controller_says_how_to_create_one(ray_session: Any) -> None:
+    with pytest.raises(DataPlaneError, match=r"no TransferQueue controller named 'nd-none' in Ray namespace 'nd_tests'.*bootstrap=True"):
+        TransferQueueClient(TransferQueueConfig(), bootstrap=False, controller_name="nd-none", namespace="nd_tests")
+
+
+def test_create_when_one_exists_is_refused(tq_client: TransferQueueClient) -> None:
+    with pytest.raises(DataPlaneError, match="already exists"):
+        TransferQueueClient(TransferQueueConfig(), bootstrap=True)
+
+
+def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_session: Any) -> None:
+    """A second store with 2 storage units: attached clients disconnect without killing it,
+    rows spread over units come back in order, and the owner's close removes the actors."""
+    name, ns = f"nd-own-{uuid.uuid4().hex[:6]}", "nd_tests"
+    cfg = TransferQueueConfig(num_storage_units=2, storage_unit_num_cpus=0.25, controller_num_cpus=0.25, op_timeout_s=60)
+    owner = TransferQueueClient(cfg, bootstrap="auto", controller_name=name, namespace=ns)
+    try:
+        assert owner.owns_store and owner.num_storage_units == 2
+        attached = TransferQueueClient(cfg, bootstrap="auto", controller_name=name, namespace=ns)
+        assert not attached.owns_store
+        n = 9
+        fields = {"ids": jagged([3, 0, 5, 1, 2, 7, 4, 1, 6], seed=3), "x": torch.arange(n * 2).view(n, 2)}
+        keys = [f"k{i}" for i in range(n)]
+        meta = attached.kv_batch_put(keys, "p", fields)
+        attached.close()
+        attached.close()  # idempotent
+        order = [8, 3, 0, 5, 1, 7, 2, 6, 4]
+        out = owner.kv_batch_get(meta.reorder(order), ["ids", "x"])
+        assert torch.equal(out["x"], fields["x"][order])
+        want_rows = [fields["ids"].unbind()[i] for i in order]
+        assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in want_rows]
+        # a subset whose rows sit on both units, in a non-contiguous order (put path gathers)
+        sub = ["k7", "k2", "k4"]
+        owner.kv_batch_put(sub, "p", {"ids": jagged([2, 3, 1], seed=9)})
+        assert_same_field("ids", owner.kv_batch_get(sub, ["ids"], partition_id="p")["ids"], jagged([2, 3, 1], seed=9))
+    finally:
+        owner.close()
+    assert _actor_gone(name, ns)
+    assert _actor_gone(f"{name}.StorageUnit#0", ns) and _actor_gone(f"{name}.StorageUnit#1", ns)
+
+
+def test_survives_a_ray_restart_in_one_process() -> None:
+    """TransferQueue's module globals go stale after ray.shutdown(); the adapter must not care.
+    Runs in its own process so the session cluster is untouched."""
+    script = textwrap.dedent(
+        """
+        import ray, torch
+        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+        from nemo_dataplane.config import TransferQueueConfig
+        cfg = TransferQueueConfig(op_timeout_s=60)
+        for round in range(2):
+            c = TransferQueueClient(cfg, bootstrap="auto")   # starts Ray itself when none is up
+            assert c.started_ray and c.owns_store, (c.started_ray, c.owns_store)
+            c.kv_batch_put(["a", "b"], "p", {"x": torch.tensor([round, round + 1])})
+            assert c.kv_batch_get(["b", "a"], ["x"], partition_id="p")["x"].tolist() == [round + 1, round]
+            c.close()
+            assert not ray.is_initialized()
+        print("RESTART-OK")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0 and "RESTART-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ quirks
+def test_caller_thread_settings_are_left_alone(tq_client: TransferQueueClient, pid: str) -> None:
+    original = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            meta = tq_client.kv_batch_put(["a", "b"], pid, {"ids": jagged([2, 3]), "x": torch.ones(2, 3)})
+            tq_client.kv_batch_get(meta, ["ids", "x"])
+            assert torch.get_num_threads() == n
+
+            async def ops() -> None:
+                await tq_client.async_kv_batch_put(["c"], pid, {"x": torch.ones(1, 3)})
+                await tq_client.async_kv_batch_get(["c"], ["x"], partition_id=pid)
+                await tq_client.async_kv_list(pid)
+
+            asyncio.run(ops())
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(original)
+
+
+def test_logs_are_quiet_by_default(tq_client: TransferQueueClient, pid: str, capfd: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    tq_client.kv_batch_put(["a"], pid, {"ids": jagged([4]), "x": torch.ones(1)})
+    tq_client.kv_batch_get(["a"], ["ids", "x"], partition_id=pid)
+    with pytest.raises(KeyError):
+        tq_client.kv_batch_get(["a", "zz"], ["x"], partition_id=pid)
+    tq_client.kv_clear(["a"], pid)
+    out, err = capfd.readouterr()
+    assert "transfer_queue" not in out + err and "target_num_threads" not in out + err
+    tq_loggers = [n for n in logging.Logger.manager.loggerDict if n.startswith("transfer_queue")]
+    assert tq_loggers and all(logging.getLogger(n).getEffectiveLevel() >= logging.ERROR for n in tq_loggers)
+
+
+def test_our_tests_never_resolve_to_transfer_queues_tests_package(request: pytest.FixtureRequest) -> None:
+    """TransferQueue's wheel installs a top-level ``tests`` package; nothing of ours may be
+    imported through that name, and no test file may import from it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tests")
+    if spec is not None and spec.origin:
+        assert REPO not in Path(spec.origin).resolve().parents  # `tests` is theirs, not ours
+    # importlib mode may *name* our modules tests.*, but each must be loaded from our files.
+    ours = {n: m for n, m in sys.modules.items() if n == "tests" or n.startswith("tests.")}
+    for name, mod in ours.items():
+        origin = getattr(mod, "__file__", None)
+        if origin and name.count(".") >= 1 and "site-packages" in origin:
+            assert not (REPO / "tests" / Path(*name.split(".")[1:])).with_suffix(".py").exists(), (
+                f"{name} resolved to {origin}, shadowing our {name}"
+            )
+    assert Path(sys.modules[__name__].__file__).resolve() == Path(__file__).resolve()
+    conftests = [m for m in sys.modules.values() if getattr(m, "__file__", None) and Path(m.__file__).resolve() == REPO / "tests" / "conftest.py"]
+    assert conftests, "tests/conftest.py was not loaded from the repository"
+    for path in (REPO / "tests").rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                assert node.module.split(".")[0] != "tests", f"{path} imports from `tests`"
+            if isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] != "tests" for a in node.names), f"{path} imports `tests`"
+    assert request.getfixturevalue("memory_client") is not None  # conftest fixtures do load
+
+
+def test_partial_selection_fetches_only_the_selected_fields(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[list[str]] = []
+    real = tq_compat.get_rows
+
+    async def spy(client: Any, meta: Any, fields: Any) -> Any:
+        asked.append(list(fields))
+        return await real(client, meta, fields)
+
+    monkeypatch.setattr(tq_compat, "get_rows", spy)
+    meta = tq_client.kv_batch_put(["a", "b"], pid, {"big": torch.zeros(2, 4096), "small": torch.ones(2)})
+    out = tq_client.kv_batch_get(meta, ["small"])
+    assert asked == [["small"]] and list(out.keys()) == ["small"]
+
+
+def test_failed_write_leaves_no_new_keys_and_keeps_old_ones(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tq_client.kv_batch_put(["old"], pid, {"x": torch.tensor([1.0])}, tags=[{"v": 1}])
+
+    async def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("storage unit went away")
+
+    monkeypatch.setattr(tq_compat, "put_rows", boom)
+    with pytest.raises(RuntimeError, match="went away"):
+        tq_client.kv_batch_put(["old", "new1", "new2"], pid, {"x": torch.zeros(3)})
+    listed = tq_client.kv_list(pid)
+    assert listed.keys == ("old",) and listed.tags == ({"v": 1},)
+    monkeypatch.undo()
+    assert tq_client.kv_batch_get(["old"], ["x"], partition_id=pid)["x"].tolist() == [1.0]
+
+
+def test_op_timeout_names_op_partition_and_key_count(tq_client: TransferQueueClient, pid: str) -> None:
+    tq_client.kv_batch_put(["a", "b", "c"], pid, {"x": torch.zeros(3, 256)})
+    impatient = TransferQueueClient(TransferQueueConfig(op_timeout_s=1e-4), bootstrap=False)
+    try:
+        with pytest.raises(TimeoutError, match=rf"kv_batch_get on partition '{pid}' \(3 keys\).*op_timeout_s=0\.0001"):
+            impatient.kv_batch_get(["a", "b", "c"], ["x"], partition_id=pid)
+
+        async def one() -> None:
+            await impatient.async_kv_list(pid)
+
+        with pytest.raises(TimeoutError, match="kv_list"):
+            asyncio.run(one())
+    finally:
+        impatient.close()
+    assert tq_client.kv_list(pid).keys == ("a", "b", "c")  # store untouched, owner unaffected
+
+
+def test_reserved_layout_tag_is_hidden_and_protected(tq_client: TransferQueueClient, pid: str) -> None:
+    meta = tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1, 2)}, tags=[{"t": 1}])
+    assert meta.tags == ({"t": 1},) and tq_client.kv_list(pid).tags == ({"t": 1},)
+    with pytest.raises(ValueError, match=LAYOUT_TAG):
+        tq_client.kv_batch_put(["a"], pid, None, tags=[{LAYOUT_TAG: {}}])
+
+
+# ------------------------------------------------------------------ interop
+def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: TransferQueueClient, pid: str) -> None:
+    """A Ray actor using plain ``transfer_queue`` (tq.init() attaches to the store by name)
+    reads what the adapter wrote, and the adapter reads what it wrote."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class RawTQ:
+        def __init__(self) -> None:
+            import transfer_queue as tq
+
+            tq.init()  # attaches: the controller exists; never tq.close() here (it kills it)
+            self.tq = tq
+
+        def get(self, keys: list[str], pid: str, fields: list[str]) -> dict[str, Any]:
+            td = self.tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields)
+            return {k: ([r.clone() for r in v.unbind()] if v.is_nested else v.clone()) for k, v in td.items()}
+
+        def put(self, keys: list[str], pid: str) -> None:
+            from tensordict import TensorDict
+
+            td = TensorDict({"score": torch.tensor([0.5, 1.5]), "tok": torch.arange(6).view(2, 3)}, batch_size=[2])
+            self.tq.kv_batch_put(keys=keys, partition_id=pid, fields=td, tags=[{"src": "raw"}] * 2)
+
+        def tags(self, pid: str) -> dict[str, Any]:
+            return self.tq.kv_list(partition_id=pid)[pid]
+
+    ids = jagged([2, 5, 1])
+    dense = torch.arange(12, dtype=torch.float32).view(3, 4)
+    tq_client.kv_batch_put(["a", "b", "c"], pid, {"ids": ids, "logp": dense, "r": torch.tensor([1, 2, 3])}, tags=[{"n": 1}] * 3)
+    raw = RawTQ.remote()
+    try:
+        got = ray.get(raw.get.remote(["c", "a"], pid, ["ids", "logp", "r"]), timeout=120)
+        assert [t.tolist() for t in got["ids"]] == [ids.unbind()[2].tolist(), ids.unbind()[0].tolist()]
+        assert [t.tolist() for t in got["logp"]] == [dense[2].tolist(), dense[0].tolist()]  # TQ's own: nested
+        assert got["r"].tolist() == [3, 1]
+        raw_tags = ray.get(raw.tags.remote(pid), timeout=60)
+        assert raw_tags["a"]["n"] == 1 and raw_tags["a"][LAYOUT_TAG] == {"ids": "jagged", "logp": "dense", "r": "dense"}
+
+        ray.get(raw.put.remote(["x", "y"], pid), timeout=120)
+        out = tq_client.kv_batch_get(["y", "x"], ["score", "tok"], partition_id=pid)
+        assert out["score"].tolist() == [1.5, 0.5]  # scalar rows: dense
+        assert out["tok"].is_nested and [r.tolist() for r in out["tok"].unbind()] == [[3, 4, 5], [0, 1, 2]]
+        assert tq_client.kv_list(pid).tags[-1] == {"src": "raw"}
+    finally:
+        ray.kill(raw)

@@ -74,6 +74,8 @@ def normalize_fields(fields: TensorDict | Mapping[str, Any] | None, n_rows: int)
             raise TypeError(f"field {name!r}: dtype {value.dtype} is not supported (supported: {_dtype_names()})")
         if getattr(value, "is_nested", False) and not is_jagged(value):
             raise TypeError(f"field {name!r}: nested tensors must use layout=torch.jagged, got {value.layout}")
+        if not getattr(value, "is_nested", False) and value.layout != torch.strided:
+            raise TypeError(f"field {name!r}: layout {value.layout} is not supported; put a dense or jagged tensor")
         if value.dim() == 0:
             raise ValueError(f"field {name!r}: a 0-d tensor has no batch dimension; use shape [{n_rows}]")
         rows = value.size(0)

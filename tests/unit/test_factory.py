@@ -1,0 +1,101 @@
+"""build_data_plane_client: built-in names, custom backends by path, clear failures."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_dataplane.adapters.memory import InMemoryClient
+from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.factory import build_data_plane_client, resolve_backend
+from nemo_dataplane.observability import ObservedClient, OpEvent
+
+
+class ConfiguredStore(InMemoryClient):
+    """A custom backend with the from_config hook."""
+
+    def __init__(self, label: str, bootstrap: Any) -> None:
+        super().__init__()
+        self.label, self.bootstrap = label, bootstrap
+
+    @classmethod
+    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Any = "auto") -> "ConfiguredStore":
+        return cls(str(cfg.backend_kwargs["label"]), bootstrap)
+
+
+class KwargsStore(InMemoryClient):
+    def __init__(self, size: int = 0) -> None:
+        super().__init__()
+        self.size = size
+
+
+class NotAClient:
+    pass
+
+
+@pytest.fixture
+def fake_module() -> Iterator[str]:
+    name = "nd_fake_backends"
+    mod = types.ModuleType(name)
+    mod.ConfiguredStore = ConfiguredStore  # type: ignore[attr-defined]
+    mod.KwargsStore = KwargsStore  # type: ignore[attr-defined]
+    mod.NotAClient = NotAClient  # type: ignore[attr-defined]
+    sys.modules[name] = mod
+    yield name
+    del sys.modules[name]
+
+
+def test_memory_backend_and_observability_wrapper() -> None:
+    client = build_data_plane_client({"backend": "memory"})
+    assert type(client) is InMemoryClient
+    events: list[OpEvent] = []
+    wrapped = build_data_plane_client({"backend": "memory", "observability": {"enabled": True}}, on_event=events.append)
+    assert isinstance(wrapped, ObservedClient) and isinstance(wrapped.inner, InMemoryClient)
+    wrapped.kv_batch_put(["a"], "p", {"x": torch.zeros(1)})
+    assert [e.op for e in events] == ["kv_batch_put"]
+
+
+def test_custom_backend_by_path_uses_from_config(fake_module: str) -> None:
+    client = build_data_plane_client(
+        {"backend": f"{fake_module}:ConfiguredStore", "backend_kwargs": {"label": "x"}}, bootstrap=False
+    )
+    assert isinstance(client, ConfiguredStore) and client.label == "x" and client.bootstrap is False
+    plain = build_data_plane_client({"backend": f"{fake_module}:KwargsStore", "backend_kwargs": {"size": 3}})
+    assert isinstance(plain, KwargsStore) and plain.size == 3
+
+
+def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
+    with pytest.raises(ValueError, match=r"data_plane.backend='redis' is neither a built-in backend \['memory', 'transfer_queue'\]"):
+        resolve_backend("redis")
+    with pytest.raises(ValueError, match="is not a nemo_dataplane.DataPlaneClient subclass"):
+        resolve_backend(f"{fake_module}:NotAClient")
+    with pytest.raises(ValueError, match="has no attribute 'Missing'"):
+        resolve_backend(f"{fake_module}:Missing")
+    with pytest.raises(ImportError, match="cannot import 'no_such_pkg.sub'"):
+        resolve_backend("no_such_pkg.sub:Client")
+    with pytest.raises(ValueError, match="bootstrap must be"):
+        build_data_plane_client({"backend": "memory"}, bootstrap="yes")  # type: ignore[arg-type]
+
+
+def test_missing_optional_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate an environment without TransferQueue: the lazy import fails with an install hint.
+    monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue", None)
+    with pytest.raises(ImportError, match=r"backend='transfer_queue'.*pip install transferqueue==0.1.11 ray"):
+        resolve_backend("transfer_queue")
+
+
+def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> None:
+    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+
+    client = build_data_plane_client({"backend": "transfer_queue"}, bootstrap=False)
+    try:
+        assert isinstance(client, TransferQueueClient) and not client.owns_store
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match=r"backend_kwargs \['port'\]"):
+        build_data_plane_client({"backend": "transfer_queue", "backend_kwargs": {"port": 1}}, bootstrap=False)

@@ -62,9 +62,16 @@ class RankActor:
     def ready(self) -> bool:
         return True
 
-    def dp_step(self, meta: Any, fields: list[str]) -> dict[str, int]:
+    def dp_step(self, meta: Any, fields: list[str]) -> dict[str, Any]:
+        t0 = time.perf_counter()
         got = self.fetcher.fetch(meta, fields)
-        return {"rows": len(meta), "microbatches": len(got.microbatches), "bytes": batch_nbytes(got.data)}
+        fetch_ms = (time.perf_counter() - t0) * 1e3
+        return {
+            "rows": len(meta),
+            "microbatches": len(got.microbatches),
+            "bytes": batch_nbytes(got.data),
+            "fetch_ms": fetch_ms,
+        }
 
     def legacy_step(self, shard: Any) -> dict[str, int]:
         mbs = shard.microbatches()  # Ray resolved the ObjectRef argument: ray.get happened here
@@ -102,7 +109,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=8192)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_fan_out.json"))
     args = ap.parse_args()
@@ -138,13 +145,14 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         for dp in args.dp:
             ranks = actors[:dp]
-            times: dict[str, list[float]] = {"data_plane": [], "legacy": []}
+            times: dict[str, list[float]] = {"data_plane": [], "legacy": [], "dp_driver": [], "dp_fetch": [], "legacy_driver": []}
             drv: dict[str, int] = {}
             for rep in range(args.repeats + 1):  # first round is warm-up
                 # ---- data plane
                 t0 = time.perf_counter()
                 pre = driver_balanced_preshards(rollout_meta, dp, cfg)
                 metas = fan_out_per_rank_metas(None, pre, rollout_meta, partition_id=pid, key_prefix="unused")
+                t_dp_driver = time.perf_counter() - t0
                 acks = ray.get([a.dp_step.remote(m, FIELDS) for a, m in zip(ranks, metas)], timeout=300)
                 t_dp = time.perf_counter() - t0
                 assert sum(a["rows"] for a in acks) == args.samples
@@ -155,6 +163,7 @@ def main() -> None:
                 pre_l = driver_balanced_preshards(rollout_batch, dp, cfg)
                 shards = legacy_shard(rollout_batch, pre_l)
                 refs = ship_shards(shards)
+                t_legacy_driver = time.perf_counter() - t0
                 acks_l = ray.get([a.legacy_step.remote(ref) for a, ref in zip(ranks, refs)], timeout=300)
                 t_legacy = time.perf_counter() - t0
                 assert [a["bytes"] for a in acks_l] == [a["bytes"] + 8 * a["rows"] for a in acks]  # + seq_len column
@@ -163,6 +172,9 @@ def main() -> None:
                 if rep:
                     times["data_plane"].append(t_dp)
                     times["legacy"].append(t_legacy)
+                    times["dp_driver"].append(t_dp_driver)
+                    times["legacy_driver"].append(t_legacy_driver)
+                    times["dp_fetch"].append(max(a["fetch_ms"] for a in acks) / 1e3)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             rows.append(
                 {
@@ -172,6 +184,9 @@ def main() -> None:
                     "data_plane_ms": med["data_plane"],
                     "legacy_ms": med["legacy"],
                     "ratio_dp_over_legacy": med["data_plane"] / med["legacy"],
+                    "data_plane_driver_plan_fan_out_ms": med["dp_driver"],
+                    "data_plane_slowest_rank_fetch_ms": med["dp_fetch"],
+                    "legacy_driver_shard_put_ms": med["legacy_driver"],
                     "data_plane_driver_bytes": drv["data_plane"],
                     "data_plane_driver_pct_payload": 100.0 * drv["data_plane"] / payload,
                     "legacy_driver_bytes": drv["legacy"],
@@ -195,13 +210,15 @@ def main() -> None:
     header = (
         f"bench_fan_out: {args.samples} samples, seq_len {args.min_len}..{args.max_len}, fields {FIELDS} "
         f"(payload {payload / 2**20:.2f} MiB), packing=sequence/{args.max_tokens_per_microbatch}, "
-        f"median of {args.repeats}, {os.cpu_count()} CPUs, boot {boot_s:.0f}s"
+        f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, boot {boot_s:.0f}s"
     )
-    cols = ["DP", "mb/rank", "data plane ms", "legacy ms", "ratio dp/legacy", "driver bytes dp", "% payload", "driver bytes legacy", "% payload"]
+    cols = ["DP", "mb/rank", "data plane ms", "(driver / slowest fetch)", "legacy ms", "(driver shard+put)", "ratio dp/legacy", "driver bytes dp", "% payload", "driver bytes legacy", "% payload"]
     table = [header, "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         table.append(
-            f"| {r['dp']} | {r['microbatches_per_rank']} | {r['data_plane_ms']:.1f} | {r['legacy_ms']:.1f} | "
+            f"| {r['dp']} | {r['microbatches_per_rank']} | {r['data_plane_ms']:.1f} | "
+            f"{r['data_plane_driver_plan_fan_out_ms']:.1f} / {r['data_plane_slowest_rank_fetch_ms']:.1f} | "
+            f"{r['legacy_ms']:.1f} | {r['legacy_driver_shard_put_ms']:.1f} | "
             f"{r['ratio_dp_over_legacy']:.2f} | {r['data_plane_driver_bytes']:,} | {r['data_plane_driver_pct_payload']:.3f}% | "
             f"{r['legacy_driver_bytes']:,} | {r['legacy_driver_pct_payload']:.1f}% |"
         )

@@ -48,7 +48,8 @@ async def async_fan_out_per_rank_metas(
 
     * ``KVBatchMeta`` source: re-sliced, no I/O; keys, tags and ``fields`` are kept (``client``
       may be ``None``; ``key_prefix`` is unused). ``partition_id`` must match the source's.
-    * ``TensorDict`` source: every tensor field is written under keys ``f"{key_prefix}/{i}"``
+    * ``TensorDict`` source: every tensor field (non-tensor entries are not stored) is written
+      under keys ``f"{key_prefix}/{i}"``
       (``i`` = row in the caller's order) with tags ``{"seq_len": ...}``, all ranks' puts in one
       ``asyncio.gather``. Puts upsert, so ``key_prefix`` must be unique per fan-out (e.g.
       ``f"step{n}/train"``) for concurrent fan-outs not to collide. If any put fails or the
@@ -95,7 +96,12 @@ async def async_fan_out_per_rank_metas(
         raise ValueError(f"fan-out: the batch has {rows} rows but the plan covers {n} samples")
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"fan-out: key_prefix must be a non-empty str, got {key_prefix!r}")
-    tensor_fields = {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and not isinstance(v, TensorDict)}
+    tensor_fields: dict[str, torch.Tensor] = {}
+    for name, value in source.items():
+        if isinstance(value, TensorDict):
+            raise TypeError(f"fan-out: field {name!r} is a nested TensorDict; flatten it into named tensors")
+        if isinstance(value, torch.Tensor):
+            tensor_fields[name] = value
     if not tensor_fields:
         raise ValueError("fan-out: the batch has no tensor fields to write")
     batch = TensorDict(tensor_fields, batch_size=[n])

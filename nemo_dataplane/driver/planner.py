@@ -40,6 +40,7 @@ empty micro-batch would still have to join every collective, with nothing to com
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -243,7 +244,7 @@ def _check_inputs(seq_lens: Sequence[int], dp_world: int) -> list[int]:
         raise ValueError(f"dp_world must be an int >= 1, got {dp_world!r}")
     lens: list[int] = []
     for i, s in enumerate(seq_lens):
-        if isinstance(s, bool) or int(s) != s or s < 0:
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or s != s or int(s) != s or s < 0:
             raise ValueError(f"seq_lens[{i}] must be a non-negative int, got {s!r}")
         lens.append(int(s))
     if len(lens) < dp_world:

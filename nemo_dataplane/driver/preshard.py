@@ -7,6 +7,7 @@ the same code and can be compared byte for byte.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,7 +100,7 @@ def _lengths_from_field(batch: TensorDict, name: str) -> list[int]:
 def _as_length(value: Any, where: str) -> int:
     if isinstance(value, torch.Tensor):
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or int(value) != value or value < 0:
         raise ValueError(f"{where} must be a non-negative int, got {value!r}")
     return int(value)
 

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -77,6 +78,11 @@ class StatelessGroupError(RuntimeError):
 
 class StatelessGroupTimeout(StatelessGroupError, TimeoutError):
     """A bounded wait of a stateless group ran out of time."""
+
+
+def _try(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        fn()
 
 
 def _import_nccl() -> Any:
@@ -185,6 +191,8 @@ class StatelessProcessGroup:
             distinct names.
         store: an existing ``torch.distributed.Store`` to use instead of creating a TCPStore
             at ``host:port``.
+        nccl_config: fields of ``nccl.core.NCCLConfig`` (e.g. ``{"min_ctas": 32}``) for the
+            communicator; ignored for gloo.
     """
 
     def __init__(
@@ -199,6 +207,7 @@ class StatelessProcessGroup:
         device: torch.device | int | str | None = None,
         group_name: str = "default",
         store: dist.Store | None = None,
+        nccl_config: dict[str, Any] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -223,6 +232,7 @@ class StatelessProcessGroup:
         self._comm: Any = None
         self._pg: Any = None
         self._in_coalesce = False
+        self._nccl_config = dict(nccl_config or {})
 
         if backend == "nccl":
             # Import first: a missing extra should fail before any peer is kept waiting on us.
@@ -324,8 +334,9 @@ class StatelessProcessGroup:
 
         def _build() -> Any:
             # NCCL binds the communicator to the device current at init time.
+            config = nccl.NCCLConfig(**self._nccl_config) if self._nccl_config else None
             with torch.cuda.device(self.device):
-                return nccl.Communicator.init(self.world_size, self.rank, uid)
+                return nccl.Communicator.init(self.world_size, self.rank, uid, config)
 
         # ncclCommInitRank blocks until every rank joins and has no timeout of its own; run it
         # on a thread so a rank dying after the store rendezvous cannot hang us forever.
@@ -426,9 +437,13 @@ class StatelessProcessGroup:
     def _abort(self) -> None:
         self._broken = True
         if self._comm is not None:
-            with contextlib.suppress(Exception):
-                self._comm.abort()
-            self._comm = None
+            comm, self._comm = self._comm, None
+            # ncclCommAbort can itself block while a kernel waits on a dead peer; never let it
+            # turn a bounded wait into a hang: give it a few seconds on a daemon thread.
+            t = threading.Thread(target=_try, args=(comm.abort,),
+                                 name=f"spg-abort-{self.group_name}", daemon=True)
+            t.start()
+            t.join(timeout=min(10.0, self.timeout))
         if self._pg is not None and hasattr(self._pg, "abort"):
             with contextlib.suppress(Exception):
                 self._pg.abort()

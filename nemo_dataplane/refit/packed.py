@@ -55,8 +55,10 @@ _ALIGN = 256
 _MAGIC = 0x52454649  # "REFI"
 _STATUS_OK = 0
 _STATUS_ABORT = 1
-# Direct tensors issued in one NCCL group (one launch) at most.
+# Direct tensors are issued in NCCL groups (one launch each) of at most this many ops/bytes:
+# large enough to amortise launch cost, small enough that the first group starts early.
 _MAX_OPS_PER_GROUP = 64
+_MAX_GROUP_BYTES = 256 << 20
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -239,8 +241,17 @@ def _to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
             raise TypeError(f"named tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if name in out:
             raise ValueError(f"tensor name {name!r} appears twice")
-        out[name] = t.detach()
+        out[name] = t
     return out
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, in as few kernel launches as torch allows."""
+    try:
+        torch._foreach_copy_(dst, src)
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+        for d, x in zip(dst, src):
+            d.copy_(x)
 
 
 class _Endpoint:
@@ -254,6 +265,8 @@ class _Endpoint:
         self.info: RefitInfo | None = None
         self.plan: list[Bucket | Direct] = []
         self._bufs: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] | None = None
+        self._fp = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._cuda = group.backend == "nccl"
 
@@ -262,9 +275,9 @@ class _Endpoint:
     def _key(self, *parts: object) -> str:
         return "/".join([self.group.prefix, "refit", self.channel, *(str(p) for p in parts)])
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
         src = self._source() if callable(self._source) else self._source
-        return _to_dict(src)
+        return src if isinstance(src, Mapping) else _to_dict(src)
 
     def _specs_and_tensors(self) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
         tensors = self._tensors()
@@ -274,14 +287,31 @@ class _Endpoint:
             raise RefitError(f"rank {self.group.rank}: tensors must be on the group's device {dev}: {_clip(bad)}")
         return [TensorSpec.of(n, t) for n, t in tensors.items()], tensors
 
-    def _ordered(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _compile(self, info: RefitInfo) -> None:
+        """Precompute everything a refit needs from ``info`` so the hot path is plain lookups."""
+        self.info = info
+        self.plan = build_plan(info)
+        self._fp = info.fingerprint()
+        self._names = [t.name for t in info.tensors]
+        self._shapes = [torch.Size(t.shape) for t in info.tensors]
+        self._dtypes = [t.torch_dtype for t in info.tensors]
+        self._bucket_idx = [[i for i, _ in b.entries] for b in self.plan if isinstance(b, Bucket)]
+        self.release_buffers()
+
+    def _ordered(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Tensors in ``info`` order, checked against ``info`` (layout may not change after prepare)."""
         assert self.info is not None
+        out = []
+        for name, shape, dt in zip(self._names, self._shapes, self._dtypes):
+            t = tensors.get(name)
+            if t is None or t.shape != shape or t.dtype != dt:
+                break
+            out.append(t)
+        if len(out) == len(self._names) and len(tensors) == len(out):
+            return out
         problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()])
-        if problems:
-            raise RefitMismatchError(
-                f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {_clip(problems)}")
-        return [tensors[s.name] for s in self.info.tensors]
+        raise RefitMismatchError(
+            f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {_clip(problems)}")
 
     def _publish_error(self, msg: str) -> None:
         with contextlib.suppress(Exception):
@@ -293,17 +323,24 @@ class _Endpoint:
                  for r in ranks if store.check([self._key("error", r)])]
         return "; ".join(found) or None
 
-    def _buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
-        if len(self._bufs) < n or (self._bufs and self._bufs[0].numel() < nbytes):
-            self._bufs = []  # drop first so old and new buffers never coexist
-            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.group.device) for _ in range(n)]
-        return self._bufs
-
-    def _bucket_buffers(self) -> list[torch.Tensor]:
-        sizes = [b.nbytes for b in self.plan if isinstance(b, Bucket)]
-        if not sizes:
-            return []
-        return self._buffers(min(2, len(sizes)), max(sizes))
+    def _bucket_views(self) -> list[list[torch.Tensor]]:
+        """Per bucket, typed views of its slot in the two reusable buffers (built once)."""
+        if self._views is None:
+            buckets = [b for b in self.plan if isinstance(b, Bucket)]
+            views: list[list[torch.Tensor]] = []
+            self._wire = []
+            if buckets:
+                size = max(b.nbytes for b in buckets)
+                bufs = [torch.empty(size, dtype=torch.uint8, device=self.group.device)
+                        for _ in range(min(2, len(buckets)))]
+                for k, b in enumerate(buckets):
+                    buf = bufs[k & 1]
+                    views.append([buf[off: off + self.info.tensors[i].nbytes]  # type: ignore[union-attr]
+                                  .view(self._dtypes[i]).view(self._shapes[i]) for i, off in b.entries])
+                    self._wire.append(buf[: b.nbytes])
+                self._bufs = bufs
+            self._views = views
+        return self._views
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._streams is None:
@@ -314,9 +351,8 @@ class _Endpoint:
     def release_buffers(self) -> None:
         """Free the bucket buffers (they are re-allocated by the next refit)."""
         self._bufs = []
-
-    def _view(self, buf: torch.Tensor, off: int, spec: TensorSpec) -> torch.Tensor:
-        return buf[off: off + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+        self._wire: list[torch.Tensor] = []
+        self._views = None
 
     def _handshake(self, my_status: str, what: str) -> None:
         """Post this rank's status, wait for everyone's, raise if any rank failed."""
@@ -374,8 +410,7 @@ class RefitSender(_Endpoint):
             g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
             raise
         g.store.set(self._key(self._gen, "info"), info.to_bytes())
-        self.info = info
-        self.plan = build_plan(info)
+        self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
         return info
 
@@ -383,7 +418,6 @@ class RefitSender(_Endpoint):
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
         if self.info is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before send_weights()")
-        g = self.group
         try:
             ordered = self._ordered(self._tensors())
         except Exception as e:
@@ -404,7 +438,7 @@ class RefitSender(_Endpoint):
 
     def _header(self, version: int, status: int) -> torch.Tensor:
         assert self.info is not None
-        return torch.tensor([_MAGIC, self.info.fingerprint(), version, status], dtype=torch.int64,
+        return torch.tensor([_MAGIC, self._fp, version, status], dtype=torch.int64,
                             device=self.group.device)
 
     def _broadcast_header(self, version: int, status: int) -> None:
@@ -418,21 +452,19 @@ class RefitSender(_Endpoint):
 
     def _send_cpu(self, tensors: list[torch.Tensor], version: int) -> None:
         g = self.group
+        views = self._bucket_views()
         works = [g.broadcast(self._header(version, _STATUS_OK), self.src, async_op=True)]
-        bufs = self._bucket_buffers()
         in_flight: list = [None, None]  # per buffer: the broadcast still reading it
         keep: list[torch.Tensor] = []  # contiguous copies of direct tensors, alive until sent
-        b = 0
+        k = 0
         for item in self.plan:
             if isinstance(item, Bucket):
-                slot = b & 1
+                slot = k & 1
                 if in_flight[slot] is not None:
                     in_flight[slot].wait(watch=self._watch)
-                buf = bufs[slot]
-                for idx, off in item.entries:
-                    self._view(buf, off, self.info.tensors[idx]).copy_(tensors[idx])  # type: ignore[union-attr]
-                in_flight[slot] = g.broadcast(buf[: item.nbytes], self.src, async_op=True)
-                b += 1
+                _copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
+                in_flight[slot] = g.broadcast(self._wire[k], self.src, async_op=True)
+                k += 1
             else:
                 t = tensors[item.index]
                 wire = t if t.is_contiguous() else t.contiguous()
@@ -452,11 +484,11 @@ class RefitSender(_Endpoint):
         comm.wait_stream(cur)
         pack.wait_stream(cur)
         g.broadcast(header, self.src, stream=comm)
-        bufs = self._bucket_buffers()
+        views = self._bucket_views()
         free: list[torch.cuda.Event | None] = [None, None]  # per buffer: its last broadcast done
         directs: list[torch.Tensor] = []
         direct_bytes = 0
-        b = 0
+        k = 0
 
         def flush() -> None:
             nonlocal directs, direct_bytes
@@ -473,26 +505,24 @@ class RefitSender(_Endpoint):
             if isinstance(item, Bucket):
                 if directs:
                     flush()
-                slot = b & 1
-                buf = bufs[slot]
+                slot = k & 1
                 with torch.cuda.stream(pack):
                     if free[slot] is not None:
                         pack.wait_event(free[slot])
-                    for idx, off in item.entries:
-                        self._view(buf, off, self.info.tensors[idx]).copy_(tensors[idx])  # type: ignore[union-attr]
+                    _copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
                     packed = torch.cuda.Event()
                     packed.record(pack)
                 comm.wait_event(packed)
-                g.broadcast(buf[: item.nbytes], self.src, stream=comm)
+                g.broadcast(self._wire[k], self.src, stream=comm)
                 done = torch.cuda.Event()
                 done.record(comm)
                 free[slot] = done
-                b += 1
+                k += 1
             else:
                 t = tensors[item.index]
                 directs.append(t)
                 direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= self.bucket_bytes or len(directs) >= _MAX_OPS_PER_GROUP:
+                if direct_bytes >= _MAX_GROUP_BYTES or len(directs) >= _MAX_OPS_PER_GROUP:
                     flush()
         if directs:
             flush()
@@ -550,8 +580,7 @@ class RefitReceiver(_Endpoint):
                     f"rank {g.rank}: sender and receiver layouts differ, no weights were moved: "
                     f"{_clip(problems)} || all ranks: {e}") from None
             raise
-        self.info = info
-        self.plan = build_plan(info)
+        self._compile(info)
         return info
 
     def receive_weights(self) -> int:
@@ -586,9 +615,9 @@ class RefitReceiver(_Endpoint):
         if status == _STATUS_ABORT:
             why = self._errors_of([self.src]) or "no reason posted"
             raise RefitError(f"rank {g.rank}: sender rank {self.src} aborted refit of version {version}: {why}")
-        if magic != _MAGIC or fp != self.info.fingerprint():
+        if magic != _MAGIC or fp != self._fp:
             msg = (f"refit header mismatch (magic {magic:#x}, fingerprint {fp} vs ours "
-                   f"{self.info.fingerprint()}): sender and receiver prepared different layouts")
+                   f"{self._fp}): sender and receiver prepared different layouts")
             self._publish_error(msg)
             raise RefitError(f"rank {g.rank}: {msg}")
         return version
@@ -598,25 +627,24 @@ class RefitReceiver(_Endpoint):
         header = torch.zeros(4, dtype=torch.int64)
         g.broadcast(header, self.src, async_op=True).wait(watch=self._watch)  # type: ignore[union-attr]
         version = self._check_header(header)
-        bufs = self._bucket_buffers()
-        pending: tuple | None = None  # (work, buffer, bucket) received but not yet unpacked
+        views = self._bucket_views()
+        pending: tuple | None = None  # (work, bucket number) received but not yet unpacked
         directs: list[tuple] = []  # (work, tmp or None, destination)
-        b = 0
+        k = 0
 
         def unpack(p: tuple) -> None:
-            work, buf, bucket = p
+            work, j = p
             work.wait(watch=self._watch)
-            for idx, off in bucket.entries:
-                tensors[idx].copy_(self._view(buf, off, self.info.tensors[idx]))  # type: ignore[union-attr]
+            _copy_all([tensors[i] for i in self._bucket_idx[j]], views[j])
 
         for item in self.plan:
             if isinstance(item, Bucket):
-                buf = bufs[b & 1]  # its previous bucket (b-2) was unpacked one step ago
-                work = g.broadcast(buf[: item.nbytes], self.src, async_op=True)
+                # Bucket k reuses the buffer of bucket k-2, which was unpacked one step ago.
+                work = g.broadcast(self._wire[k], self.src, async_op=True)
                 if pending is not None:
                     unpack(pending)
-                pending = (work, buf, item)
-                b += 1
+                pending = (work, k)
+                k += 1
             else:
                 t = tensors[item.index]
                 tmp = None if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
@@ -642,11 +670,11 @@ class RefitReceiver(_Endpoint):
         # One host sync here lets a sender abort (or a layout mismatch) stop us before any bulk.
         g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
         version = self._check_header(header)
-        bufs = self._bucket_buffers()
+        views = self._bucket_views()
         free: list[torch.cuda.Event | None] = [None, None]  # per buffer: unpack of its last bucket done
         directs: list[torch.Tensor] = []
         direct_bytes = 0
-        b = 0
+        k = 0
 
         def flush() -> None:
             nonlocal directs, direct_bytes
@@ -668,26 +696,24 @@ class RefitReceiver(_Endpoint):
             if isinstance(item, Bucket):
                 if directs:
                     flush()
-                slot = b & 1
-                buf = bufs[slot]
+                slot = k & 1
                 if free[slot] is not None:
                     comm.wait_event(free[slot])
-                g.broadcast(buf[: item.nbytes], self.src, stream=comm)
+                g.broadcast(self._wire[k], self.src, stream=comm)
                 got = torch.cuda.Event()
                 got.record(comm)
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(got)
-                    for idx, off in item.entries:
-                        tensors[idx].copy_(self._view(buf, off, self.info.tensors[idx]))  # type: ignore[union-attr]
+                    _copy_all([tensors[i] for i in self._bucket_idx[k]], views[k])
                     done = torch.cuda.Event()
                     done.record(unpack)
                 free[slot] = done
-                b += 1
+                k += 1
             else:
                 t = tensors[item.index]
                 directs.append(t)
                 direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= self.info.bucket_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
+                if direct_bytes >= _MAX_GROUP_BYTES or len(directs) >= _MAX_OPS_PER_GROUP:
                     flush()
         if directs:
             flush()

@@ -65,7 +65,7 @@ def make_pool(workers: int = 4) -> ProcessPoolExecutor:
 
 def kill_pool(pool: ProcessPoolExecutor) -> None:
     """Terminate this pool's own worker processes (by pid) and shut it down."""
-    for p in list(getattr(pool, "_processes", {}).values()):
+    for p in list((getattr(pool, "_processes", None) or {}).values()):
         with contextlib.suppress(Exception):
             p.kill()
     pool.shutdown(wait=False, cancel_futures=True)
@@ -75,10 +75,14 @@ def _dev(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _group(rank: int, world: int, port: int, backend: str, timeout: float = 20.0, **kw: Any) -> StatelessProcessGroup:
+def _group(rank: int, world: int, port: int, backend: str, timeout: float = 20.0, *,
+           gpu: int | None = None, **kw: Any) -> StatelessProcessGroup:
+    """Join a group; with nccl, on GPU ``gpu`` (default: the rank's index)."""
     if backend == "nccl":
-        torch.cuda.set_device(rank)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        gpu = rank if gpu is None else gpu
+        torch.cuda.set_device(gpu)
+        kw["device"] = gpu
     return StatelessProcessGroup(HOST, port, rank, world, backend, timeout, **kw)
 
 
@@ -138,7 +142,8 @@ def collectives(rank: int, world: int, port: int, backend: str = "gloo") -> dict
 
 def join_then_idle(rank: int, world: int, port: int, timeout: float, backend: str = "gloo",
                    skip: str = "") -> dict[str, Any]:
-    """Join a group; then, unless told to skip it, take part in a barrier / a recv."""
+    """Join a group; then rank 0 waits on rank 1, which stays silent for ``skip`` ("barrier": a
+    barrier, "send": a recv on rank 0, "bcast": a broadcast from rank 1)."""
     t0 = time.monotonic()
     try:
         g = _group(rank, world, port, backend, timeout)
@@ -152,22 +157,29 @@ def join_then_idle(rank: int, world: int, port: int, timeout: float, backend: st
             t0 = time.monotonic()
             g.recv(torch.zeros(3, device=g.device), 1)
             g.synchronize()
+        if rank == 0 and skip == "bcast":
+            # A collective whose data must come from the silent rank: cannot complete locally.
+            t0 = time.monotonic()
+            g.broadcast(torch.zeros(1 << 20, device=g.device), src=1)
+            g.synchronize()
         return {"error": None}
     except Exception as e:
         return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
     finally:
-        if skip:
+        if skip and rank != 0:
             # Let the peer's bounded wait expire before our group (and the store) go away.
-            time.sleep(timeout + 1.0 if rank != 0 else 0)
-        g.destroy()
+            time.sleep(timeout + 1.0)
+        if skip and backend == "nccl":
+            g._abort()  # the peer aborted its side; a collective destroy could wait on it
+        else:
+            g.destroy()
 
 
 def two_groups(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict[str, Any]:
     """Three groups in each of two processes: A, B sharing A's store, C with swapped ranks."""
-    a = _group(rank, 2, ports[0], backend, group_name="a")
-    b = StatelessProcessGroup(HOST, ports[0], rank, 2, backend, 20.0, group_name="b", store=a.store,
-                              device=a.device)
-    c = _group(1 - rank, 2, ports[1], backend, group_name="c")
+    a = _group(rank, 2, ports[0], backend, group_name="a", gpu=rank)
+    b = _group(rank, 2, ports[0], backend, group_name="b", gpu=rank, store=a.store)
+    c = _group(1 - rank, 2, ports[1], backend, group_name="c", gpu=rank)
     dev = a.device
     res = {}
     for name, g in (("a", a), ("b", b), ("c", c)):

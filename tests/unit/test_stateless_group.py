@@ -46,7 +46,6 @@ def test_collectives_gloo(pool: ProcessPoolExecutor, world: int) -> None:
         assert out["max"] == [world - 1] * 3
         prv = (r - 1) % world
         assert out["ring"] == [100 * prv + i for i in range(4)]
-        assert out["init_seconds"] < 5.0
 
 
 def test_rank_that_never_joins_is_named(pool: ProcessPoolExecutor) -> None:

@@ -1,0 +1,87 @@
+"""StatelessProcessGroup(nccl) and packed refit on 2 GPUs; skipped without nccl4py or 2 GPUs."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nccl.core", reason="nccl4py not installed (pip install 'nemo-dataplane[gpu]')")
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _refit_procs as P  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    ex = P.make_pool(2)
+    yield ex
+    P.kill_pool(ex)
+
+
+def _ok(res: dict) -> None:
+    for r, out in res.items():
+        assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
+
+
+def test_nccl_collectives(pool: ProcessPoolExecutor) -> None:
+    res = P.run_ranks(pool, P.collectives, [0, 1], world=2, port=P.free_port(), backend="nccl")
+    _ok(res)
+    for r in (0, 1):
+        bcasts = {k: v for k, v in res[r].items() if k.startswith("bcast_")}
+        assert all(bcasts.values()), (r, bcasts)
+        assert res[r]["sum"] == [3.0] * 5 and res[r]["max"] == [1] * 3
+        assert res[r]["ring"] == [100 * (1 - r) + i for i in range(4)]
+
+
+@pytest.mark.parametrize("direct_bytes", [None, 0], ids=["packed", "per-tensor"])
+def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | None) -> None:
+    res = P.run_ranks(pool, P.refit_roundtrip, [0, 1], world=2, port=P.free_port(), backend="nccl",
+                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42))
+    _ok(res)
+    refits = res[1]["refits"]
+    assert [x["version"] for x in refits] == [41, 42]
+    assert [x["attr_version"] for x in refits] == [41, 42]
+    assert [x["wrong"] for x in refits] == [[], []], refits
+
+
+def test_nccl_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:
+    res = P.run_ranks(pool, P.two_groups, [0, 1], ports=(P.free_port(), P.free_port()), backend="nccl")
+    _ok(res)
+    for r in (0, 1):
+        assert res[r]["a"] == (r, [11] * 4) and res[r]["b"] == (r, [22] * 4) and res[r]["c"] == (1 - r, [33] * 4)
+    w = [[float(i * 4 + j) for j in range(4)] for i in range(3)]
+    assert res[1]["got"] == (5, w)
+    assert res[0]["got"] == (6, [[2 * x for x in row] for row in w])
+
+
+def test_nccl_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> None:
+    res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl")
+    for r in (0, 1):
+        assert res[r]["error"] == "RefitMismatchError", res[r]
+        assert "a: shape sender [4, 4] != receiver [4, 5]" in res[r]["msg"]
+    assert res[1]["untouched"]
+
+
+def test_nccl_sender_abort_reaches_receiver(pool: ProcessPoolExecutor) -> None:
+    res = P.run_ranks(pool, P.refit_sender_abort, [0, 1], world=2, port=P.free_port(), backend="nccl")
+    assert res[0]["error"] == "RefitMismatchError", res[0]
+    assert res[1]["error"] == "RefitError" and "aborted refit of version 3" in res[1]["msg"], res[1]
+
+
+def test_nccl_dead_peer_times_out(pool: ProcessPoolExecutor) -> None:
+    timeout = 3.0
+    res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=P.free_port(), timeout=timeout,
+                      backend="nccl", skip="bcast", limit=40.0)
+    out = res[0]
+    assert out["error"] == "StatelessGroupTimeout", out
+    assert "did not finish within 3s" in out["msg"] and "rank 0 of world size 2" in out["msg"], out["msg"]
+    assert out["elapsed"] < timeout + 3.0

@@ -156,10 +156,11 @@ class WorkerFetcher:
         elif self.is_leader:
             try:
                 data = self._client().kv_batch_get(meta, names)
+                header, payload = self._encode(data, names)
             except BaseException as e:
                 self._send_error(f"{type(e).__name__}: {e}")
                 raise
-            self._send(data, names)
+            self._send(header, payload)
         else:
             data = self._receive(names)
         return self._finish(meta, data)
@@ -173,10 +174,11 @@ class WorkerFetcher:
         elif self.is_leader:
             try:
                 data = await self._async_get(meta, names)
+                header, payload = self._encode(data, names)
             except BaseException as e:
                 await asyncio.to_thread(self._send_error, f"{type(e).__name__}: {e}")
                 raise
-            await asyncio.to_thread(self._send, data, names)
+            await asyncio.to_thread(self._send, header, payload)
         else:
             data = await asyncio.to_thread(self._receive, names)
         return self._finish(meta, data)
@@ -262,8 +264,14 @@ class WorkerFetcher:
         self._send_header([_ERROR, raw.numel()])
         self._bcast(raw.to(self._device))
 
-    def _send(self, data: TensorDict, names: list[str]) -> None:
-        # Header: [status, n_rows, n_fields, per field: jagged, dtype code, ndim, *values shape].
+    @staticmethod
+    def _encode(data: TensorDict, names: list[str]) -> tuple[list[int], list[torch.Tensor]]:
+        """Header ``[status, n_rows, n_fields, per field: jagged, dtype code, ndim, *values shape]``
+        and the tensors to send (each field's values, then offsets for jagged fields).
+
+        Raises:
+            TypeError: a field whose dtype has no wire code (names it).
+        """
         n = data.batch_size[0] if data.batch_dims else 0
         header = [_OK, n, len(names)]
         payload: list[torch.Tensor] = []
@@ -271,10 +279,15 @@ class WorkerFetcher:
             t = data.get(name)
             jagged = bool(getattr(t, "is_nested", False))
             values = t.values() if jagged else t
+            if values.dtype not in _DTYPES:
+                raise TypeError(f"field {name!r}: dtype {values.dtype} cannot be broadcast")
             header += [int(jagged), _DTYPES.index(values.dtype), values.dim(), *values.shape]
             payload.append(values)
             if jagged:
                 payload.append(t.offsets().to(torch.int64))
+        return header, payload
+
+    def _send(self, header: list[int], payload: list[torch.Tensor]) -> None:
         self._send_header(header)
         for t in payload:
             if t.numel():

@@ -132,7 +132,11 @@ class _Rank:
         self.client = ObservedClient(TransferQueueClient(TransferQueueConfig(op_timeout_s=30), bootstrap=False))
         return True
 
-    def run(self, policy: str, meta: KVBatchMeta, fields: list[str], pass_client: bool = True) -> dict[str, Any]:
+    def run(
+        self, policy: str, meta: KVBatchMeta, fields: list[str], pass_client: bool = True, use_async: bool = False
+    ) -> dict[str, Any]:
+        import asyncio
+
         before = dict(self.client.op_counts)
         fetcher = WorkerFetcher(
             self.client if pass_client else None,
@@ -143,7 +147,7 @@ class _Rank:
         )
         out: dict[str, Any] = {"rank": self.rank, "leader": fetcher.is_leader, "policy": fetcher.fetch_policy}
         try:
-            got = fetcher.fetch(meta, fields)
+            got = asyncio.run(fetcher.async_fetch(meta, fields)) if use_async else fetcher.fetch(meta, fields)
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["error"] = f"{type(e).__name__}: {e}"
         else:
@@ -154,7 +158,11 @@ class _Rank:
             out["n_microbatches"] = len(got.microbatches)
             # Every rank computes the same result; only the leader's write may reach the store.
             score = torch.stack([row.float().sum() for row in got.data["logprobs"].unbind(0)])
-            out["wrote"] = fetcher.write_back(meta, {f"score_{policy}": score}) is not None
+            scores = {f"score_{policy}{'_async' if use_async else ''}": score}
+            if use_async:
+                out["wrote"] = asyncio.run(fetcher.async_write_back(meta, scores)) is not None
+            else:
+                out["wrote"] = fetcher.write_back(meta, scores) is not None
         out["ops"] = {k: v - before.get(k, 0) for k, v in self.client.op_counts.items() if v - before.get(k, 0)}
         return out
 
@@ -200,10 +208,13 @@ def _run_all(ray: Any, actors: list[Any], policy: str, metas: list[KVBatchMeta],
     return ray.get([a.run.remote(policy, metas[r // 2], fields, **kw) for r, a in enumerate(actors)], timeout=120)
 
 
-def test_leader_broadcast_only_leaders_touch_the_store(ray_session: Any, tq_client: DataPlaneClient, four_ranks: list[Any], planned: Any) -> None:
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_leader_broadcast_only_leaders_touch_the_store(
+    ray_session: Any, tq_client: DataPlaneClient, four_ranks: list[Any], planned: Any, use_async: bool
+) -> None:
     batch, pre, metas, _ = planned
     fields = ["input_ids", "logprobs", "reward", "mask"]
-    results = _run_all(ray_session, four_ranks, "auto", metas, fields)
+    results = _run_all(ray_session, four_ranks, "auto", metas, fields, use_async=use_async)
     for res in results:
         assert "error" not in res, res.get("error")
         assert res["policy"] == "leader_broadcast"
@@ -221,7 +232,8 @@ def test_leader_broadcast_only_leaders_touch_the_store(ray_session: Any, tq_clie
         assert a["data"]["reward"] == ("torch.bfloat16", want["reward"].float().tolist())
     # Each score written exactly once, by the leaders, with the right values.
     for d in range(2):
-        got = tq_client.kv_batch_get(metas[d], ["score_auto"])["score_auto"]
+        name = "score_auto_async" if use_async else "score_auto"
+        got = tq_client.kv_batch_get(metas[d], [name])[name]
         want = torch.stack([row.sum() for row in select_rows(batch, pre.rank_indices[d])["logprobs"].unbind(0)])
         assert torch.allclose(got, want)
 

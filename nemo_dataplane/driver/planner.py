@@ -199,16 +199,17 @@ def plan_sequence_packing(seq_lens: Sequence[int], dp_world: int, max_tokens_per
     lens = _check_inputs(seq_lens, dp_world)
     budget = _check_budget(max_tokens_per_microbatch)
     bins: list[list[int]] = []
-    loads: list[int] = []
+    room = _RoomTree(len(lens), budget)  # first fit in O(log n) per sample, not O(bins)
     for i in _by_length_desc(lens):
-        for b, load in enumerate(loads):
-            if load + lens[i] <= budget:
-                bins[b].append(i)
-                loads[b] += lens[i]
-                break
+        b = room.leftmost_fit(lens[i])
+        if b is None:  # longer than the budget: a micro-batch of its own, closed to others
+            b = len(bins)
+            room.set(b, -1)  # closed even to zero-length samples
         else:
-            bins.append([i])
-            loads.append(lens[i])
+            room.set(b, room.get(b) - lens[i])
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
     bins = _round_up_bins(bins, lens, dp_world, f"max_tokens_per_microbatch={budget}", padded=False)
     return _assemble(bins, lens, dp_world, "sequence")
 
@@ -268,6 +269,40 @@ def _check_feasible(n: int, n_bins: int, dp_world: int, why: str) -> None:
             f"({n_bins} in all, needed for {why}) from only {n} samples; raise the token budget / "
             "micro_batch_size or grow the batch"
         )
+
+
+class _RoomTree:
+    """Max segment tree over the free tokens of ``n`` bins (unopened bins hold the full budget,
+    so the leftmost fitting bin is an open one with room or else the next one to open)."""
+
+    def __init__(self, n: int, budget: int) -> None:
+        self.size = 1
+        while self.size < max(n, 1):
+            self.size *= 2
+        self.tree = [0] * (2 * self.size)
+        for i in range(n):
+            self.tree[self.size + i] = budget
+        for node in range(self.size - 1, 0, -1):
+            self.tree[node] = max(self.tree[2 * node], self.tree[2 * node + 1])
+
+    def get(self, i: int) -> int:
+        return self.tree[self.size + i]
+
+    def set(self, i: int, value: int) -> None:
+        node = self.size + i
+        self.tree[node] = value
+        node //= 2
+        while node:
+            self.tree[node] = max(self.tree[2 * node], self.tree[2 * node + 1])
+            node //= 2
+
+    def leftmost_fit(self, need: int) -> int | None:
+        if self.tree[1] < need:
+            return None
+        node = 1
+        while node < self.size:
+            node = 2 * node if self.tree[2 * node] >= need else 2 * node + 1
+        return node - self.size
 
 
 def _by_length_desc(lens: list[int]) -> list[int]:

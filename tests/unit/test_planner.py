@@ -158,3 +158,27 @@ def test_plans_are_deterministic() -> None:
     lens = [random.Random(3).randint(1, 500) for _ in range(50)]
     for cfg in CONFIGS.values():
         assert plan(lens, 4, cfg) == plan(list(lens), 4, cfg)
+
+
+def _reference_ffd(lens: list[int], budget: int) -> list[list[int]]:
+    """Textbook first-fit decreasing, O(n * bins): the obviously-correct reference."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        for b, load in enumerate(loads):
+            if load + lens[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lens[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lens[i])
+    return bins
+
+
+@settings(max_examples=80, deadline=None)
+@given(lens=st.lists(st.integers(min_value=0, max_value=300), min_size=1, max_size=60), budget=st.integers(1, 400))
+def test_sequence_packing_matches_reference_first_fit_decreasing(lens: list[int], budget: int) -> None:
+    p = plan_sequence_packing(lens, 1, budget)
+    got = sorted(sorted(p.rank_indices[0][q] for q in mb) for mb in p.microbatches[0])
+    assert got == sorted(sorted(b) for b in _reference_ffd(lens, budget))

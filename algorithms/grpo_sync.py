@@ -97,6 +97,9 @@ class Trainer:
 
         if ray.is_initialized():
             return
+        # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
+        # that raised) would otherwise print their own, secondary tracebacks at shutdown.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         if self.cfg.ray.address:
             ray.init(address=self.cfg.ray.address, **kwargs)

@@ -60,12 +60,17 @@ class TrainerRun:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
-def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> TrainerRun:
+def _command(out_dir: Path, overrides: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)  # a run starts its own cluster, never the test session's
     cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(CONFIG), *TINY,
            f"logging.output_dir={out_dir}", *overrides]
+    return cmd, env
+
+
+def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> TrainerRun:
+    cmd, env = _command(out_dir, overrides)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return TrainerRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
 
@@ -78,3 +83,13 @@ def run_trainer():
         return _run(Path(out_dir), tuple(overrides), timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def trainer_command():
+    """``trainer_command(out_dir, *overrides) -> (argv, env)`` for runs a test drives itself."""
+
+    def command(out_dir: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
+        return _command(Path(out_dir), tuple(overrides))
+
+    return command

@@ -151,7 +151,7 @@ class WorkerFetcher:
             TimeoutError: a broadcast took longer than ``timeout_s``.
         """
         names = check_select_fields(select_fields)
-        if self.fetch_policy == "independent":
+        if self.fetch_policy == "independent" or len(self.replica_ranks) == 1:  # nobody to broadcast to
             data = self._client().kv_batch_get(meta, names)
         elif self.is_leader:
             try:
@@ -169,7 +169,7 @@ class WorkerFetcher:
         """Async twin of :meth:`fetch` (the store op is awaited with a ``timeout_s`` bound; the
         broadcast runs in a worker thread so the event loop stays free)."""
         names = check_select_fields(select_fields)
-        if self.fetch_policy == "independent":
+        if self.fetch_policy == "independent" or len(self.replica_ranks) == 1:  # nobody to broadcast to
             data = await self._async_get(meta, names)
         elif self.is_leader:
             try:

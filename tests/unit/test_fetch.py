@@ -260,3 +260,12 @@ def test_leader_failure_is_relayed_not_hung(ray_session: Any, four_ranks: list[A
             assert res["error"].startswith("KeyError") and "nope" in res["error"]
         else:
             assert "replica leader rank" in res["error"] and "nope" in res["error"]
+
+
+def test_leader_broadcast_without_a_group_fetches_directly() -> None:
+    # A one-rank replica group has nobody to broadcast to; it must not touch torch.distributed.
+    client = ObservedClient(InMemoryClient())
+    meta = client.kv_batch_put(["a", "b"], "p", {"x": torch.arange(2.0)})
+    fetcher = WorkerFetcher(client, fetch_policy="leader_broadcast")
+    assert fetcher.fetch(meta, ["x"]).data["x"].tolist() == [0.0, 1.0]
+    assert client.op_counts["kv_batch_get"] == 1

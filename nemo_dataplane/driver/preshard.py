@@ -130,17 +130,18 @@ def select_rows(batch: TensorDict, indices: Sequence[int]) -> TensorDict:
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    index = index.to(t.device)
     if getattr(t, "is_nested", False) and t.layout == torch.jagged:
         values, offsets = t.values(), t.offsets()
         starts, stops = offsets[index], offsets[index + 1]
         lengths = stops - starts
-        new_offsets = torch.zeros(len(index) + 1, dtype=offsets.dtype)
+        new_offsets = torch.zeros(len(index) + 1, dtype=offsets.dtype, device=offsets.device)
         torch.cumsum(lengths, 0, out=new_offsets[1:])
         total = int(new_offsets[-1])
         # One vectorized gather instead of a Python loop of per-row slices: element j of the
         # output comes from values[starts[row(j)] + (j - new_offsets[row(j)])].
         shift = torch.repeat_interleave(starts - new_offsets[:-1], lengths, output_size=total)
-        gather = torch.arange(total, dtype=offsets.dtype) + shift
+        gather = torch.arange(total, dtype=offsets.dtype, device=offsets.device) + shift
         return torch.nested.nested_tensor_from_jagged(values.index_select(0, gather), offsets=new_offsets)
     return t.index_select(0, index)
 

@@ -182,3 +182,16 @@ def test_mismatched_sizes_raise() -> None:
         fan_out_per_rank_metas(InMemoryClient(), pre, batch, partition_id="p", key_prefix="s")
     with pytest.raises(ValueError, match="key_prefix"):
         fan_out_per_rank_metas(InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch, partition_id="p", key_prefix="")
+
+
+def test_sync_fan_out_works_inside_a_running_event_loop() -> None:
+    # E.g. called from an async Ray actor method: asyncio.run would refuse there.
+    batch = _batch(8)
+    pre = driver_balanced_preshards(batch, 2, SEQ)
+    client = InMemoryClient()
+
+    async def caller() -> list[KVBatchMeta]:
+        return fan_out_per_rank_metas(client, pre, batch, partition_id="p", key_prefix="s")
+
+    metas = asyncio.run(caller())
+    assert sorted(k for m in metas for k in m.keys) == sorted(f"s/{i}" for i in range(8))

@@ -117,6 +117,7 @@ def main() -> None:
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
     from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
 
+    load_start = os.getloadavg()[0]
     t_boot = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     client = None
@@ -210,7 +211,7 @@ def main() -> None:
     header = (
         f"bench_fan_out: {args.samples} samples, seq_len {args.min_len}..{args.max_len}, fields {FIELDS} "
         f"(payload {payload / 2**20:.2f} MiB), packing=sequence/{args.max_tokens_per_microbatch}, "
-        f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, boot {boot_s:.0f}s"
+        f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {load_start:.1f}->{os.getloadavg()[0]:.1f}, boot {boot_s:.0f}s"
     )
     cols = ["DP", "mb/rank", "data plane ms", "(driver / slowest fetch)", "legacy ms", "(driver shard+put)", "ratio dp/legacy", "driver bytes dp", "% payload", "driver bytes legacy", "% payload"]
     table = [header, "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
@@ -229,7 +230,12 @@ def main() -> None:
         json.dumps(
             {
                 "args": vars(args),
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "load_avg_start_end": [load_start, os.getloadavg()[0]],
+                },
                 "rows": rows,
                 "table": table,
             },

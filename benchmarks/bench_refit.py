@@ -199,6 +199,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
          dict(bucket_bytes=(256 << 20) if cuda else (16 << 20))),
         ("refit per-tensor", dict(bucket_bytes=default_bucket, direct_bytes=0)),
     ]
+    if cuda:
+        modes += [
+            ("refit per-tensor (64 MiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
+                                                         group_bytes=64 << 20)),
+            ("refit per-tensor (1 GiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
+                                                        group_bytes=1 << 30)),
+            ("refit hybrid (>=16 MiB direct, rest in 64 MiB buckets)",
+             dict(bucket_bytes=64 << 20, direct_bytes=16 << 20)),
+        ]
     for name, kw in modes:
         reset_receiver()
         if rank == 0:

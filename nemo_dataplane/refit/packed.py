@@ -34,6 +34,7 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",
     "DEFAULT_BUCKET_BYTES_GPU",
+    "DEFAULT_GROUP_BYTES",
     "Bucket",
     "Direct",
     "NamedTensors",
@@ -55,10 +56,11 @@ _ALIGN = 256
 _MAGIC = 0x52454649  # "REFI"
 _STATUS_OK = 0
 _STATUS_ABORT = 1
-# Direct tensors are issued in NCCL groups (one launch each) of at most this many ops/bytes:
-# large enough to amortise launch cost, small enough that the first group starts early.
+# Direct tensors are issued in NCCL groups (one launch each) of at most this many ops / bytes
+# (RefitInfo.group_bytes): large enough to amortise launch cost, small enough that the first
+# group starts moving early.
 _MAX_OPS_PER_GROUP = 64
-_MAX_GROUP_BYTES = 256 << 20
+DEFAULT_GROUP_BYTES = 256 << 20
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -128,6 +130,7 @@ class RefitInfo:
     bucket_bytes: int
     direct_bytes: int
     src: int
+    group_bytes: int = DEFAULT_GROUP_BYTES
     protocol: int = 1
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -169,7 +172,9 @@ class Direct:
 def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
     """The transfer schedule, a pure function of ``info`` so every rank derives the same one.
 
-    Tensors keep the sender's order; empty tensors are skipped.
+    Direct tensors go in the sender's order as they come; small tensors fill buckets in the
+    sender's order (a direct tensor between them does not close a bucket), a bucket going out
+    when the next tensor does not fit and the last one at the end. Empty tensors are skipped.
     """
     plan: list[Bucket | Direct] = []
     entries: list[tuple[int, int]] = []
@@ -186,7 +191,6 @@ def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
         if n == 0:
             continue
         if n >= info.direct_bytes or n > info.bucket_bytes:
-            close()
             plan.append(Direct(i))
             continue
         off = _align(end)
@@ -379,12 +383,13 @@ class RefitSender(_Endpoint):
         bucket_bytes: bucket size (default 1 GiB on GPU, 64 MiB on CPU).
         direct_bytes: tensors at least this large skip the buckets and go on their own
             (default: only those larger than a bucket). ``0`` sends every tensor on its own.
+        group_bytes: on GPU, direct tensors are issued in NCCL groups of about this many bytes.
         channel: store namespace, for several senders on one group.
     """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
-                 channel: str = "default") -> None:
+                 group_bytes: int = DEFAULT_GROUP_BYTES, channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
@@ -392,6 +397,7 @@ class RefitSender(_Endpoint):
             raise ValueError(f"bucket_bytes must be >= {_ALIGN}, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
         self.direct_bytes = self.bucket_bytes + 1 if direct_bytes is None else int(direct_bytes)
+        self.group_bytes = int(group_bytes)
         self.src = group.rank
         self.version: int | None = None
 
@@ -404,7 +410,7 @@ class RefitSender(_Endpoint):
         self._gen += 1
         try:
             specs, _ = self._specs_and_tensors()
-            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src)
+            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes)
         except Exception as e:
             # Receivers are waiting on this key; tell them why instead of letting them time out.
             g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
@@ -522,7 +528,7 @@ class RefitSender(_Endpoint):
                 t = tensors[item.index]
                 directs.append(t)
                 direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= _MAX_GROUP_BYTES or len(directs) >= _MAX_OPS_PER_GROUP:
+                if direct_bytes >= self.info.group_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
                     flush()
         if directs:
             flush()
@@ -713,7 +719,7 @@ class RefitReceiver(_Endpoint):
                 t = tensors[item.index]
                 directs.append(t)
                 direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= _MAX_GROUP_BYTES or len(directs) >= _MAX_OPS_PER_GROUP:
+                if direct_bytes >= self.info.group_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
                     flush()
         if directs:
             flush()

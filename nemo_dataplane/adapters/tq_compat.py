@@ -27,6 +27,13 @@ the behaviours below, each seen on a 2-CPU machine:
 6. Missing keys / unknown fields are dropped with only a log warning, and per-op log lines are
    noisy -> the adapter checks itself; :func:`quiet_logs` and the actors' ``runtime_env`` mute
    TransferQueue's loggers.
+7. A get reply carries one ZMQ frame per row per field (769 frames for a 256-sample batch of three
+   fields), encoded and decoded row by row; that, not the bytes, is where a read's time goes ->
+   :func:`read_columns` asks each storage unit (via Ray's documented ``__ray_call__``) to run the
+   very ``storage_data.get_data`` call its ZMQ handler runs, stack the rows into one buffer per
+   field there, and hand that back through the Ray object store. Read-only: writes keep going
+   through TransferQueue's ZMQ protocol, so the unit's own threads never race a foreign writer.
+   Stores whose units cannot be found by name (created by ``tq.init()``) use :func:`get_rows`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import threading
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -48,12 +56,13 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
-from transfer_queue.client import AsyncTransferQueueClient
+from transfer_queue.client import AsyncTransferQueueClient, with_controller_socket
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.metadata import BatchMeta, extract_field_schema
 from transfer_queue.sampler import SequentialSampler
 from transfer_queue.storage import SimpleStorageUnit, StorageKeyNotFoundError
 from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+from transfer_queue.utils.zmq_utils import ZMQRequestType
 
 __all__ = [
     "BatchMeta",
@@ -66,7 +75,10 @@ __all__ = [
     "preserve_torch_threads",
     "put_rows",
     "quiet_logs",
+    "read_columns",
+    "unit_handles",
     "server_info",
+    "set_tags",
     "storage_units_of",
 ]
 
@@ -177,9 +189,10 @@ def _storage_side_split(field_data: dict[str, Any], spec: dict[str, tuple[list[i
     return field_data
 
 
-def _by_value(fn: types.FunctionType) -> types.FunctionType:
-    """A copy of ``fn`` that cloudpickle ships by value (storage units need not import us)."""
-    clone = types.FunctionType(fn.__code__, {"__builtins__": builtins}, fn.__name__, fn.__defaults__)
+def _by_value(fn: types.FunctionType, **module_globals: Any) -> types.FunctionType:
+    """A copy of ``fn`` that cloudpickle ships by value (storage units need not import us);
+    ``module_globals`` are the only globals it may use (modules travel by reference)."""
+    clone = types.FunctionType(fn.__code__, {"__builtins__": builtins, **module_globals}, fn.__name__, fn.__defaults__)
     clone.__module__ = "__main__"
     clone.__qualname__ = fn.__name__
     return clone
@@ -273,6 +286,28 @@ async def put_rows(
     await sm.notify_data_update(meta.partition_ids[0], meta.global_indexes, schema)
 
 
+@with_controller_socket
+async def set_tags(
+    client: AsyncTransferQueueClient,
+    partition_id: str,
+    global_indexes: Sequence[int],
+    tags: Sequence[dict[str, Any]],
+    socket: Any = None,
+) -> None:
+    """Store per-key tags (TransferQueue's ``custom_meta``), replacing each key's dict.
+
+    The same SET_CUSTOM_META request ``client.async_set_custom_meta`` sends, minus its two
+    deep copies of every key's tags and a ``BatchMeta`` rebuild per partition, which cost more
+    than the request itself for a 1024-key batch.
+    """
+    await client._request_controller(
+        socket=socket,
+        request_type=ZMQRequestType.SET_CUSTOM_META,
+        response_type=ZMQRequestType.SET_CUSTOM_META_RESPONSE,
+        body={"partition_custom_meta": {partition_id: dict(zip(global_indexes, tags))}},
+    )
+
+
 async def get_rows(client: AsyncTransferQueueClient, meta: BatchMeta, fields: Sequence[str]) -> dict[str, list[torch.Tensor]]:
     """Per-row tensors of ``fields`` in ``meta.global_indexes`` order (quirk 4: no nested copy).
 
@@ -297,6 +332,143 @@ async def get_rows(client: AsyncTransferQueueClient, meta: BatchMeta, fields: Se
         concat = [row for _, (_, su_data) in zip(groups, results) for row in su_data[f]]
         picked = pick(concat)
         out[f] = list(picked) if len(inverse) > 1 else [picked]
+    return out
+
+
+@dataclass
+class Column:
+    """One field for a batch of rows: ``lengths is None`` -> ``values`` is ``[rows, *row_shape]``
+    (all rows had one shape); else ``values`` is the rows concatenated on dim 0, ``lengths`` their
+    sizes (int64)."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.values.shape[0] if self.lengths is None else self.lengths.numel()
+
+    def ragged(self) -> Column:
+        if self.lengths is not None:
+            return self
+        if self.values.dim() < 2:
+            raise ValueError("scalar rows cannot form a jagged tensor")
+        n, length = self.values.shape[0], self.values.shape[1]
+        return Column(self.values.reshape(n * length, *self.values.shape[2:]), torch.full((n,), length, dtype=torch.int64))
+
+
+def column_from_rows(rows: Sequence[torch.Tensor]) -> Column:
+    """Stack rows of one shape, else concatenate them (fallback path; one C call either way)."""
+    first = rows[0].shape
+    if all(r.shape == first for r in rows):
+        return Column(torch.stack(list(rows), 0))
+    try:
+        return Column(torch.cat(list(rows), 0), torch.tensor([r.shape[0] for r in rows], dtype=torch.int64))
+    except RuntimeError:
+        raise ValueError(f"rows cannot form one tensor (shapes {[tuple(r.shape) for r in rows[:5]]})") from None
+
+
+def _unit_read(unit: Any, global_indexes: list[int], fields: list[str]) -> dict[str, Any] | None:
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): one contiguous buffer per field.
+
+    Uses the unit's own ``storage_data.get_data`` (what its ZMQ GET handler calls, SSD offload
+    included). Returns raw bytes as numpy so Ray hands them over out-of-band, or ``None`` when a
+    field holds something other than tensors of one trailing shape (the caller then falls back).
+    """
+    data = unit.storage_data.get_data(fields, global_indexes)
+    out = {}
+    for f in fields:
+        rows = data[f]
+        if not all(isinstance(r, torch.Tensor) for r in rows):
+            return None
+        first = rows[0].shape
+        if all(r.shape == first for r in rows):
+            t = torch.stack(rows, 0)
+            lengths = None
+        else:
+            try:
+                t = torch.cat(rows, 0)
+            except RuntimeError:
+                return None
+            lengths = [r.shape[0] for r in rows]
+        out[f] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
+    return out
+
+
+_UNIT_READ_BY_VALUE = _by_value(_unit_read, torch=torch)  # type: ignore[arg-type]
+
+
+def _decode_unit_column(raw: Any) -> Column:
+    buf, dtype, shape, lengths = raw
+    # Ray maps the reply read-only from its object store: one copy makes it ours.
+    data = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
+    values = data.view(getattr(torch, dtype)).view(shape)
+    return Column(values, None if lengths is None else torch.tensor(lengths, dtype=torch.int64))
+
+
+def _permute(col: Column, order: torch.Tensor) -> Column:
+    """Rows of ``col`` in ``order`` without a per-row loop."""
+    if col.lengths is None:
+        return Column(col.values.index_select(0, order))
+    starts = torch.cumsum(col.lengths, 0) - col.lengths
+    sel_len = col.lengths[order]
+    row_base = torch.repeat_interleave(starts[order] - (torch.cumsum(sel_len, 0) - sel_len), sel_len)
+    gather = row_base + torch.arange(int(sel_len.sum()), dtype=torch.int64)
+    return Column(col.values.index_select(0, gather), sel_len)
+
+
+async def read_columns(
+    client: AsyncTransferQueueClient, units: Mapping[str, Any], meta: BatchMeta, fields: Sequence[str]
+) -> dict[str, Column] | None:
+    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order, as one :class:`Column`.
+
+    ``units`` maps storage-unit id (TransferQueue's routing key) to its actor handle. Returns
+    ``None`` when some unit holds data it cannot stack (then use :func:`get_rows`).
+
+    Raises:
+        StorageKeyNotFoundError: a key was cleared between lookup and read.
+    """
+    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    groups = list(sm._group_by_hash(meta.global_indexes).items())
+    if any(su not in units for su, _ in groups):
+        return None
+    refs = [units[su].__ray_call__.remote(_UNIT_READ_BY_VALUE, g.global_indexes, list(fields)) for su, g in groups]
+    try:
+        replies = await asyncio.gather(*refs)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e, KeyError) or isinstance(getattr(e, "cause", None), KeyError):
+            raise StorageKeyNotFoundError(str(getattr(e, "cause", e))) from None
+        raise
+    if any(r is None for r in replies):
+        return None
+    out: dict[str, Column] = {}
+    for f in fields:
+        cols = [_decode_unit_column(r[f]) for r in replies]
+        if len(cols) == 1:
+            out[f] = cols[0]
+            continue
+        if all(c.lengths is None for c in cols) and len({tuple(c.values.shape[1:]) for c in cols}) == 1:
+            merged = Column(torch.cat([c.values for c in cols], 0))
+        else:
+            rag = [c.ragged() for c in cols]
+            try:
+                merged = Column(torch.cat([c.values for c in rag], 0), torch.cat([c.lengths for c in rag]))  # type: ignore[misc]
+            except RuntimeError:
+                raise ValueError(f"field {f!r}: rows cannot form one tensor") from None
+        positions = torch.tensor([p for _, g in groups for p in g.batch_positions], dtype=torch.int64)
+        out[f] = _permute(merged, torch.argsort(positions))
+    return out
+
+
+def unit_handles(conf: DictConfig, namespace: str) -> dict[str, Any]:
+    """Storage-unit id -> actor handle for stores whose units are named actors in ``namespace``
+    (ours are); empty when they cannot all be found (e.g. a store made by ``tq.init()``)."""
+    out: dict[str, Any] = {}
+    for name, info in dict(conf.backend[BACKEND].zmq_info).items():
+        try:
+            out[info.id] = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return {}
     return out
 
 

@@ -100,6 +100,7 @@ class TransferQueueClient(DataPlaneClient):
         self._close_lock = threading.Lock()
         self._controller: Any = None
         self._storage: dict[str, Any] = {}
+        self._units: dict[str, Any] = {}
         self._tq: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -110,6 +111,9 @@ class TransferQueueClient(DataPlaneClient):
             try:
                 conf = self._bootstrap(bootstrap)
                 self.num_storage_units = compat.storage_units_of(conf)
+                # Bulk reads need the units' actor handles; stores made by tq.init() have none
+                # we can find, and are read through TransferQueue's per-row protocol instead.
+                self._units = compat.unit_handles(conf, self.namespace)
                 self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
             except BaseException:
                 self._teardown()
@@ -365,7 +369,7 @@ class TransferQueueClient(DataPlaneClient):
             if columns:
                 jagged = {k for k, v in layout.items() if v == "jagged"}
                 await compat.put_rows(self._tq, bm, columns, jagged)
-            await self._tq.async_set_custom_meta(bm)
+            await compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)
         except BaseException:
             if fresh:
                 await asyncio.shield(self._tq.async_clear_samples(bm.select_samples(fresh)))
@@ -422,11 +426,19 @@ class TransferQueueClient(DataPlaneClient):
                     f"{partition_id!r}, {where}"
                 )
         try:
-            rows = await compat.get_rows(self._tq, bm, names)
+            cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
+            if cols is None:  # a store we cannot read in bulk: TransferQueue's per-row protocol
+                rows = await compat.get_rows(self._tq, bm, names)
+                cols = {}
+                for name in names:
+                    try:
+                        cols[name] = compat.column_from_rows(rows[name])
+                    except ValueError as e:
+                        raise ValueError(f"field {name!r}: {e}") from None
         except compat.StorageKeyNotFoundError as e:
             raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
         columns = {
-            name: _assemble(name, rows[name], [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
+            name: _assemble(name, cols[name], [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
             for name in names
         }
         return make_batch(columns, len(keys))
@@ -521,38 +533,27 @@ def _public_tags(custom_meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in custom_meta.items() if k != LAYOUT_TAG}
 
 
-def _assemble(name: str, rows: list[torch.Tensor], layouts: list[str | None]) -> torch.Tensor:
-    """One field from its per-row tensors, in the layout it was put with (no per-row tensor ops).
+def _assemble(name: str, col: compat.Column, layouts: list[str | None]) -> torch.Tensor:
+    """One field in the layout it was put with, from a :class:`~.tq_compat.Column` (no per-row ops).
 
     Raises:
-        TypeError: rows disagree in dtype.  ValueError: dense rows disagree in shape.
+        ValueError: dense rows of different shapes, or scalar rows asked to be jagged.
     """
     if any(lay == "jagged" for lay in layouts):
         jagged = True
     elif all(lay == "dense" for lay in layouts):
         jagged = False
-    else:  # written by another TransferQueue client: TransferQueue's own rule
-        jagged = any(r.dim() > 0 for r in rows)
-    dtypes = {r.dtype for r in rows}
-    if len(dtypes) > 1:
-        raise TypeError(f"field {name!r}: rows were stored with different dtypes {sorted(map(str, dtypes))}")
+    else:  # written by another TransferQueue client: TransferQueue's own rule (scalars dense)
+        jagged = not (col.lengths is None and col.values.dim() == 1)
     if not jagged:
-        try:
-            return torch.stack(rows, 0)
-        except RuntimeError:
-            shapes = sorted({tuple(r.shape) for r in rows})
-            raise ValueError(
-                f"field {name!r}: rows have different shapes {shapes[:5]}; put it as a jagged nested tensor"
-            ) from None
-    if any(r.dim() == 0 for r in rows):
-        raise ValueError(f"field {name!r}: scalar rows cannot form a jagged tensor")
-    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+        if col.lengths is not None:
+            raise ValueError(f"field {name!r}: rows have different shapes; put it as a jagged nested tensor")
+        return col.values
     try:
-        values = torch.cat(rows, 0)
-    except RuntimeError:
-        raise ValueError(
-            f"field {name!r}: rows cannot form one jagged tensor (shapes {[tuple(r.shape) for r in rows[:5]]})"
-        ) from None
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+        rag = col.ragged()
+    except ValueError as e:
+        raise ValueError(f"field {name!r}: {e}") from None
+    assert rag.lengths is not None
+    offsets = torch.zeros(rag.lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(rag.lengths, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(rag.values, offsets=offsets)

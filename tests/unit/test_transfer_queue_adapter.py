@@ -207,17 +207,30 @@ def test_our_tests_never_resolve_to_transfer_queues_tests_package(request: pytes
 def test_partial_selection_fetches_only_the_selected_fields(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    asked: list[list[str]] = []
-    real = tq_compat.get_rows
+    asked: list[tuple[str, list[str]]] = []
+    fetched: list[set[str]] = []
+    bulk, per_row = tq_compat.read_columns, tq_compat.get_rows
 
-    async def spy(client: Any, meta: Any, fields: Any) -> Any:
-        asked.append(list(fields))
-        return await real(client, meta, fields)
+    async def spy_bulk(client: Any, units: Any, meta: Any, fields: Any) -> Any:
+        asked.append(("bulk", list(fields)))
+        out = await bulk(client, units, meta, fields)
+        fetched.append(set(out))
+        return out
 
-    monkeypatch.setattr(tq_compat, "get_rows", spy)
+    async def spy_rows(client: Any, meta: Any, fields: Any) -> Any:
+        asked.append(("rows", list(fields)))
+        out = await per_row(client, meta, fields)
+        fetched.append(set(out))
+        return out
+
+    monkeypatch.setattr(tq_compat, "read_columns", spy_bulk)
+    monkeypatch.setattr(tq_compat, "get_rows", spy_rows)
     meta = tq_client.kv_batch_put(["a", "b"], pid, {"big": torch.zeros(2, 4096), "small": torch.ones(2)})
     out = tq_client.kv_batch_get(meta, ["small"])
-    assert asked == [["small"]] and list(out.keys()) == ["small"]
+    monkeypatch.setattr(tq_client, "_units", {})
+    tq_client.kv_batch_get(meta, ["small"])
+    assert asked == [("bulk", ["small"]), ("rows", ["small"])] and list(out.keys()) == ["small"]
+    assert fetched == [{"small"}, {"small"}]
 
 
 def test_failed_write_leaves_no_new_keys_and_keeps_old_ones(
@@ -307,3 +320,18 @@ def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: Tr
         assert tq_client.kv_list(pid).tags[-1] == {"src": "raw"}
     finally:
         ray.kill(raw)
+
+
+def test_per_row_fallback_reads_the_same_as_bulk_reads(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores whose storage units are not named actors (made by tq.init()) are read through
+    TransferQueue's per-row protocol; both paths must agree bit for bit."""
+    fields = {"ids": jagged([3, 0, 2, 5]), "h": jagged([1, 2, 1, 1], 3, dtype=torch.bfloat16), "x": torch.randn(4, 2), "r": torch.arange(4)}
+    meta = tq_client.kv_batch_put(["a", "b", "c", "d"], pid, fields)
+    bulk = tq_client.kv_batch_get(meta.reorder([2, 0, 3, 1]), list(fields))
+    assert tq_client._units  # the session store is read in bulk
+    monkeypatch.setattr(tq_client, "_units", {})
+    rows = tq_client.kv_batch_get(meta.reorder([2, 0, 3, 1]), list(fields))
+    for name in fields:
+        assert_same_field(name, rows[name], bulk[name])

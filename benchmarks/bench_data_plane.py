@@ -1,0 +1,308 @@
+"""Put+get throughput of one rollout batch: data-plane adapters vs a Ray object-store hand-off.
+
+Batch (rollout-shaped): ``input_ids`` int64 and ``logprobs`` float32, 1024 tokens per sample on
+average, either dense ``[B, 1024]`` or jagged (lengths 512..1536, same mean), plus one float32
+reward per sample; B = 256, then 4x (1024).
+
+What one timed transfer is (median of ``--repeats`` after one warm-up; MB/s = payload / total):
+
+* ``memcpy``: one ``clone()`` of every field in this process (the ceiling: one copy).
+* ``memory``: ``InMemoryClient`` put + get in this process.
+* ``ray``: driver ``ray.put(batch)`` -> a reader actor's method receives the ref (Ray resolves
+  it there) and touches every tensor; run twice, without and with
+  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`` (read at Ray start, so that variant runs in a
+  subprocess with its own cluster).
+* ``tq_adapter``: driver ``TransferQueueClient.kv_batch_put`` -> the reader actor's attached
+  adapter ``kv_batch_get(meta, fields)``.
+* ``tq_raw``: driver ``transfer_queue.kv_batch_put`` -> reader actor ``transfer_queue.kv_batch_get``
+  (TransferQueue's own client on the same store, what the adapter improves on).
+
+Every reader call returns only a byte count, so no result travels back. Put and get are timed
+separately; the total is their sum. The table reports each method's MB/s and its ratio to the
+``ray`` hand-off (default serialization) of the same batch, measured in the same run.
+
+Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024]``.
+Prints a table and writes ``benchmarks/results/bench_data_plane.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from nemo_dataplane.codec import batch_nbytes, is_jagged  # noqa: E402
+
+FIELDS = ["input_ids", "logprobs", "reward"]
+TOKENS = 1024
+
+
+def make_batch(b: int, layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    reward = torch.randn(b, generator=g)
+    if layout == "dense":
+        return {
+            "input_ids": torch.randint(0, 50_000, (b, TOKENS), generator=g),
+            "logprobs": torch.randn(b, TOKENS, generator=g),
+            "reward": reward,
+        }
+    lengths = torch.randint(TOKENS // 2, TOKENS + TOKENS // 2 + 1, (b,), generator=g)
+    offsets = torch.zeros(b + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    n = int(offsets[-1])
+    nt = torch.nested.nested_tensor_from_jagged
+    return {
+        "input_ids": nt(torch.randint(0, 50_000, (n,), generator=g), offsets=offsets),
+        "logprobs": nt(torch.randn(n, generator=g), offsets=offsets.clone()),
+        "reward": reward,
+    }
+
+
+def to_wire(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a Ray hand-off ships: jagged as (values, offsets)."""
+    return {k: (v.values(), v.offsets()) if is_jagged(v) else v for k, v in batch.items()}
+
+
+def touch(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size() if not is_jagged(obj) else touch(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(touch(o) for o in obj)
+    if isinstance(obj, dict) or hasattr(obj, "items"):
+        return sum(touch(v) for _, v in obj.items())
+    return 0
+
+
+class Reader:
+    """The consuming process: a rank that receives or fetches the batch."""
+
+    def __init__(self, with_tq: bool) -> None:
+        torch.set_num_threads(1)
+        self.client = None
+        if with_tq:
+            from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+            from nemo_dataplane.config import TransferQueueConfig
+
+            self.client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=False)
+            import transfer_queue as tq
+
+            tq.init()  # attaches to the same controller; never tq.close() here (it would kill it)
+            self.tq = tq
+
+    def ready(self) -> bool:
+        return True
+
+    def ray_handoff(self, batch: dict[str, Any]) -> int:
+        return touch(batch)
+
+    def adapter_get(self, meta: Any, fields: list[str]) -> int:
+        return touch(self.client.kv_batch_get(meta, fields))
+
+    def raw_get(self, keys: list[str], pid: str, fields: list[str]) -> int:
+        return touch(self.tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def timed(fn: Any, repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def timed_pair(put: Any, get: Any, cleanup: Any, repeats: int) -> tuple[float, float]:
+    """Median put and get seconds; ``put`` returns what ``get`` needs."""
+    puts, gets = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        handle = put()
+        t1 = time.perf_counter()
+        get(handle)
+        t2 = time.perf_counter()
+        cleanup(handle)
+        if i:  # first round is warm-up
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+    return statistics.median(puts), statistics.median(gets)
+
+
+def bench_ray(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    reader = ray.remote(num_cpus=0)(Reader).remote(False)
+    ray.get(reader.ready.remote())
+    rows = []
+    for b in sizes:
+        for layout in ("dense", "jagged"):
+            batch = make_batch(b, layout)
+            wire = to_wire(batch)
+            nbytes = batch_nbytes(batch)
+            put, get = timed_pair(
+                lambda: ray.put(wire),
+                lambda ref: ray.get(reader.ray_handoff.remote(ref)),
+                lambda ref: None,
+                repeats,
+            )
+            rows.append({"batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get})
+    ray.kill(reader)
+    return rows
+
+
+def ray_zero_copy_subprocess(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    env = {**os.environ, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, __file__, "--ray-only", "--repeats", str(repeats), "--sizes", *map(str, sizes)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"zero-copy run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_local(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    from nemo_dataplane.adapters.memory import InMemoryClient
+
+    rows = []
+    mem = InMemoryClient()
+    for b in sizes:
+        for layout in ("dense", "jagged"):
+            batch = make_batch(b, layout)
+            nbytes = batch_nbytes(batch)
+            flat = [v.values() if is_jagged(v) else v for v in batch.values()]
+            copy_s = statistics.median(timed(lambda: [t.clone() for t in flat], repeats))
+            rows.append({"method": "memcpy", "batch": b, "layout": layout, "bytes": nbytes, "put_s": copy_s, "get_s": 0.0})
+            keys = [f"k{i}" for i in range(b)]
+            put, get = timed_pair(
+                lambda: mem.kv_batch_put(keys, "p", batch),
+                lambda meta: mem.kv_batch_get(meta, FIELDS),
+                lambda meta: mem.kv_clear(None, "p"),
+                repeats,
+            )
+            rows.append({"method": "memory", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get})
+    return rows
+
+
+def bench_tq(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.config import TransferQueueConfig
+
+    client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=True)
+    import transfer_queue as tq
+
+    tq.init()  # the driver's raw TQ client attaches to the adapter's store
+    reader = ray.remote(num_cpus=0)(Reader).remote(True)
+    ray.get(reader.ready.remote())
+    rows = []
+    try:
+        for b in sizes:
+            keys = [f"k{i}" for i in range(b)]
+            for layout in ("dense", "jagged"):
+                batch = make_batch(b, layout)
+                nbytes = batch_nbytes(batch)
+                pid = f"bench-{uuid.uuid4().hex[:6]}"
+                put, get = timed_pair(
+                    lambda: client.kv_batch_put(keys, pid, batch),
+                    lambda meta: ray.get(reader.adapter_get.remote(meta, FIELDS)),
+                    lambda meta: client.kv_clear(None, pid),
+                    repeats,
+                )
+                rows.append({"method": "tq_adapter", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get})
+                td = TensorDict(batch, batch_size=[b])
+                put, get = timed_pair(
+                    lambda: tq.kv_batch_put(keys=keys, partition_id=pid, fields=td),
+                    lambda _: ray.get(reader.raw_get.remote(keys, pid, FIELDS)),
+                    lambda _: client.kv_clear(None, pid),
+                    repeats,
+                )
+                rows.append({"method": "tq_raw", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get})
+    finally:
+        ray.get(reader.close.remote())
+        ray.kill(reader)
+        client.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        if args.ray_only:  # the zero-copy child: print its rows as one JSON line
+            print(json.dumps(bench_ray(args.sizes, args.repeats)))
+            return
+        t_start = time.perf_counter()
+        rows = bench_local(args.sizes, args.repeats)
+        rows += [{"method": "ray", **r} for r in bench_ray(args.sizes, args.repeats)]
+        rows += bench_tq(args.sizes, args.repeats)
+    finally:
+        ray.shutdown()
+    rows += [{"method": "ray_zero_copy", **r} for r in ray_zero_copy_subprocess(args.sizes, args.repeats)]
+    for r in rows:
+        r["total_s"] = r["put_s"] + r["get_s"]
+        r["mb_s"] = r["bytes"] / 1e6 / r["total_s"]
+    ray_mb = {(r["batch"], r["layout"]): r["mb_s"] for r in rows if r["method"] == "ray"}
+    for r in rows:
+        r["vs_ray"] = r["mb_s"] / ray_mb[(r["batch"], r["layout"])]
+    order = ["memcpy", "memory", "ray", "ray_zero_copy", "tq_raw", "tq_adapter"]
+    rows.sort(key=lambda r: (r["batch"], r["layout"], order.index(r["method"])))
+
+    header = f"{'batch':>5} {'layout':>6} {'method':>13} {'MB':>7} {'put ms':>8} {'get ms':>8} {'MB/s':>8} {'vs ray':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['layout']:>6} {r['method']:>13} {r['bytes'] / 1e6:>7.2f} {r['put_s'] * 1e3:>8.1f} "
+            f"{r['get_s'] * 1e3:>8.1f} {r['mb_s']:>8.0f} {r['vs_ray']:>7.2f}"
+        )
+    ratios = {
+        f"{b}/{lay}": {
+            m: next(r["vs_ray"] for r in rows if (r["batch"], r["layout"], r["method"]) == (b, lay, m))
+            for m in ("tq_adapter", "tq_raw")
+        }
+        for b in args.sizes
+        for lay in ("dense", "jagged")
+    }
+    print("\nTQ adapter / Ray hand-off (MB/s ratio):", {k: round(v["tq_adapter"], 2) for k, v in ratios.items()})
+    print("TQ adapter / raw TQ:", {k: round(v["tq_adapter"] / v["tq_raw"], 2) for k, v in ratios.items()})
+    out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "ratios_vs_ray": ratios,
+                "repeats": args.repeats,
+                "wall_s": time.perf_counter() - t_start,
+                "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}  ({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -149,27 +149,44 @@ def main() -> None:
             times: dict[str, list[float]] = {"data_plane": [], "legacy": [], "dp_driver": [], "dp_fetch": [], "legacy_driver": []}
             drv: dict[str, int] = {}
             for rep in range(args.repeats + 1):  # first round is warm-up
-                # ---- data plane
-                t0 = time.perf_counter()
-                pre = driver_balanced_preshards(rollout_meta, dp, cfg)
-                metas = fan_out_per_rank_metas(None, pre, rollout_meta, partition_id=pid, key_prefix="unused")
-                t_dp_driver = time.perf_counter() - t0
-                acks = ray.get([a.dp_step.remote(m, FIELDS) for a, m in zip(ranks, metas)], timeout=300)
-                t_dp = time.perf_counter() - t0
-                assert sum(a["rows"] for a in acks) == args.samples
-                assert len({a["microbatches"] for a in acks}) == 1
-                drv["data_plane"] = nbytes(rollout_meta) + sum(nbytes(m) for m in metas) + sum(nbytes(a) for a in acks)
-                # ---- legacy
-                t0 = time.perf_counter()
-                pre_l = driver_balanced_preshards(rollout_batch, dp, cfg)
-                shards = legacy_shard(rollout_batch, pre_l)
-                refs = ship_shards(shards)
-                t_legacy_driver = time.perf_counter() - t0
-                acks_l = ray.get([a.legacy_step.remote(ref) for a, ref in zip(ranks, refs)], timeout=300)
-                t_legacy = time.perf_counter() - t0
-                assert [a["bytes"] for a in acks_l] == [a["bytes"] + 8 * a["rows"] for a in acks]  # + seq_len column
-                drv["legacy"] = nbytes(rollout_batch) + sum(nbytes(s) for s in shards) + sum(nbytes(a) for a in acks_l)
-                del refs, shards
+
+                def run_data_plane() -> tuple[float, float, list[dict[str, Any]]]:
+                    t0 = time.perf_counter()
+                    pre = driver_balanced_preshards(rollout_meta, dp, cfg)
+                    metas = fan_out_per_rank_metas(None, pre, rollout_meta, partition_id=pid, key_prefix="unused")
+                    t_driver = time.perf_counter() - t0
+                    acks = ray.get([a.dp_step.remote(m, FIELDS) for a, m in zip(ranks, metas)], timeout=300)
+                    t_all = time.perf_counter() - t0
+                    assert sum(a["rows"] for a in acks) == args.samples
+                    assert len({a["microbatches"] for a in acks}) == 1
+                    drv["data_plane"] = (
+                        nbytes(rollout_meta) + sum(nbytes(m) for m in metas) + sum(nbytes(a) for a in acks)
+                    )
+                    return t_all, t_driver, acks
+
+                def run_legacy() -> tuple[float, float, list[dict[str, Any]]]:
+                    t0 = time.perf_counter()
+                    pre = driver_balanced_preshards(rollout_batch, dp, cfg)
+                    shards = legacy_shard(rollout_batch, pre)
+                    refs = ship_shards(shards)
+                    t_driver = time.perf_counter() - t0
+                    acks = ray.get([a.legacy_step.remote(ref) for a, ref in zip(ranks, refs)], timeout=300)
+                    t_all = time.perf_counter() - t0
+                    drv["legacy"] = (
+                        nbytes(rollout_batch) + sum(nbytes(s) for s in shards) + sum(nbytes(a) for a in acks)
+                    )
+                    return t_all, t_driver, acks
+
+                # Alternate which path goes first so neither always runs on a warmer machine.
+                if rep % 2 == 0:
+                    t_dp, t_dp_driver, acks = run_data_plane()
+                    t_legacy, t_legacy_driver, acks_l = run_legacy()
+                else:
+                    t_legacy, t_legacy_driver, acks_l = run_legacy()
+                    t_dp, t_dp_driver, acks = run_data_plane()
+                # Same rows and micro-batches on both paths (legacy shards also carry seq_len).
+                assert [a["bytes"] for a in acks_l] == [a["bytes"] + 8 * a["rows"] for a in acks]
+                assert [a["microbatches"] for a in acks_l] == [a["microbatches"] for a in acks]
                 if rep:
                     times["data_plane"].append(t_dp)
                     times["legacy"].append(t_legacy)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Union
 
+import numpy as np
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
@@ -249,8 +250,25 @@ def _to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
     return out
 
 
+_UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, in as few kernel launches as torch allows."""
+    """``dst[i].copy_(src[i])`` for all i (same shapes and dtypes).
+
+    GPU: as few kernel launches as torch allows. CPU: numpy copies of the raw bits, single
+    threaded on purpose: every torch CPU copy of a mid-size tensor wakes the OpenMP pool, and
+    with gloo's threads and a second rank on the same cores those wake-ups cost milliseconds
+    each (measured: 0.6 s instead of 10 ms for 147 tensors).
+    """
+    if dst and dst[0].device.type == "cpu":
+        for d, x in zip(dst, src):
+            try:
+                bits = _UINT_OF_SIZE[d.element_size()]
+                np.copyto(d.detach().view(bits).numpy(), x.detach().view(bits).numpy())
+            except (KeyError, RuntimeError, TypeError):
+                d.copy_(x)
+        return
     try:
         torch._foreach_copy_(dst, src)
     except (RuntimeError, TypeError, NotImplementedError, AttributeError):

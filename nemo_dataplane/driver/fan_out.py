@@ -49,9 +49,8 @@ async def async_fan_out_per_rank_metas(
     * ``KVBatchMeta`` source: re-sliced, no I/O; keys, tags and ``fields`` are kept (``client``
       may be ``None``; ``key_prefix`` is unused). ``partition_id`` must match the source's.
     * ``TensorDict`` source: every tensor field (non-tensor entries are not stored) is written
-      under keys ``f"{key_prefix}/{i}"``
-      (``i`` = row in the caller's order) with tags ``{"seq_len": ...}``, all ranks' puts in one
-      ``asyncio.gather``. Puts upsert, so ``key_prefix`` must be unique per fan-out (e.g.
+      under keys ``f"{key_prefix}/{i}"`` (``i`` = row in the caller's order) with tags
+      ``{"seq_len": ...}``, all ranks' puts in one ``asyncio.gather``. Puts upsert, so ``key_prefix`` must be unique per fan-out (e.g.
       ``f"step{n}/train"``) for concurrent fan-outs not to collide. If any put fails or the
       ``timeout_s`` passes, every key this call wrote is cleared before the error propagates
       (a put still stuck in the store after the timeout cannot be cancelled and may land later;

@@ -195,3 +195,25 @@ def test_sync_fan_out_works_inside_a_running_event_loop() -> None:
 
     metas = asyncio.run(caller())
     assert sorted(k for m in metas for k in m.keys) == sorted(f"s/{i}" for i in range(8))
+
+
+class _HangingClient(InMemoryClient):
+    """Writes every rank's put at once, except the one holding ``stuck_key``, which never returns."""
+
+    def __init__(self, stuck_key: str) -> None:
+        super().__init__()
+        self.stuck_key = stuck_key
+
+    async def async_kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None) -> KVBatchMeta:
+        if self.stuck_key in keys:
+            await asyncio.sleep(3600)
+        return self.kv_batch_put(keys, partition_id, fields, tags)
+
+
+def test_fan_out_times_out_and_clears_what_it_wrote() -> None:
+    batch = _batch(12)
+    pre = driver_balanced_preshards(batch, 3, SEQ)
+    client = _HangingClient("s/0")
+    with pytest.raises(TimeoutError, match="did not finish in 0.3s"):
+        fan_out_per_rank_metas(client, pre, batch, partition_id="p", key_prefix="s", timeout_s=0.3)
+    assert len(client.kv_list("p")) == 0

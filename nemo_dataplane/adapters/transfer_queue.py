@@ -13,7 +13,16 @@ merged on every put and stripped from the tags callers see. A field written by a
 TransferQueue client (no layout entry) comes back dense when every row is a scalar and jagged
 otherwise, which is TransferQueue's own rule.
 
-Every TransferQueue quirk worked around here is implemented in :mod:`.tq_compat`.
+Data path: writes use TransferQueue's own ZMQ protocol (dense fields one frame per field and
+storage unit; jagged fields too, cut into rows inside the unit). Reads ask each storage unit for
+one contiguous buffer per field through the Ray object store instead of TransferQueue's one
+frame per row; stores whose units we cannot address (made by ``tq.init()``) fall back to the
+per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.tq_compat`.
+
+Why not ``transfer_queue.init()/kv_*``: those keep the client, controller and storage handles
+in module globals that go stale after ``ray.shutdown()`` (a second ``init`` in the same process
+then fails), and ``transfer_queue.close()`` from *any* process kills the shared controller.
+Each adapter instance therefore owns its client and, if it created the store, the actor handles.
 """
 
 from __future__ import annotations

@@ -160,48 +160,21 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoint
     def _save_checkpoint(self, step_done: int, prompts: Any) -> Path:
+        from algorithms.checkpoint import mark_complete, save_driver_state, step_dir
         from algorithms.step import gather
 
         root = checkpoint_root(self.cfg)
-        d = root / f"step_{step_done:06d}"
+        d = step_dir(root, step_done)
         d.mkdir(parents=True, exist_ok=True)
         gather([w.save_checkpoint.remote(str(d)) for w in self.workers.policy], self.cfg.trainer.step_timeout_s, "checkpoint")
-        torch.save(
-            {
-                "step": step_done,
-                "prompts": prompts.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
-                "config": self.cfg.to_dict(),
-            },
-            d / "driver.pt",
-        )
-        (d / "COMPLETE").write_text(str(step_done))  # a crash mid-save leaves no marker
-        if self.cfg.checkpoint.keep:
-            done = sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
-            for old in done[: -self.cfg.checkpoint.keep]:
-                import shutil
-
-                shutil.rmtree(old, ignore_errors=True)
-        return d
-
-    def _resolve_resume(self) -> Path | None:
-        spec = self.cfg.checkpoint.resume
-        if not spec:
-            return None
-        if spec == "latest":
-            done = sorted(p for p in checkpoint_root(self.cfg).glob("step_*") if (p / "COMPLETE").exists())
-            if not done:
-                raise FileNotFoundError(f"checkpoint.resume=latest: no complete checkpoint under {checkpoint_root(self.cfg)}")
-            return done[-1]
-        d = Path(spec)
-        if not (d / "COMPLETE").exists():
-            raise FileNotFoundError(f"checkpoint.resume={spec!r} is not a complete checkpoint (no COMPLETE marker)")
+        save_driver_state(d, step_done, prompts.state_dict(), self.cfg.to_dict())
+        mark_complete(d, step_done, root=root, keep=self.cfg.checkpoint.keep)
         return d
 
     # -------------------------------------------------------------------- run
     def run(self) -> int:
         """Run the whole training; returns the process exit status (see the module docstring)."""
+        from algorithms.checkpoint import load_driver_state, resolve_resume
         from algorithms.tasks import PromptIterator, resolve_reward_fn
 
         cfg = self.cfg
@@ -217,14 +190,13 @@ class Trainer:
             resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)  # fail before starting anything
             train, val = load_datasets(cfg)
             prompts = PromptIterator(train, cfg.grpo.prompts_per_step, cfg.trainer.seed)
-            resume = self._resolve_resume()
+            resume = resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
             start = 0
             if resume is not None:
-                state = torch.load(resume / "driver.pt", weights_only=False)
+                state = load_driver_state(resume)
                 start = int(state["step"])
                 prompts.load_state_dict(state["prompts"])
-                torch.set_rng_state(state["torch_rng"])
-                random.setstate(state["python_rng"])
+                summary["resumed_from"] = str(resume)
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())

@@ -21,20 +21,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny.yaml"
 
-# Small and fast, but the same code path as the default run: 2 policy ranks, TransferQueue,
-# refit over gloo, validation, several micro-batches per rank.
+# Plumbing settings shared by every test run: the default learning config (2 policy ranks,
+# 32 prompts x 16 samples, 2 micro-batches per rank, TransferQueue, refit over gloo), fewer steps.
 TINY: tuple[str, ...] = (
-    "trainer.steps=6",
-    "trainer.val_every=3",
+    "trainer.steps=16",
+    "trainer.val_every=8",
     "trainer.step_timeout_s=120",
     "trainer.startup_timeout_s=240",
-    "grpo.prompts_per_step=4",
-    "generation.n=4",
-    "task.val_size=8",
-    "data_plane.packing.micro_batch_size=4",
+    "task.val_size=16",
     "checkpoint.every=0",
     "logging.progress=false",
     "logging.plot=false",
+)
+
+# A smaller batch for runs that check the plumbing only (failure, Ctrl-C).
+SMALL: tuple[str, ...] = (
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "data_plane.packing.micro_batch_size=4",
 )
 
 
@@ -79,8 +83,8 @@ def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> Tra
 def run_trainer():
     """``run_trainer(out_dir, *overrides) -> TrainerRun``."""
 
-    def run(out_dir: Path, *overrides: str, timeout: float = 420) -> TrainerRun:
-        return _run(Path(out_dir), tuple(overrides), timeout)
+    def run(out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420) -> TrainerRun:
+        return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout)
 
     return run
 
@@ -89,7 +93,7 @@ def run_trainer():
 def trainer_command():
     """``trainer_command(out_dir, *overrides) -> (argv, env)`` for runs a test drives itself."""
 
-    def command(out_dir: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
-        return _command(Path(out_dir), tuple(overrides))
+    def command(out_dir: Path, *overrides: str, small: bool = False) -> tuple[list[str], dict[str, str]]:
+        return _command(Path(out_dir), (*(SMALL if small else ()), *overrides))
 
     return command

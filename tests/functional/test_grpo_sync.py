@@ -2,10 +2,10 @@
 
 Four runs serve every check (the CI machine has 2 cores, so runs are shared across tests):
 
-* ``dp_run``: data plane on, 6 steps, checkpoint every 3 steps;
+* ``dp_run``: the default learning config, data plane on, 16 steps, checkpoint every 8 steps;
 * ``legacy_run``: the same config with ``data_plane.enabled=false``;
-* ``resumed_run``: data plane on, resumed from ``dp_run``'s step-3 checkpoint;
-* a run whose policy rank raises mid-step (its own test).
+* a run resumed from ``dp_run``'s step-8 checkpoint;
+* small-batch runs whose policy rank raises mid-step, or that get Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def dp_run(run_trainer, runs_dir: Path):
-    run = run_trainer(runs_dir / "dp", "data_plane.enabled=true", "checkpoint.every=3")
+    run = run_trainer(runs_dir / "dp", "data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
+                      "logging.tensorboard=true")
     assert run.returncode == 0, run.explain()
     return run
 
@@ -38,7 +39,7 @@ def legacy_run(run_trainer, runs_dir: Path):
 
 def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> None:
     dp, legacy = dp_run.rows, legacy_run.rows
-    assert [r["step"] for r in dp] == list(range(6)) == [r["step"] for r in legacy]
+    assert [r["step"] for r in dp] == list(range(16)) == [r["step"] for r in legacy]
     # JSON floats round-trip exactly, so == on the parsed values is a bitwise comparison.
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "reward"):
         assert [r[key] for r in dp] == [r[key] for r in legacy], key
@@ -64,23 +65,34 @@ def test_legacy_run_never_loads_the_data_plane(legacy_run) -> None:
     assert summary["workers_data_plane_modules"] == {"policy0": [], "policy1": [], "collector": []}
 
 
+def test_a_short_seeded_run_learns(dp_run) -> None:
+    rewards = [r["reward"] for r in dp_run.rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.1, "a random-init model is at chance"
+    assert last > first + 0.2, rewards
+    vals = [r["val_reward"] for r in dp_run.rows if r["val_reward"] is not None]
+    assert vals[-1] > vals[0], vals
+    assert (dp_run.out_dir / "reward_loss.png").stat().st_size > 1000
+    assert list((dp_run.out_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_metrics_file_has_the_documented_columns(dp_run) -> None:
     rows = dp_run.rows
     for key in ("reward", "loss", "kl", "entropy", "clip_frac", "response_len", "grad_norm", "tokens_per_s",
                 "dp_bytes", "driver_bytes", "keys_outstanding", "time/generate", "time/train", "time/refit"):
         assert all(r.get(key) is not None for r in rows), key
-    assert [r["val_reward"] is not None for r in rows] == [False, False, True, False, False, True]
-    assert [r["weight_version"] for r in rows] == list(range(6)), "the generator sampled with each new version"
+    assert [i for i, r in enumerate(rows) if r["val_reward"] is not None] == [7, 15]
+    assert [r["weight_version"] for r in rows] == list(range(16)), "the generator sampled with each new version"
     assert "grpo_sync finished" in dp_run.stdout
 
 
 def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_dir: Path) -> None:
-    ckpt = runs_dir / "dp" / "checkpoints" / "step_000003"
+    ckpt = runs_dir / "dp" / "checkpoints" / "step_000008"
     assert (ckpt / "COMPLETE").exists()
     resumed = run_trainer(runs_dir / "resumed", "data_plane.enabled=true", f"checkpoint.resume={ckpt}")
     assert resumed.returncode == 0, resumed.explain()
-    tail = [r for r in dp_run.rows if r["step"] >= 3]
-    assert [r["step"] for r in resumed.rows] == [3, 4, 5]
+    tail = [r for r in dp_run.rows if r["step"] >= 8]
+    assert [r["step"] for r in resumed.rows] == list(range(8, 16))
     for key in ("loss", "reward", "grad_norm", "kl"):
         assert [r[key] for r in resumed.rows] == [r[key] for r in tail], key
 
@@ -88,7 +100,7 @@ def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_di
 def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_trainer, runs_dir: Path) -> None:
     run = run_trainer(
         runs_dir / "fail", "data_plane.enabled=true", "debug.fail_at_step=1", "debug.fail_in=train",
-        "debug.fail_rank=1",
+        "debug.fail_rank=1", small=True,
     )
     assert run.returncode == 1, run.explain()
     assert "injected failure at step 1 on policy rank 1" in run.stderr, run.explain()
@@ -106,7 +118,7 @@ def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, runs_dir: Path)
     import time
 
     out = runs_dir / "interrupted"
-    cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0")
+    cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0", small=True)
     proc = subprocess.Popen(
         cmd, cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,

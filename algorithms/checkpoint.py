@@ -1,0 +1,79 @@
+"""Checkpoint layout and the driver's share of it.
+
+A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) holding
+
+* ``policy.pt`` — policy, reference and AdamW state (written by policy rank 0; ranks are identical);
+* ``rng_rank{r}.pt`` — each policy rank's RNG state;
+* ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states
+  and the config it was written under;
+* ``COMPLETE`` — written last: a directory without it (a crash mid-save) is never resumed from.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MARKER = "COMPLETE"
+
+
+def step_dir(root: str | Path, steps_done: int) -> Path:
+    return Path(root) / f"step_{steps_done:06d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    return sorted(p for p in Path(root).glob("step_*") if (p / MARKER).exists())
+
+
+def save_driver_state(d: Path, steps_done: int, prompts_state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    torch.save(
+        {
+            "step": steps_done,
+            "prompts": dict(prompts_state),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": dict(config),
+        },
+        d / "driver.pt",
+    )
+
+
+def mark_complete(d: Path, steps_done: int, *, root: str | Path, keep: int) -> None:
+    """Write the marker, then drop all but the newest ``keep`` complete checkpoints (0: keep all)."""
+    (d / MARKER).write_text(str(steps_done))
+    if keep:
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
+    """The checkpoint to resume from: ``None``, ``"latest"`` under ``root``, or a directory.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint matches (names where it looked).
+    """
+    if not spec:
+        return None
+    if spec == "latest":
+        done = complete_checkpoints(root)
+        if not done:
+            raise FileNotFoundError(f"checkpoint.resume=latest: no complete checkpoint under {root}")
+        return done[-1]
+    d = Path(spec)
+    if not (d / MARKER).exists():
+        raise FileNotFoundError(f"checkpoint.resume={spec!r} is not a complete checkpoint (no {MARKER} marker)")
+    return d
+
+
+def load_driver_state(d: Path) -> dict[str, Any]:
+    """Read ``driver.pt`` and restore the driver's RNG states; returns the state dict."""
+    state = torch.load(d / "driver.pt", weights_only=False)
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return state

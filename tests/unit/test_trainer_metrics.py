@@ -1,0 +1,78 @@
+"""Trainer metrics (JSONL, resume truncation, byte counting, plot, summary) and checkpoint layout."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from algorithms.checkpoint import complete_checkpoints, mark_complete, resolve_resume, step_dir
+from algorithms.metrics import STEP_KEYS, MetricsLogger, payload_bytes, plot_metrics, summary_line
+from nemo_dataplane.meta import KVBatchMeta
+
+
+def test_payload_bytes_counts_tensor_storage_and_jagged_values_plus_offsets() -> None:
+    dense = torch.zeros(10, 3, dtype=torch.float32)
+    assert payload_bytes(dense) == 120
+    jag = torch.nested.nested_tensor_from_jagged(torch.arange(7, dtype=torch.int64), offsets=torch.tensor([0, 3, 7]))
+    assert payload_bytes(jag) == 7 * 8 + 3 * 8
+    assert payload_bytes({"a": dense, "b": [dense, dense]}) == 360 + len(pickle.dumps("a")) + len(pickle.dumps("b"))
+    meta = KVBatchMeta(keys=("k0", "k1"), tags=({}, {}), partition_id="p")
+    assert payload_bytes(meta) == len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _row(step: int, reward: float) -> dict:
+    return {"step": step, "reward": reward, "loss": 0.5 - reward, "step_s": 0.1, "keys_outstanding": 0}
+
+
+def test_jsonl_has_every_documented_key_and_resume_truncates_later_steps(tmp_path: Path) -> None:
+    log = MetricsLogger(tmp_path, total_steps=4, progress=False)
+    for s in range(4):
+        log.log_step(_row(s, 0.1 * s))
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3]
+    assert all(set(STEP_KEYS) <= set(r) for r in lines)
+    assert lines[0]["kl"] is None  # absent values are written as null, not dropped
+
+    # A run resumed from the step-2 checkpoint replays steps 2, 3: earlier lines stay, later go.
+    log = MetricsLogger(tmp_path, total_steps=4, start_step=2, progress=False)
+    assert [r["step"] for r in log.rows] == [0, 1]
+    log.log_step(_row(2, 0.9))
+    log.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+    # A fresh run owns the file.
+    MetricsLogger(tmp_path, total_steps=4, progress=False).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_plot_and_summary(tmp_path: Path) -> None:
+    rows = [dict(_row(s, 0.2 * s), val_reward=(0.3 if s == 4 else None)) for s in range(5)]
+    png = plot_metrics(rows, tmp_path / "p.png")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_metrics([], tmp_path / "none.png") is None
+    line = summary_line(rows, wall_s=12.0, status="finished", path=tmp_path / "metrics.jsonl")
+    assert "finished" in line and "0.200 -> 0.600" in line and "best val reward 0.300" in line
+
+
+def test_checkpoint_resume_picks_the_newest_complete_one_and_prunes(tmp_path: Path) -> None:
+    for s in (2, 4, 6):
+        d = step_dir(tmp_path, s)
+        d.mkdir(parents=True)
+        if s != 6:  # step 6 "crashed" mid-save: no marker
+            mark_complete(d, s, root=tmp_path, keep=0)
+    assert resolve_resume("latest", tmp_path) == step_dir(tmp_path, 4)
+    with pytest.raises(FileNotFoundError, match="no COMPLETE marker"):
+        resolve_resume(str(step_dir(tmp_path, 6)), tmp_path)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_resume("latest", tmp_path / "empty")
+    assert resolve_resume(None, tmp_path) is None
+    d8 = step_dir(tmp_path, 8)
+    d8.mkdir()
+    mark_complete(d8, 8, root=tmp_path, keep=2)
+    assert complete_checkpoints(tmp_path) == [step_dir(tmp_path, 4), d8]

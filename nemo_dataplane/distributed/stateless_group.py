@@ -149,8 +149,11 @@ class Work:
                 self._gloo_work.wait(datetime.timedelta(seconds=timeout))
             except Exception as e:  # gloo reports timeouts and peer loss as RuntimeError
                 g._mark_broken()
-                raise g._error(StatelessGroupTimeout if "imeout" in str(e) else StatelessGroupError,
-                               f"{self._what} failed: {e}") from e
+                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                    raise g._error(StatelessGroupTimeout,
+                                   f"{self._what} did not finish within {timeout:g}s; the peer may have died "
+                                   f"or skipped it ({e})") from e
+                raise g._error(StatelessGroupError, f"{self._what} failed: {e}") from e
             self._done = True
             return
         g._poll(self.is_completed, self._what, timeout=timeout, watch=watch, abort_on_timeout=True,

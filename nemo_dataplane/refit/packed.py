@@ -204,23 +204,30 @@ def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
     return plan
 
 
-def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec]) -> list[str]:
-    """Human-readable differences between the sender's and a receiver's tensors (empty if none)."""
+def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then: str = "",
+               now: str = "") -> list[str]:
+    """Human-readable differences between the sender's and a receiver's tensors (empty if none).
+
+    With ``then``/``now`` labels it instead compares one side's tensors over time.
+    """
     mine = {s.name: s for s in local}
     theirs = {s.name: s for s in sent}
+    a, b = (then, now) if then else ("sender", "receiver")
     out: list[str] = []
     for s in sent:
         m = mine.get(s.name)
         if m is None:
-            out.append(f"{s.name}: sent by the trainer, but the receiver has no such tensor")
+            out.append(f"{s.name}: gone since prepare_refit_info()" if then
+                       else f"{s.name}: sent by the trainer, but the receiver has no such tensor")
             continue
         if m.shape != s.shape:
-            out.append(f"{s.name}: shape sender {list(s.shape)} != receiver {list(m.shape)}")
+            out.append(f"{s.name}: shape {a} {list(s.shape)} != {b} {list(m.shape)}")
         if m.dtype != s.dtype:
-            out.append(f"{s.name}: dtype sender {s.dtype} != receiver {m.dtype}")
+            out.append(f"{s.name}: dtype {a} {s.dtype} != {b} {m.dtype}")
     for m in local:
         if m.name not in theirs:
-            out.append(f"{m.name}: receiver tensor not sent by the trainer (it would go stale)")
+            out.append(f"{m.name}: new since prepare_refit_info()" if then
+                       else f"{m.name}: receiver tensor not sent by the trainer (it would go stale)")
     return out
 
 
@@ -331,7 +338,8 @@ class _Endpoint:
             out.append(t)
         if len(out) == len(self._names) and len(tensors) == len(out):
             return out
-        problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()])
+        problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()],
+                              then="at prepare_refit_info()", now="now")
         raise RefitMismatchError(
             f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {_clip(problems)}")
 
@@ -341,8 +349,11 @@ class _Endpoint:
 
     def _errors_of(self, ranks: Iterable[int]) -> str | None:
         store = self.group.store
-        found = [f"rank {r}: {store.get(self._key('error', r)).decode()}"
-                 for r in ranks if store.check([self._key("error", r)])]
+        found = []
+        for r in ranks:
+            if store.check([self._key("error", r)]):
+                msg = store.get(self._key("error", r)).decode()
+                found.append(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
         return "; ".join(found) or None
 
     def _bucket_views(self) -> list[list[torch.Tensor]]:
@@ -377,18 +388,23 @@ class _Endpoint:
         self._views = None
 
     def _handshake(self, my_status: str, what: str) -> None:
-        """Post this rank's status, wait for everyone's, raise if any rank failed."""
+        """Post this rank's status, wait for everyone's, raise if any rank failed.
+
+        The error lists this rank's own problems first, then every other failing rank's.
+        """
         g = self.group
         g.store.set(self._key(self._gen, "status", g.rank), my_status.encode())
         g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size), what)
-        errors = []
+        others = []
         for r in range(g.world_size):
             st = g.store.get(self._key(self._gen, "status", r)).decode()
-            if st != "ok":
-                errors.append(f"rank {r}: {st}")
-        if errors:
-            raise RefitMismatchError(
-                f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(errors))
+            if st != "ok" and r != g.rank:
+                others.append(f"rank {r}: {st}")
+        if my_status == "ok" and not others:
+            return
+        mine = [] if my_status == "ok" else [f"this rank: {my_status}"]
+        raise RefitMismatchError(
+            f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(mine + others))
 
 
 class RefitSender(_Endpoint):
@@ -596,14 +612,7 @@ class RefitReceiver(_Endpoint):
         if info.src != self.src:
             problems.insert(0, f"sender is rank {info.src}, receiver expects src={self.src}")
         status = "ok" if not problems else f"{len(problems)} mismatch(es): {_clip(problems)}"
-        try:
-            self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
-        except RefitMismatchError as e:
-            if problems:
-                raise RefitMismatchError(
-                    f"rank {g.rank}: sender and receiver layouts differ, no weights were moved: "
-                    f"{_clip(problems)} || all ranks: {e}") from None
-            raise
+        self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
         self._compile(info)
         return info
 

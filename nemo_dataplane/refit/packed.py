@@ -296,6 +296,8 @@ class _Endpoint:
         self._bufs: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] | None = None
         self._fp = 0
+        # Refits so far; error keys carry it so a failed refit's report cannot stop the next.
+        self._seq = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._cuda = group.backend == "nccl"
 
@@ -345,14 +347,14 @@ class _Endpoint:
 
     def _publish_error(self, msg: str) -> None:
         with contextlib.suppress(Exception):
-            self.group.store.set(self._key("error", self.group.rank), msg.encode())
+            self.group.store.set(self._key("error", self._seq, self.group.rank), msg.encode())
 
     def _errors_of(self, ranks: Iterable[int]) -> str | None:
         store = self.group.store
         found = []
         for r in ranks:
-            if store.check([self._key("error", r)]):
-                msg = store.get(self._key("error", r)).decode()
+            if store.check([self._key("error", self._seq, r)]):
+                msg = store.get(self._key("error", self._seq, r)).decode()
                 found.append(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
         return "; ".join(found) or None
 
@@ -458,6 +460,7 @@ class RefitSender(_Endpoint):
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
         if self.info is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before send_weights()")
+        self._seq += 1
         try:
             ordered = self._ordered(self._tensors())
         except Exception as e:
@@ -620,6 +623,7 @@ class RefitReceiver(_Endpoint):
         """Receive one refit into our tensors in place; return (and store) its version."""
         if self.info is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before receive_weights()")
+        self._seq += 1
         try:
             ordered = self._ordered(self._tensors())
         except RefitMismatchError as e:

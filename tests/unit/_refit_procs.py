@@ -305,23 +305,29 @@ def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] 
 
 
 def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo") -> dict[str, Any]:
-    """The sender's tensor changes shape after prepare: it must abort and receivers must hear why."""
+    """The sender's tensor changes shape after prepare: it must abort and receivers must hear
+    why; then, with the layout restored, the next refit on the same group must work."""
     g = _group(rank, world, port, backend, timeout=10.0)
     dev = g.device
     holder = {"w": torch.ones(6, device=dev)}
+    dst = {"w": torch.zeros(6, device=dev)}
+    ep = RefitSender(g, lambda: holder, bucket_bytes=1024) if rank == 0 else RefitReceiver(g, dst)
+    ep.prepare_refit_info()
     try:
         if rank == 0:
-            snd = RefitSender(g, lambda: holder, bucket_bytes=1024)
-            snd.prepare_refit_info()
             holder["w"] = torch.ones(7, device=dev)
-            snd.send_weights(3)
+            ep.send_weights(3)
         else:
-            rcv = RefitReceiver(g, {"w": torch.zeros(6, device=dev)})
-            rcv.prepare_refit_info()
-            rcv.receive_weights()
-        out = {"error": None}
+            ep.receive_weights()
+        out: dict[str, Any] = {"error": None}
     except Exception as e:
         out = {"error": type(e).__name__, "msg": str(e)}
+    holder["w"] = torch.full((6,), 5.0, device=dev)
+    if rank == 0:
+        ep.send_weights(4)
+    else:
+        out["next_version"] = ep.receive_weights()
+        out["next_values"] = dst["w"].cpu().tolist()
     g.destroy()
     return out
 

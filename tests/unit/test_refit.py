@@ -140,6 +140,7 @@ def test_sender_abort_reaches_receivers(pool: ProcessPoolExecutor) -> None:
         assert res[r]["error"] == "RefitError", res[r]
         assert "sender rank 0 aborted refit of version 3" in res[r]["msg"]
         assert "tensors changed since prepare_refit_info" in res[r]["msg"]
+        assert res[r]["next_version"] == 4 and res[r]["next_values"] == [5.0] * 6  # group still usable
 
 
 def test_receiver_that_never_prepares_is_named(pool: ProcessPoolExecutor) -> None:

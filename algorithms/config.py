@@ -290,7 +290,12 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     _positive(cfg.ray.worker_num_cpus, "ray.worker_num_cpus", allow_zero=True)
     if not cfg.policy.model:
         raise ConfigError("policy.model is empty: give {arch, hf_config, seed} or {path: /local/hf/dir}")
-    if "path" in cfg.policy.model:
+    if cfg.policy.model.get("path") not in (None, "") and cfg.policy.model.get("hf_config") is not None:
+        raise ConfigError(
+            "policy.model has both path and hf_config; give one (e.g. add policy.model.hf_config=null "
+            "to load policy.model.path)"
+        )
+    if cfg.policy.model.get("path") not in (None, ""):
         p = Path(str(cfg.policy.model["path"])).expanduser()
         if not (p / "config.json").is_file():
             raise ConfigError(f"policy.model.path={str(p)!r} has no config.json (a local Hugging Face directory)")

@@ -119,7 +119,11 @@ class Trainer:
         cfg = self.cfg
         plain = cfg.to_dict()
         cpus = cfg.ray.worker_num_cpus
-        env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
+        # Workers see the driver's import path, so a custom task.reward_fn module that the driver
+        # can import, the collector can too.
+        pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
+        env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
+                            "PYTHONPATH": pythonpath}}
         dp = cfg.trainer.dp_size
         policy_gpus = (1.0 / dp) if cfg.policy.device == "cuda" else 0
         master = ("127.0.0.1", _free_port())
@@ -137,7 +141,8 @@ class Trainer:
         self.actors = [*policy, generator, collector]
         self.workers = Workers(policy=policy, generator=generator, collector=collector)
         timeout = cfg.trainer.startup_timeout_s
-        gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
+        ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
+        self.policy_params = int(ready[0]["params"])
         if cfg.data_plane.enabled:
             dp_cfg = cfg.data_plane.to_dict()
             gather([a.attach_data_plane.remote(dp_cfg) for a in (*policy, collector)], timeout, "data-plane attach")
@@ -216,6 +221,8 @@ class Trainer:
                 gather([w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
                        cfg.trainer.startup_timeout_s, "checkpoint load")
             self._refit(start)  # the generator starts from exactly the policy's weights
+            summary["policy_params"] = self.policy_params
+            summary["prompts"] = {"train": len(train), "val": len(val)}
             code = self._loop(start, prompts, val)
             status = "finished"
             summary["workers_data_plane_modules"] = self._worker_modules()

@@ -117,9 +117,9 @@ class PolicyWorker:
         self._sender: Any = None
 
     # ---------------------------------------------------------------- set-up
-    def ready(self) -> int:
-        """The rank, once constructed (the driver waits on it, bounded)."""
-        return self.rank
+    def ready(self) -> dict[str, int]:
+        """Rank and parameter count, once constructed (the driver waits on it, bounded)."""
+        return {"rank": self.rank, "params": sum(p.numel() for p in self.model.parameters())}
 
     def attach_data_plane(self, data_plane_cfg: Mapping[str, Any]) -> None:
         """Attach to the driver's store (data-plane path only; the legacy path never calls this)."""

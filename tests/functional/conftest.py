@@ -64,17 +64,23 @@ class TrainerRun:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
-def _command(out_dir: Path, overrides: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+def _command(
+    out_dir: Path, overrides: tuple[str, ...], extra_env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    path = os.pathsep.join([str(REPO), *([extra_env["PYTHONPATH"]] if extra_env and "PYTHONPATH" in extra_env else [])])
+    env.update(extra_env or {})
+    env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=path)
     env.pop("RAY_ADDRESS", None)  # a run starts its own cluster, never the test session's
     cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(CONFIG), *TINY,
            f"logging.output_dir={out_dir}", *overrides]
     return cmd, env
 
 
-def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> TrainerRun:
-    cmd, env = _command(out_dir, overrides)
+def _run(
+    out_dir: Path, overrides: tuple[str, ...], timeout: float = 420, env: dict[str, str] | None = None
+) -> TrainerRun:
+    cmd, env = _command(out_dir, overrides, env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return TrainerRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
 
@@ -83,8 +89,10 @@ def _run(out_dir: Path, overrides: tuple[str, ...], timeout: float = 420) -> Tra
 def run_trainer():
     """``run_trainer(out_dir, *overrides) -> TrainerRun``."""
 
-    def run(out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420) -> TrainerRun:
-        return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout)
+    def run(
+        out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420, env: dict[str, str] | None = None
+    ) -> TrainerRun:
+        return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout, env)
 
     return run
 

@@ -98,9 +98,28 @@ def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_di
 
 
 def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_trainer, runs_dir: Path) -> None:
+    # The same run also brings its own model (a local HF dir), prompts (JSONL) and reward function.
+    from algorithms.models import build_model, save_pretrained_dir
+    from algorithms.tasks import CharTokenizer
+
+    byo = runs_dir / "byo"
+    model = build_model(
+        {"arch": "qwen2", "seed": 3, "hf_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 2, "num_key_value_heads": 2,
+                                                   "max_position_embeddings": 32}},
+        vocab_size=CharTokenizer().vocab_size,
+    )
+    save_pretrained_dir(model, byo / "model")
+    n_params = sum(p.numel() for p in model.parameters())
+    (byo / "prompts.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n'
+                                               for a in range(5) for b in range(4)))
+    (byo / "byo_reward.py").write_text("def score(record, text):\n    return 0.25\n")
+
     run = run_trainer(
         runs_dir / "fail", "data_plane.enabled=true", "debug.fail_at_step=1", "debug.fail_in=train",
-        "debug.fail_rank=1", small=True,
+        "debug.fail_rank=1", f"policy.model.path={byo / 'model'}", "policy.model.hf_config=null",
+        f"task.dataset={byo / 'prompts.jsonl'}", "task.val_size=4", "task.reward_fn=byo_reward:score",
+        small=True, env={"PYTHONPATH": str(byo)},
     )
     assert run.returncode == 1, run.explain()
     assert "injected failure at step 1 on policy rank 1" in run.stderr, run.explain()
@@ -108,6 +127,9 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
     assert summary["status"] == "failed"
     assert summary["keys_outstanding_at_exit"] == 0
     assert [r["step"] for r in run.rows] == [0], "step 0 completed and was logged; step 1 was not"
+    assert summary["policy_params"] == n_params
+    assert summary["prompts"] == {"train": 16, "val": 4}
+    assert run.rows[0]["reward"] == 0.25, "the custom reward function scored the rollouts"
 
 
 def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, runs_dir: Path) -> None:

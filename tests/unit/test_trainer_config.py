@@ -54,7 +54,7 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("task.reward_fn=no_colon", "task.reward_fn"),
         ("refit.backend=nccl", "refit.backend=nccl"),  # needs cuda devices
         ("debug.fail_in=train", "debug.fail_at_step"),
-        ("policy.model.path=/nonexistent/model", "policy.model.path"),
+        ("policy.model.path=/nonexistent/model", "policy.model.hf_config=null"),  # both given
     ],
 )
 def test_bad_values_name_the_dotted_key(override: str, needle: str) -> None:
@@ -91,3 +91,11 @@ def test_cli_returns_2_and_names_the_key_on_a_bad_config(capsys: pytest.CaptureF
 
     assert main(["--config", str(YAML), "grpo.nope=1"]) == 2
     assert "grpo.nope" in capsys.readouterr().err
+
+
+def test_model_path_must_be_a_local_hf_dir(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="policy.model.path=.*no config.json"):
+        load_config(YAML, [f"policy.model.path={tmp_path}", "policy.model.hf_config=null"])
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config(YAML, [f"policy.model.path={tmp_path}", "policy.model.hf_config=null"])
+    assert cfg.policy.model["path"] == str(tmp_path)

@@ -375,10 +375,17 @@ class TransferQueueClient(DataPlaneClient):
             new_meta.append(merged)
         bm.custom_meta = new_meta
         try:
+            # Rows and tags go to different actors and do not depend on each other: send both
+            # at once (TransferQueue's own put does them one after the other).
+            jobs = [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
             if columns:
                 jagged = {k for k, v in layout.items() if v == "jagged"}
-                await compat.put_rows(self._tq, bm, columns, jagged)
-            await compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)
+                jobs.append(compat.put_rows(self._tq, bm, columns, jagged))
+            # Wait for both before judging: cleanup must not race a tag write still in flight.
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
         except BaseException:
             if fresh:
                 await asyncio.shield(self._tq.async_clear_samples(bm.select_samples(fresh)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Union
 
@@ -759,8 +759,3 @@ class RefitReceiver(_Endpoint):
         cur.wait_stream(unpack)
         return version
 
-
-def iter_plan_sizes(plan: Sequence[Bucket | Direct], info: RefitInfo) -> Iterator[int]:
-    """Bytes moved by each broadcast of ``plan`` (for logging and benchmarks)."""
-    for item in plan:
-        yield item.nbytes if isinstance(item, Bucket) else info.tensors[item.index].nbytes

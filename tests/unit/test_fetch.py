@@ -7,8 +7,8 @@ on the session's Ray cluster, each attached to the session's real TransferQueue 
 from __future__ import annotations
 
 import os
-import socket
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,20 +177,21 @@ class _Rank:
 def four_ranks(ray_session: Any, tq_client: DataPlaneClient) -> Iterator[list[Any]]:
     ray = ray_session
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A FileStore rendezvous: no port to pick, so no race with other processes for it.
+    store_file = Path(tempfile.gettempdir()) / f"nd-fetch-{uuid.uuid4().hex}"
+    init_method = f"file://{store_file}"
     env = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     actor_cls = ray.remote(num_cpus=0, runtime_env={"env_vars": env})(_Rank)
     actors = [actor_cls.remote() for _ in range(4)]
     groups = [[0, 1], [2, 3]]
-    ray.get([a.setup.remote(r, 4, f"tcp://127.0.0.1:{port}", groups) for r, a in enumerate(actors)], timeout=120)
+    ray.get([a.setup.remote(r, 4, init_method, groups) for r, a in enumerate(actors)], timeout=120)
     yield actors
     try:
         ray.get([a.close.remote() for a in actors], timeout=30)
     finally:
         for a in actors:
             ray.kill(a)
+        store_file.unlink(missing_ok=True)
 
 
 @pytest.fixture

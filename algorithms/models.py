@@ -231,7 +231,8 @@ def generate(
     Returns ``len(prompt_ids) * n`` token lists, group-major (the ``n`` responses of prompt ``i``
     are at ``[i * n, (i + 1) * n)``). A response ends with ``eos_id`` when the model emitted it,
     otherwise it has exactly ``max_new_tokens`` tokens. ``temperature <= 0`` means greedy.
-    The model's train/eval mode is restored on exit.
+    ``generator`` is a CPU generator (tokens are drawn on CPU even for a CUDA model, so a seed
+    gives the same samples on both). The model's train/eval mode is restored on exit.
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from algorithms.grpo import (
@@ -193,3 +195,32 @@ def test_policy_loss_rejects_bad_shapes() -> None:
         policy_loss(x["lp"], x["old"], x["ref"], x["adv"][:1], x["mask"], clip_eps=0.2, kl_coef=0.1)
     with pytest.raises(ValueError, match="loss_agg"):
         policy_loss(x["lp"], x["old"], x["ref"], x["adv"], x["mask"], clip_eps=0.2, kl_coef=0.1, loss_agg="sum")  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(
+        st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=4, max_size=4), min_size=1, max_size=6
+    ),
+    scale=st.floats(0.1, 10.0),
+    shift=st.floats(-5.0, 5.0),
+)
+def test_group_advantages_properties(groups: list[list[float]], scale: float, shift: float) -> None:
+    r = torch.tensor([x for g in groups for x in g], dtype=torch.float64)
+    adv = group_advantages(r, 4, eps=0.0 if all(len(set(g)) > 1 for g in groups) else 1e-6).reshape(-1, 4)
+    keep = dynamic_sampling_mask(r, 4).reshape(-1, 4)
+    for i, g in enumerate(groups):
+        assert keep[i].all().item() == (len(set(g)) > 1)
+        assert adv[i].sum().abs().item() < 1e-4  # centred per group
+        if len(set(g)) > 1:
+            assert adv[i].std().item() == pytest.approx(1.0, abs=1e-3)  # unit std (eps negligible)
+            # ranking inside a group follows the rewards
+            for a in range(4):
+                for b in range(4):
+                    if g[a] > g[b]:
+                        assert adv[i, a] > adv[i, b]
+        else:
+            assert torch.equal(adv[i], torch.zeros(4))
+    # Normalised advantages ignore an affine change of the reward scale.
+    adv2 = group_advantages(r * scale + shift, 4, eps=0.0 if bool(keep.all()) else 1e-9).reshape(-1, 4)
+    assert torch.allclose(adv2[keep], adv.to(adv2.dtype)[keep], atol=1e-3)

@@ -103,3 +103,18 @@ def test_split_microbatches_follows_plan_and_checks_it() -> None:
     assert split_microbatches(td, None)[0] is td
     with pytest.raises(ValueError, match="5 rows arrived"):
         split_microbatches(td, {"microbatches": [[0, 1], [2]]})
+
+
+def test_select_rows_copies_but_microbatches_are_views() -> None:
+    lens = [3, 1, 4, 1, 5]
+    td = TensorDict({"ids": _jagged(lens), "r": torch.arange(5.0)}, [5])
+    # A contiguous run still comes back as a copy: a view would pickle the whole source storage.
+    part = select_rows(td, [1, 2, 3])
+    assert part["r"].untyped_storage().data_ptr() != td["r"].untyped_storage().data_ptr()
+    assert part["ids"].values().untyped_storage().data_ptr() != td["ids"].values().untyped_storage().data_ptr()
+    assert part["ids"].offsets().tolist() == [0, 1, 5, 6]
+    # Micro-batches are contiguous runs of the shard: views, no copy.
+    mbs = split_microbatches(td, {"microbatches": [[0, 1], [2, 3, 4]]})
+    assert mbs[1]["r"].untyped_storage().data_ptr() == td["r"].untyped_storage().data_ptr()
+    assert mbs[1]["ids"].offsets().tolist() == [0, 4, 5, 10]
+    assert torch.equal(mbs[1]["ids"].values(), td["ids"].values()[4:])

@@ -254,6 +254,7 @@ def main() -> None:
             print(json.dumps(bench_ray(args.sizes, args.repeats)))
             return
         t_start = time.perf_counter()
+        load_start = os.getloadavg()
         rows = bench_local(args.sizes, args.repeats)
         rows += [{"method": "ray", **r} for r in bench_ray(args.sizes, args.repeats)]
         rows += bench_tq(args.sizes, args.repeats)
@@ -295,12 +296,14 @@ def main() -> None:
                 "rows": rows,
                 "ratios_vs_ray": ratios,
                 "repeats": args.repeats,
+                "loadavg_1min_start_end": [load_start[0], os.getloadavg()[0]],
                 "wall_s": time.perf_counter() - t_start,
                 "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
             },
             indent=2,
         )
     )
+    print(f"load average (1 min) at start / end: {load_start[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"wrote {out}  ({time.perf_counter() - t_start:.0f} s)")
 
 

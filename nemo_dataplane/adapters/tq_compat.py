@@ -358,7 +358,15 @@ class Column:
 
 
 def column_from_rows(rows: Sequence[torch.Tensor]) -> Column:
-    """Stack rows of one shape, else concatenate them (fallback path; one C call either way)."""
+    """Stack rows of one shape, else concatenate them (fallback path; one C call either way).
+
+    Raises:
+        TypeError: a row is not a tensor (written by a foreign client).  ValueError: rows differ
+            in more than their first dimension.
+    """
+    if not all(isinstance(r, torch.Tensor) for r in rows):
+        kinds = sorted({type(r).__name__ for r in rows})
+        raise TypeError(f"rows are not all tensors ({kinds}); this client reads tensor fields only")
     first = rows[0].shape
     if all(r.shape == first for r in rows):
         return Column(torch.stack(list(rows), 0))

@@ -449,8 +449,8 @@ class TransferQueueClient(DataPlaneClient):
                 for name in names:
                     try:
                         cols[name] = compat.column_from_rows(rows[name])
-                    except ValueError as e:
-                        raise ValueError(f"field {name!r}: {e}") from None
+                    except (TypeError, ValueError) as e:
+                        raise type(e)(f"field {name!r}: {e}") from None
         except compat.StorageKeyNotFoundError as e:
             raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
         columns = {

@@ -362,6 +362,8 @@ class TransferQueueClient(DataPlaneClient):
             )
         # Keys with no tags yet were created by this call (every put of ours leaves a tag):
         # those are removed again if the write fails, so a failed put leaves no keys behind.
+        # Limitation: a key another TransferQueue client wrote without tags looks the same, so
+        # a failed upsert over such a key removes it too.
         fresh = [i for i, cm in enumerate(bm.custom_meta) if not cm]
         before_fields = list(bm.field_schema.keys())
         layout = {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}

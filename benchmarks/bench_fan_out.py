@@ -16,7 +16,7 @@ Driver bytes = serialized size (``ray.cloudpickle``) of everything the driver re
 rollout meta / rollout batch from the collector, the acks) and sends (the metas / the shards).
 Both paths run in the same process on the same Ray cluster, interleaved, median of ``--repeats``.
 
-Usage: ``python benchmarks/bench_fan_out.py [--samples 256] [--repeats 5] [--dp 1 2 4 8]``.
+Usage: ``python benchmarks/bench_fan_out.py [--samples 256] [--repeats 15] [--dp 1 2 4 8] [--storage-units 1]``.
 Prints a table and writes ``benchmarks/results/bench_fan_out.json``.
 """
 
@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=8192)
+    ap.add_argument("--storage-units", type=int, default=1, help="TransferQueue storage units (0.5 CPU each)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_fan_out.json"))
     args = ap.parse_args()
 
@@ -123,7 +124,7 @@ def main() -> None:
     client = None
     actors: list[Any] = []
     try:
-        client = TransferQueueClient(TransferQueueConfig(num_storage_units=1, op_timeout_s=120), bootstrap=True)
+        client = TransferQueueClient(TransferQueueConfig(num_storage_units=args.storage_units, op_timeout_s=120), bootstrap=True)
         env = {"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TQ_LOGGING_LEVEL": "ERROR"}}
         actor_cls = ray.remote(num_cpus=0, runtime_env=env)(RankActor)
         actors = [actor_cls.remote() for _ in range(max(args.dp))]
@@ -233,6 +234,7 @@ def main() -> None:
     header = (
         f"bench_fan_out: {args.samples} samples, seq_len {args.min_len}..{args.max_len}, fields {FIELDS} "
         f"(payload {payload / 2**20:.2f} MiB), packing=sequence/{args.max_tokens_per_microbatch}, "
+        f"{args.storage_units} TQ storage unit(s), "
         f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {load_start:.1f}->{os.getloadavg()[0]:.1f}, boot {boot_s:.0f}s"
     )
     cols = ["DP", "mb/rank", "data plane ms", "(driver / slowest fetch)", "legacy ms", "(driver shard+put)", "ratio dp/legacy (paired)", "driver bytes dp", "% payload", "driver bytes legacy", "% payload"]

@@ -90,6 +90,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self.transport: Any = None
         self._ray_started = False
+        self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
@@ -183,7 +184,7 @@ class Trainer:
         from algorithms.tasks import PromptIterator, resolve_reward_fn
 
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         status, code = "failed", 1
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -286,6 +287,7 @@ class Trainer:
                     cfg.trainer.step_timeout_s, "validation",
                 )
                 row["time/validate"] = time.perf_counter() - t
+            row["elapsed_s"] = time.perf_counter() - self.t0  # since the trainer started (incl. start-up)
             self.logger.log_step(row)
             if not cfg.logging.quiet and not cfg.logging.progress:
                 self.logger.write(

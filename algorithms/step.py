@@ -73,7 +73,7 @@ class Transport(Protocol):
 
     def rollouts(self, result: Mapping[str, Any]) -> Any: ...
 
-    def rewards(self, handle: Any) -> torch.Tensor: ...
+    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor: ...
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any: ...
 
@@ -138,7 +138,7 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
             dp_bytes += int(res["dp_bytes"])
             handle = transport.rollouts(res)
         with timer("advantages"):
-            rewards = transport.rewards(handle)
+            rewards = transport.rewards(handle, res)
             row["reward"] = float(rewards.mean())
             row["response_len"] = float(res["response_len"])
             row["weight_version"] = int(res["weight_version"])
@@ -162,14 +162,16 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 preshards = transport.preshard(handle, dp)
                 inputs = transport.rank_inputs(handle, preshards, step)
             with timer("logprobs"):
-                calls = [w.get_logprobs.remote(inputs[r], step) for r, w in enumerate(workers.policy)]
-                calls += [w.get_reference_logprobs.remote(inputs[r], step) for r, w in enumerate(workers.policy)]
+                # Previous-policy and reference log-probs from one fetch per rank.
+                calls = [
+                    w.get_logprobs.remote(inputs[r], step, with_reference=True) for r, w in enumerate(workers.policy)
+                ]
                 transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
                 out = gather(calls, timeout, f"step {step} logprobs")
                 transport.driver_bytes += payload_bytes(out)
                 dp_bytes += sum(int(o["dp_bytes"]) for o in out)
-                handle = transport.absorb(handle, preshards, "prev_logprobs", out[:dp])
-                handle = transport.absorb(handle, preshards, "ref_logprobs", out[dp:])
+                handle = transport.absorb(handle, preshards, "prev_logprobs", out)
+                handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
                 calls = [w.train.remote(inputs[r], step) for r, w in enumerate(workers.policy)]
@@ -214,8 +216,9 @@ def _are_refs(inputs: Sequence[Any]) -> bool:
 
 # --------------------------------------------------------------------------- transports
 class DataPlaneTransport:
-    """Rollouts stay in the store; the driver moves metas and reads/writes only the ``rewards``
-    and ``advantages`` columns (bounded by ``data_plane.column_max_bytes_per_sample``)."""
+    """Rollouts stay in the store; the driver moves metas, gets the per-sample ``rewards`` from the
+    collector and writes only the ``advantages`` column (``write_columns``, bounded by
+    ``data_plane.column_max_bytes_per_sample``)."""
 
     name = "data_plane"
 
@@ -232,16 +235,13 @@ class DataPlaneTransport:
     def rollouts(self, result: Mapping[str, Any]) -> Any:
         return result["meta"]
 
-    def rewards(self, handle: Any) -> torch.Tensor:
-        from nemo_dataplane.driver.columns import read_columns
-
-        cols = read_columns(
-            self.client, handle, ["rewards"], max_bytes_per_sample=self.cfg.data_plane.column_max_bytes_per_sample
-        )
-        nbytes = payload_bytes(cols["rewards"])
-        self.driver_bytes += nbytes
-        self.column_bytes = nbytes
-        return cols["rewards"]
+    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor:
+        # The collector returns the per-sample rewards it stored next to the meta (already counted
+        # in the driver's bytes); reading the column back would cost two more store round trips.
+        rewards = result["rewards"]
+        if rewards.shape != (len(handle),):
+            raise StepError(f"collector returned {tuple(rewards.shape)} rewards for {len(handle)} keys")
+        return rewards
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
         self.client.kv_clear([handle.keys[i] for i in drop_idx], handle.partition_id)
@@ -251,7 +251,7 @@ class DataPlaneTransport:
         from nemo_dataplane.driver.columns import write_columns
 
         self.driver_bytes += payload_bytes(advantages)
-        self.column_bytes += payload_bytes(advantages)
+        self.column_bytes = payload_bytes(advantages)
         return write_columns(
             self.client, handle, {"advantages": advantages},
             max_bytes_per_sample=self.cfg.data_plane.column_max_bytes_per_sample,
@@ -298,7 +298,7 @@ class LegacyTransport:
     def rollouts(self, result: Mapping[str, Any]) -> Any:
         return result["batch"]
 
-    def rewards(self, handle: Any) -> torch.Tensor:
+    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor:
         return handle["rewards"]
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:

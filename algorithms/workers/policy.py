@@ -174,41 +174,45 @@ class PolicyWorker:
         positions = [list(mb) for mb in plan["microbatches"]] if plan and "microbatches" in plan else [list(range(n))]
         return mbs, positions, n, nbytes
 
-    def _logprobs(self, model: torch.nn.Module, batch: Any, field: str, step: int) -> dict[str, Any]:
+    def _logprobs(self, models: Sequence[tuple[torch.nn.Module, str]], batch: Any) -> dict[str, Any]:
+        """One fetch, then per-token log-probs of each ``(model, field)``; one write-back of all."""
+        from algorithms.models import sequence_logprobs
+
         t0 = time.perf_counter()
         mbs, positions, n, in_bytes = self._load(batch, ["input_ids", "prompt_len"])
         t_fetch = time.perf_counter() - t0
-        rows: list[torch.Tensor | None] = [None] * n
-        from algorithms.models import sequence_logprobs
-
+        rows: dict[str, list[torch.Tensor]] = {f: [torch.empty(0)] * n for _, f in models}
         with torch.no_grad():
             for mb, pos in zip(mbs, positions):
                 ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
-                lp = sequence_logprobs(model, ids, attn, resp, temperature=self.temperature).float().cpu()
                 lens = attn.sum(1).tolist()
-                for j, p in enumerate(pos):
-                    rows[p] = lp[j, : int(lens[j]) - 1].clone()
-        col = jagged_from_rows([r for r in rows if r is not None])
+                for model, f in models:
+                    lp = sequence_logprobs(model, ids, attn, resp, temperature=self.temperature).float().cpu()
+                    for j, p in enumerate(pos):
+                        rows[f][p] = lp[j, : int(lens[j]) - 1].clone()
+        cols = {f: jagged_from_rows(r) for f, r in rows.items()}
         out: dict[str, Any] = {"fetch_s": t_fetch, "compute_s": time.perf_counter() - t0 - t_fetch, "dp_bytes": in_bytes}
         if isinstance(batch, KVBatchMeta):
-            self._fetcher.write_back(batch, {field: col})
-            out["dp_bytes"] += _tensor_bytes(col)
+            self._fetcher.write_back(batch, cols)
+            out["dp_bytes"] += sum(_tensor_bytes(c) for c in cols.values())
         else:
-            out[field] = col
+            out.update(cols)
         return out
 
-    def get_logprobs(self, batch: Any, step: int) -> dict[str, Any]:
-        """Per-token log-probs of the current policy (``prev_logprobs``) for this rank's rows.
+    def get_logprobs(self, batch: Any, step: int, *, with_reference: bool = False) -> dict[str, Any]:
+        """Per-token log-probs of the current policy (``prev_logprobs``) for this rank's rows, and
+        with ``with_reference`` also the reference's (``ref_logprobs``) from the same fetch.
 
         Data plane: written back to the store (leader-only), returns timings.
-        Legacy: returns ``{"prev_logprobs": jagged [n, seq_len - 1]}`` in the shard's order.
+        Legacy: returns ``{"prev_logprobs": jagged [n, seq_len - 1], ...}`` in the shard's order.
         """
         self._maybe_fail("logprobs", step)
-        return self._logprobs(self.model, batch, "prev_logprobs", step)
+        models = [(self.model, "prev_logprobs")] + ([(self.ref_model, "ref_logprobs")] if with_reference else [])
+        return self._logprobs(models, batch)
 
     def get_reference_logprobs(self, batch: Any, step: int) -> dict[str, Any]:
         """As :meth:`get_logprobs`, from the frozen initial weights, into ``ref_logprobs``."""
-        return self._logprobs(self.ref_model, batch, "ref_logprobs", step)
+        return self._logprobs([(self.ref_model, "ref_logprobs")], batch)
 
     def train(self, batch: Any, step: int) -> dict[str, float]:
         """``grpo.epochs`` optimizer steps over this rank's rows; returns loss metrics.

@@ -69,7 +69,8 @@ def test_a_short_seeded_run_learns(dp_run) -> None:
     rewards = [r["reward"] for r in dp_run.rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.1, "a random-init model is at chance"
-    assert last > first + 0.2, rewards
+    # Seeded, so the curve repeats on one machine; the margins leave room for another CPU's floats.
+    assert last > first + 0.1 and last > 5 * first, rewards
     vals = [r["val_reward"] for r in dp_run.rows if r["val_reward"] is not None]
     assert vals[-1] > vals[0], vals
     assert (dp_run.out_dir / "reward_loss.png").stat().st_size > 1000
@@ -140,7 +141,9 @@ def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, runs_dir: Path)
     import time
 
     out = runs_dir / "interrupted"
-    cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0", small=True)
+    # Dynamic sampling on: at chance most groups score all-equal and are dropped (their keys cleared).
+    cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0", "grpo.dynamic_sampling=true",
+                               small=True)
     proc = subprocess.Popen(
         cmd, cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
@@ -164,4 +167,6 @@ def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, runs_dir: Path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted")
     assert summary["keys_outstanding_at_exit"] == 0
-    assert all(r["keys_outstanding"] == 0 for r in map(json.loads, metrics.read_text().splitlines()))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(r["keys_outstanding"] == 0 for r in rows)
+    assert any(r["samples_dropped"] > 0 for r in rows), "dynamic sampling dropped equal-reward groups"

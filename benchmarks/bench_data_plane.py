@@ -27,9 +27,10 @@ Where the adapter's time goes, and what limits it (measured on a 2-core machine)
 
 * Raw TransferQueue reads are bound by per-row work, not bytes: a get reply is one ZMQ frame per
   row per field (3073 frames for 1024 samples x 3 fields), each encoded in the storage unit and
-  decoded in the reader (~30 ms each way for 1024 samples), then re-packed into nested tensors.
+  decoded in the reader (~30 ms each way for 1024 samples on a loaded 2-core box), then re-packed
+  into nested tensors.
   The adapter instead asks each storage unit for one stacked buffer per field through the Ray
-  object store (tq_compat.read_columns), which made reads 3-4x faster; jagged writes go as one
+  object store (tq_compat.read_columns), which made reads 1.6-3.5x faster; jagged writes go as one
   buffer per storage unit and are cut into rows inside the unit.
 * What is left is structural. The batch crosses a third process (the storage unit) on both put
   and get, so it is copied ~4 times (serialize/ZMQ into the unit; stack + object store + the

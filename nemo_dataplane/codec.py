@@ -20,20 +20,21 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    }
+# Ordered: a dtype's position is its wire code where tensors travel with a small integer
+# header (worker broadcast). Append only, so both ends of a mixed-version job agree.
+DTYPE_CODES: tuple[torch.dtype, ...] = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
 )
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(DTYPE_CODES)
 
 
 def is_jagged(t: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, check_select_fields
-from nemo_dataplane.codec import normalize_fields
+from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
 from nemo_dataplane.driver.preshard import split_microbatches
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -39,19 +39,6 @@ __all__ = ["FetchPolicy", "FetchedBatch", "WorkerFetcher"]
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 
-# Wire codes for dtypes: position in this tuple. Append only (both ends must agree).
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
 _OK, _ERROR = 0, 1
 
 
@@ -279,9 +266,9 @@ class WorkerFetcher:
             t = data.get(name)
             jagged = bool(getattr(t, "is_nested", False))
             values = t.values() if jagged else t
-            if values.dtype not in _DTYPES:
+            if values.dtype not in DTYPE_CODES:
                 raise TypeError(f"field {name!r}: dtype {values.dtype} cannot be broadcast")
-            header += [int(jagged), _DTYPES.index(values.dtype), values.dim(), *values.shape]
+            header += [int(jagged), DTYPE_CODES.index(values.dtype), values.dim(), *values.shape]
             payload.append(values)
             if jagged:
                 payload.append(t.offsets().to(torch.int64))
@@ -311,7 +298,7 @@ class WorkerFetcher:
             jagged, code, ndim = header[pos], header[pos + 1], header[pos + 2]
             shape = header[pos + 3 : pos + 3 + ndim]
             pos += 3 + ndim
-            values = self._recv_tensor(_DTYPES[code], shape)
+            values = self._recv_tensor(DTYPE_CODES[code], shape)
             if jagged:
                 offsets = self._recv_tensor(torch.int64, [n + 1])
                 out[name] = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)

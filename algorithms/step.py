@@ -126,6 +126,8 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
     t_start = time.perf_counter()
     transport.driver_bytes = 0
     dp_bytes = 0
+    io_s = 0.0  # slowest rank's time to get its rows and write results back (store, or shard split)
+    compute_s = 0.0  # slowest rank's forward/backward time
     row: dict[str, Any] = {"step": step}
     trained = True
     outstanding = 0
@@ -170,6 +172,8 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 out = gather(calls, timeout, f"step {step} logprobs")
                 transport.driver_bytes += payload_bytes(out)
                 dp_bytes += sum(int(o["dp_bytes"]) for o in out)
+                io_s += max(float(o["io_s"]) for o in out)
+                compute_s += max(float(o["compute_s"]) for o in out)
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
@@ -179,6 +183,8 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 metrics = gather(calls, timeout, f"step {step} train")
                 transport.driver_bytes += payload_bytes(metrics)
                 dp_bytes += sum(int(m["dp_bytes"]) for m in metrics)
+                io_s += max(float(m["io_s"]) for m in metrics)
+                compute_s += max(float(m["compute_s"]) for m in metrics)
             for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy"):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
@@ -206,6 +212,8 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
     row["driver_bytes"] = transport.driver_bytes
     for name, secs in timer.seconds.items():
         row[f"time/{name}"] = secs
+    row["time/worker_io"] = io_s
+    row["time/worker_compute"] = compute_s
     return StepResult(row=row, trained=trained)
 
 

@@ -7,7 +7,9 @@ Runs the real trainer (``python -m algorithms.grpo_sync``, one subprocess per ru
 Ray cluster) four times: {legacy, data_plane} x {default, large} where "large" multiplies
 ``grpo.prompts_per_step`` and ``generation.max_new_tokens`` (the sequence length of a randomly
 initialised model's responses) by the given factors. Every number is a mean over the steps after
-``--warmup``, read from each run's metrics.jsonl. The legacy run at the same size is the baseline:
+``--warmup`` (median), read from each run's metrics.jsonl; ``worker_io`` is the slowest
+rank's time to get its rows and write results back (store fetch + write-back, or splitting the
+shipped shard), summed over the log-prob and train phases (it is part of those phases). The legacy run at the same size is the baseline:
 the table reports ``data_plane / legacy`` ratios. Prints a table and writes
 ``benchmarks/results/bench_grpo_step.json``. Learning is irrelevant here (random init, no
 validation, no checkpoints).
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "clear", "refit")
+PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "clear", "refit", "worker_io", "worker_compute")
 
 
 def run_once(config: Path, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
@@ -44,18 +46,19 @@ def run_once(config: Path, overrides: list[str], out_dir: Path, timeout: float) 
 
 def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     rows = rows[warmup:]
-    out = {"step_s": statistics.mean(r["step_s"] for r in rows)}
+    # Medians: the machine is shared, and one slow step should not move the table.
+    out = {"step_s": statistics.median(r["step_s"] for r in rows)}
     for p in PHASES:
-        out[f"time/{p}"] = statistics.mean(r.get(f"time/{p}", 0.0) for r in rows)
+        out[f"time/{p}"] = statistics.median(r.get(f"time/{p}", 0.0) for r in rows)
     for k in ("driver_bytes", "dp_bytes", "tokens", "samples", "response_len", "keys_outstanding"):
-        out[k] = statistics.mean(float(r.get(k) or 0) for r in rows)
+        out[k] = statistics.median(float(r.get(k) or 0) for r in rows)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_tiny.yaml"))
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--large-prompts", type=int, default=4)
     ap.add_argument("--large-seq", type=int, default=4)

@@ -191,12 +191,14 @@ class PolicyWorker:
                     for j, p in enumerate(pos):
                         rows[f][p] = lp[j, : int(lens[j]) - 1].clone()
         cols = {f: jagged_from_rows(r) for f, r in rows.items()}
-        out: dict[str, Any] = {"fetch_s": t_fetch, "compute_s": time.perf_counter() - t0 - t_fetch, "dp_bytes": in_bytes}
+        out: dict[str, Any] = {"compute_s": time.perf_counter() - t0 - t_fetch, "dp_bytes": in_bytes}
+        t1 = time.perf_counter()
         if isinstance(batch, KVBatchMeta):
             self._fetcher.write_back(batch, cols)
             out["dp_bytes"] += sum(_tensor_bytes(c) for c in cols.values())
         else:
             out.update(cols)
+        out["io_s"] = t_fetch + time.perf_counter() - t1  # getting the rows + writing results back
         return out
 
     def get_logprobs(self, batch: Any, step: int, *, with_reference: bool = False) -> dict[str, Any]:
@@ -268,7 +270,7 @@ class PolicyWorker:
             **sums,
             "grad_norm": grad_norm,
             "tokens": float(local_tokens),
-            "fetch_s": t_fetch,
+            "io_s": t_fetch,
             "compute_s": time.perf_counter() - t0 - t_fetch,
             "dp_bytes": float(in_bytes),
         }

@@ -67,6 +67,7 @@ class Transport(Protocol):
 
     name: str
     driver_bytes: int
+    column_bytes: int  # bytes the driver itself wrote to the store this step
     last_outstanding: int  # keys left in the last cleared partition (-1: the clear failed)
 
     def partition(self, step: int) -> str | None: ...
@@ -112,7 +113,8 @@ def generation_seed(cfg: TrainerConfig, step: int) -> int:
 def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: int, records: Sequence[Any]) -> StepResult:
     """Run GRPO step ``step`` on ``records`` (one prompt batch) and refit the generator.
 
-    The step's partition is cleared in ``finally``: a failed step leaves no keys in the store.
+    The step's partition is cleared before the refit, and also when anything in the step raises
+    (the clear runs, then the step's own error propagates), so a failed step leaves no keys.
 
     Raises:
         StepError: any worker raised (quoting its error) or a wait timed out.
@@ -125,12 +127,12 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
     dp = cfg.trainer.dp_size
     t_start = time.perf_counter()
     transport.driver_bytes = 0
+    transport.column_bytes = 0
     dp_bytes = 0
     io_s = 0.0  # slowest rank's time to get its rows and write results back (store, or shard split)
     compute_s = 0.0  # slowest rank's forward/backward time
     row: dict[str, Any] = {"step": step}
     trained = True
-    outstanding = 0
     try:
         with timer("generate"):
             call = workers.collector.collect.remote(step, list(records), generation_seed(cfg, step), transport.partition(step))
@@ -208,7 +210,7 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
             raise StepError(f"step {step} refit: generator reports weight version {version}, expected {step + 1}")
     row["step_s"] = time.perf_counter() - t_start
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
-    row["dp_bytes"] = dp_bytes + getattr(transport, "column_bytes", 0)
+    row["dp_bytes"] = dp_bytes + transport.column_bytes
     row["driver_bytes"] = transport.driver_bytes
     for name, secs in timer.seconds.items():
         row[f"time/{name}"] = secs

@@ -85,6 +85,41 @@ def _run(
     return TrainerRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
 
 
+def _run_many(jobs: list[tuple[Path, tuple[str, ...]]], timeout: float) -> list[TrainerRun]:
+    # Runs whose results do not depend on timing (seeded, one thread per worker) share the machine:
+    # their start-ups (Ray, the store, importing torch in each worker) overlap.
+    procs = []
+    for out_dir, overrides in jobs:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cmd, env = _command(out_dir, overrides)
+        so, se = (out_dir / "stdout.txt").open("w"), (out_dir / "stderr.txt").open("w")
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se), so, se, out_dir))
+    runs = []
+    try:
+        for proc, so, se, out_dir in procs:
+            proc.wait(timeout=timeout)
+            so.close()
+            se.close()
+            runs.append(TrainerRun(proc.returncode, (out_dir / "stdout.txt").read_text(),
+                                   (out_dir / "stderr.txt").read_text(), out_dir))
+    finally:
+        for proc, *_ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+@pytest.fixture(scope="session")
+def run_trainers_concurrently():
+    """``run_trainers_concurrently([(out_dir, overrides), ...]) -> [TrainerRun, ...]``."""
+
+    def run(jobs: list[tuple[Path, tuple[str, ...]]], timeout: float = 600) -> list[TrainerRun]:
+        return _run_many([(Path(d), tuple(o)) for d, o in jobs], timeout)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def run_trainer():
     """``run_trainer(out_dir, *overrides) -> TrainerRun``."""

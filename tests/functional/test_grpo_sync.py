@@ -23,18 +23,25 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dp_run(run_trainer, runs_dir: Path):
-    run = run_trainer(runs_dir / "dp", "data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
-                      "logging.tensorboard=true")
-    assert run.returncode == 0, run.explain()
-    return run
+def paired_runs(run_trainers_concurrently, runs_dir: Path):
+    dp, legacy = run_trainers_concurrently([
+        (runs_dir / "dp", ("data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
+                           "logging.tensorboard=true")),
+        (runs_dir / "legacy", ("data_plane.enabled=false",)),
+    ])
+    assert dp.returncode == 0, dp.explain()
+    assert legacy.returncode == 0, legacy.explain()
+    return dp, legacy
 
 
 @pytest.fixture(scope="module")
-def legacy_run(run_trainer, runs_dir: Path):
-    run = run_trainer(runs_dir / "legacy", "data_plane.enabled=false")
-    assert run.returncode == 0, run.explain()
-    return run
+def dp_run(paired_runs):
+    return paired_runs[0]
+
+
+@pytest.fixture(scope="module")
+def legacy_run(paired_runs):
+    return paired_runs[1]
 
 
 def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> None:

@@ -131,11 +131,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                               group_name="bench", nccl_config=args.nccl_config)
     out["init_cold_s"] = time.perf_counter() - t0  # includes waiting for the peer process to start
     g.barrier()
-    t0 = time.perf_counter()
-    g2 = StatelessProcessGroup(HOST, port, rank, 2, backend, timeout=120, device=rank if cuda else None,
-                               group_name="bench-warm", store=g.store, nccl_config=args.nccl_config)
-    out["init_warm_s"] = time.perf_counter() - t0
-    g2.destroy()
+    out["init_warm_s"] = float("nan")
+    if not args.matrix:
+        t0 = time.perf_counter()
+        g2 = StatelessProcessGroup(HOST, port, rank, 2, backend, timeout=120, device=rank if cuda else None,
+                                   group_name="bench-warm", store=g.store, nccl_config=args.nccl_config)
+        out["init_warm_s"] = time.perf_counter() - t0
+        g2.destroy()
 
     shapes = llama_shapes(args.params)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -194,12 +196,21 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
 
     default_bucket = (1 << 30) if cuda else (64 << 20)
     modes = [
-        (f"refit packed ({default_bucket >> 20} MiB buckets)", dict(bucket_bytes=default_bucket)),
+        (f"refit packed ({default_bucket >> 20} MiB buckets)", dict(bucket_bytes=default_bucket,
+                                                                  transport="broadcast")),
         ("refit packed (256 MiB buckets)" if cuda else "refit packed (16 MiB buckets)",
-         dict(bucket_bytes=(256 << 20) if cuda else (16 << 20))),
-        ("refit per-tensor", dict(bucket_bytes=default_bucket, direct_bytes=0)),
+         dict(bucket_bytes=(256 << 20) if cuda else (16 << 20), transport="broadcast")),
+        ("refit per-tensor", dict(bucket_bytes=default_bucket, direct_bytes=0, transport="broadcast")),
+        ("refit per-tensor, p2p send/recv", dict(bucket_bytes=default_bucket, direct_bytes=0, transport="p2p")),
     ]
     if cuda:
+        modes += [
+            ("refit packed (256 MiB buckets), p2p send/recv", dict(bucket_bytes=256 << 20, transport="p2p")),
+            ("refit defaults (RefitSender(group, tensors))", dict()),
+        ]
+    if cuda and args.matrix:
+        modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]
+    elif cuda:
         modes += [
             ("refit per-tensor (64 MiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
                                                          group_bytes=64 << 20)),
@@ -232,8 +243,18 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         g.synchronize()
 
     timed(f"group broadcast, one flat buffer ({backend})", flat_bcast, flat_bcast, nbytes)
+
+    def flat_send(_: int) -> None:
+        g.send(flat, 1)
+        g.synchronize()
+
+    def flat_recv(_: int) -> None:
+        g.recv(flat, 0)
+        g.synchronize()
+
+    timed(f"group send/recv, one flat buffer ({backend})", flat_send, flat_recv, nbytes)
     del flat
-    if args.quick:
+    if args.quick or args.matrix:
         g.barrier()
         g.destroy()
         return out
@@ -268,6 +289,98 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# NCCL settings tried by --matrix (docs/refit.md, section 5). Each runs in fresh processes:
+# NCCL reads its environment once per process. NCCL_NVLS_ENABLE=0 stays set throughout.
+MATRIX: list[tuple[str, dict[str, str], dict[str, int]]] = [
+    ("baseline", {}, {}),
+    ("P2P_USE_CUDA_MEMCPY=1", {"NCCL_P2P_USE_CUDA_MEMCPY": "1"}, {}),
+    ("P2P_USE_CUDA_MEMCPY=1 BUFFSIZE=64M", {"NCCL_P2P_USE_CUDA_MEMCPY": "1", "NCCL_BUFFSIZE": str(64 << 20)}, {}),
+    ("PROTO=Simple", {"NCCL_PROTO": "Simple"}, {}),
+    ("PROTO=Simple BUFFSIZE=16M", {"NCCL_PROTO": "Simple", "NCCL_BUFFSIZE": str(16 << 20)}, {}),
+    ("P2P_NVL_CHUNKSIZE=2M BUFFSIZE=16M", {"NCCL_P2P_NVL_CHUNKSIZE": str(2 << 20), "NCCL_BUFFSIZE": str(16 << 20)}, {}),
+    ("P2P_READ_ENABLE=1", {"NCCL_P2P_READ_ENABLE": "1"}, {}),
+    ("NTHREADS=512", {"NCCL_NTHREADS": "512"}, {}),
+    ("P2P channels 32 (MIN/MAX_P2P_NCHANNELS, NCHANNELS_PER_NET_PEER)",
+     {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MAX_P2P_NCHANNELS": "32", "NCCL_NCHANNELS_PER_NET_PEER": "32"}, {}),
+    ("cta_policy=ZERO (config)", {}, {"cta_policy": 2}),
+]
+
+
+def run_workers(args: argparse.Namespace, env: dict[str, str], limit_s: float) -> dict[int, dict[str, Any]]:
+    """Run the two ranks in fresh processes with ``env`` added to the environment."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + limit_s
+    while len(results) < 2:
+        try:
+            r, res = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"workers did not report within {limit_s:g}s") from None
+        results[r] = res
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    for r, res in results.items():
+        if "error" in res:
+            raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+    return results
+
+
+def run_matrix(args: argparse.Namespace, ceiling: dict[str, Any], ceiling_name: str) -> None:
+    ceil_ms = ceiling["median_ms"]
+    print(f"{ceiling_name}: {ceil_ms:.2f} ms, {ceiling['gbps_median']:.1f} GB/s", flush=True)
+    base_cfg = dict(args.nccl_config)
+    rows: dict[str, Any] = {}
+    for name, env, cfg in MATRIX:
+        args.nccl_config = {**base_cfg, **cfg}
+        t0 = time.monotonic()
+        try:
+            res = run_workers(args, env, 30)[0]["results"]
+        except RuntimeError as e:
+            last = str(e).strip().splitlines()[-1][:300]
+            print(f"\n== {name}: FAILED ({last})", flush=True)
+            rows[name] = {"env": env, "nccl_config": cfg, "error": str(e)[-2000:]}
+            continue
+        print(f"\n== {name}  ({time.monotonic() - t0:.1f} s)", flush=True)
+        for k, v in res.items():
+            v["ratio_vs_ceiling"] = ceil_ms / v["median_ms"]
+            print(f"   {k:<44} {v['median_ms']:>7.2f} ms {v['best_ms']:>7.2f} best {v['gbps_median']:>6.1f} GB/s "
+                  f"{v['ratio_vs_ceiling']:>6.1%}  {v.get('correct', '-')}", flush=True)
+        rows[name] = {"env": env, "nccl_config": cfg, "results": res}
+    args.nccl_config = base_cfg
+    best = (None, None, 0.0)
+    for name, row in rows.items():
+        for k, v in row.get("results", {}).items():
+            if k.startswith("refit") and v.get("correct", True) and v["ratio_vs_ceiling"] > best[2]:
+                best = (name, k, v["ratio_vs_ceiling"])
+    print(f"\nbest refit: {best[1]} with {best[0]}: {best[2]:.1%} of the ceiling", flush=True)
+    out = args.out or REPO / "benchmarks" / "results" / "bench_refit_matrix.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"ceiling": ceiling, "best": best, "rows": rows}, indent=2))
+    if best[0] is not None:
+        env_file = out.with_suffix(".env")
+        env_file.write_text("".join(f"export {k}={v}\n" for k, v in rows[best[0]]["env"].items()))
+        print(f"best env: {env_file}", flush=True)
+    print(f"JSON: {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -277,10 +390,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="skip the torch.distributed baselines")
     ap.add_argument("--nccl-config", default="", help="NCCLConfig fields for the refit group, e.g. min_ctas=32")
+    ap.add_argument("--matrix", action="store_true",
+                    help="GPU: run the NCCL settings matrix (flat and per-tensor, broadcast and p2p) and exit")
     args = ap.parse_args()
     args.nccl_config = {k: int(v) for k, v in (kv.split("=") for kv in args.nccl_config.split(",") if kv)}
     if args.params is None:
         args.params = 2e9 if args.device == "cuda" else 50e6
+    if args.matrix:
+        args.iters = min(args.iters, 6)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("--device cuda needs 2 GPUs; use --device cpu --params 50e6")
     shapes = llama_shapes(args.params)
@@ -291,27 +408,13 @@ def main() -> None:
     ceiling = peer_copy_ceiling(nbytes, args.device, args.iters)
     ceiling_name = "peer copy cuda:0->cuda:1 (ceiling)" if args.device == "cuda" else "memcpy (ceiling)"
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + 540
-    while len(results) < 2:
-        try:
-            r, res = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-        except Exception:
-            for p in procs:
-                p.kill()
-            sys.exit("[bench_refit] workers did not report in time")
-        results[r] = res
-    for p in procs:
-        p.join(timeout=30)
-    for r, res in results.items():
-        if "error" in res:
-            sys.exit(f"[bench_refit] rank {r} failed:\n{res['error']}")
+    if args.matrix:
+        run_matrix(args, ceiling, ceiling_name)
+        return
+    try:
+        results = run_workers(args, {}, 540)
+    except RuntimeError as e:
+        sys.exit(f"[bench_refit] {e}")
 
     r0 = results[0]
     rows = {ceiling_name: ceiling, **r0["results"]}

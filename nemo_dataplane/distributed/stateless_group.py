@@ -117,17 +117,37 @@ class Work:
     """Handle of an issued operation. ``wait()`` blocks the host at most the group's timeout."""
 
     def __init__(self, group: StatelessProcessGroup, what: str, *, gloo_work: Any = None,
-                 event: torch.cuda.Event | None = None) -> None:
+                 event: torch.cuda.Event | None = None, wait_only: bool = False) -> None:
         self._group = group
         self._what = what
         self._gloo_work = gloo_work
         self._event = event
         self._done = gloo_work is None and event is None
+        # gloo send/recv work reports completion only from wait(): poll a helper thread that waits.
+        self._wait_only = wait_only
+        self._waiter: threading.Thread | None = None
+        self._waiter_exc: BaseException | None = None
+
+    def _start_waiter(self) -> None:
+        timeout = datetime.timedelta(seconds=max(self._group.timeout, 1.0))
+
+        def run() -> None:
+            try:
+                self._gloo_work.wait(timeout)
+            except BaseException as e:  # re-raised by wait()
+                self._waiter_exc = e
+
+        self._waiter = threading.Thread(target=run, name="spg-gloo-wait", daemon=True)
+        self._waiter.start()
 
     def is_completed(self) -> bool:
         """Whether the operation has finished (non-blocking)."""
         if self._done:
             return True
+        if self._gloo_work is not None and self._wait_only:
+            if self._waiter is None:
+                self._start_waiter()
+            return not self._waiter.is_alive()  # type: ignore[union-attr]
         if self._gloo_work is not None:
             return bool(self._gloo_work.is_completed())
         assert self._event is not None
@@ -158,7 +178,12 @@ class Work:
             return
         g._poll(self.is_completed, self._what, timeout=timeout, watch=watch, abort_on_timeout=True,
                 max_sleep=_EVENT_POLL_MAX_S if self._event is not None else 0.001)
-        if self._gloo_work is not None:
+        if self._waiter is not None:
+            self._waiter.join()
+            if self._waiter_exc is not None:
+                g._mark_broken()
+                raise g._error(StatelessGroupError, f"{self._what} failed: {self._waiter_exc}") from self._waiter_exc
+        elif self._gloo_work is not None:
             try:
                 self._gloo_work.wait(datetime.timedelta(seconds=max(timeout, 1.0)))
             except Exception as e:
@@ -473,9 +498,9 @@ class StatelessProcessGroup:
     # ------------------------------------------------------------------ operations
 
     def _issue(self, what: str, async_op: bool, stream: torch.cuda.Stream | None,
-               gloo_work: Any = None) -> Work | None:
+               gloo_work: Any = None, wait_only: bool = False) -> Work | None:
         if self.backend == "gloo":
-            w = Work(self, what, gloo_work=gloo_work)
+            w = Work(self, what, gloo_work=gloo_work, wait_only=wait_only)
             if async_op:
                 return w
             w.wait()
@@ -533,7 +558,7 @@ class StatelessProcessGroup:
         if self.backend == "nccl":
             self._comm.send(wire, dst, stream=self._stream_handle(stream))
             return self._issue(what, async_op, stream)
-        return self._issue(what, async_op, None, self._pg.send([wire], dst, 0))
+        return self._issue(what, async_op, None, self._pg.send([wire], dst, 0), wait_only=True)
 
     def recv(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None,
              async_op: bool = False) -> Work | None:
@@ -545,7 +570,7 @@ class StatelessProcessGroup:
         if self.backend == "nccl":
             self._comm.recv(wire, src, stream=self._stream_handle(stream))
             return self._issue(what, async_op, stream)
-        return self._issue(what, async_op, None, self._pg.recv([wire], src, 0))
+        return self._issue(what, async_op, None, self._pg.recv([wire], src, 0), wait_only=True)
 
     @contextlib.contextmanager
     def coalesce(self) -> Iterator[None]:

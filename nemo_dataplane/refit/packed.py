@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",
     "DEFAULT_BUCKET_BYTES_GPU",
     "DEFAULT_GROUP_BYTES",
+    "TRANSPORTS",
     "Bucket",
     "Direct",
     "NamedTensors",
@@ -62,6 +63,9 @@ _STATUS_ABORT = 1
 # group starts moving early.
 _MAX_OPS_PER_GROUP = 64
 DEFAULT_GROUP_BYTES = 256 << 20
+TRANSPORTS = ("auto", "broadcast", "p2p")
+# What transport="auto" picks on NCCL (gloo: always "broadcast").
+DEFAULT_TRANSPORT_GPU = "broadcast"
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -132,6 +136,9 @@ class RefitInfo:
     direct_bytes: int
     src: int
     group_bytes: int = DEFAULT_GROUP_BYTES
+    # "broadcast": every transfer is one broadcast from ``src``; "p2p": ``src`` sends to each
+    # receiver with NCCL/gloo send/recv (one NCCL group per transfer).
+    transport: str = "broadcast"
     protocol: int = 1
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -383,6 +390,50 @@ class _Endpoint:
             self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
         return self._streams
 
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.group.world_size) if r != self.info.src]  # type: ignore[union-attr]
+
+    def _xfer(self, t: torch.Tensor, stream: torch.cuda.Stream | None = None, async_op: bool = False) -> list:
+        """Move ``t`` from ``src`` to every receiver (sender: reads it; receiver: writes it).
+
+        Returns the gloo work handles (``async_op``); NCCL ops are enqueued on ``stream``.
+        """
+        g = self.group
+        info = self.info
+        assert info is not None
+        if info.transport != "p2p":
+            w = g.broadcast(t, info.src, stream=stream, async_op=async_op)
+            return [w] if w is not None else []
+        if g.rank != info.src:
+            w = g.recv(t, info.src, stream=stream, async_op=async_op)
+            return [w] if w is not None else []
+        peers = self._peers()
+        if self._cuda and len(peers) > 1 and not g._in_coalesce:
+            with g.coalesce():
+                for r in peers:
+                    g.send(t, r, stream=stream)
+            return []
+        works = [g.send(t, r, stream=stream, async_op=async_op) for r in peers]
+        return [w for w in works if w is not None]
+
+    def _connect_p2p(self) -> None:
+        """p2p transport: a small send/recv so NCCL sets up the connections now, not mid-refit."""
+        info = self.info
+        assert info is not None
+        if info.transport != "p2p":
+            return
+        g = self.group
+        t = torch.full((4,), 7 + info.src, dtype=torch.int32, device=g.device)
+        if g.rank != info.src:
+            t.fill_(-1)
+        stream = torch.cuda.current_stream(g.device) if self._cuda else None
+        for w in self._xfer(t, stream=stream, async_op=not self._cuda):
+            w.wait()
+        g.synchronize()
+        if g.rank != info.src and t.tolist() != [7 + info.src] * 4:
+            raise RefitError(f"rank {g.rank}: p2p connection check from sender rank {info.src} "
+                             f"returned {t.tolist()}")
+
     def release_buffers(self) -> None:
         """Free the bucket buffers (they are re-allocated by the next refit)."""
         self._bufs = []
@@ -417,23 +468,39 @@ class RefitSender(_Endpoint):
         named_tensors: name -> tensor (a dict, pairs, or a callable returning either); tensors
             may be non-contiguous; they must keep their layout after ``prepare_refit_info``.
         bucket_bytes: bucket size (default 1 GiB on GPU, 64 MiB on CPU).
-        direct_bytes: tensors at least this large skip the buckets and go on their own
-            (default: only those larger than a bucket). ``0`` sends every tensor on its own.
+        direct_bytes: tensors at least this large skip the buckets and go on their own; ``0``
+            sends every tensor on its own. Default: ``0`` on GPU when ``bucket_bytes`` is not
+            given (per-tensor measured fastest over NVLink, docs/refit.md section 5), otherwise
+            only tensors larger than a bucket.
         group_bytes: on GPU, direct tensors are issued in NCCL groups of about this many bytes.
+        transport: ``"broadcast"`` (one broadcast per transfer), ``"p2p"`` (send/recv from the
+            source to each receiver; measured no faster than broadcast on 2x H200, kept for
+            comparison) or ``"auto"`` (``DEFAULT_TRANSPORT_GPU`` on NCCL, broadcast on gloo).
         channel: store namespace, for several senders on one group.
     """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
-                 group_bytes: int = DEFAULT_GROUP_BYTES, channel: str = "default") -> None:
+                 group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
+                 channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        packed_by_default = bucket_bytes is not None or not self._cuda
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
         if bucket_bytes < _ALIGN:
             raise ValueError(f"bucket_bytes must be >= {_ALIGN}, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
-        self.direct_bytes = self.bucket_bytes + 1 if direct_bytes is None else int(direct_bytes)
+        if direct_bytes is None:
+            # GPU default: per-tensor (measured faster than packing on NVLink, docs/refit.md);
+            # an explicit bucket_bytes, or CPU, means packing.
+            direct_bytes = self.bucket_bytes + 1 if packed_by_default else 0
+        self.direct_bytes = int(direct_bytes)
         self.group_bytes = int(group_bytes)
+        if transport == "auto":
+            transport = DEFAULT_TRANSPORT_GPU if self._cuda else "broadcast"
+        self.transport = transport
         self.src = group.rank
         self.version: int | None = None
 
@@ -446,7 +513,8 @@ class RefitSender(_Endpoint):
         self._gen += 1
         try:
             specs, _ = self._specs_and_tensors()
-            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes)
+            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
+                             transport=self.transport)
         except Exception as e:
             # Receivers are waiting on this key; tell them why instead of letting them time out.
             g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
@@ -454,6 +522,7 @@ class RefitSender(_Endpoint):
         g.store.set(self._key(self._gen, "info"), info.to_bytes())
         self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
+        self._connect_p2p()
         return info
 
     def send_weights(self, version: int) -> None:
@@ -497,25 +566,24 @@ class RefitSender(_Endpoint):
         g = self.group
         views = self._bucket_views()
         works = [g.broadcast(self._header(version, _STATUS_OK), self.src, async_op=True)]
-        in_flight: list = [None, None]  # per buffer: the broadcast still reading it
+        in_flight: list[list] = [[], []]  # per buffer: the transfers still reading it
         keep: list[torch.Tensor] = []  # contiguous copies of direct tensors, alive until sent
         k = 0
         for item in self.plan:
             if isinstance(item, Bucket):
                 slot = k & 1
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait(watch=self._watch)
+                for w in in_flight[slot]:
+                    w.wait(watch=self._watch)
                 _copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
-                in_flight[slot] = g.broadcast(self._wire[k], self.src, async_op=True)
+                in_flight[slot] = self._xfer(self._wire[k], async_op=True)
                 k += 1
             else:
                 t = tensors[item.index]
                 wire = t if t.is_contiguous() else t.contiguous()
                 keep.append(wire)
-                works.append(g.broadcast(wire, self.src, async_op=True))
-        for w in [*works, *in_flight]:
-            if w is not None:
-                w.wait(watch=self._watch)
+                works += self._xfer(wire, async_op=True)
+        for w in [*works, *in_flight[0], *in_flight[1]]:
+            w.wait(watch=self._watch)
 
     def _send_cuda(self, tensors: list[torch.Tensor], version: int) -> None:
         g = self.group
@@ -540,7 +608,7 @@ class RefitSender(_Endpoint):
                 for t in directs:
                     wire = t if t.is_contiguous() else t.contiguous()
                     keep.append(wire)
-                    g.broadcast(wire, self.src, stream=comm)
+                    self._xfer(wire, stream=comm)
             directs, direct_bytes = [], 0
             del keep
 
@@ -556,7 +624,7 @@ class RefitSender(_Endpoint):
                     packed = torch.cuda.Event()
                     packed.record(pack)
                 comm.wait_event(packed)
-                g.broadcast(self._wire[k], self.src, stream=comm)
+                self._xfer(self._wire[k], stream=comm)
                 done = torch.cuda.Event()
                 done.record(comm)
                 free[slot] = done
@@ -617,6 +685,7 @@ class RefitReceiver(_Endpoint):
         status = "ok" if not problems else f"{len(problems)} mismatch(es): {_clip(problems)}"
         self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
         self._compile(info)
+        self._connect_p2p()
         return info
 
     def receive_weights(self) -> int:
@@ -677,7 +746,7 @@ class RefitReceiver(_Endpoint):
         for item in self.plan:
             if isinstance(item, Bucket):
                 # Bucket k reuses the buffer of bucket k-2, which was unpacked one step ago.
-                work = g.broadcast(self._wire[k], self.src, async_op=True)
+                (work,) = self._xfer(self._wire[k], async_op=True)
                 if pending is not None:
                     unpack(pending)
                 pending = (work, k)
@@ -685,7 +754,8 @@ class RefitReceiver(_Endpoint):
             else:
                 t = tensors[item.index]
                 tmp = None if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
-                directs.append((g.broadcast(t if tmp is None else tmp, self.src, async_op=True), tmp, t))
+                (work,) = self._xfer(t if tmp is None else tmp, async_op=True)
+                directs.append((work, tmp, t))
         if pending is not None:
             unpack(pending)
         for work, tmp, t in directs:
@@ -719,10 +789,10 @@ class RefitReceiver(_Endpoint):
             with torch.cuda.stream(comm), g.coalesce():
                 for t in directs:
                     if t.is_contiguous():
-                        g.broadcast(t, self.src, stream=comm)
+                        self._xfer(t, stream=comm)
                     else:
                         tmp = torch.empty(t.shape, dtype=t.dtype, device=g.device)
-                        g.broadcast(tmp, self.src, stream=comm)
+                        self._xfer(tmp, stream=comm)
                         copies.append((tmp, t))
             with torch.cuda.stream(comm):
                 for tmp, t in copies:
@@ -736,7 +806,7 @@ class RefitReceiver(_Endpoint):
                 slot = k & 1
                 if free[slot] is not None:
                     comm.wait_event(free[slot])
-                g.broadcast(self._wire[k], self.src, stream=comm)
+                self._xfer(self._wire[k], stream=comm)
                 got = torch.cuda.Event()
                 got.record(comm)
                 with torch.cuda.stream(unpack):

@@ -242,7 +242,8 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
 
 
 def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", bucket_bytes: int = 4096,
-                    direct_bytes: int | None = None, versions: tuple[int, ...] = (7, 8)) -> dict[str, Any]:
+                    direct_bytes: int | None = None, versions: tuple[int, ...] = (7, 8),
+                    transport: str = "auto", defaults: bool = False) -> dict[str, Any]:
     """Refit ``model_tensors`` twice (different values, versions); receivers return bit patterns."""
     g = _group(rank, world, port, backend)
     dev = g.device
@@ -250,7 +251,11 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
         src = model_tensors(0, dev)
         # Non-contiguous sender tensors exercise packing from strided views.
         src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
-        snd = RefitSender(g, lambda: src, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
+        if defaults:  # RefitSender's own defaults for this backend
+            snd = RefitSender(g, lambda: src)
+        else:
+            snd = RefitSender(g, lambda: src, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
+                              transport=transport)
         info = snd.prepare_refit_info()
         for i, v in enumerate(versions):
             if i:
@@ -260,7 +265,8 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
             snd.send_weights(v)
         g.barrier()
         g.destroy()
-        return {"n_tensors": len(info.tensors)}
+        return {"n_tensors": len(info.tensors), "transport": info.transport,
+                "direct_bytes": info.direct_bytes}
     dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
     dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])  # receive into a strided view
     dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]  # strided, direct

@@ -81,17 +81,19 @@ def test_diff_specs_lists_every_kind_of_mismatch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "direct_bytes"),
-    [(2, None), (4, None), (2, 0)],
-    ids=["packed-2ranks", "packed-4ranks", "per-tensor-2ranks"],
+    ("world", "direct_bytes", "transport"),
+    [(2, None, "auto"), (4, None, "auto"), (2, 0, "auto"), (2, 0, "p2p"), (3, None, "p2p")],
+    ids=["packed-2ranks", "packed-4ranks", "per-tensor-2ranks", "per-tensor-p2p-2ranks", "packed-p2p-3ranks"],
 )
-def test_refit_is_bit_exact(pool: ProcessPoolExecutor, world: int, direct_bytes: int | None) -> None:
+def test_refit_is_bit_exact(pool: ProcessPoolExecutor, world: int, direct_bytes: int | None,
+                            transport: str) -> None:
     port = P.free_port()
     res = P.run_ranks(pool, P.refit_roundtrip, list(range(world)), world=world, port=port,
-                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(7, 8))
+                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(7, 8), transport=transport)
     for r in range(world):
         assert not isinstance(res[r], BaseException), P.format_exc(res[r])
     assert res[0]["n_tensors"] == len(P.model_tensors(0, torch.device("cpu")))
+    assert res[0]["transport"] == ("broadcast" if transport == "auto" else transport)
     for r in range(1, world):
         refits = res[r]["refits"]
         assert [x["version"] for x in refits] == [7, 8]

@@ -42,11 +42,20 @@ def test_nccl_collectives(pool: ProcessPoolExecutor) -> None:
         assert res[r]["ring"] == [100 * (1 - r) + i for i in range(4)]
 
 
-@pytest.mark.parametrize("direct_bytes", [None, 0], ids=["packed", "per-tensor"])
-def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | None) -> None:
+@pytest.mark.parametrize(
+    ("direct_bytes", "transport", "defaults"),
+    [(None, "broadcast", False), (0, "broadcast", False), (None, "p2p", False), (0, "p2p", False),
+     (None, "auto", True)],
+    ids=["packed", "per-tensor", "packed-p2p", "per-tensor-p2p", "defaults"],
+)
+def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | None, transport: str,
+                                 defaults: bool) -> None:
     res = P.run_ranks(pool, P.refit_roundtrip, [0, 1], world=2, port=P.free_port(), backend="nccl",
-                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42))
+                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42), transport=transport,
+                      defaults=defaults)
     _ok(res)
+    if defaults:  # GPU default: per-tensor
+        assert res[0]["direct_bytes"] == 0, res[0]
     refits = res[1]["refits"]
     assert [x["version"] for x in refits] == [41, 42]
     assert [x["attr_version"] for x in refits] == [41, 42]

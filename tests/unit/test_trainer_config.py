@@ -99,3 +99,11 @@ def test_model_path_must_be_a_local_hf_dir(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     cfg = load_config(YAML, [f"policy.model.path={tmp_path}", "policy.model.hf_config=null"])
     assert cfg.policy.model["path"] == str(tmp_path)
+
+
+def test_the_gpu_layout_validates() -> None:
+    cfg = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
+                             "trainer.dp_size=1"])
+    assert (cfg.policy.device, cfg.generation.device, cfg.refit.backend) == ("cuda", "cuda", "nccl")
+    with pytest.raises(ConfigError, match="policy.dist_backend=nccl needs policy.device=cuda"):
+        load_config(YAML, ["policy.dist_backend=nccl"])

@@ -307,7 +307,21 @@ class Trainer:
         return {n: data_plane_modules_loaded(m) for n, m in zip(names, mods)}
 
     def _shutdown(self) -> None:
-        """Best effort, each part bounded: workers, store, Ray. Safe after any failure."""
+        """Best effort, each part bounded: workers, store, Ray. Safe after any failure; a second
+        Ctrl-C while it runs is ignored so the store and the cluster still go down."""
+        import signal
+        import threading
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._shutdown_parts()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _shutdown_parts(self) -> None:
         import ray
 
         if self.client is not None:

@@ -9,6 +9,11 @@ first call to the moment the receiver's last parameter is updated (packing and u
 included), taken on the shared monotonic clock of one host after both ranks left a device-level
 barrier. Ceiling: one ``dst.copy_(src)`` of the same bytes, cuda:0 -> cuda:1 (CPU: a memcpy).
 Prints a table and writes JSON to benchmarks/results/bench_refit_<device>.json.
+
+GPU rows include ``transport="ipc"`` (CUDA IPC handles + copy-engine peer copies, copies issued
+on the sender's or the receiver's GPU) and the defaults (which pick ipc on one host);
+``--ipc-only`` runs just those, per-tensor broadcast and the flat baselines. The last column
+says which transport each refit row used.
 """
 
 from __future__ import annotations
@@ -207,17 +212,21 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         modes += [
             ("refit packed (256 MiB buckets), p2p send/recv", dict(bucket_bytes=256 << 20, transport="p2p")),
             ("refit defaults (RefitSender(group, tensors))", dict()),
+            ("refit ipc (CUDA IPC, copies on the sender's GPU)", dict(transport="ipc")),
+            ("refit ipc (CUDA IPC, copies on the receiver's GPU)", dict(transport="ipc", ipc_copy_on="dst")),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]
+    elif cuda and args.ipc_only:
+        modes = [m for m in modes if "ipc" in m[0] or "defaults" in m[0] or m[0] == "refit per-tensor"]
     elif cuda:
         modes += [
             ("refit per-tensor (64 MiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
-                                                         group_bytes=64 << 20)),
+                                                         group_bytes=64 << 20, transport="broadcast")),
             ("refit per-tensor (1 GiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
-                                                        group_bytes=1 << 30)),
+                                                        group_bytes=1 << 30, transport="broadcast")),
             ("refit hybrid (>=16 MiB direct, rest in 64 MiB buckets)",
-             dict(bucket_bytes=64 << 20, direct_bytes=16 << 20)),
+             dict(bucket_bytes=64 << 20, direct_bytes=16 << 20, transport="broadcast")),
         ]
     for name, kw in modes:
         reset_receiver()
@@ -232,7 +241,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         if rank == 1:
             assert versions == list(range(args.warmup + args.iters)), versions
         verify(name)
-        ep.release_buffers()
+        if rank == 0:
+            out["results"][name]["transport"] = ep.transport
+        g.barrier()  # receivers drop their handles before the sender frees the exported ones
+        ep.close()
+        g.barrier()
         del ep
 
     # Raw nccl4py / gloo broadcast of one flat buffer: what the group itself can do.
@@ -390,6 +403,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="skip the torch.distributed baselines")
     ap.add_argument("--nccl-config", default="", help="NCCLConfig fields for the refit group, e.g. min_ctas=32")
+    ap.add_argument("--ipc-only", action="store_true",
+                    help="GPU: only the CUDA IPC rows, the defaults and per-tensor broadcast (plus flat baselines)")
     ap.add_argument("--matrix", action="store_true",
                     help="GPU: run the NCCL settings matrix (flat and per-tensor, broadcast and p2p) and exit")
     args = ap.parse_args()
@@ -441,10 +456,10 @@ def main() -> None:
     }
 
     w = max(len(k) for k in rows)
-    print(f"\n{'method':<{w}}  {'median ms':>10}  {'best ms':>9}  {'GB/s':>7}  {'vs ceiling':>10}  correct")
+    print(f"\n{'method':<{w}}  {'median ms':>10}  {'best ms':>9}  {'GB/s':>7}  {'vs ceiling':>10}  correct  transport")
     for k, v in rows.items():
         print(f"{k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['gbps_median']:>7.1f}  "
-              f"{v['ratio_vs_ceiling']:>9.1%}  {v.get('correct', '-')}")
+              f"{v['ratio_vs_ceiling']:>9.1%}  {str(v.get('correct', '-')):<7}  {v.get('transport', '-')}")
     print(f"\ngroup init: cold {summary['group_init_cold_s']:.3f} s (includes peer process start), "
           f"warm {summary['group_init_warm_s']:.3f} s")
     print(f"best refit: {best_name}: {summary['best_refit_ratio_vs_ceiling']:.1%} of the ceiling; "

@@ -16,6 +16,12 @@ Protocol (see docs/refit.md):
 
 Peak extra memory per rank: two buckets (allocated on first use, kept for later refits until
 ``release_buffers()``), plus one temporary copy of a direct tensor that is not contiguous.
+
+``transport="ipc"`` (same host, CUDA; ``nemo_dataplane/refit/ipc.py``) moves no bulk data over
+the group: the sender exports CUDA IPC handles of its tensors once, receivers open them once
+and copy straight from the sender's memory with copy-engine peer copies at every refit; the
+group carries the header and an acknowledgement after which the sender may overwrite its
+tensors.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ import contextlib
 import json
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Union
 
 import numpy as np
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit import ipc as _ipc
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",
@@ -58,14 +65,24 @@ _ALIGN = 256
 _MAGIC = 0x52454649  # "REFI"
 _STATUS_OK = 0
 _STATUS_ABORT = 1
+# ipc: the sender's tensors moved to new storage; new handles are in the store for this refit.
+_STATUS_NEW_HANDLES = 2
 # Direct tensors are issued in NCCL groups (one launch each) of at most this many ops / bytes
 # (RefitInfo.group_bytes): large enough to amortise launch cost, small enough that the first
 # group starts moving early.
 _MAX_OPS_PER_GROUP = 64
 DEFAULT_GROUP_BYTES = 256 << 20
-TRANSPORTS = ("auto", "broadcast", "p2p")
-# What transport="auto" picks on NCCL (gloo: always "broadcast").
+TRANSPORTS = ("auto", "broadcast", "p2p", "ipc")
+# What transport="auto" picks on NCCL when CUDA IPC is not possible (gloo: always "broadcast").
 DEFAULT_TRANSPORT_GPU = "broadcast"
+# transport="auto" on NCCL picks "ipc" when every rank is on the sender's host and can see its
+# GPU (falling back to DEFAULT_TRANSPORT_GPU if opening the handles fails anywhere), for at most
+# AUTO_IPC_MAX_RECEIVERS receivers: each receiver pulls its own copy out of the sender's GPU,
+# so several share the sender's NVLink bandwidth, where a broadcast forwards along a ring
+# (measured: one receiver on 2x H200, docs/refit.md section 5).
+AUTO_PICKS_IPC = True
+AUTO_IPC_MAX_RECEIVERS = 1
+IPC_COPY_ON = ("src", "dst")
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -137,7 +154,8 @@ class RefitInfo:
     src: int
     group_bytes: int = DEFAULT_GROUP_BYTES
     # "broadcast": every transfer is one broadcast from ``src``; "p2p": ``src`` sends to each
-    # receiver with NCCL/gloo send/recv (one NCCL group per transfer).
+    # receiver with NCCL/gloo send/recv (one NCCL group per transfer); "ipc": receivers copy
+    # from the sender's memory through CUDA IPC handles (same host).
     transport: str = "broadcast"
     protocol: int = 1
     extra: dict[str, object] = field(default_factory=dict)
@@ -307,6 +325,17 @@ class _Endpoint:
         self._seq = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._cuda = group.backend == "nccl"
+        # transport="ipc" state (see nemo_dataplane/refit/ipc.py)
+        self._ipc_views: list[torch.Tensor | None] | None = None  # receiver: sender's memory
+        self._ipc_plan_cache: tuple | None = None
+        self._ipc_keep: list[torch.Tensor] | None = None  # sender: the exported tensors
+        self._ipc_sig: list | None = None
+        self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._copier: _ipc.PeerCopier | None = None
+        self._ack: torch.Tensor | None = None
+        self._last_status = _STATUS_OK
+        # Why transport="auto" did not end up on "ipc" (None: it did, or it was not asked for).
+        self.ipc_fallback_reason: str | None = None
 
     # -- helpers
 
@@ -440,6 +469,53 @@ class _Endpoint:
         self._wire: list[torch.Tensor] = []
         self._views = None
 
+    def close(self) -> None:
+        """Free buffers and drop CUDA IPC handles (sender: exported, receiver: opened). Idempotent.
+
+        Call before destroying the group; a later ``prepare_refit_info()`` sets up again.
+        """
+        self.release_buffers()
+        self._drop_ipc()
+
+    def _drop_ipc(self) -> None:
+        had = self._ipc_views is not None or self._ipc_keep is not None
+        self._ipc_views = None
+        self._ipc_plan_cache = None
+        self._ipc_keep = None
+        self._ipc_sig = None
+        self._ipc_streams = None
+        if had and self._cuda:
+            with contextlib.suppress(Exception):
+                torch.cuda.ipc_collect()
+
+    def _post_host(self) -> None:
+        if self._cuda:
+            g = self.group
+            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(g.device)).encode())
+
+    def _ipc_agree(self, my_status: str) -> None:
+        """Every rank posts whether its IPC setup worked; all decide alike: go on, fall back, or raise."""
+        g = self.group
+        info = self.info
+        assert info is not None
+        g.store.set(self._key(self._gen, "ipc_open", g.rank), my_status.encode())
+        g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
+                         "CUDA IPC setup (waiting for every rank to open the sender's handles)")
+        bad = []
+        for r in range(g.world_size):
+            st = g.store.get(self._key(self._gen, "ipc_open", r)).decode()
+            if st != "ok":
+                bad.append(f"rank {r}: {st}")
+        if not bad:
+            return
+        self._drop_ipc()
+        if info.extra.get("ipc_fallback"):
+            # transport="auto": every rank switches to the NCCL transport the same way.
+            self._compile(replace(info, transport=DEFAULT_TRANSPORT_GPU, extra={}))
+            self.ipc_fallback_reason = "; ".join(bad)
+            return
+        raise RefitError(f"rank {g.rank}: transport='ipc' setup failed, no weights were moved: {_clip(bad)}")
+
     def _handshake(self, my_status: str, what: str) -> None:
         """Post this rank's status, wait for everyone's, raise if any rank failed.
 
@@ -475,17 +551,31 @@ class RefitSender(_Endpoint):
         group_bytes: on GPU, direct tensors are issued in NCCL groups of about this many bytes.
         transport: ``"broadcast"`` (one broadcast per transfer), ``"p2p"`` (send/recv from the
             source to each receiver; measured no faster than broadcast on 2x H200, kept for
-            comparison) or ``"auto"`` (``DEFAULT_TRANSPORT_GPU`` on NCCL, broadcast on gloo).
+            comparison), ``"ipc"`` (same host, NCCL group: receivers copy from this process's
+            tensors through CUDA IPC handles with copy-engine peer copies; raises if a rank is
+            elsewhere or cannot open the handles) or ``"auto"`` (on NCCL with at most
+            ``AUTO_IPC_MAX_RECEIVERS`` receivers: ``"ipc"`` when every rank is on this host and
+            sees this GPU, falling back to ``DEFAULT_TRANSPORT_GPU`` if setup fails anywhere;
+            otherwise ``DEFAULT_TRANSPORT_GPU``; on gloo: broadcast).
+            ``self.transport`` holds the one in use after ``prepare_refit_info()``.
+        ipc_copy_on: ``"ipc"``: the receiver issues its peer copies on a stream of the sender's
+            GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``).
         channel: store namespace, for several senders on one group.
     """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
                  group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
-                 channel: str = "default") -> None:
+                 ipc_copy_on: str = "src", channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "ipc" and not self._cuda:
+            raise ValueError("transport='ipc' needs CUDA tensors on an NCCL group (backend='nccl')")
+        if ipc_copy_on not in IPC_COPY_ON:
+            raise ValueError(f"ipc_copy_on must be one of {IPC_COPY_ON}, got {ipc_copy_on!r}")
+        self.ipc_copy_on = ipc_copy_on
+        self._requested = transport
         packed_by_default = bucket_bytes is not None or not self._cuda
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
@@ -511,10 +601,16 @@ class RefitSender(_Endpoint):
         """
         g = self.group
         self._gen += 1
+        self._drop_ipc()
+        self._post_host()
         try:
-            specs, _ = self._specs_and_tensors()
+            specs, tensors = self._specs_and_tensors()
+            transport, fallback = self._choose_transport()
+            extra: dict[str, object] = {}
+            if transport == "ipc":
+                extra = {"ipc_fallback": fallback, "ipc_copy_on": self.ipc_copy_on}
             info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
-                             transport=self.transport)
+                             transport=transport, extra=extra)
         except Exception as e:
             # Receivers are waiting on this key; tell them why instead of letting them time out.
             g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
@@ -522,8 +618,52 @@ class RefitSender(_Endpoint):
         g.store.set(self._key(self._gen, "info"), info.to_bytes())
         self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
+        if info.transport == "ipc":
+            self._export_ipc(self._ordered(tensors))
         self._connect_p2p()
-        return info
+        self.transport = self.info.transport  # type: ignore[union-attr]
+        return self.info  # type: ignore[return-value]
+
+    def _choose_transport(self) -> tuple[str, bool]:
+        """(transport, whether a failed IPC setup may fall back); ipc/auto check the ranks' hosts."""
+        want = self._requested
+        if not self._cuda:
+            return ("broadcast" if want == "auto" else want), False
+        g = self.group
+        if want not in ("ipc", "auto") or (want == "auto" and (
+                not AUTO_PICKS_IPC or g.world_size - 1 > AUTO_IPC_MAX_RECEIVERS)):
+            return (DEFAULT_TRANSPORT_GPU if want == "auto" else want), False
+        g.wait_for_ranks(lambda r: self._key(self._gen, "host", r), range(g.world_size),
+                         "refit host check (waiting for every rank's host and GPU)")
+        records = {r: json.loads(g.store.get(self._key(self._gen, "host", r))) for r in range(g.world_size)}
+        problems = _ipc.ipc_problems(records, g.rank)
+        if not problems:
+            return "ipc", want == "auto"
+        if want == "ipc":
+            raise RefitError(f"rank {g.rank}: transport='ipc' needs every rank on the sender's host with "
+                             f"its GPU visible: {_clip(problems)}")
+        self.ipc_fallback_reason = "; ".join(problems)
+        return DEFAULT_TRANSPORT_GPU, False
+
+    def _signature(self, tensors: list[torch.Tensor]) -> list:
+        return [(t.data_ptr(), t.stride()) for t in tensors]
+
+    def _export_blob(self, tensors: list[torch.Tensor]) -> bytes:
+        return _ipc.export_tensors([t if t.numel() else None for t in tensors], self.group.device)
+
+    def _export_ipc(self, tensors: list[torch.Tensor]) -> None:
+        g = self.group
+        status = "ok"
+        try:
+            blob = self._export_blob(tensors)
+        except Exception as e:
+            status = f"sender could not export CUDA IPC handles: {e}"
+            blob = json.dumps({"error": status}).encode()
+        g.store.set(self._key(self._gen, "ipc_handles"), blob)
+        if status == "ok":
+            self._ipc_keep = list(tensors)
+            self._ipc_sig = self._signature(tensors)
+        self._ipc_agree(status)
 
     def send_weights(self, version: int) -> None:
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
@@ -539,7 +679,9 @@ class RefitSender(_Endpoint):
             raise
         try:
             with torch.no_grad():
-                if self._cuda:
+                if self.info.transport == "ipc":
+                    self._send_ipc(ordered, version)
+                elif self._cuda:
                     self._send_cuda(ordered, version)
                 else:
                     self._send_cpu(ordered, version)
@@ -561,6 +703,38 @@ class RefitSender(_Endpoint):
 
     def _watch(self) -> str | None:
         return self._errors_of(r for r in range(self.group.world_size) if r != self.src)
+
+    def _send_ipc(self, tensors: list[torch.Tensor], version: int) -> None:
+        """Header (with new handles if a tensor moved), then wait for every receiver's ack."""
+        g = self.group
+        status = _STATUS_OK
+        old = None
+        sig = self._signature(tensors)
+        if sig != self._ipc_sig:
+            # A tensor now lives elsewhere (e.g. the callable returned new tensors): publish new
+            # handles for this refit; the old tensors stay alive until the receivers' ack.
+            g.store.set(self._key(self._gen, "ipc_handles", self._seq), self._export_blob(tensors))
+            old, self._ipc_keep, self._ipc_sig = self._ipc_keep, list(tensors), sig
+            status = _STATUS_NEW_HANDLES
+        cur = torch.cuda.current_stream(g.device)
+        comm, _ = self._side_streams()
+        header = self._header(version, status)
+        if self._ack is None:
+            self._ack = torch.zeros(1, dtype=torch.int32, device=g.device)
+        # The header leaves only after whatever wrote the weights on the current stream, so a
+        # receiver that has it may read them.
+        comm.wait_stream(cur)
+        g.broadcast(header, self.src, stream=comm)
+        with torch.cuda.stream(comm):
+            self._ack.zero_()
+        g.all_reduce(self._ack, "max", stream=comm)
+        # Later writes to the weights (optimizer step) wait for every receiver's ack.
+        cur.wait_stream(comm)
+        g.synchronize(comm, watch=self._watch, what=f"refit send of version {version} (waiting for receivers' ack)")
+        del old
+        if int(self._ack.item()):
+            why = self._watch() or "no reason posted"
+            raise RefitError(f"rank {g.rank}: a receiver failed to copy refit version {version}: {why}")
 
     def _send_cpu(self, tensors: list[torch.Tensor], version: int) -> None:
         g = self.group
@@ -665,6 +839,8 @@ class RefitReceiver(_Endpoint):
         """
         g = self.group
         self._gen += 1
+        self._drop_ipc()
+        self._post_host()
         key = self._key(self._gen, "info")
         g.wait_for_ranks(lambda r: key, [self.src], f"refit info from sender rank {self.src}")
         raw = g.store.get(key)
@@ -685,8 +861,46 @@ class RefitReceiver(_Endpoint):
         status = "ok" if not problems else f"{len(problems)} mismatch(es): {_clip(problems)}"
         self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
         self._compile(info)
+        if info.transport == "ipc":
+            self._open_ipc()
         self._connect_p2p()
-        return info
+        return self.info  # type: ignore[return-value]
+
+    def _open_ipc(self) -> None:
+        """Open the sender's handles once (torch caches one mapping per segment), check a copy works."""
+        g = self.group
+        key = self._key(self._gen, "ipc_handles")
+        g.wait_for_ranks(lambda r: key, [self.src], f"CUDA IPC handles from sender rank {self.src}")
+        status = "ok"
+        try:
+            self._load_views(g.store.get(key))
+        except Exception as e:
+            self._drop_ipc()
+            status = f"could not open the CUDA IPC handles of sender rank {self.src}: {e}"
+        self._ipc_agree(status)
+
+    def _load_views(self, blob: bytes) -> None:
+        g = self.group
+        views = _ipc.open_tensors(blob)
+        src_dev = next((v.device for v in views if v is not None), g.device)
+        s_dst = torch.cuda.Stream(g.device)
+        s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)
+        # One element each way: proves the mapping works and lets torch enable peer access
+        # in both directions before the first refit.
+        for v in views:
+            if v is not None:
+                x = v if v.dim() == 0 else v[(0,) * v.dim()]
+                here = torch.empty((), dtype=v.dtype, device=g.device)
+                here.copy_(x)
+                there = torch.empty((), dtype=v.dtype, device=src_dev)
+                there.copy_(here)
+                torch.cuda.synchronize(g.device)
+                torch.cuda.synchronize(src_dev)
+                break
+        if self._copier is None:
+            self._copier = _ipc.PeerCopier()
+        self._ipc_views = views
+        self._ipc_streams = (s_dst, s_src)
 
     def receive_weights(self) -> int:
         """Receive one refit into our tensors in place; return (and store) its version."""
@@ -702,7 +916,12 @@ class RefitReceiver(_Endpoint):
             raise
         try:
             with torch.no_grad():
-                version = self._recv_cuda(ordered) if self._cuda else self._recv_cpu(ordered)
+                if self.info.transport == "ipc":
+                    version = self._recv_ipc(ordered)
+                elif self._cuda:
+                    version = self._recv_cuda(ordered)
+                else:
+                    version = self._recv_cpu(ordered)
         except RefitError:
             raise
         except Exception as e:
@@ -718,6 +937,7 @@ class RefitReceiver(_Endpoint):
         assert self.info is not None
         magic, fp, version, status = (int(x) for x in header.tolist())
         g = self.group
+        self._last_status = status
         if status == _STATUS_ABORT:
             why = self._errors_of([self.src]) or "no reason posted"
             raise RefitError(f"rank {g.rank}: sender rank {self.src} aborted refit of version {version}: {why}")
@@ -726,6 +946,66 @@ class RefitReceiver(_Endpoint):
                    f"{self._fp}): sender and receiver prepared different layouts")
             self._publish_error(msg)
             raise RefitError(f"rank {g.rank}: {msg}")
+        return version
+
+    def _ipc_plan(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
+        """Copy plan for our tensors, reused while they stay where they were (same pointers, strides)."""
+        assert self._ipc_views is not None and self._copier is not None
+        key = [(t.data_ptr(), t.stride()) for t in tensors]
+        cached = self._ipc_plan_cache
+        if cached is not None and cached[0] is self._ipc_views and cached[1] == key:
+            return cached[2]
+        pairs = [(d, s) for d, s in zip(tensors, self._ipc_views) if s is not None]
+        plan = self._copier.plan([d for d, _ in pairs], [s for _, s in pairs])
+        self._ipc_plan_cache = (self._ipc_views, key, plan)
+        return plan
+
+    def _recv_ipc(self, tensors: list[torch.Tensor]) -> int:
+        """Wait for the header, peer-copy every tensor from the sender's memory, ack."""
+        g = self.group
+        cur = torch.cuda.current_stream(g.device)
+        comm, _ = self._side_streams()
+        assert self._ipc_streams is not None
+        s_dst, s_src = self._ipc_streams
+        push = self.info.extra.get("ipc_copy_on", "src") == "src"  # type: ignore[union-attr]
+        raw_stream = s_src if push else s_dst
+        # Planned before the header arrives, so it overlaps with the sender's side.
+        runs, slow = self._ipc_plan(tensors)
+        if self._ack is None:
+            self._ack = torch.zeros(1, dtype=torch.int32, device=g.device)
+        comm.wait_stream(cur)
+        with torch.cuda.stream(comm):
+            header = torch.zeros(4, dtype=torch.int64, device=g.device)
+        g.broadcast(header, self.src, stream=comm)
+        g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
+        version = self._check_header(header)
+        failed = None
+        try:
+            if self._last_status == _STATUS_NEW_HANDLES:
+                self._load_views(g.store.get(self._key(self._gen, "ipc_handles", self._seq)))
+                s_dst, s_src = self._ipc_streams
+                raw_stream = s_src if push else s_dst
+                runs, slow = self._ipc_plan(tensors)
+            # The tensors may still be read by work on the current stream (e.g. generation).
+            s_dst.wait_stream(cur)
+            if s_src is not s_dst:
+                s_src.wait_stream(cur)
+            streams = [s_src, s_dst] if s_src is not s_dst else [s_dst]
+            self._copier.issue(runs, slow, raw_stream, streams)  # type: ignore[union-attr]
+        except Exception as e:
+            failed = f"receiver failed to copy refit version {version}: {e}"
+            self._publish_error(failed)
+        if s_src is not s_dst:
+            s_dst.wait_stream(s_src)
+        # The ack leaves once the copies are done; the sender may then overwrite its tensors.
+        comm.wait_stream(s_dst)
+        with torch.cuda.stream(comm):
+            self._ack.fill_(1 if failed else 0)
+        g.all_reduce(self._ack, "max", stream=comm)
+        g.synchronize(s_dst, watch=self._watch, what=f"refit receive of version {version}")
+        cur.wait_stream(s_dst)
+        if failed:
+            raise RefitError(f"rank {g.rank}: {failed}")
         return version
 
     def _recv_cpu(self, tensors: list[torch.Tensor]) -> int:

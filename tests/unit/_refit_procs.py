@@ -280,11 +280,60 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
         got.append({"version": v, "attr_version": rcv.version, "wrong": wrong})
     g.barrier()
     g.destroy()
-    return {"refits": got}
+    return {"refits": got, "transport": rcv.info.transport}
+
+
+def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11, 12),
+              copy_on: str = "src") -> dict[str, Any]:
+    """transport="ipc": refits with values changing in place (handles opened once and reused),
+    then one more refit after the sender's tensors moved to new storage (new handles)."""
+    g = _group(rank, world, port, "nccl")
+    dev = g.device
+    if rank == 0:
+        src = model_tensors(0, dev)
+        src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
+        holder = {"t": src}
+        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_copy_on=copy_on)
+        info = snd.prepare_refit_info()
+        exported = snd._ipc_keep
+        same = []
+        for i, v in enumerate(versions):
+            if i:
+                fresh = model_tensors(i, dev)
+                for k in src:
+                    src[k].copy_(fresh[k])
+            snd.send_weights(v)
+            same.append(snd._ipc_keep is exported)
+        # New storage for every tensor: the next refit must publish (and receivers open) new handles.
+        holder["t"] = {k: v.clone() for k, v in model_tensors(len(versions), dev).items()}
+        snd.send_weights(100)
+        moved = snd._ipc_keep is not exported
+        g.barrier()
+        snd.close()
+        g.destroy()
+        return {"transport": info.transport, "self_transport": snd.transport, "same_handles": same,
+                "reexported": moved}
+    dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
+    dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
+    dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
+    rcv = RefitReceiver(g, dst)
+    info = rcv.prepare_refit_info()
+    views = rcv._ipc_views
+    got = []
+    for i in range(len(versions) + 1):
+        v = rcv.receive_weights()
+        want = model_tensors(i, torch.device("cpu"))
+        wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
+        got.append({"version": v, "attr_version": rcv.version, "wrong": wrong, "same_views": rcv._ipc_views is views})
+    g.barrier()
+    out = {"refits": got, "transport": info.transport, "raw": rcv._copier.raw, "raw_error": rcv._copier.raw_error}
+    rcv.close()
+    g.destroy()
+    return out
 
 
 def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
-                   backend: str = "gloo") -> dict[str, Any]:
+                   backend: str = "gloo", transport: str = "auto") -> dict[str, Any]:
     """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""
     g = _group(rank, world, port, backend)
     dev = g.device
@@ -299,7 +348,8 @@ def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] 
                        "b": torch.zeros(8, dtype=torch.float32, device=dev),  # dtype
                        "extra": torch.zeros(2, device=dev)}  # "c" missing, "extra" unexpected
     try:
-        ep = RefitSender(g, tensors, bucket_bytes=1024) if rank == 0 else RefitReceiver(g, tensors)
+        ep = (RefitSender(g, tensors, bucket_bytes=1024, transport=transport) if rank == 0
+              else RefitReceiver(g, tensors))
         ep.prepare_refit_info()
         out = {"error": None}
     except Exception as e:

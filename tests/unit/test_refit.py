@@ -153,3 +153,48 @@ def test_receiver_that_never_prepares_is_named(pool: ProcessPoolExecutor) -> Non
         assert out["error"] in ("StatelessGroupTimeout", "StatelessGroupError"), out
         assert "refit handshake" in out["msg"] and "missing ranks [2]" in out["msg"], out["msg"]
         assert out["elapsed"] < timeout + 2.0
+
+
+# ---------------------------------------------------------------- CUDA IPC transport (CPU-side pieces)
+
+
+def test_ipc_host_check_names_the_rank_and_reason() -> None:
+    from nemo_dataplane.refit.ipc import ipc_problems
+
+    me = {"host": "a", "boot_id": "b1", "cuda": True, "uuid": "GPU-0", "visible": ["GPU-0", "GPU-1"]}
+    ok = {"host": "a", "boot_id": "b1", "cuda": True, "uuid": "GPU-1", "visible": ["GPU-0", "GPU-1"]}
+    assert ipc_problems({0: me, 1: ok}, 0) == []
+    out = ipc_problems({0: me, 1: {**ok, "host": "z"}, 2: {**ok, "visible": ["GPU-1"]}, 3: {**ok, "boot_id": "b2"}}, 0)
+    assert len(out) == 3
+    assert out[0].startswith("rank 1 runs on host 'z'")
+    assert out[1].startswith("rank 2 cannot see the sender's GPU GPU-0")
+    assert out[2].startswith("rank 3 runs on host 'a'")  # same name, other boot: another machine
+    assert ipc_problems({0: {**me, "cuda": False}, 1: ok}, 0) == ["sender rank 0 is not on a CUDA device"]
+
+
+def test_ipc_handle_encoding_roundtrips() -> None:
+    from nemo_dataplane.refit.ipc import _dec, _enc
+
+    args = (torch.Tensor, torch.Size([3, 4]), (4, 1), 5, torch.storage.TypedStorage, torch.bfloat16, 1,
+            b"\x00\xffhandle", 4096, 512, False, b"/torch_1_2", 0, None, True)
+    back = tuple(_dec(_enc(a)) for a in args)
+    assert back[0] is torch.Tensor and back[4] is torch.storage.TypedStorage and back[5] is torch.bfloat16
+    assert back[1] == (3, 4) and back[2] == (4, 1) and back[7] == b"\x00\xffhandle" and back[13] is None
+    with pytest.raises(TypeError):
+        _enc(dict)
+
+
+def test_ipc_transport_needs_cuda() -> None:
+    from nemo_dataplane.refit.packed import TRANSPORTS
+
+    assert "ipc" in TRANSPORTS
+    g = P.StatelessProcessGroup(P.HOST, P.free_port(), 0, 1, "gloo", 10.0)
+    try:
+        with pytest.raises(ValueError, match="transport='ipc' needs CUDA"):
+            P.RefitSender(g, {"w": torch.ones(2)}, transport="ipc")
+        snd = P.RefitSender(g, {"w": torch.ones(2)})  # auto on gloo: broadcast, no host check
+        assert snd.prepare_refit_info().transport == "broadcast" and snd.transport == "broadcast"
+        snd.send_weights(1)
+        snd.close()
+    finally:
+        g.destroy()

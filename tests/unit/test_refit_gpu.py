@@ -17,6 +17,8 @@ if torch.cuda.device_count() < 2:
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
 
+from nemo_dataplane.refit.packed import AUTO_PICKS_IPC  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
@@ -45,8 +47,8 @@ def test_nccl_collectives(pool: ProcessPoolExecutor) -> None:
 @pytest.mark.parametrize(
     ("direct_bytes", "transport", "defaults"),
     [(None, "broadcast", False), (0, "broadcast", False), (None, "p2p", False), (0, "p2p", False),
-     (None, "auto", True)],
-    ids=["packed", "per-tensor", "packed-p2p", "per-tensor-p2p", "defaults"],
+     (None, "auto", True), (None, "ipc", False)],
+    ids=["packed", "per-tensor", "packed-p2p", "per-tensor-p2p", "defaults", "ipc"],
 )
 def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | None, transport: str,
                                  defaults: bool) -> None:
@@ -54,12 +56,38 @@ def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | 
                       bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42), transport=transport,
                       defaults=defaults)
     _ok(res)
-    if defaults:  # GPU default: per-tensor
+    if defaults:  # GPU default: per-tensor; on one host "auto" picks CUDA IPC
         assert res[0]["direct_bytes"] == 0, res[0]
+        want = "ipc" if AUTO_PICKS_IPC else "broadcast"
+        assert res[0]["transport"] == want and res[1]["transport"] == want, (res[0], res[1]["transport"])
     refits = res[1]["refits"]
     assert [x["version"] for x in refits] == [41, 42]
     assert [x["attr_version"] for x in refits] == [41, 42]
     assert [x["wrong"] for x in refits] == [[], []], refits
+
+
+@pytest.mark.parametrize("copy_on", ["src", "dst"])
+def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: ProcessPoolExecutor, copy_on: str) -> None:
+    res = P.run_ranks(pool, P.refit_ipc, [0, 1], world=2, port=P.free_port(), versions=(11, 12), copy_on=copy_on)
+    _ok(res)
+    assert res[0]["transport"] == res[0]["self_transport"] == res[1]["transport"] == "ipc", (res[0], res[1])
+    refits = res[1]["refits"]
+    assert [x["version"] for x in refits] == [11, 12, 100]
+    assert [x["attr_version"] for x in refits] == [11, 12, 100]
+    assert [x["wrong"] for x in refits] == [[], [], []], refits
+    # Values changed in place between the first two refits: same handles, same opened views.
+    assert res[0]["same_handles"] == [True, True] and [x["same_views"] for x in refits] == [True, True, False]
+    assert res[0]["reexported"]
+    assert res[1]["raw"], res[1]["raw_error"]  # copies went out as raw cudaMemcpyAsync
+
+
+def test_ipc_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> None:
+    res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl",
+                      transport="ipc")
+    for r in (0, 1):
+        assert res[r]["error"] == "RefitMismatchError", res[r]
+        assert "a: shape sender [4, 4] != receiver [4, 5]" in res[r]["msg"]
+    assert res[1]["untouched"]
 
 
 def test_nccl_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:

@@ -1,0 +1,237 @@
+"""Same-host CUDA IPC pieces of the refit's ``transport="ipc"`` (docs/refit.md, section 3).
+
+The sender exports CUDA IPC handles for the storages that hold its tensors (zero copy: no
+staging buffer, so no extra pass over HBM); every receiver opens them once and, at each
+refit, copies straight from the sender's memory into its own tensors with copy-engine peer
+copies. The ``StatelessProcessGroup`` only carries the handshake (host check, handles in its
+store, the refit header and an acknowledgement).
+
+Handles are torch's own (``torch.multiprocessing.reductions.reduce_tensor`` /
+``rebuild_cuda_tensor``: one ``cudaIpcMemHandle`` per caching-allocator segment, opened once
+per receiving process and cached by torch), serialised as JSON rather than pickled so that
+nothing in the store is executed.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import inspect
+import json
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["PeerCopier", "export_tensors", "host_record", "ipc_problems", "open_tensors"]
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _uuid(index: int) -> str:
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return ""
+
+
+def host_record(device: torch.device | None) -> dict[str, Any]:
+    """What a rank tells the others so they can decide whether CUDA IPC can work between them."""
+    rec: dict[str, Any] = {"host": socket.gethostname(), "boot_id": _boot_id(), "cuda": False}
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        rec.update(cuda=True, device=device.index, uuid=_uuid(device.index),
+                   visible=[_uuid(i) for i in range(torch.cuda.device_count())])
+    return rec
+
+
+def ipc_problems(records: dict[int, dict[str, Any]], src: int) -> list[str]:
+    """Why CUDA IPC from rank ``src`` to every other rank cannot work (empty: it can)."""
+    me = records[src]
+    out: list[str] = []
+    if not me.get("cuda"):
+        out.append(f"sender rank {src} is not on a CUDA device")
+    for r, rec in sorted(records.items()):
+        if r == src:
+            continue
+        if (rec.get("host"), rec.get("boot_id")) != (me.get("host"), me.get("boot_id")):
+            out.append(f"rank {r} runs on host {rec.get('host')!r}, the sender rank {src} on {me.get('host')!r}")
+        elif not rec.get("cuda"):
+            out.append(f"rank {r} is not on a CUDA device")
+        elif me.get("uuid") and me["uuid"] not in rec.get("visible", []):
+            out.append(f"rank {r} cannot see the sender's GPU {me['uuid']} (CUDA_VISIBLE_DEVICES?)")
+    return out
+
+
+def local_index_of(uuid: str, fallback: int) -> int:
+    """This process's CUDA index of the GPU with ``uuid`` (``fallback`` if uuids are unknown)."""
+    if not uuid:
+        return fallback
+    for i in range(torch.cuda.device_count()):
+        if _uuid(i) == uuid:
+            return i
+    raise RuntimeError(f"GPU {uuid} is not visible to this process")
+
+
+# ---------------------------------------------------------------- handles
+
+_TYPES = {"Tensor": torch.Tensor, "TypedStorage": torch.storage.TypedStorage,
+          "UntypedStorage": torch.UntypedStorage, "Parameter": torch.nn.Parameter}
+
+
+def _enc(v: Any) -> Any:
+    if isinstance(v, type):
+        if v.__name__ not in _TYPES:
+            raise TypeError(f"cannot export a handle argument of type {v.__name__}")
+        return {"type": v.__name__}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, (bytes, bytearray)):
+        return {"b64": base64.b64encode(bytes(v)).decode()}
+    if isinstance(v, torch.device):
+        return v.index
+    if isinstance(v, (tuple, list, torch.Size)):
+        return {"seq": [_enc(x) for x in v]}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"cannot export a handle argument {v!r} ({type(v).__name__})")
+
+
+def _dec(v: Any) -> Any:
+    if isinstance(v, dict):
+        if "type" in v:
+            return _TYPES[v["type"]]
+        if "dtype" in v:
+            return getattr(torch, v["dtype"])
+        if "b64" in v:
+            return base64.b64decode(v["b64"])
+        if "seq" in v:
+            return tuple(_dec(x) for x in v["seq"])
+    return v
+
+
+def _rebuild_params() -> list[str]:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return list(inspect.signature(rebuild_cuda_tensor).parameters)
+
+
+def export_tensors(tensors: Sequence[torch.Tensor | None], device: torch.device) -> bytes:
+    """CUDA IPC handles (JSON) for ``tensors``; ``None`` entries (empty tensors) stay ``None``."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    names = _rebuild_params()
+    items: list[Any] = []
+    for t in tensors:
+        if t is None:
+            items.append(None)
+            continue
+        _, args = reduce_tensor(t.detach())
+        items.append({n: _enc(a) for n, a in zip(names, args)})
+    return json.dumps({"uuid": _uuid(device.index), "device": device.index, "tensors": items}).encode()
+
+
+def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
+    """Open handles made by ``export_tensors``: views of the sender's memory, on its GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    d = json.loads(blob)
+    if "error" in d:
+        raise RuntimeError(f"the sender could not export its tensors: {d['error']}")
+    dev = local_index_of(d.get("uuid", ""), int(d["device"]))
+    out: list[torch.Tensor | None] = []
+    for item in d["tensors"]:
+        if item is None:
+            out.append(None)
+            continue
+        kw = {n: _dec(v) for n, v in item.items()}
+        kw["storage_device"] = dev
+        kw["requires_grad"] = False
+        if "tensor_size" in kw:
+            kw["tensor_size"] = torch.Size(kw["tensor_size"])
+        with torch.cuda.device(dev):
+            out.append(rebuild_cuda_tensor(**kw))
+    return out
+
+
+# ---------------------------------------------------------------- copies
+
+
+def _cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from cuda import cudart  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return None
+    return cudart
+
+
+class PeerCopier:
+    """Copies ``src`` views (another process's memory) into local tensors on given streams.
+
+    Pairs that are contiguous on both sides go out as raw ``cudaMemcpyAsync`` calls (one per
+    run of pairs adjacent in memory on both sides), on ``stream``: a copy-engine peer copy
+    with none of torch's per-copy cross-device event barriers. Other pairs use
+    ``dst.copy_(src)`` with the caller's streams current. Without cuda-bindings, or if a raw
+    call is refused, everything goes through ``copy_``.
+    """
+
+    def __init__(self) -> None:
+        self._rt = _cudart()
+        self.raw = self._rt is not None
+        self.raw_error: str | None = None
+
+    def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> tuple[list, list]:
+        """(raw runs as [dst_ptr, src_ptr, nbytes, pairs], pairs for ``copy_``)."""
+        runs: list[list[Any]] = []
+        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for d, s in zip(dst, src):
+            if self.raw and d.is_contiguous() and s.is_contiguous():
+                n = d.numel() * d.element_size()
+                dp, sp = d.data_ptr(), s.data_ptr()
+                if runs and runs[-1][0] + runs[-1][2] == dp and runs[-1][1] + runs[-1][2] == sp:
+                    runs[-1][2] += n
+                    runs[-1][3].append((d, s))
+                else:
+                    runs.append([dp, sp, n, [(d, s)]])
+            else:
+                slow.append((d, s))
+        return runs, slow
+
+    def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]],
+              stream: torch.cuda.Stream, streams: Sequence[torch.cuda.Stream]) -> None:
+        """Enqueue the copies; ``stream`` carries the raw ones, ``streams`` are made current for ``copy_``."""
+        rest = list(slow)
+        if runs and self.raw:
+            rt = self._rt
+            kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+            handle = int(stream.cuda_stream)
+            guard = torch.cuda.device(stream.device)
+            guard.__enter__()
+            for k, (dp, sp, n, _) in enumerate(runs):
+                try:
+                    (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
+                    bad = err != rt.cudaError_t.cudaSuccess
+                except Exception as e:  # binding mismatch: fall back to copy_ for good
+                    err, bad = e, True
+                if bad:
+                    self.raw, self.raw_error = False, str(err)
+                    rest = [pair for run in runs[k:] for pair in run[3]] + rest
+                    break
+            guard.__exit__(None, None, None)
+        elif runs:
+            rest = [pair for run in runs for pair in run[3]] + rest
+        if rest:
+            with contextlib.ExitStack() as stack:
+                for s in streams:
+                    stack.enter_context(torch.cuda.stream(s))
+                for d, s in rest:
+                    d.copy_(s, non_blocking=True)

@@ -6,6 +6,8 @@
   TransferQueue's default controller name so ``transfer_queue.init()`` in an actor attaches to
   the same store. Tests must use their own partition ids and clear them.
 * ``memory_client``: a fresh :class:`InMemoryClient` per test.
+* ``store``: ``(client, partition_id)``, parametrized over the in-memory store and ``tq_client``,
+  with a fresh partition (named after the test module) that is cleared afterwards.
 
 Nothing here is importable as ``tests.*`` (TransferQueue's wheel ships a top-level ``tests``
 package); pytest runs with ``--import-mode=importlib``.
@@ -14,7 +16,9 @@ package); pytest runs with ``--import-mode=importlib``.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,3 +71,15 @@ def memory_client() -> Iterator[Any]:
     client = InMemoryClient()
     yield client
     client.close()
+
+
+@pytest.fixture(params=["memory", "transfer_queue"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str]]:
+    """A client (in-memory, or the session's TransferQueue store) and a fresh partition; the
+    partition is cleared afterwards."""
+    from nemo_dataplane.adapters.memory import InMemoryClient
+
+    client = InMemoryClient() if request.param == "memory" else request.getfixturevalue("tq_client")
+    pid = f"{Path(str(request.node.fspath)).stem}-{uuid.uuid4().hex[:8]}"
+    yield client, pid
+    client.kv_clear(None, pid)

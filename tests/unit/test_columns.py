@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,18 +13,6 @@ from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.observability import ObservedClient
 
 
-@pytest.fixture(params=["memory", "transfer_queue"])
-def store(request: pytest.FixtureRequest) -> Iterator[tuple[DataPlaneClient, str]]:
-    if request.param == "memory":
-        client: DataPlaneClient = InMemoryClient()
-    else:
-        try:
-            client = request.getfixturevalue("tq_client")
-        except pytest.FixtureLookupError:
-            pytest.skip("tq_client fixture (tests/conftest.py, TransferQueue adapter) is not available yet")
-    pid = f"cols-{uuid.uuid4().hex[:8]}"
-    yield client, pid
-    client.kv_clear(None, pid)
 
 
 def _seed(client: DataPlaneClient, pid: str, n: int = 6) -> KVBatchMeta:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -23,19 +22,6 @@ from nemo_dataplane.observability import ObservedClient
 SEQ = PackingConfig(mode="sequence", max_tokens_per_microbatch=96)
 
 
-@pytest.fixture(params=["memory", "transfer_queue"])
-def store(request: pytest.FixtureRequest) -> Iterator[tuple[DataPlaneClient, str]]:
-    """A client and a fresh partition; the partition is cleared afterwards."""
-    if request.param == "memory":
-        client: DataPlaneClient = InMemoryClient()
-    else:
-        try:
-            client = request.getfixturevalue("tq_client")
-        except pytest.FixtureLookupError:
-            pytest.skip("tq_client fixture (tests/conftest.py, TransferQueue adapter) is not available yet")
-    pid = f"fanout-{uuid.uuid4().hex[:8]}"
-    yield client, pid
-    client.kv_clear(None, pid)
 
 
 def _batch(n: int, seed: int = 0) -> TensorDict:

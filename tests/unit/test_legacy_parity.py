@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ast
 import random
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,18 +28,6 @@ CONFIGS = {
 FIELDS = ["input_ids", "logprobs", "seq_len", "reward", "mask"]
 
 
-@pytest.fixture(params=["memory", "transfer_queue"])
-def store(request: pytest.FixtureRequest) -> Iterator[tuple[DataPlaneClient, str]]:
-    if request.param == "memory":
-        client: DataPlaneClient = InMemoryClient()
-    else:
-        try:
-            client = request.getfixturevalue("tq_client")
-        except pytest.FixtureLookupError:
-            pytest.skip("tq_client fixture (tests/conftest.py, TransferQueue adapter) is not available yet")
-    pid = f"parity-{uuid.uuid4().hex[:8]}"
-    yield client, pid
-    client.kv_clear(None, pid)
 
 
 def _batch(n: int = 30, seed: int = 0) -> TensorDict:

@@ -20,6 +20,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from algorithms.metrics import payload_bytes
 from algorithms.workers.policy import InjectedFailure, jagged_from_rows
 
 
@@ -116,11 +117,7 @@ class RolloutCollector:
                 for i in range(len(rows))
             ]
             out["meta"] = self.client.kv_batch_put(keys, partition_id, batch, tags=tags)
-            out["dp_bytes"] = sum(
-                (v.values().numel() * v.values().element_size() + v.offsets().numel() * 8)
-                if getattr(v, "is_nested", False) else v.numel() * v.element_size()
-                for v in batch.values()
-            )
+            out["dp_bytes"] = payload_bytes(batch)
         fail = self.cfg["debug"]
         if fail.get("fail_in") == "collect" and fail.get("fail_at_step") == step:
             # After the put, so the test sees the driver clear keys a failed step left behind.

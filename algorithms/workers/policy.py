@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from algorithms.metrics import payload_bytes
 from nemo_dataplane.meta import KVBatchMeta
 
 
@@ -167,7 +168,7 @@ class PolicyWorker:
                 raise RuntimeError(f"policy rank {self.rank}: got a KVBatchMeta but the data plane is not attached")
             fetched = self._fetcher.fetch(batch, list(fields))
             mbs, plan, n = fetched.microbatches, fetched.plan, len(batch)
-            nbytes = _td_bytes(fetched.data)
+            nbytes = payload_bytes(fetched.data)
         else:  # a legacy shard, already resolved by Ray
             mbs, plan, n = batch.microbatches(), batch.plan, batch.data.batch_size[0]
             nbytes = 0
@@ -195,7 +196,7 @@ class PolicyWorker:
         t1 = time.perf_counter()
         if isinstance(batch, KVBatchMeta):
             self._fetcher.write_back(batch, cols)
-            out["dp_bytes"] += sum(_tensor_bytes(c) for c in cols.values())
+            out["dp_bytes"] += sum(payload_bytes(c) for c in cols.values())
         else:
             out.update(cols)
         out["io_s"] = t_fetch + time.perf_counter() - t1  # getting the rows + writing results back
@@ -343,13 +344,3 @@ class PolicyWorker:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    if getattr(t, "is_nested", False):
-        return _tensor_bytes(t.values()) + _tensor_bytes(t.offsets())
-    return t.numel() * t.element_size()
-
-
-def _td_bytes(td: TensorDict) -> int:
-    return sum(_tensor_bytes(v) for v in td.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -119,23 +120,32 @@ async def async_fan_out_per_rank_metas(
     try:
         results = await (asyncio.wait_for(gathered, timeout_s) if timeout_s is not None else gathered)
     except asyncio.TimeoutError:
-        await _cleanup(client, all_keys, partition_id)
-        raise TimeoutError(
+        error: BaseException = TimeoutError(
             f"fan-out of {n} samples to {preshards.dp_world} ranks under {key_prefix!r} did not finish in {timeout_s}s"
-        ) from None
+        )
+        await _cleanup(client, all_keys, partition_id, error)
+        raise error from None
     errors = [e for e in results if isinstance(e, BaseException)]
     if errors:
-        await _cleanup(client, all_keys, partition_id)
+        await _cleanup(client, all_keys, partition_id, errors[0])
         raise errors[0]
     return list(results)  # type: ignore[arg-type]
 
 
-async def _cleanup(client: DataPlaneClient, keys: list[str], partition_id: str) -> None:
-    # Best effort: the original error matters more than a failed cleanup.
+async def _cleanup(client: DataPlaneClient, keys: list[str], partition_id: str, error: BaseException) -> None:
+    """Clear ``keys`` (bounded by 60 s). A failed clear must not mask ``error``, the fan-out's own
+    failure: it is recorded as a note on ``error``, naming the partition and key prefix."""
     try:
         await asyncio.wait_for(client.async_kv_clear(keys, partition_id), 60)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as e:  # noqa: BLE001
+        note = (
+            f"clearing the {len(keys)} fan-out keys (e.g. {keys[:1]}) of partition {partition_id!r} "
+            f"also failed: {type(e).__name__}: {e}"
+        )
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(note)
+        else:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
 
 
 def fan_out_per_rank_metas(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -159,6 +160,21 @@ def test_failed_fan_out_leaves_no_keys() -> None:
     with pytest.raises(RuntimeError, match="storage unit lost"):
         fan_out_per_rank_metas(client, pre, batch, partition_id="p", key_prefix="s")
     assert len(client.kv_list("p")) == 0
+
+
+class _FailingClearClient(_FailingClient):
+    async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        raise ConnectionError("store unreachable")
+
+
+def test_failed_cleanup_is_reported_on_the_fan_out_error() -> None:
+    batch = _batch(12)
+    pre = driver_balanced_preshards(batch, 3, SEQ)
+    with pytest.raises(RuntimeError, match="storage unit lost") as info:
+        fan_out_per_rank_metas(_FailingClearClient("s/5"), pre, batch, partition_id="p", key_prefix="s")
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    if sys.version_info >= (3, 11):
+        assert "partition 'p' also failed: ConnectionError: store unreachable" in notes
 
 
 def test_mismatched_sizes_raise() -> None:

@@ -10,6 +10,7 @@ holds every adapter to it.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -223,3 +224,12 @@ def resolve_get_target(
     if partition_id is None:
         raise ValueError("kv_batch_get by keys needs partition_id (only a KVBatchMeta carries its own)")
     return check_keys(meta_or_keys, allow_empty=True), check_partition(partition_id)
+
+
+def add_error_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (e.g. a clean-up that also failed) without replacing it:
+    ``error.add_note`` on Python >= 3.11, a ``RuntimeWarning`` before that."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)

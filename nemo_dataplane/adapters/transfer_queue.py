@@ -45,6 +45,7 @@ from nemo_dataplane.client import (
     DataPlaneClient,
     DataPlaneError,
     Fields,
+    add_error_note,
     check_keys,
     check_partition,
     check_select_fields,
@@ -388,9 +389,21 @@ class TransferQueueClient(DataPlaneClient):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
-        except BaseException:
+        except BaseException as error:
             if fresh:
-                await asyncio.shield(self._tq.async_clear_samples(bm.select_samples(fresh)))
+                # Bounded like any op; a failed clean-up is noted on the put's own error, which
+                # is the one raised.
+                try:
+                    await asyncio.wait_for(
+                        asyncio.shield(self._tq.async_clear_samples(bm.select_samples(fresh))),
+                        self.cfg.op_timeout_s,
+                    )
+                except Exception as e:  # noqa: BLE001
+                    add_error_note(
+                        error,
+                        f"removing the {len(fresh)} key(s) this failed put created in partition "
+                        f"{partition_id!r} (e.g. {keys[fresh[0]]!r}) also failed: {type(e).__name__}: {e}",
+                    )
             raise
         known = _field_order(before_fields + [f for f in columns if f not in before_fields], new_meta[0])
         return KVBatchMeta(

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
 
-from nemo_dataplane.client import DataPlaneClient, check_partition
+from nemo_dataplane.client import DataPlaneClient, add_error_note, check_partition
 from nemo_dataplane.driver.planner import Preshards
 from nemo_dataplane.driver.preshard import select_rows
 from nemo_dataplane.meta import KVBatchMeta
@@ -142,10 +141,7 @@ async def _cleanup(client: DataPlaneClient, keys: list[str], partition_id: str, 
             f"clearing the {len(keys)} fan-out keys (e.g. {keys[:1]}) of partition {partition_id!r} "
             f"also failed: {type(e).__name__}: {e}"
         )
-        if hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note(note)
-        else:
-            warnings.warn(note, RuntimeWarning, stacklevel=2)
+        add_error_note(error, note)
 
 
 def fan_out_per_rank_metas(

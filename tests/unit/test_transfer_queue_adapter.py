@@ -250,6 +250,27 @@ def test_failed_write_leaves_no_new_keys_and_keeps_old_ones(
     assert tq_client.kv_batch_get(["old"], ["x"], partition_id=pid)["x"].tolist() == [1.0]
 
 
+def test_failed_clean_up_of_a_failed_write_is_noted_on_the_write_error(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("storage unit went away")
+
+    async def clear_fails(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("controller unreachable")
+
+    monkeypatch.setattr(tq_compat, "put_rows", boom)
+    monkeypatch.setattr(tq_client._tq, "async_clear_samples", clear_fails)
+    with pytest.raises(RuntimeError, match="went away") as info:
+        tq_client.kv_batch_put(["n1", "n2"], pid, {"x": torch.zeros(2)})
+    if sys.version_info >= (3, 11):
+        notes = " ".join(info.value.__notes__)
+        assert f"2 key(s) this failed put created in partition {pid!r}" in notes
+        assert "ConnectionError: controller unreachable" in notes
+    monkeypatch.undo()
+    tq_client.kv_clear(None, pid)
+
+
 def test_op_timeout_names_op_partition_and_key_count(tq_client: TransferQueueClient, pid: str) -> None:
     tq_client.kv_batch_put(["a", "b", "c"], pid, {"x": torch.zeros(3, 256)})
     impatient = TransferQueueClient(TransferQueueConfig(op_timeout_s=1e-4), bootstrap=False)

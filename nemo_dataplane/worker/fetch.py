@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,11 @@ from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, check_select_fields
 from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
+from nemo_dataplane.config import FetchPolicy
 from nemo_dataplane.driver.preshard import split_microbatches
 from nemo_dataplane.meta import KVBatchMeta
 
 __all__ = ["FetchPolicy", "FetchedBatch", "WorkerFetcher"]
-
-FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 
 _OK, _ERROR = 0, 1
 
@@ -85,7 +84,7 @@ class WorkerFetcher:
         replica_ranks: Sequence[int] | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        if fetch_policy not in ("independent", "leader_broadcast", "auto"):
+        if fetch_policy not in get_args(FetchPolicy):
             raise ValueError(
                 f"fetch_policy must be 'independent', 'leader_broadcast' or 'auto', got {fetch_policy!r}"
             )

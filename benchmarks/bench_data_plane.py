@@ -72,6 +72,7 @@ from tensordict import TensorDict  # noqa: E402
 from nemo_dataplane.codec import batch_nbytes, is_jagged  # noqa: E402
 
 FIELDS = ["input_ids", "logprobs", "reward"]
+RAY_TIMEOUT_S = 300  # bound on every wait for the reader actor
 TOKENS = 1024
 
 
@@ -172,21 +173,23 @@ def timed_pair(put: Any, get: Any, cleanup: Any, repeats: int) -> tuple[float, f
 
 def bench_ray(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     reader = ray.remote(num_cpus=0)(Reader).remote(False)
-    ray.get(reader.ready.remote())
     rows = []
-    for b in sizes:
-        for layout in ("dense", "jagged"):
-            batch = make_batch(b, layout)
-            wire = to_wire(batch)
-            nbytes = batch_nbytes(batch)
-            put, get, best = timed_pair(
-                lambda: ray.put(wire),
-                lambda ref: ray.get(reader.ray_handoff.remote(ref)),
-                lambda ref: None,
-                repeats,
-            )
-            rows.append({"batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
-    ray.kill(reader)
+    try:
+        ray.get(reader.ready.remote(), timeout=RAY_TIMEOUT_S)
+        for b in sizes:
+            for layout in ("dense", "jagged"):
+                batch = make_batch(b, layout)
+                wire = to_wire(batch)
+                nbytes = batch_nbytes(batch)
+                put, get, best = timed_pair(
+                    lambda: ray.put(wire),
+                    lambda ref: ray.get(reader.ray_handoff.remote(ref), timeout=RAY_TIMEOUT_S),
+                    lambda ref: None,
+                    repeats,
+                )
+                rows.append({"batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
+    finally:
+        ray.kill(reader)
     return rows
 
 
@@ -228,13 +231,14 @@ def bench_tq(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     from nemo_dataplane.config import TransferQueueConfig
 
     client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=True)
-    import transfer_queue as tq
-
-    tq.init()  # the driver's raw TQ client attaches to the adapter's store
-    reader = ray.remote(num_cpus=0)(Reader).remote(True)
-    ray.get(reader.ready.remote())
+    reader = None
     rows = []
     try:
+        import transfer_queue as tq
+
+        tq.init()  # the driver's raw TQ client attaches to the adapter's store
+        reader = ray.remote(num_cpus=0)(Reader).remote(True)
+        ray.get(reader.ready.remote(), timeout=RAY_TIMEOUT_S)
         for b in sizes:
             keys = [f"k{i}" for i in range(b)]
             for layout in ("dense", "jagged"):
@@ -243,7 +247,7 @@ def bench_tq(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
                 pid = f"bench-{uuid.uuid4().hex[:6]}"
                 put, get, best = timed_pair(
                     lambda: client.kv_batch_put(keys, pid, batch),
-                    lambda meta: ray.get(reader.adapter_get.remote(meta, FIELDS)),
+                    lambda meta: ray.get(reader.adapter_get.remote(meta, FIELDS), timeout=RAY_TIMEOUT_S),
                     lambda meta: client.kv_clear(None, pid),
                     repeats,
                 )
@@ -251,15 +255,20 @@ def bench_tq(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
                 td = TensorDict(batch, batch_size=[b])
                 put, get, best = timed_pair(
                     lambda: tq.kv_batch_put(keys=keys, partition_id=pid, fields=td),
-                    lambda _: ray.get(reader.raw_get.remote(keys, pid, FIELDS)),
+                    lambda _: ray.get(reader.raw_get.remote(keys, pid, FIELDS), timeout=RAY_TIMEOUT_S),
                     lambda _: client.kv_clear(None, pid),
                     repeats,
                 )
                 rows.append({"method": "tq_raw", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
     finally:
-        ray.get(reader.close.remote())
-        ray.kill(reader)
-        client.close()
+        try:
+            if reader is not None:
+                try:
+                    ray.get(reader.close.remote(), timeout=30)
+                finally:
+                    ray.kill(reader)
+        finally:
+            client.close()
     return rows
 
 

@@ -88,10 +88,11 @@ def main() -> None:
 
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
-    client = build_data_plane_client(DataPlaneConfig.from_dict(CONFIG), bootstrap=True)
-    print(f"[demo] Ray + TransferQueue up in {time.perf_counter() - t0:.1f}s")
+    client = None
     driver_bytes = 0
     try:
+        client = build_data_plane_client(DataPlaneConfig.from_dict(CONFIG), bootstrap=True)
+        print(f"[demo] Ray + TransferQueue up in {time.perf_counter() - t0:.1f}s")
         collector = Collector.remote()
         meta, payload = ray.get(collector.collect.remote(args.samples, seed=0), timeout=120)
         driver_bytes += len(pickle.dumps(meta))
@@ -115,10 +116,16 @@ def main() -> None:
             f"rewards[:4]={[round(x, 3) for x in cols['rewards'][:4].tolist()]}"
         )
     finally:
-        client.kv_clear(None, PARTITION)
-        left = len(client.kv_list(PARTITION))
-        client.close()
-        ray.shutdown()
+        # The store and Ray go down even if clearing fails.
+        try:
+            if client is not None:
+                try:
+                    client.kv_clear(None, PARTITION)
+                    left = len(client.kv_list(PARTITION))
+                finally:
+                    client.close()
+        finally:
+            ray.shutdown()
     print(
         f"[demo] bytes through the driver: {driver_bytes} ({100 * driver_bytes / payload:.2f}% of the "
         f"{payload} B payload); keys left in the store: {left}; total {time.perf_counter() - t0:.1f}s"

@@ -54,19 +54,12 @@ def legacy_shard(batch: TensorDict, preshards: Preshards) -> list[LegacyShard]:
     n = batch.batch_size[0] if batch.batch_dims else 0
     if n != preshards.num_samples:
         raise ValueError(f"legacy_shard: the batch has {n} rows but the plan covers {preshards.num_samples}")
-    return [
-        LegacyShard(
-            rank=r,
-            data=select_rows(batch, preshards.rank_indices[r]),
-            plan=preshards.rank_plan(r),
-            extra_info={
-                "global_forward_pad_seqlen": preshards.global_forward_pad_seqlen,
-                "dp_rank": r,
-                "dp_world": preshards.dp_world,
-            },
-        )
-        for r in range(preshards.dp_world)
-    ]
+    shards = []
+    for r in range(preshards.dp_world):
+        info = preshards.rank_extra_info(r)  # what the rank's fan-out meta carries
+        plan = info.pop("packing")
+        shards.append(LegacyShard(rank=r, data=select_rows(batch, preshards.rank_indices[r]), plan=plan, extra_info=info))
+    return shards
 
 
 def ship_shards(shards: Sequence[LegacyShard]) -> list[ray.ObjectRef]:

@@ -26,13 +26,9 @@ T = TypeVar("T")
 
 
 def rank_extra_info(preshards: Preshards, rank: int) -> dict[str, Any]:
-    """The ``extra_info`` entries fan-out puts on rank ``rank``'s meta."""
-    return {
-        "packing": preshards.rank_plan(rank),
-        "global_forward_pad_seqlen": preshards.global_forward_pad_seqlen,
-        "dp_rank": rank,
-        "dp_world": preshards.dp_world,
-    }
+    """The ``extra_info`` entries fan-out puts on rank ``rank``'s meta
+    (:meth:`Preshards.rank_extra_info`)."""
+    return preshards.rank_extra_info(rank)
 
 
 async def async_fan_out_per_rank_metas(

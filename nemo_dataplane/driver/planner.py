@@ -131,6 +131,21 @@ class Preshards:
             "global_forward_pad_seqlen": self.global_forward_pad_seqlen,
         }
 
+    def rank_extra_info(self, rank: int) -> dict[str, Any]:
+        """The batch-level entries rank ``rank``'s share carries next to its rows (fan-out meta
+        ``extra_info``, legacy shard ``extra_info``): ``packing`` (:meth:`rank_plan`),
+        ``global_forward_pad_seqlen``, ``dp_rank`` and ``dp_world``.
+
+        Raises:
+            IndexError: ``rank`` is not in ``range(dp_world)``.
+        """
+        return {
+            "packing": self.rank_plan(rank),
+            "global_forward_pad_seqlen": self.global_forward_pad_seqlen,
+            "dp_rank": rank,
+            "dp_world": self.dp_world,
+        }
+
     def restore_order(self, rank_results: Sequence[Sequence[Any]]) -> list[Any]:
         """Per-rank results (each in its rank's local order) back in the caller's order.
 

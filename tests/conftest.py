@@ -8,6 +8,7 @@
 * ``memory_client``: a fresh :class:`InMemoryClient` per test.
 * ``store``: ``(client, partition_id)``, parametrized over the in-memory store and ``tq_client``,
   with a fresh partition (named after the test module) that is cleared afterwards.
+* ``pool``: worker processes (module scope) for the rank bodies in ``tests/unit/_refit_procs.py``.
 
 Nothing here is importable as ``tests.*`` (TransferQueue's wheel ships a top-level ``tests``
 package); pytest runs with ``--import-mode=importlib``.
@@ -83,3 +84,14 @@ def store(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str]]:
     pid = f"{Path(str(request.node.fspath)).stem}-{uuid.uuid4().hex[:8]}"
     yield client, pid
     client.kv_clear(None, pid)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Any]:
+    """Worker processes for the rank bodies of ``tests/unit/_refit_procs.py``, killed after the
+    module. The module that uses it has put ``tests/unit`` on ``sys.path`` (never a package)."""
+    import _refit_procs
+
+    ex = _refit_procs.make_pool()
+    yield ex
+    _refit_procs.kill_pool(ex)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -15,13 +14,6 @@ from nemo_dataplane.refit.packed import Bucket, Direct, build_plan, diff_specs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ex = P.make_pool()
-    yield ex
-    P.kill_pool(ex)
 
 
 # ---------------------------------------------------------------- plan and metadata (in process)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -22,13 +21,6 @@ from nemo_dataplane.distributed.stateless_group import (
 # sys.path (inherited by the children); it is never imported as part of a ``tests`` package.
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ex = P.make_pool()
-    yield ex
-    P.kill_pool(ex)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -36,7 +36,6 @@ class GeneratorWorker:
         self.weight_version = -1  # no refit received yet
         self._group: Any = None
         self._receiver: Any = None
-        self._fail: tuple[Any, Any] = (cfg["debug"].get("fail_in"), cfg["debug"].get("fail_at_step"))
 
     def ready(self) -> bool:
         return True

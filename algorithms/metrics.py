@@ -75,16 +75,6 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def _human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GiB"  # pragma: no cover
-
-
 class MetricsLogger:
     """Writes one JSON line per step to ``metrics.jsonl`` (appending on resume), mirrors scalars
     to TensorBoard when asked, and drives a tqdm bar (stderr) with reward, loss and step time.

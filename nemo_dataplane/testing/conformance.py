@@ -360,10 +360,11 @@ class DataPlaneConformance:
             # and the driver-side client sees the same store
             assert client.kv_list(pid).keys == tuple(_keys(3))
         finally:
-            for actor in (writer, reader):
-                try:
-                    ray.get(actor.close.remote(), timeout=30)
-                finally:
+            # Both actors are killed even when a close fails or times out.
+            try:
+                ray.get([actor.close.remote() for actor in (writer, reader)], timeout=30)
+            finally:
+                for actor in (writer, reader):
                     ray.kill(actor)
 
 

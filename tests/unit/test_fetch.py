@@ -184,9 +184,9 @@ def four_ranks(ray_session: Any, tq_client: DataPlaneClient) -> Iterator[list[An
     actor_cls = ray.remote(num_cpus=0, runtime_env={"env_vars": env})(_Rank)
     actors = [actor_cls.remote() for _ in range(4)]
     groups = [[0, 1], [2, 3]]
-    ray.get([a.setup.remote(r, 4, init_method, groups) for r, a in enumerate(actors)], timeout=120)
-    yield actors
     try:
+        ray.get([a.setup.remote(r, 4, init_method, groups) for r, a in enumerate(actors)], timeout=120)
+        yield actors
         ray.get([a.close.remote() for a in actors], timeout=30)
     finally:
         for a in actors:

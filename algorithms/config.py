@@ -286,6 +286,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     _positive(cfg.checkpoint.keep, "checkpoint.keep", allow_zero=True)
     _positive(cfg.refit.bucket_bytes, "refit.bucket_bytes")
     _positive(cfg.refit.port, "refit.port", allow_zero=True)
+    _positive(cfg.refit.timeout_s, "refit.timeout_s")
     _positive(cfg.ray.num_cpus, "ray.num_cpus")
     _positive(cfg.ray.worker_num_cpus, "ray.worker_num_cpus", allow_zero=True)
     if not cfg.policy.model:

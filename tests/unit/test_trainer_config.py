@@ -48,6 +48,7 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("refit.backend=mpi", "refit.backend"),  # not an allowed value
         ("trainer.steps=0", "trainer.steps"),  # out of range
         ("grpo.clip_eps=-0.1", "grpo.clip_eps"),
+        ("refit.timeout_s=0", "refit.timeout_s"),
         ("trainer.dp_size=1000", "trainer.dp_size"),  # cannot feed the ranks
         ("data_plane.packing.micro_batch_size=0", "data_plane.packing.micro_batch_size"),
         ("data_plane.fetch_polcy=auto", "data_plane.fetch_polcy"),

@@ -128,9 +128,7 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
     t_start = time.perf_counter()
     transport.driver_bytes = 0
     transport.column_bytes = 0
-    dp_bytes = 0
-    io_s = 0.0  # slowest rank's time to get its rows and write results back (store, or shard split)
-    compute_s = 0.0  # slowest rank's forward/backward time
+    ranks = _RankTotals()
     row: dict[str, Any] = {"step": step}
     trained = True
     try:
@@ -139,7 +137,7 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
             transport.driver_bytes += payload_bytes(list(records))
             (res,) = gather([call], timeout, f"step {step} collect")
             transport.driver_bytes += payload_bytes(res)
-            dp_bytes += int(res["dp_bytes"])
+            ranks.dp_bytes += int(res["dp_bytes"])
             handle = transport.rollouts(res)
         with timer("advantages"):
             rewards = transport.rewards(handle, res)
@@ -170,23 +168,13 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 calls = [
                     w.get_logprobs.remote(inputs[r], step, with_reference=True) for r, w in enumerate(workers.policy)
                 ]
-                transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
-                out = gather(calls, timeout, f"step {step} logprobs")
-                transport.driver_bytes += payload_bytes(out)
-                dp_bytes += sum(int(o["dp_bytes"]) for o in out)
-                io_s += max(float(o["io_s"]) for o in out)
-                compute_s += max(float(o["compute_s"]) for o in out)
+                out = ranks.gather(transport, inputs, calls, timeout, f"step {step} logprobs")
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
                 calls = [w.train.remote(inputs[r], step) for r, w in enumerate(workers.policy)]
-                transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
-                metrics = gather(calls, timeout, f"step {step} train")
-                transport.driver_bytes += payload_bytes(metrics)
-                dp_bytes += sum(int(m["dp_bytes"]) for m in metrics)
-                io_s += max(float(m["io_s"]) for m in metrics)
-                compute_s += max(float(m["compute_s"]) for m in metrics)
+                metrics = ranks.gather(transport, inputs, calls, timeout, f"step {step} train")
             for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy"):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
@@ -210,13 +198,34 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
             raise StepError(f"step {step} refit: generator reports weight version {version}, expected {step + 1}")
     row["step_s"] = time.perf_counter() - t_start
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
-    row["dp_bytes"] = dp_bytes + transport.column_bytes
+    row["dp_bytes"] = ranks.dp_bytes + transport.column_bytes
     row["driver_bytes"] = transport.driver_bytes
     for name, secs in timer.seconds.items():
         row[f"time/{name}"] = secs
-    row["time/worker_io"] = io_s
-    row["time/worker_compute"] = compute_s
+    row["time/worker_io"] = ranks.io_s
+    row["time/worker_compute"] = ranks.compute_s
     return StepResult(row=row, trained=trained)
+
+
+@dataclass
+class _RankTotals:
+    """What the workers report over one step."""
+
+    dp_bytes: int = 0  # bytes the workers moved through the store
+    io_s: float = 0.0  # per phase, the slowest rank's time to get its rows and write results back
+    compute_s: float = 0.0  # per phase, the slowest rank's forward/backward time
+
+    def gather(self, transport: Transport, inputs: Sequence[Any], calls: Sequence[ray.ObjectRef], timeout_s: float,
+               what: str) -> list[Any]:
+        """:func:`gather` the policy ranks' ``calls`` on ``inputs``; count the bytes through the
+        driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
+        transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
+        out = gather(calls, timeout_s, what)
+        transport.driver_bytes += payload_bytes(out)
+        self.dp_bytes += sum(int(o["dp_bytes"]) for o in out)
+        self.io_s += max(float(o["io_s"]) for o in out)
+        self.compute_s += max(float(o["compute_s"]) for o in out)
+        return out
 
 
 def _are_refs(inputs: Sequence[Any]) -> bool:

@@ -19,7 +19,7 @@ import ray
 from tensordict import TensorDict
 
 from nemo_dataplane.driver.planner import Preshards
-from nemo_dataplane.driver.preshard import select_rows, split_microbatches
+from nemo_dataplane.rows import select_rows, split_microbatches
 
 __all__ = ["LegacyShard", "fetch_shard", "legacy_shard", "ship_shards"]
 

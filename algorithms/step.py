@@ -321,7 +321,7 @@ class LegacyTransport:
         return handle["rewards"]
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
-        from nemo_dataplane.driver.preshard import select_rows
+        from nemo_dataplane.rows import select_rows
 
         return select_rows(handle, keep_idx)
 

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, add_error_note, check_partition
 from nemo_dataplane.driver.planner import Preshards
-from nemo_dataplane.driver.preshard import select_rows
+from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
 
 __all__ = ["async_fan_out_per_rank_metas", "fan_out_per_rank_metas", "rank_extra_info", "run_sync"]

@@ -1,14 +1,9 @@
-"""`driver_balanced_preshards`: plan a step's DP shards once, on the driver, from lengths only.
-
-Also home of the two row helpers both transports share (:func:`select_rows`,
-:func:`split_microbatches`), so the data-plane worker and the legacy baseline cut batches with
-the same code and can be compared byte for byte.
-"""
+"""`driver_balanced_preshards`: plan a step's DP shards once, on the driver, from lengths only."""
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,7 +13,7 @@ from nemo_dataplane.config import DataPlaneConfig, PackingConfig
 from nemo_dataplane.driver.planner import Preshards, plan
 from nemo_dataplane.meta import KVBatchMeta
 
-__all__ = ["driver_balanced_preshards", "resolve_packing_config", "select_rows", "split_microbatches"]
+__all__ = ["driver_balanced_preshards", "resolve_packing_config"]
 
 
 def driver_balanced_preshards(
@@ -103,107 +98,3 @@ def _as_length(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or int(value) != value or value < 0:
         raise ValueError(f"{where} must be a non-negative int, got {value!r}")
     return int(value)
-
-
-# ------------------------------------------------------------------ row helpers
-# Jagged fields are taken apart into (values, offsets) once per call: every NJT accessor and
-# constructor goes through torch's Python dispatch (~0.5 ms each), which dominated cutting a
-# shard into dozens of micro-batches when done per micro-batch.
-_Column = tuple[torch.Tensor, torch.Tensor | None]  # (dense tensor | jagged values, offsets | None)
-
-
-def _columns(batch: TensorDict, what: str) -> dict[str, _Column]:
-    out: dict[str, _Column] = {}
-    for name, value in batch.items():
-        if isinstance(value, TensorDict):
-            raise TypeError(f"{what}: field {name!r} is a nested TensorDict; flatten it into named tensors")
-        if getattr(value, "is_nested", False) and value.layout == torch.jagged:
-            out[name] = (value.values(), value.offsets())
-        else:
-            out[name] = (value, None)
-    return out
-
-
-def _rows(columns: Mapping[str, _Column], index: list[int], *, copy: bool) -> TensorDict:
-    """Rows ``index`` of every column. A contiguous ascending run is sliced (views of the source,
-    or clones with ``copy``); anything else is gathered (always fresh tensors)."""
-    run = bool(index) and index == list(range(index[0], index[0] + len(index)))
-    out: dict[str, torch.Tensor] = {}
-    for name, (t, offsets) in columns.items():
-        if offsets is None:
-            if run:
-                part = t[index[0] : index[0] + len(index)]
-                out[name] = part.clone() if copy else part
-            else:
-                out[name] = t.index_select(0, _index(index, t.device))
-        elif run:
-            a, b = index[0], index[0] + len(index)
-            off = offsets[a : b + 1] - offsets[a]
-            values = t[int(offsets[a]) : int(offsets[b])]
-            out[name] = torch.nested.nested_tensor_from_jagged(values.clone() if copy else values, offsets=off)
-        else:
-            out[name] = _gather_jagged(t, offsets, _index(index, offsets.device))
-    return TensorDict(out, batch_size=[len(index)])
-
-
-def _index(index: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(index, dtype=torch.int64, device=device)
-
-
-def _gather_jagged(values: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    starts, stops = offsets[index], offsets[index + 1]
-    lengths = stops - starts
-    new_offsets = torch.zeros(len(index) + 1, dtype=offsets.dtype, device=offsets.device)
-    torch.cumsum(lengths, 0, out=new_offsets[1:])
-    total = int(new_offsets[-1])
-    # One vectorized gather instead of a Python loop of per-row slices: element j of the output
-    # comes from values[starts[row(j)] + (j - new_offsets[row(j)])].
-    shift = torch.repeat_interleave(starts - new_offsets[:-1], lengths, output_size=total)
-    gather = torch.arange(total, dtype=offsets.dtype, device=offsets.device) + shift
-    return torch.nested.nested_tensor_from_jagged(values.index_select(0, gather), offsets=new_offsets)
-
-
-def _check_indices(index: list[int], n: int, what: str) -> None:
-    bad = [i for i in index if not 0 <= i < n]
-    if bad:
-        raise IndexError(f"{what}: indices {bad[:5]} out of range for a batch of {n} rows")
-
-
-def select_rows(batch: TensorDict, indices: Sequence[int]) -> TensorDict:
-    """A new ``TensorDict`` of ``batch``'s rows at ``indices`` (in that order), every field kept.
-
-    Jagged fields stay jagged. The result never shares memory with ``batch``: a view would
-    pickle (``ray.put``) the whole source storage along with its rows.
-
-    Raises:
-        IndexError: an index out of range.  TypeError: a nested ``TensorDict`` field.
-    """
-    n = batch.batch_size[0] if batch.batch_dims else 0
-    index = [int(i) for i in indices]
-    _check_indices(index, n, "select_rows")
-    return _rows(_columns(batch, "select_rows"), index, copy=True)
-
-
-def split_microbatches(data: TensorDict, plan_dict: Mapping[str, Any] | None) -> list[TensorDict]:
-    """Cut a rank's rows into the driver's micro-batches (``plan_dict["microbatches"]``, positions
-    within the shard); without a plan, the whole shard is one micro-batch.
-
-    The driver's plans list each micro-batch as a contiguous run of the shard, so micro-batches
-    are views of ``data`` (no copy); ``.clone()`` one before shipping it to another process, or
-    its pickle carries all of ``data``.
-
-    Raises:
-        ValueError: the plan's positions do not partition ``data``'s rows.
-    """
-    if not plan_dict or "microbatches" not in plan_dict:
-        return [data]
-    mbs = [[int(p) for p in mb] for mb in plan_dict["microbatches"]]
-    n = data.batch_size[0] if data.batch_dims else 0
-    flat = sorted(p for mb in mbs for p in mb)
-    if flat != list(range(n)) or any(not mb for mb in mbs):
-        raise ValueError(
-            f"packing plan does not match the fetched rows: its micro-batches cover positions "
-            f"{flat[:10]}{'...' if len(flat) > 10 else ''} but {n} rows arrived"
-        )
-    columns = _columns(data, "split_microbatches")
-    return [_rows(columns, mb, copy=False) for mb in mbs]

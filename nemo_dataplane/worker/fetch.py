@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from nemo_dataplane.client import DataPlaneClient, check_select_fields
 from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
 from nemo_dataplane.config import FetchPolicy
-from nemo_dataplane.driver.preshard import split_microbatches
+from nemo_dataplane.rows import split_microbatches
 from nemo_dataplane.meta import KVBatchMeta
 
 __all__ = ["FetchPolicy", "FetchedBatch", "WorkerFetcher"]

@@ -16,7 +16,8 @@ from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import PackingConfig
 from nemo_dataplane.driver.fan_out import async_fan_out_per_rank_metas, fan_out_per_rank_metas
-from nemo_dataplane.driver.preshard import driver_balanced_preshards, select_rows
+from nemo_dataplane.driver.preshard import driver_balanced_preshards
+from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.observability import ObservedClient
 

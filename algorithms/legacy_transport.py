@@ -4,8 +4,8 @@ The driver holds the whole step's ``TensorDict``, cuts it into per-rank shards w
 planner the data plane uses, and ships each rank its shard through the Ray object store
 (``ray.put`` on the driver, ``ray.get`` on the worker). Every byte passes through the driver.
 
-Deliberately independent of the data plane: this module imports only the planner/preshard
-helpers and ``KVBatchMeta``'s package (plus torch, ray, tensordict), never the store client,
+Deliberately independent of the data plane: this module imports only the planner and the row
+helpers (``nemo_dataplane.rows``) (plus torch, ray, tensordict), never the store client,
 adapters, fan-out, column I/O or worker fetch, so the baseline cannot quietly use them.
 """
 

@@ -324,6 +324,17 @@ class Trainer:
     def _shutdown_parts(self) -> None:
         import ray
 
+        if self.workers is not None and ray.is_initialized():
+            # Let workers tear down their process groups and detach from the store before they
+            # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
+            # a wedged worker is killed below either way.
+            w = self.workers
+            refs = [p.shutdown.remote() for p in w.policy] + [w.generator.shutdown.remote(), w.collector.close.remote()]
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=10)
+            except Exception:  # noqa: BLE001 - a dead actor cannot shut down; it is killed below
+                pass
+            self.workers = None
         if self.client is not None:
             try:
                 self.client.close()

@@ -2,9 +2,8 @@
 # The README's first command: GRPO on a toy task, every batch moving through TransferQueue.
 #   bash examples/run_grpo_tiny.sh [dotted.key=value ...]
 # Creates ./.venv when missing (.ci/setup-env: torch==2.13.0 first, so nothing pulls another
-# torch build; then the package with its extras), then runs the trainer with the data plane
-# on. Outputs
-# (metrics.jsonl, reward_loss.png, checkpoints, summary.json) go to runs/grpo_tiny/.
+# torch build; then the package with its extras), then runs the trainer with the data plane on.
+# Outputs (metrics.jsonl, reward_loss.png, checkpoints, summary.json) go to runs/grpo_tiny/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash .ci/setup-env   # ./.venv with torch==2.13.0 first, then .[train,test]; a no-op once done

@@ -160,8 +160,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         g.all_reduce(tiny)
         g.synchronize()
 
-    def timed(name: str, run_send: Any, run_recv: Any, nbytes_moved: int) -> None:
+    def timed(name: str, run_send: Any, run_recv: Any, nbytes_moved: int, ep: Any = None) -> None:
         times = []
+        phases: list[dict[str, float]] = []
         for i in range(args.warmup + args.iters):
             sync_point()
             t_start = time.perf_counter()
@@ -172,15 +173,33 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                 t_end = time.perf_counter()
             if rank == 0:
                 key = f"bench/{name}/{i}"
+                if ep is not None and "t_header_sent" in getattr(ep, "ipc_phases", {}):
+                    g.store.set(key + "/hs", repr(ep.ipc_phases["t_header_sent"]).encode())
                 g.store.set(key + "/t0", repr(t_start).encode())
                 g.wait_for_ranks(lambda r: key + "/t1", [1], f"{name} timing")
                 t_end = float(g.store.get(key + "/t1"))
                 if i >= args.warmup:
                     times.append(t_end - t_start)
             else:
-                g.store.set(f"bench/{name}/{i}/t1", repr(t_end).encode())
+                key = f"bench/{name}/{i}"
+                g.store.set(key + "/t1", repr(t_end).encode())
+                ph = dict(getattr(ep, "ipc_phases", {}) or {})
+                if i >= args.warmup and "copy_gpu_ms" in ph:
+                    # Phases of this refit, in ms from the sender's call (same host: one clock).
+                    g.wait_for_ranks(lambda r: key + "/t0", [0], f"{name} timing")
+                    t0 = float(g.store.get(key + "/t0"))
+                    hs = float(g.store.get(key + "/hs")) if g.store.check([key + "/hs"]) else float("nan")
+                    total = (t_end - t0) * 1e3
+                    header = (ph["t_header"] - t0) * 1e3
+                    phases.append({"sender_to_header_sent": (hs - t0) * 1e3, "header_on_receiver_host": header,
+                                   "issue_host": (ph["t_issued"] - ph["t_header"]) * 1e3,
+                                   "copy_gpu": ph["copy_gpu_ms"], "ack_gpu": ph["ack_gpu_ms"],
+                                   "rest": total - header - ph["copy_gpu_ms"], "total": total})
+                    out.setdefault("copy_mode", {})[name] = ph.get("copy_mode")
         if rank == 0:
             out.setdefault("results", {})[name] = summarize(times, nbytes_moved)
+        elif phases:
+            out.setdefault("phases", {})[name] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
 
     def reset_receiver() -> None:
         if rank == 1:
@@ -214,6 +233,12 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
             ("refit defaults (RefitSender(group, tensors))", dict()),
             ("refit ipc (CUDA IPC, copies on the sender's GPU)", dict(transport="ipc")),
             ("refit ipc (CUDA IPC, copies on the receiver's GPU)", dict(transport="ipc", ipc_copy_on="dst")),
+            ("refit ipc (push, one cudaMemcpyAsync per run)", dict(transport="ipc", _batch="0")),
+            ("refit ipc (split: half pushed, half pulled)", dict(transport="ipc", ipc_copy_on="split")),
+            ("refit ipc (two streams on the sender's GPU)", dict(transport="ipc", ipc_copy_on="src2")),
+            ("refit ipc (push, early start: copies gated on the GPU by the header)",
+             dict(transport="ipc", ipc_early_start=True)),
+            ("refit ipc (split, early start)", dict(transport="ipc", ipc_copy_on="split", ipc_early_start=True)),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]
@@ -230,14 +255,22 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         ]
     for name, kw in modes:
         reset_receiver()
+        kw = dict(kw)
+        batch = kw.pop("_batch", None)  # "0": the receiver's copier issues one call per run
         if rank == 0:
             ep = RefitSender(g, tensors, channel=name, **kw)
         else:
             ep = RefitReceiver(g, tensors, src=0, channel=name)
-        ep.prepare_refit_info()
+            ep.ipc_timing = True  # CUDA events around the copies and the ack (ipc only)
+        if batch is not None:
+            os.environ["NEMO_DATAPLANE_IPC_BATCH"] = batch
+        try:
+            ep.prepare_refit_info()
+        finally:
+            os.environ.pop("NEMO_DATAPLANE_IPC_BATCH", None)
         versions: list[int] = []
         timed(name, lambda i, ep=ep: ep.send_weights(i), lambda i, ep=ep: versions.append(ep.receive_weights()),
-              nbytes)
+              nbytes, ep=ep)
         if rank == 1:
             assert versions == list(range(args.warmup + args.iters)), versions
         verify(name)
@@ -460,6 +493,16 @@ def main() -> None:
     for k, v in rows.items():
         print(f"{k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['gbps_median']:>7.1f}  "
               f"{v['ratio_vs_ceiling']:>9.1%}  {str(v.get('correct', '-')):<7}  {v.get('transport', '-')}")
+    phases = results[1].get("phases", {})
+    if phases:
+        modes_used = results[1].get("copy_mode", {})
+        cols = list(next(iter(phases.values())))
+        print("\nipc phases (receiver; median ms from the sender's call; copy_gpu/ack_gpu: CUDA events)")
+        print(f"{'method':<{w}}  " + "  ".join(f"{c:>12.12}" for c in cols) + "  copies")
+        for k, v in phases.items():
+            print(f"{k:<{w}}  " + "  ".join(f"{v[c]:>12.3f}" for c in cols) + f"  {modes_used.get(k)}")
+        summary["ipc_phases_ms"] = phases
+        summary["ipc_copy_mode"] = modes_used
     print(f"\ngroup init: cold {summary['group_init_cold_s']:.3f} s (includes peer process start), "
           f"warm {summary['group_init_warm_s']:.3f} s")
     print(f"best refit: {best_name}: {summary['best_refit_ratio_vs_ceiling']:.1%} of the ceiling; "

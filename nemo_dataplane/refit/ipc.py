@@ -18,6 +18,7 @@ import base64
 import contextlib
 import inspect
 import json
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -177,17 +178,30 @@ def _cudart() -> Any:
 class PeerCopier:
     """Copies ``src`` views (another process's memory) into local tensors on given streams.
 
-    Pairs that are contiguous on both sides go out as raw ``cudaMemcpyAsync`` calls (one per
-    run of pairs adjacent in memory on both sides), on ``stream``: a copy-engine peer copy
-    with none of torch's per-copy cross-device event barriers. Other pairs use
+    Pairs that are contiguous on both sides go out as raw copies (one per run of pairs
+    adjacent in memory on both sides) on the ``raw`` streams: a copy-engine peer copy with none
+    of torch's per-copy cross-device event barriers. With several raw streams the bytes are
+    split evenly between them (a run may be cut in two). On each stream the runs go out as one
+    ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) where the bindings and driver have it, otherwise
+    (or once it was refused) as one ``cudaMemcpyAsync`` per run. Other pairs use
     ``dst.copy_(src)`` with the caller's streams current. Without cuda-bindings, or if a raw
-    call is refused, everything goes through ``copy_``.
+    call is refused, everything goes through ``copy_``. ``NEMO_DATAPLANE_IPC_BATCH=0`` turns
+    the batched call off (for comparison).
     """
 
     def __init__(self) -> None:
         self._rt = _cudart()
         self.raw = self._rt is not None
         self.raw_error: str | None = None
+        self.batch = (self.raw and hasattr(self._rt, "cudaMemcpyBatchAsync")
+                      and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0")
+        self.batch_error: str | None = None
+        self._attrs: list | None = None
+
+    @property
+    def mode(self) -> str:
+        """How the last copies went out: ``batch``, ``memcpy`` (one call per run) or ``copy_``."""
+        return "batch" if self.raw and self.batch else "memcpy" if self.raw else "copy_"
 
     def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> tuple[list, list]:
         """(raw runs as [dst_ptr, src_ptr, nbytes, pairs], pairs for ``copy_``)."""
@@ -206,27 +220,70 @@ class PeerCopier:
                 slow.append((d, s))
         return runs, slow
 
+    @staticmethod
+    def split(runs: list, k: int) -> list[list[tuple[int, int, int]]]:
+        """``runs`` as ``k`` lists of (dst_ptr, src_ptr, nbytes) with (nearly) equal byte totals."""
+        if k <= 1:
+            return [[(dp, sp, n) for dp, sp, n, _ in runs]]
+        total = sum(r[2] for r in runs)
+        share = -(-total // k)
+        share = -(-share // 256) * 256  # cut points on 256-byte boundaries
+        parts: list[list[tuple[int, int, int]]] = [[] for _ in range(k)]
+        i, room = 0, share
+        for dp, sp, n, _ in runs:
+            off = 0
+            while off < n:
+                if room == 0 and i < k - 1:
+                    i, room = i + 1, share
+                take = n - off if i == k - 1 else min(n - off, room)
+                parts[i].append((dp + off, sp + off, take))
+                off += take
+                room -= take
+        return parts
+
+    def _batch(self, part: list[tuple[int, int, int]], handle: int) -> None:
+        rt = self._rt
+        if self._attrs is None:
+            a = rt.cudaMemcpyAttributes()
+            a.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            self._attrs = [a]
+        res = rt.cudaMemcpyBatchAsync([p[0] for p in part], [p[1] for p in part], [p[2] for p in part],
+                                      len(part), self._attrs, [0], 1, handle)
+        err = res[0] if isinstance(res, tuple) else res
+        if err != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
+
+    def _loop(self, part: list[tuple[int, int, int]], handle: int) -> None:
+        rt = self._rt
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        for dp, sp, n in part:
+            (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMemcpyAsync: {err}")
+
     def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]],
-              stream: torch.cuda.Stream, streams: Sequence[torch.cuda.Stream]) -> None:
-        """Enqueue the copies; ``stream`` carries the raw ones, ``streams`` are made current for ``copy_``."""
+              raw: torch.cuda.Stream | Sequence[torch.cuda.Stream], streams: Sequence[torch.cuda.Stream]) -> None:
+        """Enqueue the copies; ``raw`` carries the raw ones, ``streams`` are made current for ``copy_``."""
+        raw_streams = [raw] if isinstance(raw, torch.cuda.Stream) else list(raw)
         rest = list(slow)
         if runs and self.raw:
-            rt = self._rt
-            kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-            handle = int(stream.cuda_stream)
-            guard = torch.cuda.device(stream.device)
-            guard.__enter__()
-            for k, (dp, sp, n, _) in enumerate(runs):
-                try:
-                    (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
-                    bad = err != rt.cudaError_t.cudaSuccess
-                except Exception as e:  # binding mismatch: fall back to copy_ for good
-                    err, bad = e, True
-                if bad:
-                    self.raw, self.raw_error = False, str(err)
-                    rest = [pair for run in runs[k:] for pair in run[3]] + rest
-                    break
-            guard.__exit__(None, None, None)
+            parts = self.split(runs, len(raw_streams))
+            try:
+                for part, stream in zip(parts, raw_streams):
+                    if not part:
+                        continue
+                    with torch.cuda.device(stream.device):
+                        handle = int(stream.cuda_stream)
+                        if self.batch:
+                            try:
+                                self._batch(part, handle)
+                                continue
+                            except Exception as e:  # no batched copies here: one call per run from now on
+                                self.batch, self.batch_error = False, str(e)
+                        self._loop(part, handle)
+            except Exception as e:  # binding mismatch or refused: copy_ for good (re-copying is harmless)
+                self.raw, self.raw_error = False, str(e)
+                rest = [pair for run in runs for pair in run[3]] + rest
         elif runs:
             rest = [pair for run in runs for pair in run[3]] + rest
         if rest:

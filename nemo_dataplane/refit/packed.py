@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -82,7 +83,7 @@ DEFAULT_TRANSPORT_GPU = "broadcast"
 # (measured: one receiver on 2x H200, docs/refit.md section 5).
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
-IPC_COPY_ON = ("src", "dst")
+IPC_COPY_ON = ("src", "dst", "split", "src2")
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -331,6 +332,12 @@ class _Endpoint:
         self._ipc_keep: list[torch.Tensor] | None = None  # sender: the exported tensors
         self._ipc_sig: list | None = None
         self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._ipc_src2: torch.cuda.Stream | None = None
+        # Receiver, transport="ipc": set ipc_timing to record CUDA events around the copies and
+        # the ack; ipc_phases then holds the last refit's host timestamps (perf_counter) and
+        # GPU times (docs/refit.md, section 5).
+        self.ipc_timing = False
+        self.ipc_phases: dict[str, object] = {}
         self._copier: _ipc.PeerCopier | None = None
         self._ack: torch.Tensor | None = None
         self._last_status = _STATUS_OK
@@ -484,6 +491,7 @@ class _Endpoint:
         self._ipc_keep = None
         self._ipc_sig = None
         self._ipc_streams = None
+        self._ipc_src2 = None
         if had and self._cuda:
             with contextlib.suppress(Exception):
                 torch.cuda.ipc_collect()
@@ -559,14 +567,22 @@ class RefitSender(_Endpoint):
             otherwise ``DEFAULT_TRANSPORT_GPU``; on gloo: broadcast).
             ``self.transport`` holds the one in use after ``prepare_refit_info()``.
         ipc_copy_on: ``"ipc"``: the receiver issues its peer copies on a stream of the sender's
-            GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``).
+            GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``),
+            or splits the bytes in two: half pushed, half pulled (``"split"``, both GPUs' copy
+            engines) or over two streams of the sender's GPU (``"src2"``).
+        ipc_early_start: ``"ipc"``: receivers enqueue their copies before the header reached
+            their host, gated on the GPU by the header's arrival (saves the host round trip
+            before the first copy). A refit that then fails (sender abort, layout mismatch)
+            leaves the receivers' tensors undefined, as a failure mid-transfer does with the
+            NCCL transports; off by default.
         channel: store namespace, for several senders on one group.
     """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
                  group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
-                 ipc_copy_on: str = "src", channel: str = "default") -> None:
+                 ipc_copy_on: str = "src", ipc_early_start: bool = False,
+                 channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -575,6 +591,7 @@ class RefitSender(_Endpoint):
         if ipc_copy_on not in IPC_COPY_ON:
             raise ValueError(f"ipc_copy_on must be one of {IPC_COPY_ON}, got {ipc_copy_on!r}")
         self.ipc_copy_on = ipc_copy_on
+        self.ipc_early_start = bool(ipc_early_start)
         self._requested = transport
         packed_by_default = bucket_bytes is not None or not self._cuda
         if bucket_bytes is None:
@@ -608,7 +625,8 @@ class RefitSender(_Endpoint):
             transport, fallback = self._choose_transport()
             extra: dict[str, object] = {}
             if transport == "ipc":
-                extra = {"ipc_fallback": fallback, "ipc_copy_on": self.ipc_copy_on}
+                extra = {"ipc_fallback": fallback, "ipc_copy_on": self.ipc_copy_on,
+                         "ipc_early": self.ipc_early_start}
             info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
                              transport=transport, extra=extra)
         except Exception as e:
@@ -707,6 +725,7 @@ class RefitSender(_Endpoint):
     def _send_ipc(self, tensors: list[torch.Tensor], version: int) -> None:
         """Header (with new handles if a tensor moved), then wait for every receiver's ack."""
         g = self.group
+        self.ipc_phases = {"t_enter": time.perf_counter()}
         status = _STATUS_OK
         old = None
         sig = self._signature(tensors)
@@ -725,6 +744,7 @@ class RefitSender(_Endpoint):
         # receiver that has it may read them.
         comm.wait_stream(cur)
         g.broadcast(header, self.src, stream=comm)
+        self.ipc_phases["t_header_sent"] = time.perf_counter()
         with torch.cuda.stream(comm):
             self._ack.zero_()
         g.all_reduce(self._ack, "max", stream=comm)
@@ -885,6 +905,7 @@ class RefitReceiver(_Endpoint):
         src_dev = next((v.device for v in views if v is not None), g.device)
         s_dst = torch.cuda.Stream(g.device)
         s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)
+        self._ipc_src2 = torch.cuda.Stream(src_dev)  # ipc_copy_on="src2": a second stream there
         # One element each way: proves the mapping works and lets torch enable peer access
         # in both directions before the first refit.
         for v in views:
@@ -960,15 +981,32 @@ class RefitReceiver(_Endpoint):
         self._ipc_plan_cache = (self._ipc_views, key, plan)
         return plan
 
+    def _ipc_raw_streams(self) -> tuple[list[torch.cuda.Stream], list[torch.cuda.Stream]]:
+        """(streams for the raw copies, every stream the copies use) for ``ipc_copy_on``."""
+        assert self._ipc_streams is not None
+        s_dst, s_src = self._ipc_streams
+        how = self.info.extra.get("ipc_copy_on", "src")  # type: ignore[union-attr]
+        if how == "dst":
+            raw = [s_dst]
+        elif how == "split":  # half pushed by the sender's GPU, half pulled by ours
+            raw = [s_src, s_dst]
+        elif how == "src2" and self._ipc_src2 is not None:
+            raw = [s_src, self._ipc_src2]
+        else:
+            raw = [s_src]
+        raw = list(dict.fromkeys(raw))
+        return raw, list(dict.fromkeys([s_src, s_dst, *raw]))
+
     def _recv_ipc(self, tensors: list[torch.Tensor]) -> int:
         """Wait for the header, peer-copy every tensor from the sender's memory, ack."""
         g = self.group
+        ph = self.ipc_phases = {"t_enter": time.perf_counter()}
+        timing = self.ipc_timing
         cur = torch.cuda.current_stream(g.device)
         comm, _ = self._side_streams()
         assert self._ipc_streams is not None
-        s_dst, s_src = self._ipc_streams
-        push = self.info.extra.get("ipc_copy_on", "src") == "src"  # type: ignore[union-attr]
-        raw_stream = s_src if push else s_dst
+        s_dst, _ = self._ipc_streams
+        raw, used = self._ipc_raw_streams()
         # Planned before the header arrives, so it overlaps with the sender's side.
         runs, slow = self._ipc_plan(tensors)
         if self._ack is None:
@@ -977,33 +1015,79 @@ class RefitReceiver(_Endpoint):
         with torch.cuda.stream(comm):
             header = torch.zeros(4, dtype=torch.int64, device=g.device)
         g.broadcast(header, self.src, stream=comm)
+        evs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+        def issue(gate: torch.cuda.Event | None = None) -> None:
+            # The tensors may still be read by work on the current stream (e.g. generation).
+            for s in used:
+                s.wait_stream(cur)
+                if gate is not None:
+                    s.wait_event(gate)
+            if timing:
+                evs[:] = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in raw]
+                for (e0, _), s in zip(evs, raw):
+                    e0.record(s)
+            self._copier.issue(runs, slow, raw, used)  # type: ignore[union-attr]
+            for (_, e1), s in zip(evs, raw):
+                e1.record(s)
+
+        early = bool(self.info.extra.get("ipc_early"))  # type: ignore[union-attr]
+        early_error: Exception | None = None
+        if early:
+            # Copies go out now, gated on the GPU by the header's arrival (the sender sends it
+            # only after its weights are written); the header is checked on the host after.
+            gate = torch.cuda.Event()
+            gate.record(comm)
+            try:
+                issue(gate)
+            except Exception as e:
+                early_error = e
         g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
+        ph["t_header"] = time.perf_counter()
         version = self._check_header(header)
         failed = None
         try:
+            if early_error is not None:
+                raise early_error
             if self._last_status == _STATUS_NEW_HANDLES:
+                old_used = used
                 self._load_views(g.store.get(self._key(self._gen, "ipc_handles", self._seq)))
-                s_dst, s_src = self._ipc_streams
-                raw_stream = s_src if push else s_dst
+                s_dst, _ = self._ipc_streams
+                raw, used = self._ipc_raw_streams()
                 runs, slow = self._ipc_plan(tensors)
-            # The tensors may still be read by work on the current stream (e.g. generation).
-            s_dst.wait_stream(cur)
-            if s_src is not s_dst:
-                s_src.wait_stream(cur)
-            streams = [s_src, s_dst] if s_src is not s_dst else [s_dst]
-            self._copier.issue(runs, slow, raw_stream, streams)  # type: ignore[union-attr]
+                if early:  # the early copies read the old storage (alive until our ack): redo after them
+                    for a in used:
+                        for b in old_used:
+                            if a is not b:
+                                a.wait_stream(b)
+                early = False
+            if not early:
+                issue()
         except Exception as e:
             failed = f"receiver failed to copy refit version {version}: {e}"
             self._publish_error(failed)
-        if s_src is not s_dst:
-            s_dst.wait_stream(s_src)
+        ph["t_issued"] = time.perf_counter()
+        for s in used:
+            if s is not s_dst:
+                s_dst.wait_stream(s)
         # The ack leaves once the copies are done; the sender may then overwrite its tensors.
         comm.wait_stream(s_dst)
+        if timing:
+            a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a0.record(comm)
         with torch.cuda.stream(comm):
             self._ack.fill_(1 if failed else 0)
         g.all_reduce(self._ack, "max", stream=comm)
+        if timing:
+            a1.record(comm)
         g.synchronize(s_dst, watch=self._watch, what=f"refit receive of version {version}")
+        ph["t_copied"] = time.perf_counter()
         cur.wait_stream(s_dst)
+        if timing:
+            a1.synchronize()
+            ph["copy_gpu_ms"] = max((e0.elapsed_time(e1) for e0, e1 in evs), default=0.0)
+            ph["ack_gpu_ms"] = a0.elapsed_time(a1)
+            ph["copy_mode"] = self._copier.mode  # type: ignore[union-attr,assignment]
         if failed:
             raise RefitError(f"rank {g.rank}: {failed}")
         return version

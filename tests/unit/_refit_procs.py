@@ -293,7 +293,8 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         src = model_tensors(0, dev)
         src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
         holder = {"t": src}
-        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_copy_on=copy_on)
+        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_copy_on=copy_on.removesuffix("-early"),
+                          ipc_early_start=copy_on.endswith("-early"))
         info = snd.prepare_refit_info()
         exported = snd._ipc_keep
         same = []
@@ -317,6 +318,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
     dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
     dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
     rcv = RefitReceiver(g, dst)
+    rcv.ipc_timing = copy_on in ("src", "split", "src-early")  # exercise the event-timing path too
     info = rcv.prepare_refit_info()
     views = rcv._ipc_views
     got = []
@@ -326,7 +328,8 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
         got.append({"version": v, "attr_version": rcv.version, "wrong": wrong, "same_views": rcv._ipc_views is views})
     g.barrier()
-    out = {"refits": got, "transport": info.transport, "raw": rcv._copier.raw, "raw_error": rcv._copier.raw_error}
+    out = {"refits": got, "transport": info.transport, "raw": rcv._copier.raw, "raw_error": rcv._copier.raw_error,
+           "mode": rcv._copier.mode, "batch_error": rcv._copier.batch_error, "phases": dict(rcv.ipc_phases)}
     rcv.close()
     g.destroy()
     return out

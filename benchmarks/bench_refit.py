@@ -11,8 +11,7 @@ barrier. Ceiling: one ``dst.copy_(src)`` of the same bytes, cuda:0 -> cuda:1 (CP
 Prints a table and writes JSON to benchmarks/results/bench_refit_<device>.json.
 
 GPU rows include ``transport="ipc"`` (CUDA IPC handles + copy-engine peer copies, copies issued
-on the sender's or the receiver's GPU; ``ipc_direction="push"``: the sender issues them into the
-receiver's exported tensors) and the defaults (which pick ipc on one host);
+on the sender's or the receiver's GPU) and the defaults (which pick ipc on one host);
 ``--ipc-only`` runs just those, per-tensor broadcast and the flat baselines. The last column
 says which transport each refit row used.
 """
@@ -240,8 +239,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
             ("refit ipc (push, early start: copies gated on the GPU by the header)",
              dict(transport="ipc", ipc_early_start=True)),
             ("refit ipc (split, early start)", dict(transport="ipc", ipc_copy_on="split", ipc_early_start=True)),
-            ("refit ipc push (sender opens the receiver's tensors, copies at once)",
-             dict(transport="ipc", ipc_direction="push")),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]

@@ -52,11 +52,8 @@ def host_record(device: torch.device | None) -> dict[str, Any]:
     return rec
 
 
-def ipc_problems(records: dict[int, dict[str, Any]], src: int, push: bool = False) -> list[str]:
-    """Why CUDA IPC from rank ``src`` to every other rank cannot work (empty: it can).
-
-    ``push``: the sender opens the receivers' memory too, so it must see their GPUs.
-    """
+def ipc_problems(records: dict[int, dict[str, Any]], src: int) -> list[str]:
+    """Why CUDA IPC from rank ``src`` to every other rank cannot work (empty: it can)."""
     me = records[src]
     out: list[str] = []
     if not me.get("cuda"):
@@ -70,9 +67,6 @@ def ipc_problems(records: dict[int, dict[str, Any]], src: int, push: bool = Fals
             out.append(f"rank {r} is not on a CUDA device")
         elif me.get("uuid") and me["uuid"] not in rec.get("visible", []):
             out.append(f"rank {r} cannot see the sender's GPU {me['uuid']} (CUDA_VISIBLE_DEVICES?)")
-        elif push and rec.get("uuid") and rec["uuid"] not in me.get("visible", []):
-            out.append(f"the sender rank {src} cannot see rank {r}'s GPU {rec['uuid']} "
-                       "(ipc_direction='push'; CUDA_VISIBLE_DEVICES?)")
     return out
 
 
@@ -150,7 +144,7 @@ def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
 
     d = json.loads(blob)
     if "error" in d:
-        raise RuntimeError(f"the exporting rank could not export its tensors: {d['error']}")
+        raise RuntimeError(f"the sender could not export its tensors: {d['error']}")
     dev = local_index_of(d.get("uuid", ""), int(d["device"]))
     out: list[torch.Tensor | None] = []
     for item in d["tensors"]:

@@ -84,12 +84,6 @@ DEFAULT_TRANSPORT_GPU = "broadcast"
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
 IPC_COPY_ON = ("src", "dst", "split", "src2")
-# "pull": receivers open the sender's handles and copy after the header (default);
-# "push": receivers export their destination tensors once, the sender opens them and issues
-# the copies at send_weights() with no round trip before the first byte (docs/refit.md, 3b).
-IPC_DIRECTIONS = ("pull", "push")
-# What ipc_direction=None means (for transport="ipc" and for "auto" when it picks ipc).
-DEFAULT_IPC_DIRECTION = "pull"
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -339,12 +333,6 @@ class _Endpoint:
         self._ipc_sig: list | None = None
         self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._ipc_src2: torch.cuda.Stream | None = None
-        # ipc_direction="push": sender: per receiver, views of its destination tensors; the
-        # stream the copies go out on; the copy plan (keyed by our pointers/strides).
-        self._push_dst: dict[int, list[torch.Tensor | None]] | None = None
-        self._push_stream: torch.cuda.Stream | None = None
-        self._push_plan_cache: tuple | None = None
-        self._push_side: dict[int, torch.cuda.Stream] = {}
         # Receiver, transport="ipc": set ipc_timing to record CUDA events around the copies and
         # the ack; ipc_phases then holds the last refit's host timestamps (perf_counter) and
         # GPU times (docs/refit.md, section 5).
@@ -497,11 +485,7 @@ class _Endpoint:
         self._drop_ipc()
 
     def _drop_ipc(self) -> None:
-        had = self._ipc_views is not None or self._ipc_keep is not None or self._push_dst is not None
-        self._push_dst = None
-        self._push_stream = None
-        self._push_plan_cache = None
-        self._push_side = {}
+        had = self._ipc_views is not None or self._ipc_keep is not None
         self._ipc_views = None
         self._ipc_plan_cache = None
         self._ipc_keep = None
@@ -585,14 +569,7 @@ class RefitSender(_Endpoint):
         ipc_copy_on: ``"ipc"``: the receiver issues its peer copies on a stream of the sender's
             GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``),
             or splits the bytes in two: half pushed, half pulled (``"split"``, both GPUs' copy
-            engines) or over two streams of the sender's GPU (``"src2"``). Pull mode only.
-        ipc_direction: ``"ipc"``: ``"pull"`` (receivers open this process's handles and copy
-            after the refit header) or ``"push"`` (receivers export their destination tensors
-            once at ``prepare_refit_info()``; this process opens them and, at ``send_weights()``,
-            issues the copies at once on its own stream, then sends the header as the completion
-            signal). In push mode a receiver's tensors are written from the sender's
-            ``send_weights()`` call on, and must not be reallocated after prepare (the receiver
-            raises ``RefitError`` if one moved; prepare again). ``None``: ``DEFAULT_IPC_DIRECTION``.
+            engines) or over two streams of the sender's GPU (``"src2"``).
         ipc_early_start: ``"ipc"``: receivers enqueue their copies before the header reached
             their host, gated on the GPU by the header's arrival (saves the host round trip
             before the first copy). A refit that then fails (sender abort, layout mismatch)
@@ -605,7 +582,7 @@ class RefitSender(_Endpoint):
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
                  group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
                  ipc_copy_on: str = "src", ipc_early_start: bool = False,
-                 ipc_direction: str | None = None, channel: str = "default") -> None:
+                 channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -614,11 +591,6 @@ class RefitSender(_Endpoint):
         if ipc_copy_on not in IPC_COPY_ON:
             raise ValueError(f"ipc_copy_on must be one of {IPC_COPY_ON}, got {ipc_copy_on!r}")
         self.ipc_copy_on = ipc_copy_on
-        if ipc_direction is None:
-            ipc_direction = DEFAULT_IPC_DIRECTION
-        if ipc_direction not in IPC_DIRECTIONS:
-            raise ValueError(f"ipc_direction must be one of {IPC_DIRECTIONS}, got {ipc_direction!r}")
-        self.ipc_direction = ipc_direction
         self.ipc_early_start = bool(ipc_early_start)
         self._requested = transport
         packed_by_default = bucket_bytes is not None or not self._cuda
@@ -654,7 +626,7 @@ class RefitSender(_Endpoint):
             extra: dict[str, object] = {}
             if transport == "ipc":
                 extra = {"ipc_fallback": fallback, "ipc_copy_on": self.ipc_copy_on,
-                         "ipc_early": self.ipc_early_start, "ipc_direction": self.ipc_direction}
+                         "ipc_early": self.ipc_early_start}
             info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
                              transport=transport, extra=extra)
         except Exception as e:
@@ -665,10 +637,7 @@ class RefitSender(_Endpoint):
         self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
         if info.transport == "ipc":
-            if info.extra.get("ipc_direction") == "push":
-                self._open_push(self._ordered(tensors))
-            else:
-                self._export_ipc(self._ordered(tensors))
+            self._export_ipc(self._ordered(tensors))
         self._connect_p2p()
         self.transport = self.info.transport  # type: ignore[union-attr]
         return self.info  # type: ignore[return-value]
@@ -685,7 +654,7 @@ class RefitSender(_Endpoint):
         g.wait_for_ranks(lambda r: self._key(self._gen, "host", r), range(g.world_size),
                          "refit host check (waiting for every rank's host and GPU)")
         records = {r: json.loads(g.store.get(self._key(self._gen, "host", r))) for r in range(g.world_size)}
-        problems = _ipc.ipc_problems(records, g.rank, push=self.ipc_direction == "push")
+        problems = _ipc.ipc_problems(records, g.rank)
         if not problems:
             return "ipc", want == "auto"
         if want == "ipc":
@@ -714,113 +683,6 @@ class RefitSender(_Endpoint):
             self._ipc_sig = self._signature(tensors)
         self._ipc_agree(status)
 
-    def _open_push(self, tensors: list[torch.Tensor]) -> None:
-        """Push mode: open every receiver's exported destination tensors once, probe a copy."""
-        g = self.group
-        peers = self._peers()
-        key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
-        g.wait_for_ranks(key, peers, "CUDA IPC handles of the receivers' tensors (ipc_direction='push')")
-        status = "ok"
-        try:
-            dsts: dict[int, list[torch.Tensor | None]] = {}
-            for r in peers:
-                blob = g.store.get(key(r))
-                d = json.loads(blob)
-                if "error" in d:
-                    raise RuntimeError(f"rank {r} could not export its tensors: {d['error']}")
-                views = _ipc.open_tensors(blob)
-                # One element read and written back: proves the mapping works and lets torch
-                # enable peer access before the first refit.
-                for v in views:
-                    if v is not None:
-                        x = v if v.dim() == 0 else v[(0,) * v.dim()]
-                        here = torch.empty((), dtype=v.dtype, device=g.device)
-                        here.copy_(x)
-                        x.copy_(here)
-                        torch.cuda.synchronize(g.device)
-                        torch.cuda.synchronize(v.device)
-                        break
-                dsts[r] = views
-            self._push_dst = dsts
-            self._push_stream = torch.cuda.Stream(g.device)
-            if self._copier is None:
-                self._copier = _ipc.PeerCopier()
-        except Exception as e:
-            self._drop_ipc()
-            status = f"sender could not open the receivers' CUDA IPC handles: {e}"
-        self._ipc_agree(status)
-
-    def _push_plan(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
-        """Copy plan into every receiver, reused while our tensors stay where they were."""
-        assert self._push_dst is not None and self._copier is not None
-        key = [(t.data_ptr(), t.stride()) for t in tensors]
-        cached = self._push_plan_cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        runs: list = []
-        slow: list = []
-        for views in self._push_dst.values():
-            pairs = [(d, s) for d, s in zip(views, tensors) if d is not None]
-            r, sl = self._copier.plan([d for d, _ in pairs], [s for _, s in pairs])
-            runs += r
-            slow += sl
-        self._push_plan_cache = (key, (runs, slow))
-        return runs, slow
-
-    def _push_strided(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], s: torch.cuda.Stream) -> None:
-        """Pairs with a strided side: a contiguous copy into a scratch tensor on the receiver's
-        GPU, then a strided copy there (a kernel on our GPU writing another process's mapping
-        through a strided view is not allowed; on the mapping's own GPU it is)."""
-        for d, src in pairs:
-            if d.is_contiguous():
-                with torch.cuda.stream(s):
-                    d.copy_(src.contiguous(), non_blocking=True)
-                continue
-            s2 = self._push_side.get(d.device.index)
-            if s2 is None:
-                s2 = self._push_side[d.device.index] = torch.cuda.Stream(d.device)
-            s2.wait_stream(s)
-            with torch.cuda.stream(s):
-                flat = src.contiguous()
-            with torch.cuda.stream(s2):
-                tmp = torch.empty(d.shape, dtype=d.dtype, device=d.device)
-                with torch.cuda.stream(s):
-                    tmp.copy_(flat, non_blocking=True)  # peer memcpy on our stream
-                s2.wait_stream(s)
-                d.copy_(tmp, non_blocking=True)  # on the receiver's GPU
-
-    def _send_push(self, tensors: list[torch.Tensor], version: int) -> None:
-        """Copies into the receivers' memory now, then the header (after them, on the GPU) as the signal."""
-        g = self.group
-        self.ipc_phases = {"t_enter": time.perf_counter()}
-        cur = torch.cuda.current_stream(g.device)
-        comm, _ = self._side_streams()
-        s = self._push_stream
-        assert s is not None
-        try:
-            runs, slow = self._push_plan(tensors)
-            # The copies read the weights after whatever wrote them on the current stream.
-            s.wait_stream(cur)
-            self._copier.issue(runs, [], s, [s])  # type: ignore[union-attr]
-            if slow:
-                self._push_strided(slow, s)
-        except Exception as e:
-            # The receivers are waiting for the header: tell them this refit is off.
-            self._publish_error(f"sender failed to push refit version {version}: {e}")
-            self._broadcast_header(version, _STATUS_ABORT)
-            raise RefitError(f"rank {g.rank}: failed to push refit version {version}: {e}") from e
-        self.ipc_phases["t_issued"] = time.perf_counter()
-        # The header leaves once the copies are done: a receiver that has it may use the weights.
-        # (copy_ into a strided destination may finish on that GPU's current stream here.)
-        comm.wait_stream(s)
-        for s2 in self._push_side.values():
-            comm.wait_stream(s2)
-        g.broadcast(self._header(version, _STATUS_OK), self.src, stream=comm)
-        self.ipc_phases["t_header_sent"] = time.perf_counter()
-        # Later writes to the weights (optimizer step) wait for the copies reading them.
-        cur.wait_stream(comm)
-        g.synchronize(comm, watch=self._watch, what=f"refit push of version {version} (completion signal)")
-
     def send_weights(self, version: int) -> None:
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
         if self.info is None:
@@ -835,9 +697,7 @@ class RefitSender(_Endpoint):
             raise
         try:
             with torch.no_grad():
-                if self.info.transport == "ipc" and self._push_dst is not None:
-                    self._send_push(ordered, version)
-                elif self.info.transport == "ipc":
+                if self.info.transport == "ipc":
                     self._send_ipc(ordered, version)
                 elif self._cuda:
                     self._send_cuda(ordered, version)
@@ -1022,10 +882,7 @@ class RefitReceiver(_Endpoint):
         self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
         self._compile(info)
         if info.transport == "ipc":
-            if info.extra.get("ipc_direction") == "push":
-                self._export_push()
-            else:
-                self._open_ipc()
+            self._open_ipc()
         self._connect_p2p()
         return self.info  # type: ignore[return-value]
 
@@ -1041,48 +898,6 @@ class RefitReceiver(_Endpoint):
             self._drop_ipc()
             status = f"could not open the CUDA IPC handles of sender rank {self.src}: {e}"
         self._ipc_agree(status)
-
-    def _export_push(self) -> None:
-        """Push mode: export our destination tensors' handles once; the sender opens them."""
-        g = self.group
-        status = "ok"
-        try:
-            tensors = self._ordered(self._tensors())
-            blob = _ipc.export_tensors([t if t.numel() else None for t in tensors], g.device)
-        except Exception as e:
-            status = f"could not export CUDA IPC handles of the destination tensors: {e}"
-            blob = json.dumps({"error": status}).encode()
-        g.store.set(self._key(self._gen, "ipc_dst", g.rank), blob)
-        if status == "ok":
-            # Kept alive (exported storage is never handed back to the allocator while the
-            # sender may write into it), and checked at every refit.
-            self._ipc_keep = list(tensors)
-            self._ipc_sig = [(t.data_ptr(), t.stride()) for t in tensors]
-        self._ipc_agree(status)
-
-    def _recv_push(self, tensors: list[torch.Tensor]) -> int:
-        """Push mode: the sender writes our tensors; wait for its header (sent after its copies)."""
-        g = self.group
-        ph = self.ipc_phases = {"t_enter": time.perf_counter()}
-        cur = torch.cuda.current_stream(g.device)
-        comm, _ = self._side_streams()
-        sig = [(t.data_ptr(), t.stride()) for t in tensors]
-        comm.wait_stream(cur)
-        with torch.cuda.stream(comm):
-            header = torch.zeros(4, dtype=torch.int64, device=g.device)
-        g.broadcast(header, self.src, stream=comm)
-        g.synchronize(comm, watch=self._watch, what=f"waiting for refit push from sender rank {self.src}")
-        ph["t_header"] = time.perf_counter()
-        version = self._check_header(header)
-        if sig != self._ipc_sig:
-            moved = [n for n, a, b in zip(self._names, sig, self._ipc_sig or []) if a != b]
-            msg = (f"ipc_direction='push': destination tensor(s) moved to new storage since "
-                   f"prepare_refit_info() ({_clip(moved)}); refit version {version} went to the old "
-                   f"storage; call prepare_refit_info() again on every rank")
-            self._publish_error(msg)
-            raise RefitError(f"rank {g.rank}: {msg}")
-        cur.wait_stream(comm)
-        return version
 
     def _load_views(self, blob: bytes) -> None:
         g = self.group
@@ -1122,9 +937,7 @@ class RefitReceiver(_Endpoint):
             raise
         try:
             with torch.no_grad():
-                if self.info.transport == "ipc" and self.info.extra.get("ipc_direction") == "push":
-                    version = self._recv_push(ordered)
-                elif self.info.transport == "ipc":
+                if self.info.transport == "ipc":
                     version = self._recv_ipc(ordered)
                 elif self._cuda:
                     version = self._recv_cuda(ordered)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-from nemo_dataplane.refit import RefitError, RefitReceiver, RefitSender
+from nemo_dataplane.refit import RefitReceiver, RefitSender
 
 HOST = "127.0.0.1"
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
@@ -335,68 +335,6 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
     return out
 
 
-def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21, 22)) -> dict[str, Any]:
-    """transport="ipc", ipc_direction="push": the sender writes into the receiver's exported
-    tensors (incl. strided destinations, 0-dim, empty, bf16/fp8/bool). Refits with values
-    changing in place, one after the sender's tensors moved (fine in push), then the receiver
-    reallocates a tensor: that refit fails clearly, and after a new prepare the next one works."""
-    g = _group(rank, world, port, "nccl")
-    dev = g.device
-    n = len(versions)
-    if rank == 0:
-        src = model_tensors(0, dev)
-        src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
-        holder = {"t": src}
-        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="push")
-        info = snd.prepare_refit_info()
-        for i, v in enumerate(versions):
-            if i:
-                fresh = model_tensors(i, dev)
-                for k in src:
-                    src[k].copy_(fresh[k])
-            snd.send_weights(v)
-        holder["t"] = {k: v.clone() for k, v in model_tensors(n, dev).items()}  # new storage
-        snd.send_weights(100)
-        with contextlib.suppress(RefitError):  # the receiver's tensor moved: it reports (we may see it)
-            snd.send_weights(101)
-        snd.prepare_refit_info()
-        holder["t"] = {k: v.clone() for k, v in model_tensors(n + 1, dev).items()}
-        snd.send_weights(102)
-        g.barrier()
-        snd.close()
-        g.destroy()
-        return {"transport": info.transport, "direction": info.extra.get("ipc_direction"),
-                "push": snd._push_dst is None}
-    dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
-    dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
-    dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
-    rcv = RefitReceiver(g, lambda: dst)
-    info = rcv.prepare_refit_info()
-    got = []
-
-    def check(i: int) -> None:
-        v = rcv.receive_weights()
-        want = model_tensors(i, torch.device("cpu"))
-        wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
-        got.append({"version": v, "attr_version": rcv.version, "wrong": wrong})
-
-    for i in range(n + 1):
-        check(i)
-    dst["layers.0.norm"] = torch.zeros_like(dst["layers.0.norm"])  # reallocated after prepare
-    moved: dict[str, Any] = {"error": None}
-    try:
-        rcv.receive_weights()
-    except Exception as e:
-        moved = {"error": type(e).__name__, "msg": str(e)}
-    rcv.prepare_refit_info()
-    check(n + 1)
-    g.barrier()
-    rcv.close()
-    g.destroy()
-    return {"refits": got, "transport": info.transport, "direction": info.extra.get("ipc_direction"),
-            "moved": moved}
-
-
 def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
                    backend: str = "gloo", transport: str = "auto") -> dict[str, Any]:
     """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""
@@ -425,15 +363,14 @@ def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] 
     return out
 
 
-def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo",
-                       **sender_kw: Any) -> dict[str, Any]:
+def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo") -> dict[str, Any]:
     """The sender's tensor changes shape after prepare: it must abort and receivers must hear
     why; then, with the layout restored, the next refit on the same group must work."""
     g = _group(rank, world, port, backend, timeout=10.0)
     dev = g.device
     holder = {"w": torch.ones(6, device=dev)}
     dst = {"w": torch.zeros(6, device=dev)}
-    ep = RefitSender(g, lambda: holder, bucket_bytes=1024, **sender_kw) if rank == 0 else RefitReceiver(g, dst)
+    ep = RefitSender(g, lambda: holder, bucket_bytes=1024) if rank == 0 else RefitReceiver(g, dst)
     ep.prepare_refit_info()
     try:
         if rank == 0:

@@ -141,6 +141,30 @@ class DataPlaneConfig:
 
 T = TypeVar("T")
 
+_SECTIONS: dict[str, type] = {
+    "transfer_queue": TransferQueueConfig,
+    "observability": ObservabilityConfig,
+    "packing": PackingConfig,
+}
+
+
+def config_section(value: Any, name: str, what: str) -> Any:
+    """The ``data_plane.<name>`` section from itself, a whole :class:`DataPlaneConfig`, or a
+    plain mapping of that section (validated like YAML).
+
+    Raises:
+        TypeError: any other type (names ``what``, the caller's argument).
+        ValueError: an invalid mapping (names the dotted key).
+    """
+    cls = _SECTIONS[name]
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, DataPlaneConfig):
+        return getattr(value, name)
+    if isinstance(value, Mapping):
+        return getattr(DataPlaneConfig.from_dict({name: dict(value)}), name)
+    raise TypeError(f"{what} must be a {cls.__name__}, DataPlaneConfig or mapping, got {type(value).__name__}")
+
 
 def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
@@ -148,9 +172,8 @@ def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
     if unknown:
         raise ValueError(f"unknown config key(s) {[f'{path}.{k}' for k in unknown]}; known: {sorted(known)}")
     kwargs: dict[str, Any] = {}
-    nested = {"transfer_queue": TransferQueueConfig, "observability": ObservabilityConfig, "packing": PackingConfig}
     for name, value in data.items():
-        sub = nested.get(name) if cls is DataPlaneConfig else None
+        sub = _SECTIONS.get(name) if cls is DataPlaneConfig else None
         if sub is not None and isinstance(value, Mapping):
             kwargs[name] = _build(sub, dict(value), f"{path}.{name}")
         elif name == "backend_kwargs":

@@ -53,7 +53,7 @@ from nemo_dataplane.client import (
     resolve_get_target,
 )
 from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields
-from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig
+from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 
 LAYOUT_TAG = "__nd_layout__"
@@ -541,15 +541,7 @@ class TransferQueueClient(DataPlaneClient):
 
 # ---------------------------------------------------------------- helpers
 def _tq_config(config: Any) -> TransferQueueConfig:
-    if config is None:
-        return TransferQueueConfig()
-    if isinstance(config, TransferQueueConfig):
-        return config
-    if isinstance(config, DataPlaneConfig):
-        return config.transfer_queue
-    if isinstance(config, Mapping):
-        return DataPlaneConfig.from_dict({"transfer_queue": dict(config)}).transfer_queue
-    raise TypeError(f"config must be a TransferQueueConfig, DataPlaneConfig or mapping, got {type(config).__name__}")
+    return TransferQueueConfig() if config is None else config_section(config, "transfer_queue", "config")
 
 
 def _field_order(fields: list[str], first_key_meta: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from nemo_dataplane.config import DataPlaneConfig, PackingConfig
+from nemo_dataplane.config import DataPlaneConfig, PackingConfig, config_section
 from nemo_dataplane.driver.planner import Preshards, plan
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -60,13 +60,7 @@ def driver_balanced_preshards(
 
 def resolve_packing_config(cfg: PackingConfig | DataPlaneConfig | Mapping[str, Any]) -> PackingConfig:
     """A :class:`PackingConfig` from itself, a :class:`DataPlaneConfig` or a ``packing`` mapping."""
-    if isinstance(cfg, PackingConfig):
-        return cfg
-    if isinstance(cfg, DataPlaneConfig):
-        return cfg.packing
-    if isinstance(cfg, Mapping):
-        return DataPlaneConfig.from_dict({"packing": dict(cfg)}).packing
-    raise TypeError(f"packing_config must be a PackingConfig, DataPlaneConfig or mapping, got {type(cfg).__name__}")
+    return config_section(cfg, "packing", "packing_config")
 
 
 def _lengths_from_tags(meta: KVBatchMeta, name: str) -> list[int]:

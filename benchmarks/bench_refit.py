@@ -38,6 +38,9 @@ sys.path.insert(0, str(REPO))
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
+from nemo_dataplane.refit.ipc import PeerCopier  # noqa: E402
+
+FIRST_CALL_BYTES = PeerCopier.FIRST_CALL_BYTES
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 HOST = "127.0.0.1"
@@ -172,6 +175,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                 run_recv(i)
                 t_end = time.perf_counter()
             if rank == 0:
+                sph = dict(getattr(ep, "ipc_phases", {}) or {})
+                pushed = "copy_gpu_ms" in sph and i >= args.warmup
+                if pushed:
+                    phases.append({"gate_host": (sph["t_gate"] - sph["t_enter"]) * 1e3,
+                                   "issue_host": (sph["t_issued"] - sph["t_enter"]) * 1e3,
+                                   "copy_gpu": sph["copy_gpu_ms"]})
+                    out.setdefault("copy_mode", {})[name] = sph.get("copy_mode")
                 key = f"bench/{name}/{i}"
                 if ep is not None and "t_header_sent" in getattr(ep, "ipc_phases", {}):
                     g.store.set(key + "/hs", repr(ep.ipc_phases["t_header_sent"]).encode())
@@ -180,6 +190,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                 t_end = float(g.store.get(key + "/t1"))
                 if i >= args.warmup:
                     times.append(t_end - t_start)
+                    if pushed:
+                        p = phases[-1]
+                        p["total"] = (t_end - t_start) * 1e3
+                        p["rest"] = p["total"] - p["issue_host"] - p["copy_gpu"]
             else:
                 key = f"bench/{name}/{i}"
                 g.store.set(key + "/t1", repr(t_end).encode())
@@ -198,6 +212,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                     out.setdefault("copy_mode", {})[name] = ph.get("copy_mode")
         if rank == 0:
             out.setdefault("results", {})[name] = summarize(times, nbytes_moved)
+            if phases:
+                out.setdefault("push_phases", {})[name] = {k: statistics.median(p[k] for p in phases)
+                                                           for k in phases[0]}
         elif phases:
             out.setdefault("phases", {})[name] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
 
@@ -231,14 +248,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         modes += [
             ("refit packed (256 MiB buckets), p2p send/recv", dict(bucket_bytes=256 << 20, transport="p2p")),
             ("refit defaults (RefitSender(group, tensors))", dict()),
-            ("refit ipc (CUDA IPC, copies on the sender's GPU)", dict(transport="ipc")),
-            ("refit ipc (CUDA IPC, copies on the receiver's GPU)", dict(transport="ipc", ipc_copy_on="dst")),
-            ("refit ipc (push, one cudaMemcpyAsync per run)", dict(transport="ipc", _batch="0")),
-            ("refit ipc (split: half pushed, half pulled)", dict(transport="ipc", ipc_copy_on="split")),
-            ("refit ipc (two streams on the sender's GPU)", dict(transport="ipc", ipc_copy_on="src2")),
-            ("refit ipc (push, early start: copies gated on the GPU by the header)",
-             dict(transport="ipc", ipc_early_start=True)),
-            ("refit ipc (split, early start)", dict(transport="ipc", ipc_copy_on="split", ipc_early_start=True)),
+            ("refit ipc push (sender writes into the receiver's tensors)", dict(transport="ipc", ipc_direction="push")),
+            ("refit ipc push, all copies in one batched call",
+             dict(transport="ipc", ipc_direction="push", _first_call_bytes=1 << 62)),
+            ("refit ipc push, one cudaMemcpyAsync per run",
+             dict(transport="ipc", ipc_direction="push", _env={"NEMO_DATAPLANE_IPC_BATCH": "0"})),
+            ("refit ipc pull (receiver copies, on the sender's GPU)", dict(transport="ipc", ipc_direction="pull")),
+            ("refit ipc pull (receiver copies, on its own GPU)",
+             dict(transport="ipc", ipc_direction="pull", ipc_copy_on="dst")),
+            ("refit ipc pull (split: half on each GPU)", dict(transport="ipc", ipc_direction="pull", ipc_copy_on="split")),
+            ("refit ipc pull (early start: copies gated on the GPU by the header)",
+             dict(transport="ipc", ipc_direction="pull", ipc_early_start=True)),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]
@@ -256,18 +276,20 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     for name, kw in modes:
         reset_receiver()
         kw = dict(kw)
-        batch = kw.pop("_batch", None)  # "0": the receiver's copier issues one call per run
+        env = kw.pop("_env", {})  # read by the copier when prepare_refit_info() creates it
+        PeerCopier.FIRST_CALL_BYTES = kw.pop("_first_call_bytes", FIRST_CALL_BYTES)
         if rank == 0:
             ep = RefitSender(g, tensors, channel=name, **kw)
+            ep.ipc_timing = True  # push: CUDA events around the sender's copies
         else:
             ep = RefitReceiver(g, tensors, src=0, channel=name)
             ep.ipc_timing = True  # CUDA events around the copies and the ack (ipc only)
-        if batch is not None:
-            os.environ["NEMO_DATAPLANE_IPC_BATCH"] = batch
+        os.environ.update(env)
         try:
             ep.prepare_refit_info()
         finally:
-            os.environ.pop("NEMO_DATAPLANE_IPC_BATCH", None)
+            for k in env:
+                os.environ.pop(k, None)
         versions: list[int] = []
         timed(name, lambda i, ep=ep: ep.send_weights(i), lambda i, ep=ep: versions.append(ep.receive_weights()),
               nbytes, ep=ep)
@@ -503,6 +525,16 @@ def main() -> None:
             print(f"{k:<{w}}  " + "  ".join(f"{v[c]:>12.3f}" for c in cols) + f"  {modes_used.get(k)}")
         summary["ipc_phases_ms"] = phases
         summary["ipc_copy_mode"] = modes_used
+    push_phases = results[0].get("push_phases", {})
+    if push_phases:
+        modes_used = results[0].get("copy_mode", {})
+        cols = ["gate_host", "issue_host", "copy_gpu", "rest", "total"]
+        print("\nipc push phases (sender; median ms from its call; copy_gpu: CUDA events; rest: the gate, "
+              "the header and the receiver's poll)")
+        print(f"{'method':<{w}}  " + "  ".join(f"{c:>12}" for c in cols) + "  copies")
+        for k, v in push_phases.items():
+            print(f"{k:<{w}}  " + "  ".join(f"{v[c]:>12.3f}" for c in cols) + f"  {modes_used.get(k)}")
+        summary["ipc_push_phases_ms"] = push_phases
     print(f"\ngroup init: cold {summary['group_init_cold_s']:.3f} s (includes peer process start), "
           f"warm {summary['group_init_warm_s']:.3f} s")
     print(f"best refit: {best_name}: {summary['best_refit_ratio_vs_ceiling']:.1%} of the ceiling; "

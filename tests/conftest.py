@@ -92,6 +92,6 @@ def pool() -> Iterator[Any]:
     module. The module that uses it has put ``tests/unit`` on ``sys.path`` (never a package)."""
     import _refit_procs
 
-    ex = _refit_procs.make_pool()
+    ex = _refit_procs.Pool(4)
     yield ex
-    _refit_procs.kill_pool(ex)
+    ex.kill()

@@ -66,8 +66,10 @@ _GPU_EXTRA_HINT = "pip install 'nemo-dataplane[gpu]'"
 # off so long waits do not hammer the store server.
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.02
-# CUDA event queries are cheap and their latency is on the refit's critical path.
+# CUDA event queries are cheap and their latency is on the refit's critical path: spin (yielding
+# the GIL) for the first _EVENT_SPIN_S of a wait, then sleep at most _EVENT_POLL_MAX_S.
 _EVENT_POLL_MAX_S = 0.0001
+_EVENT_SPIN_S = 0.05
 # Watch callbacks cost a store round trip; run them at most this often.
 _WATCH_EVERY_S = 0.1
 
@@ -410,9 +412,11 @@ class StatelessProcessGroup:
 
     def _poll(self, done: Callable[[], bool], what: str, *, timeout: float | None = None,
               watch: Callable[[], str | None] | None = None, abort_on_timeout: bool = False,
-              detail: Callable[[], str] | None = None, max_sleep: float = _POLL_MAX_S) -> None:
+              detail: Callable[[], str] | None = None, max_sleep: float = _POLL_MAX_S,
+              spin_s: float = 0.0) -> None:
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
+        spin_until = start + spin_s
         deadline = start + timeout
         next_watch = start + _WATCH_EVERY_S
         sleep = _POLL_MIN_S
@@ -439,6 +443,9 @@ class StatelessProcessGroup:
                     self._abort()
                 extra = f"; {detail()}" if detail is not None else ""
                 raise self._error(StatelessGroupTimeout, f"{what} did not finish within {timeout:g}s{extra}")
+            if now < spin_until:
+                time.sleep(0)
+                continue
             time.sleep(sleep)
             sleep = min(sleep * 2, max_sleep)
 
@@ -493,7 +500,8 @@ class StatelessProcessGroup:
         s = torch.cuda.current_stream(self.device) if stream is None else stream
         ev = torch.cuda.Event()
         ev.record(s)
-        self._poll(ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S)
+        self._poll(ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S,
+                   spin_s=_EVENT_SPIN_S)
 
     # ------------------------------------------------------------------ operations
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PeerCopier", "export_tensors", "host_record", "ipc_problems", "open_tensors"]
+__all__ = ["PeerCopier", "PushSource", "PushTargets", "export_tensors", "host_record", "ipc_problems",
+           "open_tensors", "signature"]
 
 
 def _boot_id() -> str:
@@ -52,8 +53,11 @@ def host_record(device: torch.device | None) -> dict[str, Any]:
     return rec
 
 
-def ipc_problems(records: dict[int, dict[str, Any]], src: int) -> list[str]:
-    """Why CUDA IPC from rank ``src`` to every other rank cannot work (empty: it can)."""
+def ipc_problems(records: dict[int, dict[str, Any]], src: int, push: bool = False) -> list[str]:
+    """Why CUDA IPC from rank ``src`` to every other rank cannot work (empty: it can).
+
+    ``push``: the sender opens the receivers' memory, so it must see their GPUs too.
+    """
     me = records[src]
     out: list[str] = []
     if not me.get("cuda"):
@@ -67,6 +71,8 @@ def ipc_problems(records: dict[int, dict[str, Any]], src: int) -> list[str]:
             out.append(f"rank {r} is not on a CUDA device")
         elif me.get("uuid") and me["uuid"] not in rec.get("visible", []):
             out.append(f"rank {r} cannot see the sender's GPU {me['uuid']} (CUDA_VISIBLE_DEVICES?)")
+        elif push and rec.get("uuid") and rec["uuid"] not in me.get("visible", []):
+            out.append(f"the sender rank {src} cannot see rank {r}'s GPU {rec['uuid']} (CUDA_VISIBLE_DEVICES?)")
     return out
 
 
@@ -144,7 +150,7 @@ def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
 
     d = json.loads(blob)
     if "error" in d:
-        raise RuntimeError(f"the sender could not export its tensors: {d['error']}")
+        raise RuntimeError(f"the exporting rank could not export its tensors: {d['error']}")
     dev = local_index_of(d.get("uuid", ""), int(d["device"]))
     out: list[torch.Tensor | None] = []
     for item in d["tensors"]:
@@ -189,6 +195,8 @@ class PeerCopier:
     the batched call off (for comparison).
     """
 
+    FIRST_CALL_BYTES = 64 << 20
+
     def __init__(self) -> None:
         self._rt = _cudart()
         self.raw = self._rt is not None
@@ -197,6 +205,7 @@ class PeerCopier:
                       and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0")
         self.batch_error: str | None = None
         self._attrs: list | None = None
+        self._parts: tuple | None = None
 
     @property
     def mode(self) -> str:
@@ -241,25 +250,45 @@ class PeerCopier:
                 room -= take
         return parts
 
-    def _batch(self, part: list[tuple[int, int, int]], handle: int) -> None:
+    def _batch(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
         rt = self._rt
         if self._attrs is None:
             a = rt.cudaMemcpyAttributes()
             a.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
             self._attrs = [a]
-        res = rt.cudaMemcpyBatchAsync([p[0] for p in part], [p[1] for p in part], [p[2] for p in part],
-                                      len(part), self._attrs, [0], 1, handle)
+        dsts, srcs, sizes = part
+        res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), self._attrs, [0], 1, handle)
         err = res[0] if isinstance(res, tuple) else res
         if err != rt.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
 
-    def _loop(self, part: list[tuple[int, int, int]], handle: int) -> None:
+    def _loop(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
         rt = self._rt
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        for dp, sp, n in part:
+        for dp, sp, n in zip(*part):
             (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
             if err != rt.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"cudaMemcpyAsync: {err}")
+
+    def _parts_of(self, runs: list, k: int) -> list[list[tuple[list[int], list[int], list[int]]]]:
+        """Per stream, its copies as argument lists for (at most) two calls: the first copies up
+        to ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host
+        time per copy in a batched call and starts copying only once it returns, so a short
+        first call gets the bytes moving while the second is still being issued. Kept while the
+        same plan is issued again (their host cost is on the critical path of every refit)."""
+        cached = self._parts
+        if cached is not None and cached[0] is runs and cached[1] == k:
+            return cached[2]
+        out = []
+        for part in self.split(runs, k):
+            cut, total = 0, 0
+            while cut < len(part) and total < self.FIRST_CALL_BYTES:
+                total += part[cut][2]
+                cut += 1
+            out.append([([p[0] for p in chunk], [p[1] for p in chunk], [p[2] for p in chunk])
+                        for chunk in (part[:cut], part[cut:]) if chunk])
+        self._parts = (runs, k, out)
+        return out
 
     def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]],
               raw: torch.cuda.Stream | Sequence[torch.cuda.Stream], streams: Sequence[torch.cuda.Stream]) -> None:
@@ -267,20 +296,21 @@ class PeerCopier:
         raw_streams = [raw] if isinstance(raw, torch.cuda.Stream) else list(raw)
         rest = list(slow)
         if runs and self.raw:
-            parts = self.split(runs, len(raw_streams))
+            parts = self._parts_of(runs, len(raw_streams))
             try:
-                for part, stream in zip(parts, raw_streams):
-                    if not part:
+                for chunks, stream in zip(parts, raw_streams):
+                    if not chunks:
                         continue
                     with torch.cuda.device(stream.device):
                         handle = int(stream.cuda_stream)
-                        if self.batch:
-                            try:
-                                self._batch(part, handle)
-                                continue
-                            except Exception as e:  # no batched copies here: one call per run from now on
-                                self.batch, self.batch_error = False, str(e)
-                        self._loop(part, handle)
+                        for chunk in chunks:
+                            if self.batch:
+                                try:
+                                    self._batch(chunk, handle)
+                                    continue
+                                except Exception as e:  # no batched copies here: one call per run from now on
+                                    self.batch, self.batch_error = False, str(e)
+                            self._loop(chunk, handle)
             except Exception as e:  # binding mismatch or refused: copy_ for good (re-copying is harmless)
                 self.raw, self.raw_error = False, str(e)
                 rest = [pair for run in runs for pair in run[3]] + rest
@@ -292,3 +322,135 @@ class PeerCopier:
                     stack.enter_context(torch.cuda.stream(s))
                 for d, s in rest:
                     d.copy_(s, non_blocking=True)
+
+
+# ---------------------------------------------------------------- push (the sender writes)
+
+
+def signature(tensors: Sequence[torch.Tensor]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where each tensor's data lives; a change means its storage moved."""
+    return [(t.data_ptr(), t.stride()) for t in tensors]
+
+
+class PushTargets:
+    """Receiver side of ``ipc_direction="push"``: the memory it lets the sender write into.
+
+    Contiguous tensors are exported as they are. Each non-contiguous one gets a slot in one
+    staging buffer instead (so the sender only ever issues plain copies), copied into the tensor
+    by ``scatter()`` once a refit has landed. Everything exported stays referenced here, so its
+    memory cannot be reused while the sender may still write into it.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        from nemo_dataplane.refit.copies import slot_views
+
+        self.tensors = list(tensors)
+        self.signature = signature(self.tensors)
+        strided = [t for t in self.tensors if t.numel() and not t.is_contiguous()]
+        staging = iter(slot_views(strided, device)) if strided else iter(())
+        self.exported: list[torch.Tensor | None] = [
+            None if not t.numel() else t if t.is_contiguous() else next(staging) for t in self.tensors]
+        self._scatter = ([t for t in self.tensors if t.numel() and not t.is_contiguous()],
+                         [e for t, e in zip(self.tensors, self.exported) if t.numel() and not t.is_contiguous()])
+        self.device = device
+
+    def blob(self) -> bytes:
+        return export_tensors(self.exported, self.device)
+
+    def moved(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of ``tensors`` that no longer live where they were exported."""
+        return [i for i, (a, b) in enumerate(zip(signature(tensors), self.signature)) if a != b]
+
+    @property
+    def needs_scatter(self) -> bool:
+        return bool(self._scatter[0])
+
+    def scatter(self) -> None:
+        """Staged values into the non-contiguous tensors, on the current stream."""
+        from nemo_dataplane.refit.copies import copy_all
+
+        copy_all(*self._scatter)
+
+
+class PushSource:
+    """Sender side of ``ipc_direction="push"``: every receiver's exported tensors and the copy plan.
+
+    The receivers' handles are opened once. Non-contiguous sources are gathered into one
+    scratch buffer on the sender's GPU first, so every copy into another process's memory is a
+    plain copy-engine copy (runs adjacent in memory on both sides merged). The plan is rebuilt
+    only when the sender's tensors move; the copies then go out with one batched call.
+    """
+
+    def __init__(self, blobs: dict[int, bytes], device: torch.device, copier: PeerCopier) -> None:
+        self.device = device
+        self.copier = copier
+        self.dsts: dict[int, list[torch.Tensor | None]] = {}
+        for r, blob in blobs.items():
+            try:
+                views = open_tensors(blob)
+            except Exception as e:
+                raise RuntimeError(f"rank {r}: {e}") from e
+            _probe(views, device, write=True)
+            self.dsts[r] = views
+        self._key: list | None = None
+        self._plan: tuple[list, list] = ([], [])
+        # The tensors the current plan reads, kept alive so that issuing it before checking
+        # them (see RefitSender) never reads freed memory.
+        self._sources: list[torch.Tensor] = []
+        self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    @property
+    def current(self) -> tuple[list, list]:
+        """The plan last built (for the tensors ``plan()`` last saw)."""
+        return self._plan
+
+    def plan(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> tuple[list, list] | None:
+        """(raw runs, pairs for ``copy_``) writing ``tensors`` into every receiver; None if the
+        current plan already is for them (same storage and strides)."""
+        key = signature(tensors)
+        if key == self._key:
+            return None
+        from nemo_dataplane.refit.copies import slot_views
+
+        strided = [t for t in tensors if t.numel() and not t.is_contiguous()]
+        # Allocated on the copy stream: a scratch buffer dropped here is reused by the
+        # allocator only after the copies already queued on that stream read it.
+        with torch.cuda.stream(stream):
+            scratch = iter(slot_views(strided, self.device)) if strided else iter(())
+        srcs = [t if (not t.numel() or t.is_contiguous()) else next(scratch) for t in tensors]
+        runs: list = []
+        slow: list = []
+        for r, views in self.dsts.items():
+            pairs = [(d, s) for d, s in zip(views, srcs) if d is not None]
+            rr, sl = self.copier.plan([d for d, _ in pairs], [s for _, s in pairs])
+            runs += rr
+            slow += sl
+        self._gather = ([s for t, s in zip(tensors, srcs) if s is not t], strided)
+        self._key, self._plan, self._sources = key, (runs, slow), list(tensors)
+        return self._plan
+
+    @property
+    def needs_gather(self) -> bool:
+        return bool(self._gather[0])
+
+    def gather(self) -> None:
+        """Non-contiguous sources into their scratch slots, on the current stream."""
+        from nemo_dataplane.refit.copies import copy_all
+
+        copy_all(*self._gather)
+
+
+def _probe(views: Sequence[torch.Tensor | None], device: torch.device, write: bool) -> None:
+    """Copy one element of the first mapped view here (and back, ``write``): proves the mapping
+    works and lets torch enable peer access both ways before the first refit."""
+    for v in views:
+        if v is None:
+            continue
+        x = v if v.dim() == 0 else v[(0,) * v.dim()]
+        here = torch.empty((), dtype=v.dtype, device=device)
+        here.copy_(x)
+        if write:
+            x.copy_(here)
+        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(v.device)
+        return

@@ -34,11 +34,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Union
 
-import numpy as np
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import ipc as _ipc
+from nemo_dataplane.refit.copies import ALIGN as _ALIGN
+from nemo_dataplane.refit.copies import align as _align
+from nemo_dataplane.refit.copies import copy_all
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",
@@ -60,9 +62,6 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES_GPU = 1 << 30
 DEFAULT_BUCKET_BYTES_CPU = 64 << 20
-# Each packed tensor starts on this boundary so a bucket slice can be viewed as any dtype and
-# copies stay vectorised.
-_ALIGN = 256
 _MAGIC = 0x52454649  # "REFI"
 _STATUS_OK = 0
 _STATUS_ABORT = 1
@@ -84,6 +83,12 @@ DEFAULT_TRANSPORT_GPU = "broadcast"
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
 IPC_COPY_ON = ("src", "dst", "split", "src2")
+# "push": receivers export their tensors once and the sender writes into them with copy-engine
+# copies, gated on the GPU by the receivers' readiness: no host round trip before the first
+# byte moves. "pull": the sender exports its tensors and each receiver copies them out after
+# the refit header reached its host. None: push where the sender sees the receivers' GPUs,
+# else pull (docs/refit.md, section 3).
+IPC_DIRECTIONS = ("push", "pull")
 # Mismatch messages list at most this many lines per rank.
 _MAX_LISTED = 20
 
@@ -112,9 +117,6 @@ def _dtype_from_name(name: str) -> torch.dtype:
         raise RefitError(f"unknown dtype {name!r} in refit metadata (torch {torch.__version__})")
     return dt
 
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -283,32 +285,6 @@ def _to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
     return out
 
 
-_UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i (same shapes and dtypes).
-
-    GPU: as few kernel launches as torch allows. CPU: numpy copies of the raw bits, single
-    threaded on purpose: every torch CPU copy of a mid-size tensor wakes the OpenMP pool, and
-    with gloo's threads and a second rank on the same cores those wake-ups cost milliseconds
-    each (measured: 0.6 s instead of 10 ms for 147 tensors).
-    """
-    if dst and dst[0].device.type == "cpu":
-        for d, x in zip(dst, src):
-            try:
-                bits = _UINT_OF_SIZE[d.element_size()]
-                np.copyto(d.detach().view(bits).numpy(), x.detach().view(bits).numpy())
-            except (KeyError, RuntimeError, TypeError):
-                d.copy_(x)
-        return
-    try:
-        torch._foreach_copy_(dst, src)
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-        for d, x in zip(dst, src):
-            d.copy_(x)
-
-
 class _Endpoint:
     """What sender and receiver share: store keys, plan, buffers, streams."""
 
@@ -333,6 +309,15 @@ class _Endpoint:
         self._ipc_sig: list | None = None
         self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._ipc_src2: torch.cuda.Stream | None = None
+        # ipc_direction="push": the sender's view of the receivers' memory and its copy stream;
+        # the receiver's exported targets.
+        self._push_src: _ipc.PushSource | None = None
+        self._push_tgt: _ipc.PushTargets | None = None
+        self._push_stream: torch.cuda.Stream | None = None
+        self._flags: torch.Tensor | None = None  # push: [ready, verdict]
+        # Reused refit header: pinned host copy (no blocking host-to-device copy per refit).
+        self._hdr_host: torch.Tensor | None = None
+        self._hdr_dev: torch.Tensor | None = None
         # Receiver, transport="ipc": set ipc_timing to record CUDA events around the copies and
         # the ack; ipc_phases then holds the last refit's host timestamps (perf_counter) and
         # GPU times (docs/refit.md, section 5).
@@ -426,6 +411,24 @@ class _Endpoint:
             self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
         return self._streams
 
+    def _header_on(self, stream: torch.cuda.Stream, version: int = 0, status: int = _STATUS_OK,
+                   fill: bool = True) -> torch.Tensor:
+        """The reusable device header, written on ``stream`` (sender: the values; receiver: zeros).
+
+        Only one refit is in flight per endpoint and each ends with a host sync of the stream
+        the header travelled on, so the pinned source is free again by the next call.
+        """
+        if self._hdr_dev is None:
+            self._hdr_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+            self._hdr_dev = torch.zeros(4, dtype=torch.int64, device=self.group.device)
+        with torch.cuda.stream(stream):
+            if fill:
+                self._hdr_host.numpy()[:] = (_MAGIC, self._fp, version, status)  # type: ignore[union-attr]
+                self._hdr_dev.copy_(self._hdr_host, non_blocking=True)  # type: ignore[arg-type]
+            else:
+                self._hdr_dev.zero_()
+        return self._hdr_dev
+
     def _peers(self) -> list[int]:
         return [r for r in range(self.group.world_size) if r != self.info.src]  # type: ignore[union-attr]
 
@@ -485,7 +488,11 @@ class _Endpoint:
         self._drop_ipc()
 
     def _drop_ipc(self) -> None:
-        had = self._ipc_views is not None or self._ipc_keep is not None
+        had = (self._ipc_views is not None or self._ipc_keep is not None or self._push_src is not None
+               or self._push_tgt is not None)
+        self._push_src = None
+        self._push_tgt = None
+        self._push_stream = None
         self._ipc_views = None
         self._ipc_plan_cache = None
         self._ipc_keep = None
@@ -570,6 +577,13 @@ class RefitSender(_Endpoint):
             GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``),
             or splits the bytes in two: half pushed, half pulled (``"split"``, both GPUs' copy
             engines) or over two streams of the sender's GPU (``"src2"``).
+        ipc_direction: ``"ipc"``: ``"push"`` (receivers export their tensors once; at
+            ``send_weights()`` this process writes into them with copy-engine copies, gated on
+            the GPU by every receiver having entered ``receive_weights()`` and finished its
+            pending work on them; no host round trip before the first byte), ``"pull"``
+            (receivers open this process's tensors and copy them after the header reached their
+            host; the ``ipc_copy_on`` / ``ipc_early_start`` variants apply to pull only) or
+            ``None`` (push where this process sees every receiver's GPU, else pull).
         ipc_early_start: ``"ipc"``: receivers enqueue their copies before the header reached
             their host, gated on the GPU by the header's arrival (saves the host round trip
             before the first copy). A refit that then fails (sender abort, layout mismatch)
@@ -582,7 +596,7 @@ class RefitSender(_Endpoint):
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
                  group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
                  ipc_copy_on: str = "src", ipc_early_start: bool = False,
-                 channel: str = "default") -> None:
+                 ipc_direction: str | None = None, channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -591,6 +605,10 @@ class RefitSender(_Endpoint):
         if ipc_copy_on not in IPC_COPY_ON:
             raise ValueError(f"ipc_copy_on must be one of {IPC_COPY_ON}, got {ipc_copy_on!r}")
         self.ipc_copy_on = ipc_copy_on
+        if ipc_direction is not None and ipc_direction not in IPC_DIRECTIONS:
+            raise ValueError(f"ipc_direction must be one of {IPC_DIRECTIONS} or None, got {ipc_direction!r}")
+        self.ipc_direction = ipc_direction
+        self._direction = "pull"
         self.ipc_early_start = bool(ipc_early_start)
         self._requested = transport
         packed_by_default = bucket_bytes is not None or not self._cuda
@@ -625,8 +643,9 @@ class RefitSender(_Endpoint):
             transport, fallback = self._choose_transport()
             extra: dict[str, object] = {}
             if transport == "ipc":
-                extra = {"ipc_fallback": fallback, "ipc_copy_on": self.ipc_copy_on,
-                         "ipc_early": self.ipc_early_start}
+                extra = {"ipc_fallback": fallback, "ipc_direction": self._direction}
+                if self._direction == "pull":
+                    extra.update(ipc_copy_on=self.ipc_copy_on, ipc_early=self.ipc_early_start)
             info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
                              transport=transport, extra=extra)
         except Exception as e:
@@ -636,7 +655,9 @@ class RefitSender(_Endpoint):
         g.store.set(self._key(self._gen, "info"), info.to_bytes())
         self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
-        if info.transport == "ipc":
+        if info.transport == "ipc" and info.extra.get("ipc_direction") == "push":
+            self._open_push(self._ordered(tensors))
+        elif info.transport == "ipc":
             self._export_ipc(self._ordered(tensors))
         self._connect_p2p()
         self.transport = self.info.transport  # type: ignore[union-attr]
@@ -654,8 +675,15 @@ class RefitSender(_Endpoint):
         g.wait_for_ranks(lambda r: self._key(self._gen, "host", r), range(g.world_size),
                          "refit host check (waiting for every rank's host and GPU)")
         records = {r: json.loads(g.store.get(self._key(self._gen, "host", r))) for r in range(g.world_size)}
+        push_problems = _ipc.ipc_problems(records, g.rank, push=True)
         problems = _ipc.ipc_problems(records, g.rank)
-        if not problems:
+        if self.ipc_direction in (None, "push") and not push_problems:
+            self._direction = "push"
+            return "ipc", want == "auto"
+        if self.ipc_direction == "push":
+            problems = push_problems
+        elif not problems:
+            self._direction = "pull"
             return "ipc", want == "auto"
         if want == "ipc":
             raise RefitError(f"rank {g.rank}: transport='ipc' needs every rank on the sender's host with "
@@ -683,11 +711,109 @@ class RefitSender(_Endpoint):
             self._ipc_sig = self._signature(tensors)
         self._ipc_agree(status)
 
+    def _open_push(self, tensors: list[torch.Tensor]) -> None:
+        """Push: open every receiver's exported tensors once and plan the copies into them."""
+        g = self.group
+        peers = self._peers()
+        key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
+        g.wait_for_ranks(key, peers, "CUDA IPC handles of the receivers' tensors (ipc_direction='push')")
+        status = "ok"
+        try:
+            if self._copier is None:
+                self._copier = _ipc.PeerCopier()
+            self._push_stream = torch.cuda.Stream(g.device)
+            self._push_src = _ipc.PushSource({r: g.store.get(key(r)) for r in peers}, g.device, self._copier)
+            self._push_src.plan(tensors, self._push_stream)
+        except Exception as e:
+            self._drop_ipc()
+            status = f"sender could not open the receivers' CUDA IPC handles: {e}"
+        self._ipc_agree(status)
+
+    def _send_push(self, version: int) -> None:
+        """Push: gate, copies, then the checks, the header (after the copies) and the verdict.
+
+        The copies of the current plan are issued before this refit's tensors are looked up
+        and checked: host work before the first byte moves is on the critical path. If the
+        tensors moved, the copies are redone from the new ones before the header goes out; if
+        their layout changed, the header aborts the refit (the receivers' tensors are then
+        undefined, as after a failure mid-transfer on the other transports). Each refit is, on
+        both sides and in this order: readiness all_reduce, header broadcast, verdict all_reduce.
+        """
+        g = self.group
+        ph = self.ipc_phases = {"t_enter": time.perf_counter()}
+        cur = torch.cuda.current_stream(g.device)
+        comm, _ = self._side_streams()
+        push, src, copier = self._push_stream, self._push_src, self._copier
+        assert push is not None and src is not None and copier is not None
+        if self._flags is None:
+            self._flags = torch.zeros(2, dtype=torch.int32, device=g.device)
+        # ``ready`` is 0 everywhere and stays 0: the all_reduce is only a gate. Each receiver
+        # joins it once its own queued work on its tensors is done, and the copies queued
+        # behind it on our copy stream wait for that on the GPU, not on this host.
+        ready, verdict = self._flags[:1], self._flags[1:]
+        timing = self.ipc_timing
+        if timing:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        failed: BaseException | None = None
+        gated = False
+        try:
+            push.wait_stream(cur)  # read the weights after whatever wrote them
+            if src.needs_gather:
+                with torch.cuda.stream(push):
+                    src.gather()  # non-contiguous sources into scratch (needs no receiver)
+            g.all_reduce(ready, "max", stream=push)
+            gated = True
+            ph["t_gate"] = time.perf_counter()
+            if timing:
+                e0.record(push)
+            copier.issue(*src.current, push, [push])
+            ph["t_issued"] = time.perf_counter()
+            tensors = self._ordered(self._tensors())
+            redo = src.plan(tensors, push)
+            if redo is not None:  # our tensors moved: copy again from where they are now
+                if src.needs_gather:
+                    with torch.cuda.stream(push):
+                        src.gather()
+                copier.issue(*redo, push, [push])
+            if timing:
+                e1.record(push)
+        except BaseException as e:
+            failed = e
+            self._publish_error(f"sender failed to push refit version {version}: {e}")
+            if not gated:  # keep the receivers' sequence of collectives
+                g.all_reduce(ready, "max", stream=comm)
+        comm.wait_stream(push)
+        g.broadcast(self._header_on(comm, version, _STATUS_ABORT if failed else _STATUS_OK), self.src,
+                    stream=comm)
+        with torch.cuda.stream(comm):
+            verdict.zero_()
+        g.all_reduce(verdict, "max", stream=comm)
+        ph["t_header_sent"] = time.perf_counter()
+        # Later writes to the weights (optimizer step) wait for the copies reading them.
+        cur.wait_stream(comm)
+        g.synchronize(comm, watch=self._watch, what=f"refit push of version {version}")
+        if failed is not None:
+            if isinstance(failed, RefitError):
+                raise failed
+            raise RefitError(f"rank {g.rank}: failed to push refit version {version}: {failed}") from failed
+        if timing:
+            ph["copy_gpu_ms"] = e0.elapsed_time(e1)
+            ph["copy_mode"] = copier.mode  # type: ignore[assignment]
+        if int(verdict.item()):
+            why = self._watch() or "no reason posted"
+            raise RefitError(f"rank {g.rank}: a receiver could not take refit version {version} "
+                             f"(the copies went to memory it no longer uses): {why}")
+
     def send_weights(self, version: int) -> None:
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
         if self.info is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before send_weights()")
         self._seq += 1
+        if self._push_src is not None:
+            with torch.no_grad():
+                self._send_push(version)  # checks the tensors itself, after issuing the copies
+            self.version = version
+            return
         try:
             ordered = self._ordered(self._tensors())
         except Exception as e:
@@ -737,13 +863,12 @@ class RefitSender(_Endpoint):
             status = _STATUS_NEW_HANDLES
         cur = torch.cuda.current_stream(g.device)
         comm, _ = self._side_streams()
-        header = self._header(version, status)
         if self._ack is None:
             self._ack = torch.zeros(1, dtype=torch.int32, device=g.device)
         # The header leaves only after whatever wrote the weights on the current stream, so a
         # receiver that has it may read them.
         comm.wait_stream(cur)
-        g.broadcast(header, self.src, stream=comm)
+        g.broadcast(self._header_on(comm, version, status), self.src, stream=comm)
         self.ipc_phases["t_header_sent"] = time.perf_counter()
         with torch.cuda.stream(comm):
             self._ack.zero_()
@@ -768,7 +893,7 @@ class RefitSender(_Endpoint):
                 slot = k & 1
                 for w in in_flight[slot]:
                     w.wait(watch=self._watch)
-                _copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
+                copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
                 in_flight[slot] = self._xfer(self._wire[k], async_op=True)
                 k += 1
             else:
@@ -814,7 +939,7 @@ class RefitSender(_Endpoint):
                 with torch.cuda.stream(pack):
                     if free[slot] is not None:
                         pack.wait_event(free[slot])
-                    _copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
+                    copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
                     packed = torch.cuda.Event()
                     packed.record(pack)
                 comm.wait_event(packed)
@@ -881,7 +1006,9 @@ class RefitReceiver(_Endpoint):
         status = "ok" if not problems else f"{len(problems)} mismatch(es): {_clip(problems)}"
         self._handshake(status, "refit handshake (waiting for every rank to check the layout)")
         self._compile(info)
-        if info.transport == "ipc":
+        if info.transport == "ipc" and info.extra.get("ipc_direction") == "push":
+            self._export_push()
+        elif info.transport == "ipc":
             self._open_ipc()
         self._connect_p2p()
         return self.info  # type: ignore[return-value]
@@ -898,6 +1025,66 @@ class RefitReceiver(_Endpoint):
             self._drop_ipc()
             status = f"could not open the CUDA IPC handles of sender rank {self.src}: {e}"
         self._ipc_agree(status)
+
+    def _export_push(self) -> None:
+        """Push: export our tensors (strided ones through staging slots) for the sender to open."""
+        g = self.group
+        status = "ok"
+        try:
+            self._push_tgt = _ipc.PushTargets(self._ordered(self._tensors()), g.device)
+            blob = self._push_tgt.blob()
+        except Exception as e:
+            self._push_tgt = None
+            status = f"could not export CUDA IPC handles of the destination tensors: {e}"
+            blob = json.dumps({"error": status}).encode()
+        g.store.set(self._key(self._gen, "ipc_dst", g.rank), blob)
+        self._ipc_agree(status)
+
+    def _recv_push(self) -> int:
+        """Push: post readiness (after our queued work on the tensors), then check our tensors
+        while the sender's copies run, and wait for its header (sent after the copies) and the
+        verdict. Takes part in every step even when we refuse, so the sender and the group
+        carry on; raises afterwards."""
+        g = self.group
+        tgt = self._push_tgt
+        assert tgt is not None
+        self.ipc_phases = {"t_enter": time.perf_counter()}
+        cur = torch.cuda.current_stream(g.device)
+        comm, _ = self._side_streams()
+        if self._flags is None:
+            self._flags = torch.zeros(2, dtype=torch.int32, device=g.device)
+        ready, verdict = self._flags[:1], self._flags[1:]  # ready: always 0, a gate (see the sender)
+        # Ready only once the work already queued on our tensors (e.g. generation) is done.
+        comm.wait_stream(cur)
+        g.all_reduce(ready, "max", stream=comm)
+        header = self._header_on(comm, fill=False)
+        g.broadcast(header, self.src, stream=comm)
+        refused: RefitError | None = None
+        try:
+            moved = tgt.moved(self._ordered(self._tensors()))
+            if moved:
+                refused = RefitError(
+                    f"rank {g.rank}: ipc_direction='push': tensor(s) {_clip([self._names[i] for i in moved])} "
+                    f"moved to new storage since prepare_refit_info(); this refit went to the old storage; "
+                    f"call prepare_refit_info() again on every rank")
+        except RefitError as e:
+            refused = e
+        if refused is not None:
+            self._publish_error(str(refused))
+        with torch.cuda.stream(comm):
+            verdict.fill_(0 if refused is None else 1)
+        g.all_reduce(verdict, "max", stream=comm)
+        g.synchronize(comm, watch=self._watch, what=f"waiting for the refit push from sender rank {self.src}")
+        self.ipc_phases["t_header"] = time.perf_counter()
+        version = self._check_header(header)
+        if refused is not None:
+            raise refused
+        if tgt.needs_scatter:
+            with torch.cuda.stream(comm):
+                tgt.scatter()
+            g.synchronize(comm, watch=self._watch, what=f"refit receive of version {version}")
+        cur.wait_stream(comm)
+        return version
 
     def _load_views(self, blob: bytes) -> None:
         g = self.group
@@ -928,6 +1115,10 @@ class RefitReceiver(_Endpoint):
         if self.info is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before receive_weights()")
         self._seq += 1
+        if self._push_tgt is not None:
+            with torch.no_grad():
+                self.version = self._recv_push()  # checks the tensors itself, after posting ready
+            return self.version
         try:
             ordered = self._ordered(self._tensors())
         except RefitMismatchError as e:
@@ -1012,8 +1203,7 @@ class RefitReceiver(_Endpoint):
         if self._ack is None:
             self._ack = torch.zeros(1, dtype=torch.int32, device=g.device)
         comm.wait_stream(cur)
-        with torch.cuda.stream(comm):
-            header = torch.zeros(4, dtype=torch.int64, device=g.device)
+        header = self._header_on(comm, fill=False)
         g.broadcast(header, self.src, stream=comm)
         evs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -1105,7 +1295,7 @@ class RefitReceiver(_Endpoint):
         def unpack(p: tuple) -> None:
             work, j = p
             work.wait(watch=self._watch)
-            _copy_all([tensors[i] for i in self._bucket_idx[j]], views[j])
+            copy_all([tensors[i] for i in self._bucket_idx[j]], views[j])
 
         for item in self.plan:
             if isinstance(item, Bucket):
@@ -1175,7 +1365,7 @@ class RefitReceiver(_Endpoint):
                 got.record(comm)
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(got)
-                    _copy_all([tensors[i] for i in self._bucket_idx[k]], views[k])
+                    copy_all([tensors[i] for i in self._bucket_idx[k]], views[k])
                     done = torch.cuda.Event()
                     done.record(unpack)
                 free[slot] = done

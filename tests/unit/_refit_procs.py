@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-from nemo_dataplane.refit import RefitReceiver, RefitSender
+from nemo_dataplane.refit import RefitError, RefitReceiver, RefitSender
 
 HOST = "127.0.0.1"
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
@@ -33,17 +33,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(pool: ProcessPoolExecutor, fn: Callable[..., Any], ranks: list[int], *,
+class Pool:
+    """Worker processes for rank bodies that come back after a test had to kill them (a hung
+    rank), so one hang fails one test, not every later one."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._ex: ProcessPoolExecutor | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Future:
+        if self._ex is None:
+            self._ex = make_pool(self.workers)
+        return self._ex.submit(fn, *args, **kw)
+
+    def kill(self) -> None:
+        if self._ex is not None:
+            kill_pool(self._ex)
+            self._ex = None
+
+
+def _hang_report(fn: Callable[..., Any], rank: int, after: float, **kw: Any) -> Any:
+    # A rank that hangs prints every thread's stack before the test gives up on it.
+    import faulthandler
+
+    faulthandler.dump_traceback_later(after, exit=False)
+    try:
+        return fn(rank, **kw)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_ranks(pool: Pool | ProcessPoolExecutor, fn: Callable[..., Any], ranks: list[int], *,
               limit: float = 60.0, **kw: Any) -> dict[int, Any]:
     """Run ``fn(rank, **kw)`` for each rank concurrently; return rank -> result or the exception."""
-    futs: dict[int, Future] = {r: pool.submit(fn, r, **kw) for r in ranks}
+    futs: dict[int, Future] = {r: pool.submit(_hang_report, fn, r, max(1.0, limit - 5.0), **kw) for r in ranks}
     out: dict[int, Any] = {}
     deadline = time.monotonic() + limit
     for r, f in futs.items():
         try:
             out[r] = f.result(timeout=max(0.1, deadline - time.monotonic()))
         except FutureTimeout:
-            kill_pool(pool)
+            pool.kill() if isinstance(pool, Pool) else kill_pool(pool)
             raise AssertionError(f"rank {r} of {fn.__name__} still running after {limit}s") from None
         except Exception as e:  # the rank's own failure is the test's observable
             out[r] = e
@@ -293,8 +323,8 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         src = model_tensors(0, dev)
         src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
         holder = {"t": src}
-        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_copy_on=copy_on.removesuffix("-early"),
-                          ipc_early_start=copy_on.endswith("-early"))
+        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="pull",
+                          ipc_copy_on=copy_on.removesuffix("-early"), ipc_early_start=copy_on.endswith("-early"))
         info = snd.prepare_refit_info()
         exported = snd._ipc_keep
         same = []
@@ -335,6 +365,116 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
     return out
 
 
+def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21, 22)) -> dict[str, Any]:
+    """transport="ipc", ipc_direction="push": the sender writes into the receiver's exported
+    tensors (strided sources and destinations, 0-dim, empty, bf16/fp8/bool). Refits with values
+    changing in place, one after the sender's tensors moved (a new plan, no new handles), then
+    the receiver reallocates a tensor: both sides raise, the group stays usable, and after a new
+    prepare the next refit works."""
+    g = _group(rank, world, port, "nccl")
+    dev = g.device
+    n = len(versions)
+    if rank == 0:
+        src = model_tensors(0, dev)
+        src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
+        holder = {"t": src}
+        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="push")
+        snd.ipc_timing = True
+        info = snd.prepare_refit_info()
+        for i, v in enumerate(versions):
+            if i:
+                fresh = model_tensors(i, dev)
+                for k in src:
+                    src[k].copy_(fresh[k])
+            snd.send_weights(v)
+        # New storage, some of it strided in a different way: a new copy plan, same handles.
+        fresh = model_tensors(n, dev)
+        holder["t"] = {k: (_noncontig(v) if k in ("embed.weight", "layers.0.mlp.down_fp8") else v.clone())
+                       for k, v in fresh.items()}
+        snd.send_weights(100)
+        refused: dict[str, Any] = {"error": None}
+        try:
+            snd.send_weights(101)  # the receiver's tensor moved: it refuses, we hear it
+        except RefitError as e:
+            refused = {"error": type(e).__name__, "msg": str(e)}
+        snd.prepare_refit_info()
+        holder["t"] = {k: v.clone() for k, v in model_tensors(n + 1, dev).items()}
+        snd.send_weights(102)
+        phases = dict(snd.ipc_phases)
+        g.barrier()
+        snd.close()
+        out = {"transport": info.transport, "direction": info.extra.get("ipc_direction"),
+               "closed": snd._push_src is None, "refused": refused, "phases": phases,
+               "mode": snd._copier.mode, "batch_error": snd._copier.batch_error}
+        g.destroy()
+        return out
+    dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
+    dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
+    dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
+    rcv = RefitReceiver(g, lambda: dst)
+    info = rcv.prepare_refit_info()
+    got = []
+
+    def check(i: int) -> None:
+        v = rcv.receive_weights()
+        want = model_tensors(i, torch.device("cpu"))
+        wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
+        got.append({"version": v, "attr_version": rcv.version, "wrong": wrong})
+
+    for i in range(n + 1):
+        check(i)
+    dst["layers.0.norm"] = torch.zeros_like(dst["layers.0.norm"])  # reallocated after prepare
+    moved: dict[str, Any] = {"error": None}
+    try:
+        rcv.receive_weights()
+    except Exception as e:
+        moved = {"error": type(e).__name__, "msg": str(e)}
+    rcv.prepare_refit_info()
+    check(n + 1)
+    g.barrier()
+    rcv.close()
+    g.destroy()
+    return {"refits": got, "transport": info.transport, "direction": info.extra.get("ipc_direction"),
+            "moved": moved}
+
+
+def refit_push_waits_for_receiver(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Push must not write while the receiver's queued work still reads its tensors: the
+    receiver queues a long GPU sleep and a snapshot of its weights on its current stream, then
+    calls receive_weights(); the sender sends at once. The snapshot must hold the old weights."""
+    g = _group(rank, world, port, "nccl")
+    dev = g.device
+    old = torch.full((1 << 20,), 1.0, device=dev)
+    if rank == 0:
+        w = {"w": old.clone()}
+        snd = RefitSender(g, w, transport="ipc", ipc_direction="push")
+        snd.prepare_refit_info()
+        snd.send_weights(1)
+        g.barrier()
+        w["w"].fill_(2.0)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        snd.send_weights(2)
+        out = {"send_s": time.perf_counter() - t0}
+        g.barrier()
+        snd.close()
+        g.destroy()
+        return out
+    w = {"w": torch.zeros_like(old)}
+    rcv = RefitReceiver(g, w)
+    rcv.prepare_refit_info()
+    rcv.receive_weights()
+    g.barrier()
+    torch.cuda._sleep(1_000_000_000)  # 0.5-1 s of GPU time (1e9 cycles)
+    snap = w["w"].clone()  # queued behind the sleep, on the current stream
+    version = rcv.receive_weights()
+    out = {"version": version, "snap": sorted(set(snap.cpu().tolist())), "after": sorted(set(w["w"].cpu().tolist()))}
+    g.barrier()
+    rcv.close()
+    g.destroy()
+    return out
+
+
 def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
                    backend: str = "gloo", transport: str = "auto") -> dict[str, Any]:
     """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""
@@ -363,14 +503,15 @@ def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] 
     return out
 
 
-def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo") -> dict[str, Any]:
+def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo",
+                       **sender_kw: Any) -> dict[str, Any]:
     """The sender's tensor changes shape after prepare: it must abort and receivers must hear
     why; then, with the layout restored, the next refit on the same group must work."""
     g = _group(rank, world, port, backend, timeout=10.0)
     dev = g.device
     holder = {"w": torch.ones(6, device=dev)}
     dst = {"w": torch.zeros(6, device=dev)}
-    ep = RefitSender(g, lambda: holder, bucket_bytes=1024) if rank == 0 else RefitReceiver(g, dst)
+    ep = RefitSender(g, lambda: holder, bucket_bytes=1024, **sender_kw) if rank == 0 else RefitReceiver(g, dst)
     ep.prepare_refit_info()
     try:
         if rank == 0:

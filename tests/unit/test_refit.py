@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,7 +76,7 @@ def test_diff_specs_lists_every_kind_of_mismatch() -> None:
     [(2, None, "auto"), (4, None, "auto"), (2, 0, "auto"), (2, 0, "p2p"), (3, None, "p2p")],
     ids=["packed-2ranks", "packed-4ranks", "per-tensor-2ranks", "per-tensor-p2p-2ranks", "packed-p2p-3ranks"],
 )
-def test_refit_is_bit_exact(pool: ProcessPoolExecutor, world: int, direct_bytes: int | None,
+def test_refit_is_bit_exact(pool: P.Pool, world: int, direct_bytes: int | None,
                             transport: str) -> None:
     port = P.free_port()
     res = P.run_ranks(pool, P.refit_roundtrip, list(range(world)), world=world, port=port,
@@ -104,7 +103,7 @@ def test_model_fixture_covers_the_tricky_dtypes() -> None:
     assert not P.model_tensors(1, torch.device("cpu"))["embed.weight"].equal(t["embed.weight"])
 
 
-def test_mismatch_is_caught_before_transfer_on_both_sides(pool: ProcessPoolExecutor) -> None:
+def test_mismatch_is_caught_before_transfer_on_both_sides(pool: P.Pool) -> None:
     port = P.free_port()
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1, 2], world=3, port=port, bad_ranks=(1,))
     expected = ["a: shape sender [4, 4] != receiver [4, 5]", "b: dtype sender bfloat16 != receiver float32",
@@ -121,12 +120,12 @@ def test_mismatch_is_caught_before_transfer_on_both_sides(pool: ProcessPoolExecu
     assert "rank 2:" not in res[0]["msg"]  # the good receiver is not blamed
 
 
-def test_matching_layout_passes_handshake(pool: ProcessPoolExecutor) -> None:
+def test_matching_layout_passes_handshake(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), bad_ranks=())
     assert res[0] == {"error": None} and res[1]["error"] is None
 
 
-def test_sender_abort_reaches_receivers(pool: ProcessPoolExecutor) -> None:
+def test_sender_abort_reaches_receivers(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_sender_abort, [0, 1, 2], world=3, port=P.free_port())
     assert res[0]["error"] == "RefitMismatchError", res[0]
     assert "w: shape at prepare_refit_info() [6] != now [7]" in res[0]["msg"]
@@ -137,7 +136,7 @@ def test_sender_abort_reaches_receivers(pool: ProcessPoolExecutor) -> None:
         assert res[r]["next_version"] == 4 and res[r]["next_values"] == [5.0] * 6  # group still usable
 
 
-def test_receiver_that_never_prepares_is_named(pool: ProcessPoolExecutor) -> None:
+def test_receiver_that_never_prepares_is_named(pool: P.Pool) -> None:
     timeout = 2.0
     res = P.run_ranks(pool, P.refit_missing_receiver, [0, 1, 2], world=3, port=P.free_port(), timeout=timeout)
     for r in (0, 1):
@@ -184,6 +183,11 @@ def test_ipc_transport_needs_cuda() -> None:
     try:
         with pytest.raises(ValueError, match="transport='ipc' needs CUDA"):
             P.RefitSender(g, {"w": torch.ones(2)}, transport="ipc")
+        with pytest.raises(ValueError, match="ipc_direction must be one of"):
+            P.RefitSender(g, {"w": torch.ones(2)}, ipc_direction="sideways")
+        snd = P.RefitSender(g, {"w": torch.ones(2)}, ipc_direction="push")  # gloo: broadcast, push unused
+        assert snd.prepare_refit_info().transport == "broadcast"
+        snd.close()
         snd = P.RefitSender(g, {"w": torch.ones(2)})  # auto on gloo: broadcast, no host check
         assert snd.prepare_refit_info().transport == "broadcast" and snd.transport == "broadcast"
         snd.send_weights(1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ex = P.make_pool(2)
+def pool() -> Iterator[P.Pool]:
+    ex = P.Pool(2)
     yield ex
-    P.kill_pool(ex)
+    ex.kill()
 
 
 def _ok(res: dict) -> None:
@@ -34,7 +33,7 @@ def _ok(res: dict) -> None:
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
 
 
-def test_nccl_collectives(pool: ProcessPoolExecutor) -> None:
+def test_nccl_collectives(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.collectives, [0, 1], world=2, port=P.free_port(), backend="nccl")
     _ok(res)
     for r in (0, 1):
@@ -50,7 +49,7 @@ def test_nccl_collectives(pool: ProcessPoolExecutor) -> None:
      (None, "auto", True), (None, "ipc", False)],
     ids=["packed", "per-tensor", "packed-p2p", "per-tensor-p2p", "defaults", "ipc"],
 )
-def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | None, transport: str,
+def test_nccl_refit_is_bit_exact(pool: P.Pool, direct_bytes: int | None, transport: str,
                                  defaults: bool) -> None:
     res = P.run_ranks(pool, P.refit_roundtrip, [0, 1], world=2, port=P.free_port(), backend="nccl",
                       bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42), transport=transport,
@@ -67,7 +66,7 @@ def test_nccl_refit_is_bit_exact(pool: ProcessPoolExecutor, direct_bytes: int | 
 
 
 @pytest.mark.parametrize("copy_on", ["src", "dst", "split", "src2", "src-early", "split-early"])
-def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: ProcessPoolExecutor, copy_on: str) -> None:
+def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool, copy_on: str) -> None:
     res = P.run_ranks(pool, P.refit_ipc, [0, 1], world=2, port=P.free_port(), versions=(11, 12), copy_on=copy_on)
     _ok(res)
     assert res[0]["transport"] == res[0]["self_transport"] == res[1]["transport"] == "ipc", (res[0], res[1])
@@ -85,7 +84,44 @@ def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: Proces
         assert res[1]["phases"]["copy_gpu_ms"] > 0 and res[1]["phases"]["ack_gpu_ms"] > 0, res[1]["phases"]
 
 
-def test_ipc_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> None:
+def test_ipc_push_refit_bit_exact_follows_moves_and_reports_receiver_realloc(pool: P.Pool) -> None:
+    res = P.run_ranks(pool, P.refit_push, [0, 1], world=2, port=P.free_port(), versions=(21, 22))
+    _ok(res)
+    assert res[0]["transport"] == res[1]["transport"] == "ipc", (res[0], res[1])
+    assert res[0]["direction"] == res[1]["direction"] == "push", (res[0], res[1])
+    refits = res[1]["refits"]
+    assert [x["version"] for x in refits] == [21, 22, 100, 102], refits
+    assert [x["attr_version"] for x in refits] == [21, 22, 100, 102], refits
+    assert [x["wrong"] for x in refits] == [[], [], [], []], refits
+    moved = res[1]["moved"]
+    assert moved["error"] == "RefitError" and "layers.0.norm" in moved["msg"], moved
+    assert "prepare_refit_info() again" in moved["msg"], moved
+    refused = res[0]["refused"]
+    assert refused["error"] == "RefitError" and "layers.0.norm" in refused["msg"], refused
+    assert res[0]["closed"] and res[0]["phases"]["copy_gpu_ms"] > 0, res[0]
+    print(f"push: copies went out as {res[0]['mode']} (batch error: {res[0]['batch_error']}); "
+          f"last refit phases: {res[0]['phases']}")
+
+
+def test_ipc_push_waits_for_the_receivers_queued_work(pool: P.Pool) -> None:
+    res = P.run_ranks(pool, P.refit_push_waits_for_receiver, [0, 1], world=2, port=P.free_port())
+    _ok(res)
+    assert res[1]["version"] == 2, res[1]
+    assert res[1]["snap"] == [1.0], res[1]  # the copies waited for the snapshot
+    assert res[1]["after"] == [2.0], res[1]
+    assert res[0]["send_s"] > 0.2, res[0]  # ... which waited for the receiver's GPU sleep
+
+
+def test_ipc_push_sender_abort_reaches_receiver(pool: P.Pool) -> None:
+    res = P.run_ranks(pool, P.refit_sender_abort, [0, 1], world=2, port=P.free_port(), backend="nccl",
+                      transport="ipc", ipc_direction="push")
+    assert res[0]["error"] == "RefitMismatchError", res[0]
+    assert res[1]["error"] == "RefitError" and "aborted refit of version 3" in res[1]["msg"], res[1]
+    assert "sender rank 0" in res[1]["msg"], res[1]
+    assert res[1]["next_version"] == 4 and res[1]["next_values"] == [5.0] * 6, res[1]
+
+
+def test_ipc_mismatch_is_caught_before_transfer(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl",
                       transport="ipc")
     for r in (0, 1):
@@ -94,7 +130,7 @@ def test_ipc_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> No
     assert res[1]["untouched"]
 
 
-def test_nccl_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:
+def test_nccl_two_groups_in_one_process(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.two_groups, [0, 1], ports=(P.free_port(), P.free_port()), backend="nccl")
     _ok(res)
     for r in (0, 1):
@@ -104,7 +140,7 @@ def test_nccl_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:
     assert res[0]["got"] == (6, [[2 * x for x in row] for row in w])
 
 
-def test_nccl_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> None:
+def test_nccl_mismatch_is_caught_before_transfer(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl")
     for r in (0, 1):
         assert res[r]["error"] == "RefitMismatchError", res[r]
@@ -112,13 +148,13 @@ def test_nccl_mismatch_is_caught_before_transfer(pool: ProcessPoolExecutor) -> N
     assert res[1]["untouched"]
 
 
-def test_nccl_sender_abort_reaches_receiver(pool: ProcessPoolExecutor) -> None:
+def test_nccl_sender_abort_reaches_receiver(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_sender_abort, [0, 1], world=2, port=P.free_port(), backend="nccl")
     assert res[0]["error"] == "RefitMismatchError", res[0]
     assert res[1]["error"] == "RefitError" and "aborted refit of version 3" in res[1]["msg"], res[1]
 
 
-def test_nccl_dead_peer_times_out(pool: ProcessPoolExecutor) -> None:
+def test_nccl_dead_peer_times_out(pool: P.Pool) -> None:
     timeout = 3.0
     res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=P.free_port(), timeout=timeout,
                       backend="nccl", skip="bcast", limit=40.0)

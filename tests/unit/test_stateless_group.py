@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import _refit_procs as P  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_gloo(pool: ProcessPoolExecutor, world: int) -> None:
+def test_collectives_gloo(pool: P.Pool, world: int) -> None:
     port = P.free_port()
     res = P.run_ranks(pool, P.collectives, list(range(world)), world=world, port=port)
     for r in range(world):
@@ -40,7 +39,7 @@ def test_collectives_gloo(pool: ProcessPoolExecutor, world: int) -> None:
         assert out["ring"] == [100 * prv + i for i in range(4)]
 
 
-def test_rank_that_never_joins_is_named(pool: ProcessPoolExecutor) -> None:
+def test_rank_that_never_joins_is_named(pool: P.Pool) -> None:
     port, timeout = P.free_port(), 2.0
     res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=3, port=port, timeout=timeout)
     for r in (0, 1):
@@ -52,7 +51,7 @@ def test_rank_that_never_joins_is_named(pool: ProcessPoolExecutor) -> None:
         assert out["elapsed"] < timeout + 3.0
 
 
-def test_missing_rank0_is_named(pool: ProcessPoolExecutor) -> None:
+def test_missing_rank0_is_named(pool: P.Pool) -> None:
     port, timeout = P.free_port(), 1.5
     res = P.run_ranks(pool, P.join_then_idle, [1], world=2, port=port, timeout=timeout)
     out = res[1]
@@ -61,7 +60,7 @@ def test_missing_rank0_is_named(pool: ProcessPoolExecutor) -> None:
     assert out["elapsed"] < timeout + 1.5
 
 
-def test_rank_skipping_barrier_is_named(pool: ProcessPoolExecutor) -> None:
+def test_rank_skipping_barrier_is_named(pool: P.Pool) -> None:
     port, timeout = P.free_port(), 2.0
     res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=port, timeout=timeout, skip="barrier")
     out = res[0]
@@ -70,7 +69,7 @@ def test_rank_skipping_barrier_is_named(pool: ProcessPoolExecutor) -> None:
     assert out["elapsed"] < timeout + 2.0
 
 
-def test_dead_peer_recv_times_out(pool: ProcessPoolExecutor) -> None:
+def test_dead_peer_recv_times_out(pool: P.Pool) -> None:
     port, timeout = P.free_port(), 2.0
     res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=port, timeout=timeout, skip="send")
     out = res[0]
@@ -79,7 +78,7 @@ def test_dead_peer_recv_times_out(pool: ProcessPoolExecutor) -> None:
     assert out["elapsed"] < timeout + 2.0
 
 
-def test_two_groups_in_one_process(pool: ProcessPoolExecutor) -> None:
+def test_two_groups_in_one_process(pool: P.Pool) -> None:
     ports = (P.free_port(), P.free_port())
     res = P.run_ranks(pool, P.two_groups, [0, 1], ports=ports)
     for r in (0, 1):

@@ -10,10 +10,11 @@ included), taken on the shared monotonic clock of one host after both ranks left
 barrier. Ceiling: one ``dst.copy_(src)`` of the same bytes, cuda:0 -> cuda:1 (CPU: a memcpy).
 Prints a table and writes JSON to benchmarks/results/bench_refit_<device>.json.
 
-GPU rows include ``transport="ipc"`` (CUDA IPC handles + copy-engine peer copies, copies issued
-on the sender's or the receiver's GPU) and the defaults (which pick ipc on one host);
-``--ipc-only`` runs just those, per-tensor broadcast and the flat baselines. The last column
-says which transport each refit row used.
+GPU rows include ``transport="ipc"`` (CUDA IPC handles + copy-engine peer copies: ``push``, the
+sender writes into the receiver's tensors, the default on one host; ``pull``, the receiver copies
+out of the sender's) and the defaults; ``--ipc-only`` runs just those, per-tensor broadcast and
+the flat baselines. The last column says which transport each refit row used. Phase tables
+break the ipc rows' time down (push: on the sender; pull: on the receiver).
 """
 
 from __future__ import annotations
@@ -256,9 +257,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
             ("refit ipc pull (receiver copies, on the sender's GPU)", dict(transport="ipc", ipc_direction="pull")),
             ("refit ipc pull (receiver copies, on its own GPU)",
              dict(transport="ipc", ipc_direction="pull", ipc_copy_on="dst")),
-            ("refit ipc pull (split: half on each GPU)", dict(transport="ipc", ipc_direction="pull", ipc_copy_on="split")),
-            ("refit ipc pull (early start: copies gated on the GPU by the header)",
-             dict(transport="ipc", ipc_direction="pull", ipc_early_start=True)),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]

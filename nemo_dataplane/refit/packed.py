@@ -82,7 +82,7 @@ DEFAULT_TRANSPORT_GPU = "broadcast"
 # (measured: one receiver on 2x H200, docs/refit.md section 5).
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
-IPC_COPY_ON = ("src", "dst", "split", "src2")
+IPC_COPY_ON = ("src", "dst")
 # "push": receivers export their tensors once and the sender writes into them with copy-engine
 # copies, gated on the GPU by the receivers' readiness: no host round trip before the first
 # byte moves. "pull": the sender exports its tensors and each receiver copies them out after
@@ -232,6 +232,32 @@ def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
     return plan
 
 
+def group_directs(plan: Sequence[Bucket | Direct], nbytes: Sequence[int], group_bytes: int,
+                  max_ops: int = _MAX_OPS_PER_GROUP) -> list[Bucket | list[int]]:
+    """``plan`` with consecutive ``Direct`` items merged into lists of tensor indices, each list
+    one NCCL group launch: cut once it holds ``group_bytes`` (``nbytes[i]`` per tensor) or
+    ``max_ops`` tensors, and at every bucket. Pure, so sender and receivers issue the same
+    launches."""
+    out: list[Bucket | list[int]] = []
+    group: list[int] = []
+    size = 0
+    for item in plan:
+        if isinstance(item, Bucket):
+            if group:
+                out.append(group)
+                group, size = [], 0
+            out.append(item)
+            continue
+        group.append(item.index)
+        size += nbytes[item.index]
+        if size >= group_bytes or len(group) >= max_ops:
+            out.append(group)
+            group, size = [], 0
+    if group:
+        out.append(group)
+    return out
+
+
 def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then: str = "",
                now: str = "") -> list[str]:
     """Human-readable differences between the sender's and a receiver's tensors (empty if none).
@@ -308,7 +334,6 @@ class _Endpoint:
         self._ipc_keep: list[torch.Tensor] | None = None  # sender: the exported tensors
         self._ipc_sig: list | None = None
         self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._ipc_src2: torch.cuda.Stream | None = None
         # ipc_direction="push": the sender's view of the receivers' memory and its copy stream;
         # the receiver's exported targets.
         self._push_src: _ipc.PushSource | None = None
@@ -355,6 +380,7 @@ class _Endpoint:
         self._shapes = [torch.Size(t.shape) for t in info.tensors]
         self._dtypes = [t.torch_dtype for t in info.tensors]
         self._bucket_idx = [[i for i, _ in b.entries] for b in self.plan if isinstance(b, Bucket)]
+        self._launches = group_directs(self.plan, [t.nbytes for t in info.tensors], info.group_bytes)
         self.release_buffers()
 
     def _ordered(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -498,7 +524,6 @@ class _Endpoint:
         self._ipc_keep = None
         self._ipc_sig = None
         self._ipc_streams = None
-        self._ipc_src2 = None
         if had and self._cuda:
             with contextlib.suppress(Exception):
                 torch.cuda.ipc_collect()
@@ -573,30 +598,23 @@ class RefitSender(_Endpoint):
             sees this GPU, falling back to ``DEFAULT_TRANSPORT_GPU`` if setup fails anywhere;
             otherwise ``DEFAULT_TRANSPORT_GPU``; on gloo: broadcast).
             ``self.transport`` holds the one in use after ``prepare_refit_info()``.
-        ipc_copy_on: ``"ipc"``: the receiver issues its peer copies on a stream of the sender's
-            GPU (``"src"``, a push, like ``dst.copy_(src)`` across devices) or of its own (``"dst"``),
-            or splits the bytes in two: half pushed, half pulled (``"split"``, both GPUs' copy
-            engines) or over two streams of the sender's GPU (``"src2"``).
         ipc_direction: ``"ipc"``: ``"push"`` (receivers export their tensors once; at
             ``send_weights()`` this process writes into them with copy-engine copies, gated on
             the GPU by every receiver having entered ``receive_weights()`` and finished its
-            pending work on them; no host round trip before the first byte), ``"pull"``
-            (receivers open this process's tensors and copy them after the header reached their
-            host; the ``ipc_copy_on`` / ``ipc_early_start`` variants apply to pull only) or
-            ``None`` (push where this process sees every receiver's GPU, else pull).
-        ipc_early_start: ``"ipc"``: receivers enqueue their copies before the header reached
-            their host, gated on the GPU by the header's arrival (saves the host round trip
-            before the first copy). A refit that then fails (sender abort, layout mismatch)
-            leaves the receivers' tensors undefined, as a failure mid-transfer does with the
-            NCCL transports; off by default.
+            queued work on them; no host round trip before the first byte moves), ``"pull"``
+            (receivers open this process's tensors and copy them out once the refit header
+            reached their host) or ``None`` (push where this process sees every receiver's GPU,
+            else pull). docs/refit.md, section 3.
+        ipc_copy_on: pull only: the receiver issues its copies on a stream of the sender's GPU
+            (``"src"``) or of its own (``"dst"``); measured equal.
         channel: store namespace, for several senders on one group.
     """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
                  group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
-                 ipc_copy_on: str = "src", ipc_early_start: bool = False,
-                 ipc_direction: str | None = None, channel: str = "default") -> None:
+                 ipc_direction: str | None = None, ipc_copy_on: str = "src",
+                 channel: str = "default") -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -609,7 +627,6 @@ class RefitSender(_Endpoint):
             raise ValueError(f"ipc_direction must be one of {IPC_DIRECTIONS} or None, got {ipc_direction!r}")
         self.ipc_direction = ipc_direction
         self._direction = "pull"
-        self.ipc_early_start = bool(ipc_early_start)
         self._requested = transport
         packed_by_default = bucket_bytes is not None or not self._cuda
         if bucket_bytes is None:
@@ -645,7 +662,7 @@ class RefitSender(_Endpoint):
             if transport == "ipc":
                 extra = {"ipc_fallback": fallback, "ipc_direction": self._direction}
                 if self._direction == "pull":
-                    extra.update(ipc_copy_on=self.ipc_copy_on, ipc_early=self.ipc_early_start)
+                    extra.update(ipc_copy_on=self.ipc_copy_on)
             info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
                              transport=transport, extra=extra)
         except Exception as e:
@@ -908,33 +925,15 @@ class RefitSender(_Endpoint):
         g = self.group
         cur = torch.cuda.current_stream(g.device)
         comm, pack = self._side_streams()
-        header = self._header(version, _STATUS_OK)
-        # Both side streams start after whatever produced the weights (and the header's
-        # host-to-device copy) on the current stream.
+        # Both side streams start after whatever produced the weights on the current stream.
         comm.wait_stream(cur)
         pack.wait_stream(cur)
-        g.broadcast(header, self.src, stream=comm)
+        g.broadcast(self._header_on(comm, version, _STATUS_OK), self.src, stream=comm)
         views = self._bucket_views()
         free: list[torch.cuda.Event | None] = [None, None]  # per buffer: its last broadcast done
-        directs: list[torch.Tensor] = []
-        direct_bytes = 0
         k = 0
-
-        def flush() -> None:
-            nonlocal directs, direct_bytes
-            keep = []  # contiguous copies must outlive the group launch
-            with torch.cuda.stream(comm), g.coalesce():
-                for t in directs:
-                    wire = t if t.is_contiguous() else t.contiguous()
-                    keep.append(wire)
-                    self._xfer(wire, stream=comm)
-            directs, direct_bytes = [], 0
-            del keep
-
-        for item in self.plan:
+        for item in self._launches:
             if isinstance(item, Bucket):
-                if directs:
-                    flush()
                 slot = k & 1
                 with torch.cuda.stream(pack):
                     if free[slot] is not None:
@@ -948,14 +947,15 @@ class RefitSender(_Endpoint):
                 done.record(comm)
                 free[slot] = done
                 k += 1
-            else:
-                t = tensors[item.index]
-                directs.append(t)
-                direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= self.info.group_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
-                    flush()
-        if directs:
-            flush()
+                continue
+            keep = []  # contiguous copies must outlive the group launch
+            with torch.cuda.stream(comm), g.coalesce():
+                for i in item:
+                    t = tensors[i]
+                    wire = t if t.is_contiguous() else t.contiguous()
+                    keep.append(wire)
+                    self._xfer(wire, stream=comm)
+            del keep
         # Later writes to the weights (optimizer step) must wait for the broadcasts reading them.
         cur.wait_stream(comm)
         cur.wait_stream(pack)
@@ -1092,7 +1092,6 @@ class RefitReceiver(_Endpoint):
         src_dev = next((v.device for v in views if v is not None), g.device)
         s_dst = torch.cuda.Stream(g.device)
         s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)
-        self._ipc_src2 = torch.cuda.Stream(src_dev)  # ipc_copy_on="src2": a second stream there
         # One element each way: proves the mapping works and lets torch enable peer access
         # in both directions before the first refit.
         for v in views:
@@ -1172,32 +1171,20 @@ class RefitReceiver(_Endpoint):
         self._ipc_plan_cache = (self._ipc_views, key, plan)
         return plan
 
-    def _ipc_raw_streams(self) -> tuple[list[torch.cuda.Stream], list[torch.cuda.Stream]]:
-        """(streams for the raw copies, every stream the copies use) for ``ipc_copy_on``."""
+    def _ipc_copy_streams(self) -> tuple[torch.cuda.Stream, list[torch.cuda.Stream]]:
+        """(the stream the raw copies go on, every stream the copies use) for ``ipc_copy_on``."""
         assert self._ipc_streams is not None
         s_dst, s_src = self._ipc_streams
-        how = self.info.extra.get("ipc_copy_on", "src")  # type: ignore[union-attr]
-        if how == "dst":
-            raw = [s_dst]
-        elif how == "split":  # half pushed by the sender's GPU, half pulled by ours
-            raw = [s_src, s_dst]
-        elif how == "src2" and self._ipc_src2 is not None:
-            raw = [s_src, self._ipc_src2]
-        else:
-            raw = [s_src]
-        raw = list(dict.fromkeys(raw))
-        return raw, list(dict.fromkeys([s_src, s_dst, *raw]))
+        raw = s_dst if self.info.extra.get("ipc_copy_on", "src") == "dst" else s_src  # type: ignore[union-attr]
+        return raw, list(dict.fromkeys([s_src, s_dst]))
 
     def _recv_ipc(self, tensors: list[torch.Tensor]) -> int:
-        """Wait for the header, peer-copy every tensor from the sender's memory, ack."""
+        """Pull: wait for the header, peer-copy every tensor from the sender's memory, ack."""
         g = self.group
         ph = self.ipc_phases = {"t_enter": time.perf_counter()}
         timing = self.ipc_timing
         cur = torch.cuda.current_stream(g.device)
         comm, _ = self._side_streams()
-        assert self._ipc_streams is not None
-        s_dst, _ = self._ipc_streams
-        raw, used = self._ipc_raw_streams()
         # Planned before the header arrives, so it overlaps with the sender's side.
         runs, slow = self._ipc_plan(tensors)
         if self._ack is None:
@@ -1205,59 +1192,31 @@ class RefitReceiver(_Endpoint):
         comm.wait_stream(cur)
         header = self._header_on(comm, fill=False)
         g.broadcast(header, self.src, stream=comm)
-        evs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-        def issue(gate: torch.cuda.Event | None = None) -> None:
-            # The tensors may still be read by work on the current stream (e.g. generation).
-            for s in used:
-                s.wait_stream(cur)
-                if gate is not None:
-                    s.wait_event(gate)
-            if timing:
-                evs[:] = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in raw]
-                for (e0, _), s in zip(evs, raw):
-                    e0.record(s)
-            self._copier.issue(runs, slow, raw, used)  # type: ignore[union-attr]
-            for (_, e1), s in zip(evs, raw):
-                e1.record(s)
-
-        early = bool(self.info.extra.get("ipc_early"))  # type: ignore[union-attr]
-        early_error: Exception | None = None
-        if early:
-            # Copies go out now, gated on the GPU by the header's arrival (the sender sends it
-            # only after its weights are written); the header is checked on the host after.
-            gate = torch.cuda.Event()
-            gate.record(comm)
-            try:
-                issue(gate)
-            except Exception as e:
-                early_error = e
         g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
         ph["t_header"] = time.perf_counter()
         version = self._check_header(header)
         failed = None
+        if timing:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         try:
-            if early_error is not None:
-                raise early_error
             if self._last_status == _STATUS_NEW_HANDLES:
-                old_used = used
                 self._load_views(g.store.get(self._key(self._gen, "ipc_handles", self._seq)))
-                s_dst, _ = self._ipc_streams
-                raw, used = self._ipc_raw_streams()
                 runs, slow = self._ipc_plan(tensors)
-                if early:  # the early copies read the old storage (alive until our ack): redo after them
-                    for a in used:
-                        for b in old_used:
-                            if a is not b:
-                                a.wait_stream(b)
-                early = False
-            if not early:
-                issue()
+            raw, used = self._ipc_copy_streams()
+            for s in used:  # the tensors may still be read by work on the current stream
+                s.wait_stream(cur)
+            if timing:
+                e0.record(raw)
+            self._copier.issue(runs, slow, raw, used)  # type: ignore[union-attr]
+            if timing:
+                e1.record(raw)
         except Exception as e:
             failed = f"receiver failed to copy refit version {version}: {e}"
             self._publish_error(failed)
         ph["t_issued"] = time.perf_counter()
-        for s in used:
+        assert self._ipc_streams is not None  # replaced by _load_views only once it succeeded
+        s_dst = self._ipc_streams[0]
+        for s in self._ipc_copy_streams()[1]:
             if s is not s_dst:
                 s_dst.wait_stream(s)
         # The ack leaves once the copies are done; the sender may then overwrite its tensors.
@@ -1270,12 +1229,11 @@ class RefitReceiver(_Endpoint):
         g.all_reduce(self._ack, "max", stream=comm)
         if timing:
             a1.record(comm)
-        g.synchronize(s_dst, watch=self._watch, what=f"refit receive of version {version}")
+        g.synchronize(comm, watch=self._watch, what=f"refit receive of version {version}")
         ph["t_copied"] = time.perf_counter()
-        cur.wait_stream(s_dst)
-        if timing:
-            a1.synchronize()
-            ph["copy_gpu_ms"] = max((e0.elapsed_time(e1) for e0, e1 in evs), default=0.0)
+        cur.wait_stream(comm)
+        if timing and not failed:
+            ph["copy_gpu_ms"] = e0.elapsed_time(e1)
             ph["ack_gpu_ms"] = a0.elapsed_time(a1)
             ph["copy_mode"] = self._copier.mode  # type: ignore[union-attr,assignment]
         if failed:
@@ -1325,38 +1283,16 @@ class RefitReceiver(_Endpoint):
         # The tensors may still be read by work on the current stream (e.g. generation).
         comm.wait_stream(cur)
         unpack.wait_stream(cur)
-        with torch.cuda.stream(comm):
-            header = torch.zeros(4, dtype=torch.int64, device=g.device)
+        header = self._header_on(comm, fill=False)
         g.broadcast(header, self.src, stream=comm)
         # One host sync here lets a sender abort (or a layout mismatch) stop us before any bulk.
         g.synchronize(comm, watch=self._watch, what=f"waiting for the refit header from sender rank {self.src}")
         version = self._check_header(header)
         views = self._bucket_views()
         free: list[torch.cuda.Event | None] = [None, None]  # per buffer: unpack of its last bucket done
-        directs: list[torch.Tensor] = []
-        direct_bytes = 0
         k = 0
-
-        def flush() -> None:
-            nonlocal directs, direct_bytes
-            copies = []
-            with torch.cuda.stream(comm), g.coalesce():
-                for t in directs:
-                    if t.is_contiguous():
-                        self._xfer(t, stream=comm)
-                    else:
-                        tmp = torch.empty(t.shape, dtype=t.dtype, device=g.device)
-                        self._xfer(tmp, stream=comm)
-                        copies.append((tmp, t))
-            with torch.cuda.stream(comm):
-                for tmp, t in copies:
-                    t.copy_(tmp)
-            directs, direct_bytes = [], 0
-
-        for item in self.plan:
+        for item in self._launches:
             if isinstance(item, Bucket):
-                if directs:
-                    flush()
                 slot = k & 1
                 if free[slot] is not None:
                     comm.wait_event(free[slot])
@@ -1370,14 +1306,20 @@ class RefitReceiver(_Endpoint):
                     done.record(unpack)
                 free[slot] = done
                 k += 1
-            else:
-                t = tensors[item.index]
-                directs.append(t)
-                direct_bytes += t.numel() * t.element_size()
-                if direct_bytes >= self.info.group_bytes or len(directs) >= _MAX_OPS_PER_GROUP:  # type: ignore[union-attr]
-                    flush()
-        if directs:
-            flush()
+                continue
+            copies = []  # non-contiguous destinations receive into a temporary first
+            with torch.cuda.stream(comm), g.coalesce():
+                for i in item:
+                    t = tensors[i]
+                    if t.is_contiguous():
+                        self._xfer(t, stream=comm)
+                    else:
+                        tmp = torch.empty(t.shape, dtype=t.dtype, device=g.device)
+                        self._xfer(tmp, stream=comm)
+                        copies.append((tmp, t))
+            with torch.cuda.stream(comm):
+                for tmp, t in copies:
+                    t.copy_(tmp)
         unpack.wait_stream(comm)
         g.synchronize(unpack, watch=self._watch, what=f"refit receive of version {version}")
         cur.wait_stream(unpack)

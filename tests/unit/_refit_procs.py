@@ -324,7 +324,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
         holder = {"t": src}
         snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="pull",
-                          ipc_copy_on=copy_on.removesuffix("-early"), ipc_early_start=copy_on.endswith("-early"))
+                          ipc_copy_on=copy_on)
         info = snd.prepare_refit_info()
         exported = snd._ipc_keep
         same = []
@@ -348,7 +348,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
     dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
     dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
     rcv = RefitReceiver(g, dst)
-    rcv.ipc_timing = copy_on in ("src", "split", "src-early")  # exercise the event-timing path too
+    rcv.ipc_timing = copy_on == "src"  # exercise the event-timing path too
     info = rcv.prepare_refit_info()
     views = rcv._ipc_views
     got = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_dataplane.refit import RefitInfo, TensorSpec
-from nemo_dataplane.refit.packed import Bucket, Direct, build_plan, diff_specs
+from nemo_dataplane.refit.packed import Bucket, Direct, build_plan, diff_specs, group_directs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
@@ -194,3 +194,18 @@ def test_ipc_transport_needs_cuda() -> None:
         snd.close()
     finally:
         g.destroy()
+
+
+def test_group_directs_cuts_at_buckets_bytes_and_op_count() -> None:
+    b = Bucket(512, ((9, 0),))
+    plan = [Direct(0), Direct(1), b, Direct(2), Direct(3), Direct(4), Direct(5), Direct(6)]
+    nbytes = [10, 10, 100, 30, 1, 1, 1, 0, 0, 0]
+    # bucket closes the first group; 100 + 30 >= 120 closes the next; then max_ops=2 cuts
+    assert group_directs(plan, nbytes, group_bytes=120, max_ops=2) == [[0, 1], b, [2, 3], [4, 5], [6]]
+    assert group_directs(plan, nbytes, group_bytes=1 << 30, max_ops=64) == [[0, 1], b, [2, 3, 4, 5, 6]]
+    assert group_directs([b], nbytes, group_bytes=1) == [b]
+    # Every direct tensor appears exactly once, in order, whatever the limits.
+    for gb in (1, 50, 10**9):
+        for mo in (1, 3, 64):
+            flat = [i for x in group_directs(plan, nbytes, gb, mo) if isinstance(x, list) for i in x]
+            assert flat == [0, 1, 2, 3, 4, 5, 6]

@@ -65,7 +65,7 @@ def test_nccl_refit_is_bit_exact(pool: P.Pool, direct_bytes: int | None, transpo
     assert [x["wrong"] for x in refits] == [[], []], refits
 
 
-@pytest.mark.parametrize("copy_on", ["src", "dst", "split", "src2", "src-early", "split-early"])
+@pytest.mark.parametrize("copy_on", ["src", "dst"])
 def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool, copy_on: str) -> None:
     res = P.run_ranks(pool, P.refit_ipc, [0, 1], world=2, port=P.free_port(), versions=(11, 12), copy_on=copy_on)
     _ok(res)
@@ -80,7 +80,7 @@ def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool
     assert res[1]["raw"], res[1]["raw_error"]  # copies went out as raw cudaMemcpyAsync
     print(f"copy_on={copy_on}: copies went out as {res[1]['mode']} (batch error: {res[1]['batch_error']}); "
           f"last refit phases: {res[1]['phases']}")
-    if copy_on in ("src", "split", "src-early"):
+    if copy_on == "src":
         assert res[1]["phases"]["copy_gpu_ms"] > 0 and res[1]["phases"]["ack_gpu_ms"] > 0, res[1]["phases"]
 
 

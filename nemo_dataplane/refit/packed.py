@@ -18,10 +18,11 @@ Peak extra memory per rank: two buckets (allocated on first use, kept for later 
 ``release_buffers()``), plus one temporary copy of a direct tensor that is not contiguous.
 
 ``transport="ipc"`` (same host, CUDA; ``nemo_dataplane/refit/ipc.py``) moves no bulk data over
-the group: the sender exports CUDA IPC handles of its tensors once, receivers open them once
-and copy straight from the sender's memory with copy-engine peer copies at every refit; the
-group carries the header and an acknowledgement after which the sender may overwrite its
-tensors.
+the group: CUDA IPC handles are exchanged once, and every refit is copy-engine peer copies
+between the two processes' tensors. ``push`` (default where possible): the sender writes into
+the receivers' exported tensors, gated on the GPU by a readiness ``all_reduce``, then sends the
+header and a verdict. ``pull``: receivers copy out of the sender's exported tensors after the
+header, then acknowledge. docs/refit.md, section 3a.
 """
 
 from __future__ import annotations

@@ -271,6 +271,15 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t() if t.dim() == 2 else t
 
 
+def _step_in_place(src: dict[str, torch.Tensor], i: int, dev: torch.device) -> None:
+    """Refit ``i``'s values (``model_tensors(i)``) written into ``src`` in place, as an optimizer
+    step would; refit 0 keeps the initial values."""
+    if i:
+        fresh = model_tensors(i, dev)
+        for k in src:
+            src[k].copy_(fresh[k])
+
+
 def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", bucket_bytes: int = 4096,
                     direct_bytes: int | None = None, versions: tuple[int, ...] = (7, 8),
                     transport: str = "auto", defaults: bool = False) -> dict[str, Any]:
@@ -288,10 +297,7 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
                               transport=transport)
         info = snd.prepare_refit_info()
         for i, v in enumerate(versions):
-            if i:
-                fresh = model_tensors(i, dev)
-                for k in src:  # in place, as an optimizer step would
-                    src[k].copy_(fresh[k])
+            _step_in_place(src, i, dev)
             snd.send_weights(v)
         g.barrier()
         g.destroy()
@@ -329,10 +335,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         exported = snd._ipc_keep
         same = []
         for i, v in enumerate(versions):
-            if i:
-                fresh = model_tensors(i, dev)
-                for k in src:
-                    src[k].copy_(fresh[k])
+            _step_in_place(src, i, dev)
             snd.send_weights(v)
             same.append(snd._ipc_keep is exported)
         # New storage for every tensor: the next refit must publish (and receivers open) new handles.
@@ -382,10 +385,7 @@ def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21
         snd.ipc_timing = True
         info = snd.prepare_refit_info()
         for i, v in enumerate(versions):
-            if i:
-                fresh = model_tensors(i, dev)
-                for k in src:
-                    src[k].copy_(fresh[k])
+            _step_in_place(src, i, dev)
             snd.send_weights(v)
         # New storage, some of it strided in a different way: a new copy plan, same handles.
         fresh = model_tensors(n, dev)

@@ -38,7 +38,7 @@ async def async_fan_out_per_rank_metas(
     *,
     partition_id: str,
     key_prefix: str,
-    timeout_s: float | None = 300.0,
+    timeout_s: float = 300.0,
 ) -> list[KVBatchMeta]:
     """One ``KVBatchMeta`` per DP rank, rows in the rank's local order.
 
@@ -91,6 +91,9 @@ async def async_fan_out_per_rank_metas(
         raise ValueError(f"fan-out: the batch has {rows} rows but the plan covers {n} samples")
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"fan-out: key_prefix must be a non-empty str, got {key_prefix!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"fan-out: timeout_s must be a positive number of seconds (every wait is bounded), "
+                         f"got {timeout_s!r}")
     tensor_fields: dict[str, torch.Tensor] = {}
     for name, value in source.items():
         if isinstance(value, TensorDict):
@@ -113,7 +116,7 @@ async def async_fan_out_per_rank_metas(
 
     gathered = asyncio.gather(*(put_rank(r) for r in range(preshards.dp_world)), return_exceptions=True)
     try:
-        results = await (asyncio.wait_for(gathered, timeout_s) if timeout_s is not None else gathered)
+        results = await asyncio.wait_for(gathered, timeout_s)
     except asyncio.TimeoutError:
         error: BaseException = TimeoutError(
             f"fan-out of {n} samples to {preshards.dp_world} ranks under {key_prefix!r} did not finish in {timeout_s}s"
@@ -147,7 +150,7 @@ def fan_out_per_rank_metas(
     *,
     partition_id: str,
     key_prefix: str,
-    timeout_s: float | None = 300.0,
+    timeout_s: float = 300.0,
 ) -> list[KVBatchMeta]:
     """Sync twin of :func:`async_fan_out_per_rank_metas` (runs it on an event loop)."""
     return run_sync(

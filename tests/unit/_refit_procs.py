@@ -475,6 +475,99 @@ def refit_push_waits_for_receiver(rank: int, world: int, port: int) -> dict[str,
     return out
 
 
+def refit_ipc_setup_fails(rank: int, world: int, port: int, direction: str, transport: str) -> dict[str, Any]:
+    """The receiver's half of the CUDA IPC setup fails (injected: pull, it cannot open the
+    sender's handles; push, it cannot export its own). ``transport="auto"`` must fall back to
+    broadcast on every rank and still refit bit-exactly; ``"ipc"`` must fail on every rank,
+    naming the rank and the reason, with no weights moved."""
+    from nemo_dataplane.refit import ipc as ipc_mod
+
+    g = _group(rank, world, port, "nccl")
+    dev = g.device
+    undo: list[Callable[[], None]] = []
+
+    def injected(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("injected: IPC not permitted here")
+
+    if rank != 0:
+        target = (ipc_mod, "open_tensors") if direction == "pull" else (ipc_mod.PushTargets, "blob")
+        saved = getattr(*target)
+        setattr(*target, injected)
+        undo.append(lambda: setattr(*target, saved))
+    try:
+        if rank == 0:
+            ep: RefitSender | RefitReceiver = RefitSender(g, model_tensors(0, dev), transport=transport,
+                                                          ipc_direction=direction)
+        else:
+            dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
+            ep = RefitReceiver(g, dst)
+        try:
+            info = ep.prepare_refit_info()
+        except RefitError as e:
+            out: dict[str, Any] = {"error": type(e).__name__, "msg": str(e)}
+            if rank != 0:
+                out["untouched"] = all(bool((t == 0).all()) for t in dst.values())
+            return out
+        out = {"error": None, "transport": info.transport, "reason": ep.ipc_fallback_reason}
+        if rank == 0:
+            ep.send_weights(5)
+        else:
+            out["version"] = ep.receive_weights()
+            want = model_tensors(0, torch.device("cpu"))
+            out["wrong"] = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
+        ep.close()
+        return out
+    finally:
+        for f in undo:
+            f()
+        g.barrier()
+        g.destroy()
+
+
+def refit_pull_receiver_copy_fails(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Pull: the receiver fails to issue its copies in one refit (injected). Both sides raise
+    (the sender hears it through the ack, with the receiver's reason); the next refit works."""
+    g = _group(rank, world, port, "nccl")
+    dev = g.device
+    out: dict[str, Any] = {}
+    if rank == 0:
+        src = model_tensors(0, dev)
+        ep = RefitSender(g, src, transport="ipc", ipc_direction="pull")
+        ep.prepare_refit_info()
+        try:
+            ep.send_weights(1)
+            out["error"] = None
+        except RefitError as e:
+            out.update(error=type(e).__name__, msg=str(e))
+        _step_in_place(src, 1, dev)
+        ep.send_weights(2)
+    else:
+        dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
+        ep = RefitReceiver(g, dst)
+        ep.prepare_refit_info()
+        copier = ep._copier
+        real = copier.issue
+
+        def broken(*_: Any, **__: Any) -> None:
+            raise RuntimeError("injected: copy refused")
+
+        copier.issue = broken
+        try:
+            ep.receive_weights()
+            out["error"] = None
+        except RefitError as e:
+            out.update(error=type(e).__name__, msg=str(e))
+        finally:
+            copier.issue = real
+        out["next_version"] = ep.receive_weights()
+        want = model_tensors(1, torch.device("cpu"))
+        out["wrong"] = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
+    g.barrier()
+    ep.close()
+    g.destroy()
+    return out
+
+
 def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
                    backend: str = "gloo", transport: str = "auto") -> dict[str, Any]:
     """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""

@@ -185,6 +185,10 @@ def test_mismatched_sizes_raise() -> None:
         fan_out_per_rank_metas(InMemoryClient(), pre, batch, partition_id="p", key_prefix="s")
     with pytest.raises(ValueError, match="key_prefix"):
         fan_out_per_rank_metas(InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch, partition_id="p", key_prefix="")
+    for bad in (None, 0, -1.0, float("nan"), "10"):
+        with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+            fan_out_per_rank_metas(InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch,
+                                   partition_id="p", key_prefix="s", timeout_s=bad)  # type: ignore[arg-type]
 
 
 def test_sync_fan_out_works_inside_a_running_event_loop() -> None:

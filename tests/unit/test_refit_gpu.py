@@ -121,6 +121,33 @@ def test_ipc_push_sender_abort_reaches_receiver(pool: P.Pool) -> None:
     assert res[1]["next_version"] == 4 and res[1]["next_values"] == [5.0] * 6, res[1]
 
 
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_ipc_setup_failure_falls_back_on_auto_and_fails_cleanly_on_ipc(pool: P.Pool, direction: str) -> None:
+    res = P.run_ranks(pool, P.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
+                      transport="auto")
+    _ok(res)
+    for r in (0, 1):
+        assert res[r]["error"] is None and res[r]["transport"] == "broadcast", res[r]
+        assert "rank 1" in res[r]["reason"] and "injected: IPC not permitted here" in res[r]["reason"], res[r]
+    assert res[1]["version"] == 5 and res[1]["wrong"] == [], res[1]
+    res = P.run_ranks(pool, P.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
+                      transport="ipc")
+    _ok(res)
+    for r in (0, 1):
+        assert res[r]["error"] == "RefitError", res[r]
+        assert "setup failed, no weights were moved" in res[r]["msg"] and "injected" in res[r]["msg"], res[r]
+    assert res[1]["untouched"], res[1]
+
+
+def test_ipc_pull_receiver_copy_failure_reaches_sender_and_group_survives(pool: P.Pool) -> None:
+    res = P.run_ranks(pool, P.refit_pull_receiver_copy_fails, [0, 1], world=2, port=P.free_port())
+    _ok(res)
+    assert res[1]["error"] == "RefitError" and "injected: copy refused" in res[1]["msg"], res[1]
+    assert res[0]["error"] == "RefitError" and "a receiver failed to copy refit version 1" in res[0]["msg"], res[0]
+    assert "injected: copy refused" in res[0]["msg"], res[0]
+    assert res[1]["next_version"] == 2 and res[1]["wrong"] == [], res[1]
+
+
 def test_ipc_mismatch_is_caught_before_transfer(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl",
                       transport="ipc")

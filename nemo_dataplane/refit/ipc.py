@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from nemo_dataplane.refit.copies import copy_all, slot_views
+
 __all__ = ["PeerCopier", "PushSource", "PushTargets", "export_tensors", "host_record", "ipc_problems",
-           "open_tensors", "signature"]
+           "open_tensors", "probe", "signature"]
 
 
 def _boot_id() -> str:
@@ -314,17 +316,15 @@ class PushTargets:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
-        from nemo_dataplane.refit.copies import slot_views
-
         self.tensors = list(tensors)
         self.signature = signature(self.tensors)
-        strided = [t for t in self.tensors if t.numel() and not t.is_contiguous()]
-        staging = iter(slot_views(strided, device)) if strided else iter(())
-        self.exported: list[torch.Tensor | None] = [
-            None if not t.numel() else t if t.is_contiguous() else next(staging) for t in self.tensors]
-        self._scatter = ([t for t in self.tensors if t.numel() and not t.is_contiguous()],
-                         [e for t, e in zip(self.tensors, self.exported) if t.numel() and not t.is_contiguous()])
         self.device = device
+        strided = [i for i, t in enumerate(self.tensors) if t.numel() and not t.is_contiguous()]
+        staging = slot_views([self.tensors[i] for i in strided], device) if strided else []
+        self.exported: list[torch.Tensor | None] = [t if t.numel() else None for t in self.tensors]
+        for i, slot in zip(strided, staging):
+            self.exported[i] = slot
+        self._scatter = ([self.tensors[i] for i in strided], staging)
 
     def blob(self) -> bytes:
         return export_tensors(self.exported, self.device)
@@ -339,8 +339,6 @@ class PushTargets:
 
     def scatter(self) -> None:
         """Staged values into the non-contiguous tensors, on the current stream."""
-        from nemo_dataplane.refit.copies import copy_all
-
         copy_all(*self._scatter)
 
 
@@ -350,7 +348,7 @@ class PushSource:
     The receivers' handles are opened once. Non-contiguous sources are gathered into one
     scratch buffer on the sender's GPU first, so every copy into another process's memory is a
     plain copy-engine copy (runs adjacent in memory on both sides merged). The plan is rebuilt
-    only when the sender's tensors move; the copies then go out with one batched call.
+    only when the sender's tensors move.
     """
 
     def __init__(self, blobs: dict[int, bytes], device: torch.device, copier: PeerCopier) -> None:
@@ -362,7 +360,7 @@ class PushSource:
                 views = open_tensors(blob)
             except Exception as e:
                 raise RuntimeError(f"rank {r}: {e}") from e
-            _probe(views, device, write=True)
+            probe(views, device)
             self.dsts[r] = views
         self._key: list | None = None
         self._plan: tuple[list, list] = ([], [])
@@ -382,8 +380,6 @@ class PushSource:
         key = signature(tensors)
         if key == self._key:
             return None
-        from nemo_dataplane.refit.copies import slot_views
-
         strided = [t for t in tensors if t.numel() and not t.is_contiguous()]
         # Allocated on the copy stream: a scratch buffer dropped here is reused by the
         # allocator only after the copies already queued on that stream read it.
@@ -407,22 +403,20 @@ class PushSource:
 
     def gather(self) -> None:
         """Non-contiguous sources into their scratch slots, on the current stream."""
-        from nemo_dataplane.refit.copies import copy_all
-
         copy_all(*self._gather)
 
 
-def _probe(views: Sequence[torch.Tensor | None], device: torch.device, write: bool) -> None:
-    """Copy one element of the first mapped view here (and back, ``write``): proves the mapping
-    works and lets torch enable peer access both ways before the first refit."""
+def probe(views: Sequence[torch.Tensor | None], device: torch.device) -> None:
+    """Copy one element of the first mapped view to ``device`` and back to a new tensor on the
+    view's GPU (never into the mapped memory): proves the mapping works and lets torch enable
+    peer access both ways before the first refit."""
     for v in views:
         if v is None:
             continue
         x = v if v.dim() == 0 else v[(0,) * v.dim()]
         here = torch.empty((), dtype=v.dtype, device=device)
         here.copy_(x)
-        if write:
-            x.copy_(here)
+        torch.empty((), dtype=v.dtype, device=v.device).copy_(here)
         torch.cuda.synchronize(device)
         torch.cuda.synchronize(v.device)
         return

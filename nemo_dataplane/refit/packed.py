@@ -772,7 +772,7 @@ class RefitSender(_Endpoint):
         timing = self.ipc_timing
         if timing:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        failed: BaseException | None = None
+        failed: Exception | None = None
         gated = False
         try:
             push.wait_stream(cur)  # read the weights after whatever wrote them
@@ -795,7 +795,7 @@ class RefitSender(_Endpoint):
                 copier.issue(*redo, push, [push])
             if timing:
                 e1.record(push)
-        except BaseException as e:
+        except Exception as e:
             failed = e
             self._publish_error(f"sender failed to push refit version {version}: {e}")
             if not gated:  # keep the receivers' sequence of collectives
@@ -1093,18 +1093,7 @@ class RefitReceiver(_Endpoint):
         src_dev = next((v.device for v in views if v is not None), g.device)
         s_dst = torch.cuda.Stream(g.device)
         s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)
-        # One element each way: proves the mapping works and lets torch enable peer access
-        # in both directions before the first refit.
-        for v in views:
-            if v is not None:
-                x = v if v.dim() == 0 else v[(0,) * v.dim()]
-                here = torch.empty((), dtype=v.dtype, device=g.device)
-                here.copy_(x)
-                there = torch.empty((), dtype=v.dtype, device=src_dev)
-                there.copy_(here)
-                torch.cuda.synchronize(g.device)
-                torch.cuda.synchronize(src_dev)
-                break
+        _ipc.probe(views, g.device)
         if self._copier is None:
             self._copier = _ipc.PeerCopier()
         self._ipc_views = views

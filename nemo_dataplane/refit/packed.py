@@ -445,10 +445,12 @@ class _Endpoint:
         Only one refit is in flight per endpoint and each ends with a host sync of the stream
         the header travelled on, so the pinned source is free again by the next call.
         """
-        if self._hdr_dev is None:
-            self._hdr_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-            self._hdr_dev = torch.zeros(4, dtype=torch.int64, device=self.group.device)
         with torch.cuda.stream(stream):
+            if self._hdr_dev is None:
+                # Made on ``stream``: an initialising kernel on another stream could land after
+                # the header written here (seen on 2x H200: a receiver read an all-zero header).
+                self._hdr_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+                self._hdr_dev = torch.empty(4, dtype=torch.int64, device=self.group.device)
             if fill:
                 self._hdr_host.numpy()[:] = (_MAGIC, self._fp, version, status)  # type: ignore[union-attr]
                 self._hdr_dev.copy_(self._hdr_host, non_blocking=True)  # type: ignore[arg-type]

@@ -77,6 +77,10 @@ def run_ranks(pool: Pool | ProcessPoolExecutor, fn: Callable[..., Any], ranks: l
             raise AssertionError(f"rank {r} of {fn.__name__} still running after {limit}s") from None
         except Exception as e:  # the rank's own failure is the test's observable
             out[r] = e
+    if isinstance(pool, Pool) and any(isinstance(v, BaseException) for v in out.values()):
+        # A rank body that raised may have left a communicator behind in its worker: later
+        # tests get fresh workers rather than that state.
+        pool.kill()
     return out
 
 

@@ -8,8 +8,10 @@ modules names that a child cannot import.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import traceback
@@ -46,16 +48,14 @@ class Pool:
             self._ex = make_pool(self.workers)
         return self._ex.submit(fn, *args, **kw)
 
-    def kill(self) -> None:
+    def kill(self, *, dump: bool = False) -> None:
         if self._ex is not None:
-            kill_pool(self._ex)
+            kill_pool(self._ex, dump=dump)
             self._ex = None
 
 
 def _hang_report(fn: Callable[..., Any], rank: int, after: float, **kw: Any) -> Any:
     # A rank that hangs prints every thread's stack before the test gives up on it.
-    import faulthandler
-
     faulthandler.dump_traceback_later(after, exit=False)
     try:
         return fn(rank, **kw)
@@ -73,7 +73,7 @@ def run_ranks(pool: Pool | ProcessPoolExecutor, fn: Callable[..., Any], ranks: l
         try:
             out[r] = f.result(timeout=max(0.1, deadline - time.monotonic()))
         except FutureTimeout:
-            pool.kill() if isinstance(pool, Pool) else kill_pool(pool)
+            pool.kill(dump=True) if isinstance(pool, Pool) else kill_pool(pool, dump=True)
             raise AssertionError(f"rank {r} of {fn.__name__} still running after {limit}s") from None
         except Exception as e:  # the rank's own failure is the test's observable
             out[r] = e
@@ -94,12 +94,24 @@ def make_pool(workers: int = 4) -> ProcessPoolExecutor:
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
 
 
-def kill_pool(pool: ProcessPoolExecutor) -> None:
-    """Terminate this pool's own worker processes (by pid) and shut it down."""
-    for p in list((getattr(pool, "_processes", None) or {}).values()):
+def _worker_init() -> None:
+    # SIGUSR1 prints every thread's stack, also for a worker that never started its task.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def kill_pool(pool: ProcessPoolExecutor, *, dump: bool = False) -> None:
+    """Terminate this pool's own worker processes (by pid) and shut it down; ``dump``: first
+    have each print its threads' stacks (for a test that gave up on a hung rank)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    if dump:
+        for p in procs:
+            with contextlib.suppress(Exception):
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+    for p in procs:
         with contextlib.suppress(Exception):
             p.kill()
     pool.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,4 @@
-"""Per-rank bodies for the stateless-group and refit tests, run in spawned worker processes.
+"""Per-rank bodies for the stateless-group and refit tests, each run in a fresh process.
 
 They live in their own module (imported by file-system path, never as ``tests.*``) because a
 spawned child re-imports a task's module by name, and pytest's importlib mode gives test
@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -35,86 +34,107 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a rank's process (set as its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
 class Pool:
-    """Worker processes for rank bodies that come back after a test had to kill them (a hung
-    rank), so one hang fails one test, not every later one."""
+    """Starts a fresh process per rank for every ``run_ranks`` call.
 
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._ex: ProcessPoolExecutor | None = None
+    The processes come from a fork server that pre-imports this module (and so torch and
+    nemo_dataplane), so a start costs milliseconds instead of a torch import, and each is clean:
+    no fork of the pytest process, no state (CUDA contexts, communicators) left by an earlier
+    test. No executor queue sits between a test and its ranks: on 2x H200, about one run in ten
+    of a ``ProcessPoolExecutor`` lost a submitted task (both workers idle, waiting on an empty
+    call queue) and the test hung to its limit.
+    """
 
-    def submit(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Future:
-        if self._ex is None:
-            self._ex = make_pool(self.workers)
-        return self._ex.submit(fn, *args, **kw)
+    def __init__(self, workers: int = 0) -> None:  # ``workers``: kept for the fixtures' call sites
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload([__name__])
+        self._live: list[Any] = []
+
+    def start(self, fn: Callable[..., Any], rank: int, after: float, kw: dict[str, Any]) -> tuple[Any, Any]:
+        """(process, connection) running ``fn(rank, **kw)``; its result or exception comes back on the connection."""
+        parent, child = self._ctx.Pipe(duplex=False)
+        p = self._ctx.Process(target=_rank_main, args=(fn, rank, after, kw, child), daemon=True)
+        p.start()
+        child.close()
+        self._live.append(p)
+        return p, parent
 
     def kill(self, *, dump: bool = False) -> None:
-        if self._ex is not None:
-            kill_pool(self._ex, dump=dump)
-            self._ex = None
+        """Kill the processes still running; ``dump``: first have each print its threads' stacks."""
+        live = [p for p in self._live if p.is_alive()]
+        if dump and live:
+            for p in live:
+                with contextlib.suppress(Exception):
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        for p in live:
+            with contextlib.suppress(Exception):
+                p.kill()
+        for p in self._live:
+            p.join(timeout=5)
+        self._live = [p for p in self._live if p.is_alive()]
 
 
-def _hang_report(fn: Callable[..., Any], rank: int, after: float, **kw: Any) -> Any:
-    # A rank that hangs prints every thread's stack before the test gives up on it.
+def _rank_main(fn: Callable[..., Any], rank: int, after: float, kw: dict[str, Any], conn: Any) -> None:
+    # A rank that hangs prints every thread's stack before the test gives up on it; SIGUSR1
+    # prints them on demand.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     faulthandler.dump_traceback_later(after, exit=False)
     try:
-        return fn(rank, **kw)
+        msg: tuple[bool, Any] = (True, fn(rank, **kw))
+    except BaseException as e:  # the rank's own failure is the test's observable
+        msg = (False, (e, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+    try:
+        conn.send(msg)
+    except Exception as e:  # an exception or result that does not pickle
+        conn.send((False, (RuntimeError(f"rank {rank}: result could not be sent back: {e!r}; {msg[1]!r}"), "")))
+    conn.close()
 
 
-def run_ranks(pool: Pool | ProcessPoolExecutor, fn: Callable[..., Any], ranks: list[int], *,
-              limit: float = 60.0, **kw: Any) -> dict[int, Any]:
-    """Run ``fn(rank, **kw)`` for each rank concurrently; return rank -> result or the exception."""
-    futs: dict[int, Future] = {r: pool.submit(_hang_report, fn, r, max(1.0, limit - 5.0), **kw) for r in ranks}
+def run_ranks(pool: Pool, fn: Callable[..., Any], ranks: list[int], *, limit: float = 60.0,
+              **kw: Any) -> dict[int, Any]:
+    """Run ``fn(rank, **kw)`` for each rank concurrently, each in a fresh process; return rank ->
+    result or the exception it raised (with its traceback as ``__cause__``). A rank still
+    running after ``limit`` seconds fails the test, after every rank's stacks were printed."""
+    started = {r: pool.start(fn, r, max(1.0, limit - 5.0), kw) for r in ranks}
+    conns = {conn: r for r, (_, conn) in started.items()}
     out: dict[int, Any] = {}
     deadline = time.monotonic() + limit
-    for r, f in futs.items():
-        try:
-            out[r] = f.result(timeout=max(0.1, deadline - time.monotonic()))
-        except FutureTimeout:
-            pool.kill(dump=True) if isinstance(pool, Pool) else kill_pool(pool, dump=True)
-            raise AssertionError(f"rank {r} of {fn.__name__} still running after {limit}s") from None
-        except Exception as e:  # the rank's own failure is the test's observable
-            out[r] = e
-    if isinstance(pool, Pool) and any(isinstance(v, BaseException) for v in out.values()):
-        # A rank body that raised may have left a communicator behind in its worker: later
-        # tests get fresh workers rather than that state.
-        pool.kill()
+    while conns:
+        left = deadline - time.monotonic()
+        ready = multiprocessing.connection.wait(list(conns), timeout=max(0.0, left))
+        if not ready:
+            pool.kill(dump=True)
+            late = sorted(conns.values())
+            raise AssertionError(f"rank {late[0]} of {fn.__name__} still running after {limit}s")
+        for conn in ready:
+            r = conns.pop(conn)
+            try:
+                ok, payload = conn.recv()
+            except EOFError:
+                proc = started[r][0]
+                proc.join(timeout=5)
+                out[r] = RuntimeError(f"rank {r} of {fn.__name__} died (exit code {proc.exitcode}) without a result")
+                continue
+            if ok:
+                out[r] = payload
+            else:
+                exc, tb = payload
+                exc.__cause__ = RemoteTraceback(tb)
+                out[r] = exc
+    # Every body has returned (its own cleanup included); interpreter teardown is not worth
+    # waiting for.
+    pool.kill()
     return out
-
-
-def make_pool(workers: int = 4) -> ProcessPoolExecutor:
-    """Worker processes for rank bodies.
-
-    A fork server that pre-imports this module (and so torch and nemo_dataplane) hands out
-    fresh workers in milliseconds; plain spawn re-imports everything per worker, which costs
-    several seconds each on a 2-core CI machine. The children are still clean processes (no
-    fork of the pytest process, no inherited threads).
-    """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
-
-
-def _worker_init() -> None:
-    # SIGUSR1 prints every thread's stack, also for a worker that never started its task.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
-def kill_pool(pool: ProcessPoolExecutor, *, dump: bool = False) -> None:
-    """Terminate this pool's own worker processes (by pid) and shut it down; ``dump``: first
-    have each print its threads' stacks (for a test that gave up on a hung rank)."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    if dump:
-        for p in procs:
-            with contextlib.suppress(Exception):
-                os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(1.0)
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _dev(backend: str, rank: int) -> torch.device:

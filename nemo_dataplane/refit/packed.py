@@ -711,9 +711,6 @@ class RefitSender(_Endpoint):
         self.ipc_fallback_reason = "; ".join(problems)
         return DEFAULT_TRANSPORT_GPU, False
 
-    def _signature(self, tensors: list[torch.Tensor]) -> list:
-        return [(t.data_ptr(), t.stride()) for t in tensors]
-
     def _export_blob(self, tensors: list[torch.Tensor]) -> bytes:
         return _ipc.export_tensors([t if t.numel() else None for t in tensors], self.group.device)
 
@@ -728,7 +725,7 @@ class RefitSender(_Endpoint):
         g.store.set(self._key(self._gen, "ipc_handles"), blob)
         if status == "ok":
             self._ipc_keep = list(tensors)
-            self._ipc_sig = self._signature(tensors)
+            self._ipc_sig = _ipc.signature(tensors)
         self._ipc_agree(status)
 
     def _open_push(self, tensors: list[torch.Tensor]) -> None:
@@ -874,7 +871,7 @@ class RefitSender(_Endpoint):
         self.ipc_phases = {"t_enter": time.perf_counter()}
         status = _STATUS_OK
         old = None
-        sig = self._signature(tensors)
+        sig = _ipc.signature(tensors)
         if sig != self._ipc_sig:
             # A tensor now lives elsewhere (e.g. the callable returned new tensors): publish new
             # handles for this refit; the old tensors stay alive until the receivers' ack.
@@ -1154,7 +1151,7 @@ class RefitReceiver(_Endpoint):
     def _ipc_plan(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
         """Copy plan for our tensors, reused while they stay where they were (same pointers, strides)."""
         assert self._ipc_views is not None and self._copier is not None
-        key = [(t.data_ptr(), t.stride()) for t in tensors]
+        key = _ipc.signature(tensors)
         cached = self._ipc_plan_cache
         if cached is not None and cached[0] is self._ipc_views and cached[1] == key:
             return cached[2]

@@ -8,7 +8,7 @@ Public names are re-exported here; everything else is imported from its layer's 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nemo_dataplane.client import DataPlaneClient, DataPlaneError
+    from nemo_dataplane.client import ClaimsNotSupported, ClaimStatus, DataPlaneClient, DataPlaneError
     from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
     from nemo_dataplane.factory import build_data_plane_client
     from nemo_dataplane.meta import KVBatchMeta
@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 # Public names resolve on first access (PEP 562): code that needs only the planners or the meta
 # (the legacy transport) does not load the store client, the factory or the adapters.
 _WHERE = {
+    "ClaimStatus": "client",
+    "ClaimsNotSupported": "client",
     "DataPlaneClient": "client",
     "DataPlaneError": "client",
     "DataPlaneConfig": "config",
@@ -26,6 +28,8 @@ _WHERE = {
 }
 
 __all__ = [
+    "ClaimStatus",
+    "ClaimsNotSupported",
     "DataPlaneClient",
     "DataPlaneConfig",
     "DataPlaneError",

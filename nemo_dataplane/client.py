@@ -13,6 +13,7 @@ import asyncio
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -26,6 +27,26 @@ Fields = TensorDict | Mapping[str, torch.Tensor]
 
 class DataPlaneError(RuntimeError):
     """A store could not be reached, bootstrapped or used (not a caller mistake)."""
+
+
+class ClaimsNotSupported(NotImplementedError):
+    """The backend implements the by-key contract but not task-mediated claims."""
+
+
+@dataclass(frozen=True)
+class ClaimStatus:
+    """Production/consumption of one partition as seen by one task (see :meth:`DataPlaneClient.kv_claim_status`).
+
+    ``rows``: keys in the partition; ``produced``: keys whose named fields are all stored;
+    ``claimed``: keys ``task`` has claimed (or marked consumed) that are still in the partition.
+    """
+
+    partition_id: str
+    task: str
+    rows: int
+    produced: int
+    claimed: int
+    claimable: int  # produced and not yet claimed by ``task``
 
 
 class DataPlaneClient(ABC):
@@ -94,6 +115,51 @@ class DataPlaneClient(ABC):
         """Every key in ``partition_id`` in insertion order, with tags; ``fields`` lists the
         fields stored for every one of them. An unknown partition gives an empty meta."""
 
+    # ------------------------------------------------------ task-mediated claims
+    # Streaming consumers (async GRPO's trainer) take rows as producers finish them. A claim is
+    # per (partition, task, key): each task sees every produced row at most once, across all
+    # clients and processes attached to the store; different tasks are independent. The
+    # defaults raise :class:`ClaimsNotSupported`; the by-key methods above never depend on these.
+    def kv_claim(
+        self,
+        partition_id: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout_s: float,
+    ) -> KVBatchMeta:
+        """Claim up to ``batch_size`` rows of ``partition_id`` for ``task``.
+
+        A row is claimable when every field in ``fields`` is stored for it and ``task`` has not
+        claimed it (nor marked it consumed). Waits until ``batch_size`` rows are claimable or
+        ``timeout_s`` passes, then claims what is claimable (``batch_size`` at most, oldest
+        first): at the deadline that may be fewer rows, or none (an empty meta). ``timeout_s=0``
+        claims what is ready without waiting. The claim is atomic: concurrent claimers of one
+        task never receive the same row. A key cleared and put again is a new row.
+
+        Returns:
+            A meta of the claimed keys in production order, their tags, ``partition_id`` set and
+            ``fields`` naming (at least) ``fields``.
+
+        Raises:
+            ValueError: empty ``task`` or ``fields``, ``batch_size < 1``, negative ``timeout_s``.
+            ClaimsNotSupported: the backend has no claims.
+        """
+        raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_claim (task-mediated claims)")
+
+    def kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
+        """Record ``keys`` as claimed by ``task`` without reading them (absent keys are ignored)."""
+        raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_mark_consumed")
+
+    def kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
+        """How many rows of ``partition_id`` exist, are produced for ``fields`` and are claimed by
+        ``task``. An unknown partition gives all zeros."""
+        raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_claim_status")
+
+    def kv_partitions(self) -> list[str]:
+        """Every partition holding at least one key (a store-wide listing for leak checks)."""
+        raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_partitions")
+
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Release this client's resources. Shared infrastructure is only shut down by the
@@ -139,6 +205,24 @@ class DataPlaneClient(ABC):
     async def async_kv_list(self, partition_id: str) -> KVBatchMeta:
         """Async twin of :meth:`kv_list`."""
         return await asyncio.to_thread(self.kv_list, partition_id)
+
+    async def async_kv_claim(
+        self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
+    ) -> KVBatchMeta:
+        """Async twin of :meth:`kv_claim`."""
+        return await asyncio.to_thread(self.kv_claim, partition_id, task, fields, batch_size, timeout_s)
+
+    async def async_kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
+        """Async twin of :meth:`kv_mark_consumed`."""
+        await asyncio.to_thread(self.kv_mark_consumed, keys, partition_id, task)
+
+    async def async_kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
+        """Async twin of :meth:`kv_claim_status`."""
+        return await asyncio.to_thread(self.kv_claim_status, partition_id, task, fields)
+
+    async def async_kv_partitions(self) -> list[str]:
+        """Async twin of :meth:`kv_partitions`."""
+        return await asyncio.to_thread(self.kv_partitions)
 
 
 # ---------------------------------------------------------------- argument checks
@@ -189,6 +273,18 @@ def check_select_fields(select_fields: Any) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"select_fields repeats a name: {names}")
     return names
+
+
+def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) -> tuple[str, list[str], int, float]:
+    """Validate :meth:`DataPlaneClient.kv_claim`'s arguments (same words for every backend)."""
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"task must be a non-empty str, got {task!r}")
+    names = check_select_fields(fields)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
+        raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    return task, names, batch_size, float(timeout_s)
 
 
 def check_tags(tags: Any, n_keys: int) -> list[dict[str, Any]] | None:

@@ -225,7 +225,9 @@ def generate(
     generator: torch.Generator,
     eos_id: int,
     pad_id: int,
-) -> list[list[int]]:
+    *,
+    return_logprobs: bool = False,
+) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """Sample ``n`` responses per prompt with a KV-cached loop; deterministic for a given ``generator`` state.
 
     Returns ``len(prompt_ids) * n`` token lists, group-major (the ``n`` responses of prompt ``i``
@@ -233,6 +235,10 @@ def generate(
     otherwise it has exactly ``max_new_tokens`` tokens. ``temperature <= 0`` means greedy.
     ``generator`` is a CPU generator (tokens are drawn on CPU even for a CUDA model, so a seed
     gives the same samples on both). The model's train/eval mode is restored on exit.
+
+    ``return_logprobs=True`` also returns, per response, the log-prob of each sampled token under
+    the distribution it was drawn from (``log_softmax(logits / temperature)``; greedy: of the
+    untempered logits): the behaviour log-probs an off-policy correction needs.
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -240,7 +246,7 @@ def generate(
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
     if not prompt_ids:
-        return []
+        return ([], []) if return_logprobs else []
     from transformers import DynamicCache
 
     rows = [list(p) for p in prompt_ids for _ in range(n)]
@@ -253,6 +259,7 @@ def generate(
     try:
         cache = DynamicCache()
         out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         lengths = torch.zeros(B, dtype=torch.long, device=device)
         cur_ids, position_ids = input_ids, _position_ids(attention_mask)
@@ -272,6 +279,9 @@ def generate(
                 nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
             else:
                 nxt = logits.argmax(dim=-1)
+            if return_logprobs:
+                scaled = logits / temperature if temperature > 0 else logits
+                out_logprobs[:, step] = torch.log_softmax(scaled, dim=-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
             out_tokens[:, step] = nxt
             lengths += (~finished).long()
@@ -284,4 +294,8 @@ def generate(
     finally:
         model.train(was_training)
     out_cpu, len_cpu = out_tokens.cpu(), lengths.cpu()
-    return [out_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]
+    tokens = [out_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]
+    if not return_logprobs:
+        return tokens
+    lp_cpu = out_logprobs.cpu()
+    return tokens, [lp_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]

@@ -55,7 +55,7 @@ class RolloutCollector:
     def _sample(self, records: Sequence[Any], n: int, seed: int, temperature: float | None) -> tuple[list, list, int]:
         prompts = [self.tokenizer.encode_prompt(r.prompt) for r in records]
         ref = self.generator.generate.remote(prompts, n, seed, temperature=temperature)
-        responses, version = ray.get(ref, timeout=self.timeout_s)
+        responses, _, version = ray.get(ref, timeout=self.timeout_s)
         return prompts, responses, version
 
     def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int) -> list[float]:

@@ -60,18 +60,20 @@ class GeneratorWorker:
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, seed: int, *, temperature: float | None = None
-    ) -> tuple[list[list[int]], int]:
-        """``len(prompt_ids) * n`` responses (group-major) and the weight version that drew them."""
+    ) -> tuple[list[list[int]], list[list[float]], int]:
+        """``len(prompt_ids) * n`` responses (group-major), the log-prob of each sampled token
+        under the sampling distribution, and the weight version that drew them (one version per
+        call: a refit is only ever installed between calls)."""
         from algorithms.models import generate
 
         g = self.cfg["generation"]
         gen = torch.Generator().manual_seed(int(seed))
-        out = generate(
+        tokens, logprobs = generate(
             self.model, prompt_ids, n, int(g["max_new_tokens"]),
             float(g["temperature"] if temperature is None else temperature), gen,
-            self.tokenizer.eos_id, self.tokenizer.pad_id,
+            self.tokenizer.eos_id, self.tokenizer.pad_id, return_logprobs=True,
         )
-        return out, self.weight_version
+        return tokens, logprobs, self.weight_version
 
     def shutdown(self) -> None:
         if self._group is not None:

@@ -166,3 +166,30 @@ def test_generate_errors(model: torch.nn.Module) -> None:
         generate(model, [[1], []], 1, 2, 1.0, torch.Generator(), TOK.eos_id, TOK.pad_id)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [[1]], 1, 0, 1.0, torch.Generator(), TOK.eos_id, TOK.pad_id)
+
+
+def test_generate_logprobs_are_those_of_the_sampled_tokens_under_the_tempered_distribution(
+    model: torch.nn.Module,
+) -> None:
+    """The behaviour log-probs returned with the tokens equal an independent teacher-forced
+    forward of the same sequences at the same temperature (and the tokens are unchanged)."""
+    from algorithms.models import sequence_logprobs
+
+    prompts = [TOK.encode_prompt("3="), TOK.encode_prompt("71=")]
+    temperature = 0.7
+    plain = generate(model, prompts, 3, 5, temperature, torch.Generator().manual_seed(4), TOK.eos_id, TOK.pad_id)
+    tokens, logprobs = generate(
+        model, prompts, 3, 5, temperature, torch.Generator().manual_seed(4), TOK.eos_id, TOK.pad_id,
+        return_logprobs=True,
+    )
+    assert tokens == plain
+    for i, (resp, lps) in enumerate(zip(tokens, logprobs)):
+        assert len(lps) == len(resp) > 0
+        seq = torch.tensor([list(prompts[i // 3]) + resp])
+        attn = torch.ones_like(seq)
+        resp_mask = torch.zeros_like(seq, dtype=torch.bool)
+        resp_mask[:, len(prompts[i // 3]):] = True
+        with torch.no_grad():
+            ref = sequence_logprobs(model, seq, attn, resp_mask, temperature=temperature)[0, len(prompts[i // 3]) - 1:]
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-5), (i, lps, ref.tolist())
+        assert all(lp <= 0 for lp in lps)

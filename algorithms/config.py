@@ -137,12 +137,39 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    """``grpo_async`` only: how far generation may run ahead of training (YAML key ``async``).
+
+    ``max_staleness`` bounds, in weight versions, how old a trained group may be (0: on-policy);
+    admission keeps at most ``(max_staleness + 1) * grpo.prompts_per_step`` groups handed out
+    and untrained, and a claimed group older than that is dropped and regenerated.
+    ``max_inflight_groups`` (backpressure): groups written and not yet claimed by the trainer
+    before a collector waits; ``null`` = ``(max_staleness + 1) * grpo.prompts_per_step``.
+    ``is_cap``/``is_mode``: the off-policy correction's cap on the proximal/behaviour weight and
+    whether a weight above it is truncated to the cap or its token masked.
+    """
+
+    max_staleness: int = 1
+    max_inflight_groups: int | None = None
+    groups_per_generation: int = 8  # groups one generate call draws (the generator's batch)
+    num_collectors: int = 1
+    is_cap: float = 2.0
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
+
+    def inflight_groups(self, groups_per_step: int) -> int:
+        return self.max_inflight_groups or (self.max_staleness + 1) * groups_per_step
+
+
+@dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests: the named phase raises on ``fail_at_step``."""
+    """Fault injection for tests: the named phase raises on ``fail_at_step`` (``put``: the
+    collector's write of group ``fail_at_group`` fails half-way, async only)."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "logprobs", "train"] | None = None
+    fail_in: Literal["collect", "logprobs", "train", "put"] | None = None
     fail_rank: int = 0
+    fail_at_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,10 +187,12 @@ class TrainerConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; ``TrainerConfig.from_dict(cfg.to_dict()) == cfg``."""
-        return _plain(dataclasses.asdict(self))
+        return _plain({_key(f): getattr(self, f.name) if not dataclasses.is_dataclass(getattr(self, f.name))
+                       else dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerConfig:
@@ -232,20 +261,27 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp!r}")  # pragma: no cover - schema bug
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's YAML key (``async`` is a Python keyword, so its field is ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    by_key = {_key(f): f.name for f in dataclasses.fields(cls)}
+    names = list(by_key)
     unknown = sorted(set(data) - set(names))
     if unknown:
         dotted = [f"{path}.{k}" if path else str(k) for k in unknown]
         raise ConfigError(f"unknown config key(s) {dotted}; known under {path or 'the top level'}: {names}")
     kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        key = f"{path}.{name}" if path else name
+    for yaml_key, value in data.items():
+        name = by_key[yaml_key]
+        key = f"{path}.{yaml_key}" if path else yaml_key
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
@@ -313,8 +349,24 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key}={val!r} is not a file")
     if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
-    if cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:
+    if cfg.debug.fail_in == "put":
+        if cfg.debug.fail_at_group is None:
+            raise ConfigError("debug.fail_in=put needs debug.fail_at_group")
+    elif cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:
         raise ConfigError("debug.fail_in is set but debug.fail_at_step is not")
+    a = cfg.async_
+    _positive(a.max_staleness, "async.max_staleness", allow_zero=True)
+    _positive(a.groups_per_generation, "async.groups_per_generation")
+    _positive(a.num_collectors, "async.num_collectors")
+    _positive(a.is_cap, "async.is_cap")
+    _positive(a.claim_poll_s, "async.claim_poll_s")
+    if a.max_inflight_groups is not None:
+        _positive(a.max_inflight_groups, "async.max_inflight_groups")
+        if a.max_inflight_groups < a.groups_per_generation:
+            raise ConfigError(
+                f"async.max_inflight_groups={a.max_inflight_groups} is below async.groups_per_generation="
+                f"{a.groups_per_generation}: a collector could never write a generation"
+            )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":

@@ -11,17 +11,19 @@ adapters, fan-out, column I/O or worker fetch, so the baseline cannot quietly us
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from tensordict import TensorDict
 
+from nemo_dataplane.codec import is_jagged, jagged_from_rows, jagged_rows
 from nemo_dataplane.driver.planner import Preshards
 from nemo_dataplane.rows import select_rows, split_microbatches
 
-__all__ = ["LegacyShard", "fetch_shard", "legacy_shard", "ship_shards"]
+__all__ = ["LegacyShard", "LegacyTransport", "concat_batches", "fetch_shard", "legacy_shard", "ship_shards"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +79,75 @@ def fetch_shard(ref: ray.ObjectRef | LegacyShard, timeout_s: float = 300.0) -> L
     if isinstance(ref, LegacyShard):
         return ref
     return ray.get(ref, timeout=timeout_s)
+
+
+def concat_batches(batches: Sequence[TensorDict]) -> TensorDict:
+    """Rows of ``batches`` one after another (jagged fields stay jagged); every batch must have
+    the same fields.
+
+    Raises:
+        ValueError: no batches, or batches with different fields (names them).
+    """
+    if not batches:
+        raise ValueError("concat_batches: no batches")
+    names = list(batches[0].keys())
+    for i, b in enumerate(batches[1:], 1):
+        if sorted(b.keys()) != sorted(names):
+            raise ValueError(f"concat_batches: batch {i} has fields {sorted(b.keys())}, batch 0 has {sorted(names)}")
+    cols: dict[str, torch.Tensor] = {}
+    for name in names:
+        parts = [b[name] for b in batches]
+        if is_jagged(parts[0]):
+            cols[name] = jagged_from_rows([r for p in parts for r in jagged_rows(p)])
+        else:
+            cols[name] = torch.cat(parts, 0)
+    return TensorDict(cols, batch_size=[sum(b.batch_size[0] for b in batches)])
+
+
+class LegacyTransport:
+    """The baseline: the driver holds the rollout ``TensorDict``, computes on it in memory and
+    ships each rank its shard with ``ray.put``; log-probs come back to the driver as tensors.
+    Nothing is stored outside the driver's memory, so release and outstanding are trivial."""
+
+    name = "legacy"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.driver_bytes = 0
+        self.column_bytes = 0
+
+    def partition(self) -> None:
+        return None
+
+    def rollouts(self, result: Mapping[str, Any]) -> Any:
+        return result["batch"]
+
+    def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
+        return select_rows(handle, keep_idx)
+
+    def write_advantages(self, handle: Any, advantages: torch.Tensor) -> Any:
+        handle.set("advantages", advantages)
+        return handle
+
+    def preshard(self, handle: Any, dp_world: int) -> Any:
+        from nemo_dataplane.driver.preshard import driver_balanced_preshards
+
+        return driver_balanced_preshards(handle, dp_world, self.cfg.data_plane.packing)
+
+    def rank_inputs(self, handle: Any, preshards: Any, step: int) -> list[Any]:
+        from algorithms.metrics import payload_bytes
+
+        shards = legacy_shard(handle, preshards)
+        self.driver_bytes += sum(payload_bytes(s) for s in shards)
+        return ship_shards(shards)
+
+    def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any:
+        per_rank = [jagged_rows(r[field]) for r in rank_results]
+        handle.set(field, jagged_from_rows(preshards.restore_order(per_rank)))
+        return handle
+
+    def release(self, handle: Any) -> None:
+        return None
+
+    def outstanding(self) -> int:
+        return 0

@@ -140,8 +140,9 @@ class MetricsLogger:
                     self._tb.add_scalar(k.replace(".", "/"), v, step)
             self._tb.flush()
         if self._bar is not None:
+            extra = f" stale={_fmt(full['staleness_mean'])}" if full.get("staleness_mean") is not None else ""
             self._bar.set_postfix_str(
-                f"reward={_fmt(full['reward'])} loss={_fmt(full['loss'])} step_s={_fmt(full['step_s'])}",
+                f"reward={_fmt(full['reward'])} loss={_fmt(full['loss'])} step_s={_fmt(full['step_s'])}{extra}",
                 refresh=False,
             )
             self._bar.update(1)
@@ -195,20 +196,27 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path | 
     return out
 
 
-def summary_line(rows: Sequence[Mapping[str, Any]], *, wall_s: float, status: str, path: str | Path) -> str:
-    """One line for the end of a run: status, steps, reward first->last, best validation, time."""
+def summary_line(
+    rows: Sequence[Mapping[str, Any]], *, wall_s: float, status: str, path: str | Path, name: str = "grpo_sync"
+) -> str:
+    """One line for the end of a run: status, steps, reward first->last, best validation, time
+    (and for async runs the staleness and stale groups dropped)."""
     if not rows:
-        return f"grpo_sync {status}: 0 steps in {wall_s:.1f}s; metrics: {path}"
+        return f"{name} {status}: 0 steps in {wall_s:.1f}s; metrics: {path}"
     first, last = rows[0], rows[-1]
     head = min(3, len(rows))
     r0 = sum(r["reward"] for r in rows[:head]) / head
     r1 = sum(r["reward"] for r in rows[-head:]) / head
     vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
     best = f", best val reward {max(vals):.3f}" if vals else ""
+    stale = ""
+    if any(r.get("staleness_max") is not None for r in rows):
+        stale = (f", staleness max {max(r.get('staleness_max') or 0 for r in rows)}, "
+                 f"stale groups dropped {sum(r.get('groups_dropped_stale') or 0 for r in rows)}")
     return (
-        f"grpo_sync {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
+        f"{name} {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
         f"(first/last {head} steps){best}, loss {_fmt(last.get('loss'))}, "
-        f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}, "
+        f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}{stale}, "
         f"{wall_s:.1f}s wall; metrics: {path}"
     )
 

@@ -1,19 +1,23 @@
-"""One GRPO step, written once; the data-plane and legacy paths differ only in a transport.
+"""The GRPO step written once; sync and async trainers differ only in where a batch comes from.
 
-Order of a step (``run_step``)::
+A training step on a :class:`RolloutBatch` (``train_on_batch``)::
 
-    collect        collector samples n responses per prompt, scores them; rollouts go to the
-                   store (data plane) or back to the driver (legacy)
-    advantages     driver: rewards -> (dynamic sampling) -> group-relative advantages
+    prepare        driver: rewards -> (dynamic sampling) -> group-relative advantages
     preshard       driver: one plan (ranks x micro-batches) from the seq_len of every sample
-    logprobs       each policy rank: previous-policy and reference log-probs of its rows
-    train          each policy rank: clipped PG + KL loss, gradient all-reduce, AdamW step
-    clear          (finally, also on failure) the step's partition is emptied
-    refit          policy rank 0 -> generator, new weight version
+    logprobs       each policy rank: proximal (current) and reference log-probs of its rows
+    train          each policy rank: clipped PG + KL loss (+ the off-policy correction when the
+                   batch carries behaviour log-probs), gradient all-reduce, AdamW step
+    release        (finally, also on failure) exactly the batch's keys leave the store
+    refit          policy rank 0 -> generator, weight version ``step + 1``
 
-A transport implements the five data movements (:class:`DataPlaneTransport` over the store,
-:class:`LegacyTransport` through Ray object refs). The legacy one lives in a module that never
-imports the data-plane client; this module imports neither transport's dependencies eagerly.
+Where the batch comes from: ``grpo_sync`` calls :func:`collect` (the collector generates one
+step's prompts with the current weights and hands the batch over); ``grpo_async`` claims groups
+that a continuously running collector streamed into the store (``algorithms.rollout_buffer``).
+
+A transport implements the data movements: :class:`DataPlaneTransport` (rollouts stay in the
+store, the driver moves metas) or :class:`algorithms.legacy_transport.LegacyTransport` (the
+driver holds the batch and ships shards through Ray). This module imports neither transport's
+dependencies eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ import torch
 
 from algorithms.config import TrainerConfig
 from algorithms.metrics import PhaseTimer, payload_bytes
+
+ROLLOUTS = "rollouts"  # the one partition rollouts live in; keys are released one batch at a time
+TRAINER_TASK = "trainer"  # the consumer task name of the trainer's claims
+ROLLOUT_FIELDS = ("input_ids", "prompt_len", "seq_len", "group_id", "weight_version", "rewards", "gen_logprobs")
 
 
 class StepError(RuntimeError):
@@ -68,13 +76,10 @@ class Transport(Protocol):
     name: str
     driver_bytes: int
     column_bytes: int  # bytes the driver itself wrote to the store this step
-    last_outstanding: int  # keys left in the last cleared partition (-1: the clear failed)
 
-    def partition(self, step: int) -> str | None: ...
+    def partition(self) -> str | None: ...
 
     def rollouts(self, result: Mapping[str, Any]) -> Any: ...
-
-    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor: ...
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any: ...
 
@@ -86,16 +91,40 @@ class Transport(Protocol):
 
     def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any: ...
 
-    def clear(self, step: int) -> int: ...
+    def release(self, handle: Any) -> None: ...
+
+    def outstanding(self) -> int: ...
 
 
 @dataclass
 class Workers:
-    """Actor handles of one run."""
+    """Actor handles of one run (``collectors[0]`` is the one the sync trainer drives)."""
 
     policy: list[Any]
     generator: Any
-    collector: Any
+    collectors: list[Any]
+
+    @property
+    def collector(self) -> Any:
+        return self.collectors[0]
+
+
+@dataclass
+class RolloutBatch:
+    """One training batch: whole groups of ``group_size`` rows, group-major.
+
+    ``handle`` is what the transport moves (a meta of store keys, or the rows themselves);
+    ``rewards`` [B] come with it (tags or the collector's reply), never from a store read;
+    ``versions`` is the weight version that generated each group, ``group_ids`` its id.
+    """
+
+    handle: Any
+    rewards: torch.Tensor
+    group_size: int
+    group_ids: list[int]
+    versions: list[int]
+    response_len: float
+    row: dict[str, Any] = field(default_factory=dict)  # metrics the source adds (timings, drops)
 
 
 @dataclass
@@ -106,45 +135,64 @@ class StepResult:
     trained: bool = True
 
 
-def generation_seed(cfg: TrainerConfig, step: int) -> int:
-    return cfg.trainer.seed * 1_000_003 + step
+def generation_seed(run_seed: int, first_group_id: int) -> int:
+    """The sampling seed of one generate call, keyed by the first group it draws: a group's
+    samples depend on its id and the weights only, not on when or by whom it was drawn."""
+    return run_seed * 1_000_003 + first_group_id
 
 
-def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: int, records: Sequence[Any]) -> StepResult:
-    """Run GRPO step ``step`` on ``records`` (one prompt batch) and refit the generator.
+def collect(
+    cfg: TrainerConfig, workers: Workers, transport: Transport, jobs: Sequence[Any], timer: PhaseTimer, step: int
+) -> RolloutBatch:
+    """Sync source: the collector generates ``jobs`` (one step's prompts) with the generator's
+    current weights and hands over the batch (store keys, or the rows through Ray).
 
-    The step's partition is cleared before the refit, and also when anything in the step raises
-    (the clear runs, then the step's own error propagates), so a failed step leaves no keys.
+    Raises:
+        StepError: the collector failed or timed out.
+    """
+    from algorithms.rollout_buffer import batch_from_result
+
+    with timer("generate"):
+        call = workers.collector.collect.remote(list(jobs), generation_seed(cfg.trainer.seed, jobs[0].group_id), transport.partition())
+        transport.driver_bytes += payload_bytes(list(jobs))
+        (res,) = gather([call], cfg.trainer.step_timeout_s, f"step {step} collect")
+        transport.driver_bytes += payload_bytes(res)
+    batch = batch_from_result(transport, res, cfg.generation.n)
+    batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
+    return batch
+
+
+def train_on_batch(
+    cfg: TrainerConfig, workers: Workers, transport: Transport, batch: RolloutBatch, step: int,
+    timer: PhaseTimer, *, behaviour: bool, t_start: float | None = None,
+) -> StepResult:
+    """Train step ``step`` on ``batch``, release its keys, refit the generator to ``step + 1``.
+
+    ``behaviour``: the batch carries the sampler's log-probs (``gen_logprobs``) and the loss
+    applies the off-policy correction (async). The batch's keys are released before the refit,
+    and also when anything here raises (then the step's own error propagates), so a failed step
+    leaves no keys of its batch behind. ``t_start``: when the step began for the caller (its
+    source's wait or generation included in ``step_s``); default now.
 
     Raises:
         StepError: any worker raised (quoting its error) or a wait timed out.
     """
     from algorithms.grpo import dynamic_sampling_mask, group_advantages
 
-    timer = PhaseTimer()
     timeout = cfg.trainer.step_timeout_s
-    n = cfg.generation.n
-    dp = cfg.trainer.dp_size
-    t_start = time.perf_counter()
-    transport.driver_bytes = 0
-    transport.column_bytes = 0
-    ranks = _RankTotals()
-    row: dict[str, Any] = {"step": step}
+    n, dp = batch.group_size, cfg.trainer.dp_size
+    t_start = time.perf_counter() if t_start is None else t_start
+    ranks = _RankTotals(dp_bytes=int(batch.row.pop("dp_bytes_collect", 0)))
+    handle = batch.handle
+    rewards = batch.rewards
+    row: dict[str, Any] = {"step": step, **batch.row}
+    row.update(reward=float(rewards.mean()), response_len=batch.response_len, samples=int(rewards.numel()),
+               weight_version=min(batch.versions) if batch.versions else None)
     trained = True
     try:
-        with timer("generate"):
-            call = workers.collector.collect.remote(step, list(records), generation_seed(cfg, step), transport.partition(step))
-            transport.driver_bytes += payload_bytes(list(records))
-            (res,) = gather([call], timeout, f"step {step} collect")
-            transport.driver_bytes += payload_bytes(res)
-            ranks.dp_bytes += int(res["dp_bytes"])
-            handle = transport.rollouts(res)
         with timer("advantages"):
-            rewards = transport.rewards(handle, res)
-            row["reward"] = float(rewards.mean())
-            row["response_len"] = float(res["response_len"])
-            row["weight_version"] = int(res["weight_version"])
-            row["samples"] = int(rewards.numel())
+            if rewards.shape != (len(handle),):
+                raise StepError(f"step {step}: {tuple(rewards.shape)} rewards for {len(handle)} rows")
             keep_mask = (
                 dynamic_sampling_mask(rewards, n) if cfg.grpo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
             )
@@ -154,8 +202,7 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
             if drop_idx:
                 handle = transport.keep(handle, keep_idx, drop_idx)
             if len(keep_idx) < dp:
-                # Every group had equal rewards: no learning signal this step.
-                trained = False
+                trained = False  # every group had equal rewards: no learning signal this step
             else:
                 adv = group_advantages(rewards[keep_idx], n, normalize_std=cfg.grpo.normalize_std)
                 handle = transport.write_advantages(handle, adv)
@@ -164,38 +211,32 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
                 preshards = transport.preshard(handle, dp)
                 inputs = transport.rank_inputs(handle, preshards, step)
             with timer("logprobs"):
-                # Previous-policy and reference log-probs from one fetch per rank.
-                calls = [
-                    w.get_logprobs.remote(inputs[r], step, with_reference=True) for r, w in enumerate(workers.policy)
-                ]
+                # Proximal (current weights) and reference log-probs from one fetch per rank.
+                calls = [w.get_logprobs.remote(inputs[r], step, with_reference=True) for r, w in enumerate(workers.policy)]
                 out = ranks.gather(transport, inputs, calls, timeout, f"step {step} logprobs")
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
-                calls = [w.train.remote(inputs[r], step) for r, w in enumerate(workers.policy)]
+                calls = [w.train.remote(inputs[r], step, behaviour=behaviour) for r, w in enumerate(workers.policy)]
                 metrics = ranks.gather(transport, inputs, calls, timeout, f"step {step} train")
-            for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy"):
+            for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
             row["tokens"] = int(sum(m["tokens"] for m in metrics))
     except BaseException:
-        # Clear, then re-raise the step's own error; a failing clear must not mask it.
+        # Release, then re-raise the step's own error; a failing release must not mask it.
         try:
-            transport.last_outstanding = transport.clear(step)
+            transport.release(batch.handle)
         except Exception as e:  # noqa: BLE001
-            transport.last_outstanding = -1
-            print(f"grpo_sync: clearing partition of step {step} after a failure also failed: {e}", file=sys.stderr)
+            print(f"step {step}: releasing the batch's keys after a failure also failed: {e!r}", file=sys.stderr)
         raise
-    with timer("clear"):
-        outstanding = transport.last_outstanding = transport.clear(step)
-    row["keys_outstanding"] = outstanding
+    with timer("release"):
+        transport.release(batch.handle)
+        # Over the whole store, not the batch just released (that count could never be non-zero).
+        row["keys_outstanding"] = transport.outstanding()
     with timer("refit"):
-        send = workers.policy[0].send_weights.remote(step + 1)
-        recv = workers.generator.receive_weights.remote()
-        _, (version, _) = gather([send, recv], timeout, f"step {step} refit")
-        if version != step + 1:
-            raise StepError(f"step {step} refit: generator reports weight version {version}, expected {step + 1}")
+        refit(cfg, workers, step + 1)
     row["step_s"] = time.perf_counter() - t_start
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
     row["dp_bytes"] = ranks.dp_bytes + transport.column_bytes
@@ -204,7 +245,25 @@ def run_step(cfg: TrainerConfig, workers: Workers, transport: Transport, step: i
         row[f"time/{name}"] = secs
     row["time/worker_io"] = ranks.io_s
     row["time/worker_compute"] = ranks.compute_s
+    transport.driver_bytes = transport.column_bytes = 0
     return StepResult(row=row, trained=trained)
+
+
+def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
+    """Policy rank 0 -> generator, weight version ``version``; returns seconds. The generator
+    installs it between two generate calls (its actor runs one call at a time), so no
+    generation mixes two versions.
+
+    Raises:
+        StepError: a side failed, timed out, or the generator reports another version.
+    """
+    t0 = time.perf_counter()
+    send = workers.policy[0].send_weights.remote(version)
+    recv = workers.generator.receive_weights.remote()
+    _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, f"refit of version {version}")
+    if got != version:
+        raise StepError(f"refit: generator reports weight version {got}, expected {version}")
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -233,11 +292,11 @@ def _are_refs(inputs: Sequence[Any]) -> bool:
     return bool(inputs) and isinstance(inputs[0], ray.ObjectRef)
 
 
-# --------------------------------------------------------------------------- transports
+# --------------------------------------------------------------------------- data-plane transport
 class DataPlaneTransport:
-    """Rollouts stay in the store; the driver moves metas, gets the per-sample ``rewards`` from the
-    collector and writes only the ``advantages`` column (``write_columns``, bounded by
-    ``data_plane.column_max_bytes_per_sample``)."""
+    """Rollouts stay in the store; the driver moves metas, takes per-sample rewards from the
+    rows' tags and writes only the ``advantages`` column (``write_columns``, bounded by
+    ``data_plane.column_max_bytes_per_sample``). Keys are released one batch at a time."""
 
     name = "data_plane"
 
@@ -246,21 +305,12 @@ class DataPlaneTransport:
         self.cfg = cfg
         self.driver_bytes = 0
         self.column_bytes = 0
-        self.last_outstanding = 0
 
-    def partition(self, step: int) -> str:
-        return f"step{step}"
+    def partition(self) -> str:
+        return ROLLOUTS
 
     def rollouts(self, result: Mapping[str, Any]) -> Any:
         return result["meta"]
-
-    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor:
-        # The collector returns the per-sample rewards it stored next to the meta (already counted
-        # in the driver's bytes); reading the column back would cost two more store round trips.
-        rewards = result["rewards"]
-        if rewards.shape != (len(handle),):
-            raise StepError(f"collector returned {tuple(rewards.shape)} rewards for {len(handle)} keys")
-        return rewards
 
     def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
         self.client.kv_clear([handle.keys[i] for i in drop_idx], handle.partition_id)
@@ -292,61 +342,15 @@ class DataPlaneTransport:
     def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any:
         return handle.add_fields([field])  # the ranks wrote it back themselves
 
-    def clear(self, step: int) -> int:
-        partition = self.partition(step)
-        self.client.kv_clear(None, partition)
-        return len(self.client.kv_list(partition))
+    def release(self, handle: Any) -> None:
+        if len(handle):
+            self.client.kv_clear(list(handle.keys), handle.partition_id)
 
+    def outstanding(self) -> int:
+        """Keys in the whole store, every partition (a listing, not this driver's bookkeeping)."""
+        return sum(len(self.client.kv_list(p)) for p in self.client.kv_partitions())
 
-class LegacyTransport:
-    """The baseline: the driver holds the rollout ``TensorDict``, computes on it in memory and
-    ships each rank its shard with ``ray.put``; log-probs come back to the driver as tensors.
-    Imports nothing of the data-plane client, adapters, fan-out, column I/O or worker fetch."""
-
-    name = "legacy"
-
-    def __init__(self, cfg: TrainerConfig) -> None:
-        self.cfg = cfg
-        self.driver_bytes = 0
-        self.column_bytes = 0
-        self.last_outstanding = 0
-
-    def partition(self, step: int) -> None:
-        return None
-
-    def rollouts(self, result: Mapping[str, Any]) -> Any:
-        return result["batch"]
-
-    def rewards(self, handle: Any, result: Mapping[str, Any]) -> torch.Tensor:
-        return handle["rewards"]
-
-    def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
-        from nemo_dataplane.rows import select_rows
-
-        return select_rows(handle, keep_idx)
-
-    def write_advantages(self, handle: Any, advantages: torch.Tensor) -> Any:
-        handle.set("advantages", advantages)
-        return handle
-
-    def preshard(self, handle: Any, dp_world: int) -> Any:
-        from nemo_dataplane.driver.preshard import driver_balanced_preshards
-
-        return driver_balanced_preshards(handle, dp_world, self.cfg.data_plane.packing)
-
-    def rank_inputs(self, handle: Any, preshards: Any, step: int) -> list[Any]:
-        from algorithms.legacy_transport import legacy_shard, ship_shards
-
-        shards = legacy_shard(handle, preshards)
-        self.driver_bytes += sum(payload_bytes(s) for s in shards)
-        return ship_shards(shards)
-
-    def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any:
-        from algorithms.workers.policy import jagged_from_rows, jagged_rows
-
-        per_rank = [jagged_rows(r[field]) for r in rank_results]
-        handle.set(field, jagged_from_rows(preshards.restore_order(per_rank)))
-        return handle
-
-    def clear(self, step: int) -> int:
-        return 0  # nothing is stored outside the driver's own memory
+    def clear_all(self) -> None:
+        """Empty every partition (shutdown, resume): nothing of this run stays in the store."""
+        for p in self.client.kv_partitions():
+            self.client.kv_clear(None, p)

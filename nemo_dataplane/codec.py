@@ -124,6 +124,24 @@ def join_rows(name: str, rows: Sequence[torch.Tensor], jagged: bool) -> torch.Te
     return torch.stack(list(rows), 0)
 
 
+def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A jagged nested tensor from 1-D rows (contiguous values + offsets); an empty list gives an
+    empty float32 jagged tensor. Unlike :func:`join_rows` it takes rows of any length, including 0."""
+    lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def jagged_rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a jagged nested tensor (views of its values) or of a dense ``[N, ...]`` tensor."""
+    if getattr(t, "is_nested", False):
+        values, offsets = t.values(), t.offsets().tolist()
+        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return list(t.unbind(0))
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     """Payload bytes of a dense or jagged tensor (values only, not offsets)."""
     if is_jagged(t):

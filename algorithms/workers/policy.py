@@ -32,28 +32,12 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from algorithms.metrics import payload_bytes
+from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 from nemo_dataplane.meta import KVBatchMeta
 
 
 class InjectedFailure(RuntimeError):
     """Raised by the ``debug.fail_*`` hook (tests of the failure path)."""
-
-
-def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A jagged nested tensor from 1-D rows (contiguous values + offsets, no copies kept)."""
-    lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    values = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-
-
-def jagged_rows(t: torch.Tensor) -> list[torch.Tensor]:
-    """The rows of a jagged nested tensor (or a dense ``[N, ...]`` tensor) as 1-D tensors."""
-    if getattr(t, "is_nested", False):
-        values, offsets = t.values(), t.offsets().tolist()
-        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-    return list(t.unbind(0))
 
 
 def pad_float_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
@@ -217,8 +201,13 @@ class PolicyWorker:
         """As :meth:`get_logprobs`, from the frozen initial weights, into ``ref_logprobs``."""
         return self._logprobs([(self.ref_model, "ref_logprobs")], batch)
 
-    def train(self, batch: Any, step: int) -> dict[str, float]:
+    def train(self, batch: Any, step: int, *, behaviour: bool = False) -> dict[str, float]:
         """``grpo.epochs`` optimizer steps over this rank's rows; returns loss metrics.
+
+        ``behaviour``: the rows carry the sampler's log-probs (``gen_logprobs``) and the loss
+        applies the decoupled-PPO correction with ``prev_logprobs`` as the proximal policy
+        (``async.is_cap``, ``async.is_mode``); metrics then include ``is_truncated_frac`` and
+        ``behaviour_kl``.
 
         The loss is the token mean over the *whole* step batch (all ranks): each rank's token
         count is all-reduced first, gradients are summed across ranks. Metrics are this rank's
@@ -230,6 +219,8 @@ class PolicyWorker:
         self._maybe_fail("train", step)
         t0 = time.perf_counter()
         fields = ["input_ids", "prompt_len", "advantages", "prev_logprobs", "ref_logprobs"]
+        if behaviour:
+            fields.append("gen_logprobs")
         mbs, _, _, in_bytes = self._load(batch, fields)
         t_fetch = time.perf_counter() - t0
         prepared = []
@@ -241,29 +232,34 @@ class PolicyWorker:
             old = pad_float_rows(jagged_rows(mb["prev_logprobs"]), width).to(self.device)
             ref = pad_float_rows(jagged_rows(mb["ref_logprobs"]), width).to(self.device)
             adv = mb["advantages"].float().to(self.device)
-            prepared.append((ids, attn, resp, mask, old, ref, adv))
+            beh = pad_float_rows(jagged_rows(mb["gen_logprobs"]), width).to(self.device) if behaviour else None
+            prepared.append((ids, attn, resp, mask, old, ref, adv, beh))
             local_tokens += int(mask.sum().item())
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         global_tokens = max(float(counts.item()), 1.0)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        if behaviour:
+            sums.update(is_truncated_frac=0.0, behaviour_kl=0.0)
+        acfg = self.cfg["async"]
         grad_norm = 0.0
         epochs = int(self.grpo["epochs"])
         for epoch in range(epochs):
             self.optimizer.zero_grad(set_to_none=False)
             last = epoch == epochs - 1
-            for ids, attn, resp, mask, old, ref, adv in prepared:
+            for ids, attn, resp, mask, old, ref, adv, beh in prepared:
                 lp, ent = sequence_logprobs(
                     self.model, ids, attn, resp, return_entropy=True, temperature=self.temperature
                 )
                 loss, m = policy_loss(
                     lp, old, ref, adv, mask, clip_eps=self.grpo["clip_eps"], kl_coef=self.grpo["kl_coef"],
                     loss_agg=self.grpo["loss_agg"], global_token_count=global_tokens,
+                    behaviour_logprobs=beh, is_cap=float(acfg["is_cap"]), is_mode=acfg["is_mode"],
                 )
                 loss.backward()
                 if last:
                     sums["loss"] += float(loss.detach())
-                    for k in ("pg_loss", "kl", "clip_frac"):
+                    for k in ("pg_loss", "kl", "clip_frac", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
                         sums[k] += float(m[k])
                     sums["entropy"] += float(masked_sum(ent.detach(), mask)) / global_tokens
             grad_norm = self._all_reduce_and_step()

@@ -132,7 +132,9 @@ def test_legacy_transport_imports_nothing_of_the_data_plane() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
     # Planning and row cutting are shared by both transports; nothing that talks to a store is.
-    allowed_dp = {"nemo_dataplane.driver.planner", "nemo_dataplane.driver.preshard", "nemo_dataplane.rows", "nemo_dataplane.meta"}
+    allowed_dp = {"nemo_dataplane.driver.planner", "nemo_dataplane.driver.preshard", "nemo_dataplane.rows",
+                  "nemo_dataplane.meta", "nemo_dataplane.codec"}
     ours = {m for m in imported if m.startswith("nemo_dataplane")}
     assert ours <= allowed_dp, ours - allowed_dp
-    assert {m.split(".")[0] for m in imported} <= {"__future__", "collections", "dataclasses", "typing", "ray", "tensordict", "torch", "nemo_dataplane"}
+    assert {m.split(".")[0] for m in imported} <= {"__future__", "collections", "dataclasses", "typing", "ray", "tensordict", "torch", "nemo_dataplane",
+                                                        "algorithms"}

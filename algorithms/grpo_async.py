@@ -1,0 +1,117 @@
+"""Asynchronous GRPO trainer: ``python -m algorithms.grpo_async --config FILE [dotted.key=value ...]``.
+
+Generation keeps producing while the policy trains; the store decouples them. Collectors
+(``async.num_collectors`` Ray actors) generate queued prompts a few groups at a time with
+whatever weights the generator holds and stream them into the store's ``rollouts`` partition
+(keys ``v{version}/g{group}/s{i}``, behaviour log-probs in ``gen_logprobs``). The driver admits
+prompts within the lag bound, claims whole groups as they are produced
+(:class:`algorithms.rollout_buffer.RolloutBuffer`), and runs the same step body as the sync
+trainer (:func:`algorithms.step.train_on_batch`) with the off-policy correction on: train,
+release the batch's keys, refit the generator (installed between two generate calls).
+
+With ``data_plane.enabled=false`` the same loop runs on the in-memory baseline: finished groups
+wait in the collectors and travel to the driver through Ray.
+
+Every step logs the staleness of the groups it trained (mean, max), groups dropped as too old,
+the trainer's and the collectors' idle seconds, keys outstanding over the whole store, the
+behaviour/proximal mismatch (``behaviour_kl``) and the fraction of tokens the correction
+truncated. ``trained_groups.jsonl`` records, per step, the prompt handouts trained (what the
+lossless-resume test compares). Exit codes as :mod:`algorithms.grpo_sync`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from algorithms.trainer import Trainer, main as _main
+
+__all__ = ["AsyncTrainer", "main"]
+
+
+class AsyncTrainer(Trainer):
+    """Asynchronous GRPO: streaming rollouts, a bounded lag, bounded memory, lossless resume."""
+
+    name = "grpo_async"
+
+    def _init_data(self, train: list[Any]) -> None:
+        from algorithms.rollout_buffer import PromptLedger
+        from algorithms.tasks import PromptIterator
+
+        self.ledger = PromptLedger(PromptIterator(train, 1, self.cfg.trainer.seed))
+
+    def _driver_state(self) -> dict[str, Any]:
+        return self.ledger.state_dict()
+
+    def _load_driver_state(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state)
+
+    def _num_collectors(self) -> int:
+        return self.cfg.async_.num_collectors
+
+    def _trained_log(self, start: int) -> Any:
+        """``trained_groups.jsonl``, truncated to the steps before ``start`` (a resume replays the rest)."""
+        path = self.out / "trained_groups.jsonl"
+        keep = []
+        if start and path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
+        path.write_text("".join(ln + "\n" for ln in keep))
+        return path.open("a")
+
+    def _loop(self, start: int, val: list[Any]) -> int:
+        from algorithms.metrics import PhaseTimer
+        from algorithms.rollout_buffer import RolloutBuffer
+        from algorithms.step import gather, train_on_batch
+
+        cfg, a = self.cfg, self.cfg.async_
+        G, n = cfg.grpo.prompts_per_step, cfg.generation.n
+        buffer = RolloutBuffer(cfg, self.workers, self.client if cfg.data_plane.enabled else None, self.ledger)
+        gather([c.start.remote(self.transport.partition(), a.inflight_groups(G), a.groups_per_generation)
+                for c in self.workers.collectors], cfg.trainer.startup_timeout_s, "collector start")
+        bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.groups_per_generation) * n
+        self.summary["keys_outstanding_bound"] = bound
+        self._banner(f", max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}")
+        buffer.top_up()
+        idle_before = 0.0
+        with self._trained_log(start) as trained_log:
+            for step in range(start, cfg.trainer.steps):
+                t0 = time.perf_counter()
+                timer = PhaseTimer()
+                with timer("wait"):
+                    batch = buffer.next_batch(step)
+                st = buffer.stats
+                batch.row.update(
+                    staleness_mean=sum(st.staleness) / len(st.staleness), staleness_max=max(st.staleness),
+                    groups_dropped_stale=st.dropped_stale, groups_requeued_failed=st.requeued_failed,
+                    trainer_idle_s=st.wait_s,
+                )
+                result = train_on_batch(cfg, self.workers, self.transport, batch, step, timer, behaviour=True, t_start=t0)
+                jobs = self.ledger.trained(batch.group_ids)
+                trained_log.write(json.dumps({"step": step, "handouts": [j.handout for j in jobs],
+                                              "groups": batch.group_ids, "versions": batch.versions}) + "\n")
+                trained_log.flush()
+                buffer.top_up()
+                row = result.row
+                idle = buffer.collector_stats.get("idle_s", 0.0)
+                row["collector_idle_s"], idle_before = idle - idle_before, idle
+                if row["keys_outstanding"] > bound:
+                    raise RuntimeError(
+                        f"step {step}: {row['keys_outstanding']} keys outstanding in the store exceed the bound "
+                        f"{bound} = (max_inflight_groups + prompts_per_step) * n: something leaks"
+                    )
+                self._after_step(step, row, val)
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status."""
+    return _main(AsyncTrainer, argv)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    sys.exit(main())

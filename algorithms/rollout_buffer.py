@@ -1,0 +1,295 @@
+"""Async GRPO's rollout side on the driver: the lag bound in two layers, claims, nothing lost.
+
+* :class:`PromptLedger`: every prompt handed out and not yet trained, by group id; what a
+  checkpoint saves so a resume trains each handed-out prompt exactly once.
+* :func:`admissible`: admission (layer 1). Groups are trained oldest first, ``G`` per step, and a
+  group admitted while the generator holds version ``v`` is generated with ``>= v``; so keeping at
+  most ``(max_staleness + 1) * G`` groups admitted-and-untrained bounds every group's staleness
+  by ``max_staleness`` (AReaL's rule) and little is generated only to be thrown away.
+* :class:`GroupAssembler`: claimed rows arrive in any split; a group is usable once all ``n``
+  of its rows are here.
+* :class:`RolloutBuffer`: claims (store: ``kv_claim`` of task ``trainer``; legacy: the
+  collectors' outboxes through Ray), the consumption check (layer 2: a group older than
+  ``step - max_staleness`` is cleared, counted and its prompt requeued; never trained on), and
+  the training batch of ``G`` whole groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from algorithms.step import ROLLOUT_FIELDS, TRAINER_TASK, RolloutBatch, StepError, gather
+
+
+@dataclass(frozen=True)
+class Job:
+    """One group to generate: ``group_id`` is unique per attempt, ``handout`` is the prompt's
+    position in the prompt stream (a retried prompt keeps its handout, gets a new group id)."""
+
+    group_id: int
+    handout: int
+    record: Any
+
+
+class PromptLedger:
+    """Prompts handed out and not yet trained. ``stream`` yields one record per ``next()``.
+
+    Invariant (what resume relies on): every handout index below ``next_handout`` is either
+    trained, in flight (``inflight``) or waiting to be retried (``retry``); never two of these.
+    """
+
+    def __init__(self, stream: Any, start_group_id: int = 0) -> None:
+        self.stream = stream
+        self.next_group_id = start_group_id
+        self.next_handout = 0
+        self.inflight: dict[int, Job] = {}
+        self.retry: collections.deque[tuple[int, Any]] = collections.deque()
+        self.trained_handouts = 0
+
+    def admit(self, k: int) -> list[Job]:
+        """Hand out ``k`` prompts: retries first (oldest first), then new ones from the stream."""
+        jobs = []
+        for _ in range(max(0, k)):
+            if self.retry:
+                handout, record = self.retry.popleft()
+            else:
+                handout, record = self.next_handout, self.stream.next_batch()[0]
+                self.next_handout += 1
+            job = Job(self.next_group_id, handout, record)
+            self.next_group_id += 1
+            self.inflight[job.group_id] = job
+            jobs.append(job)
+        return jobs
+
+    def trained(self, group_ids: Iterable[int]) -> list[Job]:
+        jobs = [self.inflight.pop(g) for g in group_ids]
+        self.trained_handouts += len(jobs)
+        return jobs
+
+    def requeue(self, group_id: int) -> Job:
+        """The group will not be trained (too old, failed write): its prompt goes back, first in line."""
+        job = self.inflight.pop(group_id)
+        self.retry.append((job.handout, job.record))
+        return job
+
+    def state_dict(self) -> dict[str, Any]:
+        """In-flight and retry prompts in handout order (they are regenerated first on resume),
+        the stream position and the id counters."""
+        pending = sorted([(j.handout, j.record) for j in self.inflight.values()] + list(self.retry), key=lambda t: t[0])
+        return {"stream": self.stream.state_dict(), "next_group_id": self.next_group_id,
+                "next_handout": self.next_handout, "pending": pending, "trained_handouts": self.trained_handouts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.next_group_id = int(state["next_group_id"])
+        self.next_handout = int(state["next_handout"])
+        self.trained_handouts = int(state.get("trained_handouts", 0))
+        self.inflight = {}
+        self.retry = collections.deque((int(h), r) for h, r in state["pending"])
+
+
+def admissible(outstanding: int, groups_per_step: int, max_staleness: int) -> int:
+    """How many more groups may be admitted with ``outstanding`` admitted and not yet trained."""
+    return max(0, (max_staleness + 1) * groups_per_step - outstanding)
+
+
+class GroupAssembler:
+    """Collects claimed rows by group id until each group has all ``group_size`` rows."""
+
+    def __init__(self, group_size: int) -> None:
+        self.n = group_size
+        self._rows: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)  # gid -> [(sample, item)]
+
+    def add(self, group_id: int, sample: int, item: Any) -> None:
+        self._rows[group_id].append((sample, item))
+        if len(self._rows[group_id]) > self.n:
+            raise StepError(f"group {group_id} has more than {self.n} rows: a row was delivered twice")
+
+    def pop_complete(self) -> list[tuple[int, list[Any]]]:
+        """Complete groups (oldest id first), each as its items in sample order."""
+        done = sorted(g for g, rows in self._rows.items() if len(rows) == self.n)
+        return [(g, [it for _, it in sorted(self._rows.pop(g), key=lambda t: t[0])]) for g in done]
+
+    def discard(self, group_id: int) -> list[Any]:
+        return [it for _, it in self._rows.pop(group_id, [])]
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._rows.values())
+
+
+@dataclass
+class _Group:
+    group_id: int
+    version: int
+    rows: Any  # a KVBatchMeta of its n keys, or a TensorDict of its n rows
+    rewards: list[float]
+    response_len: float
+
+
+@dataclass
+class BufferStats:
+    """Per-step counters (reset by :meth:`RolloutBuffer.next_batch`)."""
+
+    dropped_stale: int = 0
+    requeued_failed: int = 0
+    wait_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+
+
+class RolloutBuffer:
+    """The async trainer's source of batches.
+
+    Args:
+        cfg: the trainer config; ``workers``: the run's actors; ``client``: the store client
+            (``None``: legacy, rows come from the collectors' outboxes through Ray).
+        ledger: the prompt ledger (restored on resume before the first :meth:`top_up`).
+    """
+
+    def __init__(self, cfg: Any, workers: Any, client: Any, ledger: PromptLedger) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.client = client
+        self.ledger = ledger
+        self.n = cfg.generation.n
+        self.G = cfg.grpo.prompts_per_step
+        self.S = cfg.async_.max_staleness
+        self.assembler = GroupAssembler(self.n)
+        self.ready: collections.deque[_Group] = collections.deque()
+        self.stats = BufferStats()
+        self._rr = 0
+        self.collector_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ admission
+    def top_up(self) -> int:
+        """Admit what the lag bound allows and queue it on the collectors; returns how many."""
+        jobs = self.ledger.admit(admissible(len(self.ledger.inflight), self.G, self.S))
+        if not jobs:
+            return 0
+        chunk = self.cfg.async_.groups_per_generation
+        pieces = [jobs[i:i + chunk] for i in range(0, len(jobs), chunk)]
+        refs = []
+        for piece in pieces:
+            refs.append(self.workers.collectors[self._rr % len(self.workers.collectors)].submit.remote(piece))
+            self._rr += 1
+        gather(refs, self.cfg.trainer.step_timeout_s, "submitting prompts to the collectors")
+        return len(jobs)
+
+    # ------------------------------------------------------------------ claims
+    def _claim(self, timeout_s: float) -> None:
+        """One claim round: new rows into the assembler, complete groups into ``ready``."""
+        if self.client is not None:
+            need = max(1, (self.G - len(self.ready)) * self.n - len(self.assembler))
+            meta = self.client.kv_claim("rollouts", TRAINER_TASK, list(ROLLOUT_FIELDS), need, timeout_s)
+            for i, key in enumerate(meta.keys):
+                tag = meta.tags[i]
+                self.assembler.add(int(tag["group"]), int(key.rsplit("/s", 1)[1]), (key, tag))
+            for gid, items in self.assembler.pop_complete():
+                keys = [k for k, _ in items]
+                tags = [t for _, t in items]
+                rows = meta.__class__(keys=keys, tags=tags, partition_id="rollouts", fields=list(ROLLOUT_FIELDS))
+                self.ready.append(_Group(gid, int(tags[0]["weight_version"]), rows, [float(t["reward"]) for t in tags],
+                                         _response_len(tags)))
+        else:
+            per = max(timeout_s / len(self.workers.collectors), 0.05)
+            outs = gather([c.take.remote(self.G, per) for c in self.workers.collectors], timeout_s + 60, "taking rollouts")
+            for out in outs:
+                for g in out:
+                    tags = g["tags"]
+                    self.ready.append(_Group(int(g["group_id"]), int(g["version"]), g["rows"],
+                                             [float(t["reward"]) for t in tags], _response_len(tags)))
+
+    def _poll_collectors(self) -> None:
+        """Requeue groups whose write failed (rolled back); raise if a collector stopped."""
+        polls = gather([c.poll.remote() for c in self.workers.collectors], 60, "polling the collectors")
+        for p in polls:
+            if p["error"]:
+                raise StepError(f"rollout collection stopped: {p['error']}")
+            for gid in p["failed"]:
+                self.assembler.discard(gid)  # its rows were cleared by the collector's rollback
+                if gid in self.ledger.inflight:
+                    self.ledger.requeue(gid)
+                    self.stats.requeued_failed += 1
+        self.collector_stats = {k: sum(float(p[k]) for p in polls) for k in ("idle_s", "generate_s", "groups_written")}
+
+    def _drop(self, group: _Group) -> None:
+        if self.client is not None:
+            self.client.kv_clear(list(group.rows.keys), "rollouts")
+        self.ledger.requeue(group.group_id)
+        self.stats.dropped_stale += 1
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        """``G`` whole groups no older than ``step - max_staleness`` (oldest first).
+
+        Raises:
+            StepError: ``trainer.step_timeout_s`` passed without a full batch, or a collector failed.
+        """
+        self.stats = BufferStats()
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.trainer.step_timeout_s
+        taken: list[_Group] = []
+        while True:
+            while self.ready and len(taken) < self.G:
+                g = self.ready.popleft()
+                if g.version < step - self.S:
+                    self._drop(g)  # layer 2: never trained on; the prompt is generated again
+                else:
+                    taken.append(g)
+            if len(taken) == self.G:
+                break
+            self._poll_collectors()
+            self.top_up()  # dropped or failed groups freed admission slots
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for g in taken:
+                    self.ready.appendleft(g)
+                raise StepError(
+                    f"step {step}: waited {self.cfg.trainer.step_timeout_s}s for {self.G} rollout groups, got "
+                    f"{len(taken)} (+{len(self.assembler)} rows of incomplete groups); collectors: {self.collector_stats}"
+                )
+            self._claim(min(self.cfg.async_.claim_poll_s, left))
+        self._poll_collectors()
+        self.stats.wait_s = time.perf_counter() - t0
+        self.stats.staleness = [step - g.version for g in taken]
+        return self._batch(taken)
+
+    def _batch(self, groups: Sequence[_Group]) -> RolloutBatch:
+        if self.client is not None:
+            from nemo_dataplane.meta import KVBatchMeta
+
+            handle = KVBatchMeta.concat([g.rows for g in groups])
+        else:
+            from algorithms.legacy_transport import concat_batches
+
+            handle = concat_batches([g.rows for g in groups])
+        return RolloutBatch(
+            handle=handle,
+            rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
+            group_size=self.n,
+            group_ids=[g.group_id for g in groups],
+            versions=[g.version for g in groups],
+            response_len=sum(g.response_len for g in groups) / len(groups),
+        )
+
+    def clear(self) -> None:
+        """Forget claimed-but-untrained rows (their store keys are cleared by the caller)."""
+        self.ready.clear()
+        self.assembler = GroupAssembler(self.n)
+
+
+def _response_len(tags: Sequence[Mapping[str, Any]]) -> float:
+    return sum(int(t["seq_len"]) - int(t["prompt_len"]) for t in tags) / max(len(tags), 1)
+
+
+def batch_from_result(transport: Any, res: Mapping[str, Any], group_size: int) -> RolloutBatch:
+    """The sync collector's reply as a :class:`RolloutBatch`."""
+    gids = list(res["group_ids"])
+    return RolloutBatch(
+        handle=transport.rollouts(res), rewards=res["rewards"], group_size=group_size, group_ids=gids,
+        versions=[int(res["weight_version"])] * len(gids), response_len=float(res["response_len"]),
+    )

@@ -1,0 +1,425 @@
+"""What the sync and async GRPO trainers share: set-up, workers, checkpoints, shutdown, summary.
+
+:class:`Trainer` owns one run: config -> Ray cluster (owned by the run) -> the store (data-plane
+path) -> workers (``dp_size`` policy ranks, one generator, ``async.num_collectors`` rollout
+collectors) -> ``_loop`` (the subclass: :mod:`algorithms.grpo_sync` or
+:mod:`algorithms.grpo_async`) -> metrics, checkpoints, plot, summary. ``data_plane.enabled``
+picks the transport: ``true`` moves every batch through the store by metadata, ``false`` runs the
+legacy path (driver holds the batch, ships shards through Ray) and never imports the data-plane
+client, adapters, fan-out, column I/O or worker fetch.
+
+Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up failed (the
+worker's error is printed with its traceback), 130 on Ctrl-C (``main`` returns 2 for a bad
+config). In every case the store is emptied, the store and the workers are shut down, and the Ray
+cluster the run started is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from algorithms.config import ConfigError, TrainerConfig, load_config
+from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
+
+# Modules the legacy path must never load (checked by tests/unit/test_architecture.py and
+# reported in summary.json).
+DATA_PLANE_MODULES: tuple[str, ...] = (
+    "transfer_queue",
+    "nemo_dataplane.client",
+    "nemo_dataplane.factory",
+    "nemo_dataplane.observability",
+    "nemo_dataplane.adapters",
+    "nemo_dataplane.driver.fan_out",
+    "nemo_dataplane.driver.columns",
+    "nemo_dataplane.worker.fetch",
+)
+
+
+def data_plane_modules_loaded(modules: Sequence[str]) -> list[str]:
+    """The entries of ``modules`` that belong to the data plane (see :data:`DATA_PLANE_MODULES`)."""
+    return sorted(m for m in modules if any(m == d or m.startswith(d + ".") for d in DATA_PLANE_MODULES))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
+    """Train and held-out prompt records: a JSONL file (``task.dataset``; held-out = the last
+    ``task.val_size`` records unless ``task.val_dataset``) or the built-in task from its seed."""
+    from algorithms.tasks import load_jsonl_dataset, make_task_dataset
+
+    t = cfg.task
+    if t.dataset is not None:
+        records = load_jsonl_dataset(t.dataset)
+        if t.val_dataset is not None:
+            return records, load_jsonl_dataset(t.val_dataset)[: t.val_size]
+        if t.val_size and len(records) > t.val_size:
+            return records[: -t.val_size], records[-t.val_size :]
+        return records, []
+    train = make_task_dataset(t.name, t.seed, t.train_size)
+    val = make_task_dataset(t.name, t.seed + 1, t.val_size) if t.val_size else []
+    if t.val_dataset is not None:
+        val = load_jsonl_dataset(t.val_dataset)[: t.val_size]
+    return train, val
+
+
+def checkpoint_root(cfg: TrainerConfig) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.logging.output_dir) / "checkpoints")
+
+
+class Trainer:
+    """Owns one run: Ray, the store (data-plane path), the workers, the loop. Use :meth:`run`.
+
+    Subclasses implement :meth:`_loop` (the step loop; returns the exit status) and
+    :meth:`_load_driver_state`/:meth:`_driver_state` (what their checkpoints add).
+    """
+
+    name = "grpo"
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.logging.output_dir)
+        self.client: Any = None
+        self.workers: Any = None
+        self.actors: list[Any] = []
+        self.logger: MetricsLogger | None = None
+        self.transport: Any = None
+        self._ray_started = False
+        self.t0 = time.perf_counter()
+        self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled}
+
+    # ------------------------------------------------------------------ set-up
+    def _start_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
+        # that raised) would otherwise print their own, secondary tracebacks at shutdown.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+        if self.cfg.ray.address:
+            ray.init(address=self.cfg.ray.address, **kwargs)
+        else:
+            num_gpus = torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
+            ray.init(num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
+            self._ray_started = True
+
+    def _start_workers(self, num_collectors: int = 1) -> None:
+        import ray
+
+        from algorithms.step import Workers, gather
+        from algorithms.workers.collector import RolloutCollector
+        from algorithms.workers.generator import GeneratorWorker
+        from algorithms.workers.policy import PolicyWorker
+
+        cfg = self.cfg
+        plain = cfg.to_dict()
+        cpus = cfg.ray.worker_num_cpus
+        # Workers see the driver's import path, so a custom task.reward_fn module that the driver
+        # can import, the collector can too.
+        pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
+        env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
+                            "PYTHONPATH": pythonpath}}
+        dp = cfg.trainer.dp_size
+        policy_gpus = (1.0 / dp) if cfg.policy.device == "cuda" else 0
+        master = ("127.0.0.1", _free_port())
+        policy_cls = ray.remote(PolicyWorker)
+        policy = [
+            policy_cls.options(num_cpus=cpus, num_gpus=policy_gpus, runtime_env=env, name=None).remote(
+                r, dp, plain, master[0], master[1]
+            )
+            for r in range(dp)
+        ]
+        generator = ray.remote(GeneratorWorker).options(
+            num_cpus=cpus, num_gpus=1 if cfg.generation.device == "cuda" else 0, runtime_env=env
+        ).remote(plain)
+        # Several concurrent calls: submit/poll/take while the producer thread generates.
+        collectors = [
+            ray.remote(RolloutCollector).options(num_cpus=0, runtime_env=env, max_concurrency=4).remote(plain, generator, i)
+            for i in range(num_collectors)
+        ]
+        self.actors = [*policy, generator, *collectors]
+        self.workers = Workers(policy=policy, generator=generator, collectors=collectors)
+        timeout = cfg.trainer.startup_timeout_s
+        ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
+        self.policy_params = int(ready[0]["params"])
+        if cfg.data_plane.enabled:
+            dp_cfg = cfg.data_plane.to_dict()
+            gather([a.attach_data_plane.remote(dp_cfg) for a in (*policy, *collectors)], timeout, "data-plane attach")
+        port = cfg.refit.port or _free_port()
+        gather(
+            [policy[0].init_refit.remote(cfg.refit.host, port, 2), generator.init_refit.remote(cfg.refit.host, port, 2)],
+            timeout,
+            "refit group set-up",
+        )
+
+    def _make_transport(self) -> Any:
+        if self.cfg.data_plane.enabled:
+            from algorithms.step import DataPlaneTransport
+
+            return DataPlaneTransport(self.client, self.cfg)
+        from algorithms.legacy_transport import LegacyTransport
+
+        return LegacyTransport(self.cfg)
+
+    # -------------------------------------------------------------- checkpoint
+    def _driver_state(self) -> dict[str, Any]:
+        """What the subclass's checkpoints hold besides the step (e.g. the data position)."""
+        raise NotImplementedError
+
+    def _load_driver_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _save_checkpoint(self, step_done: int) -> Path:
+        """Policy + optimizer (+ RNG) from the ranks, then the driver's state, then the marker:
+        a checkpoint without the marker (a crash mid-save) is never resumed from."""
+        from algorithms.checkpoint import mark_complete, save_driver_state, step_dir
+        from algorithms.step import gather
+
+        root = checkpoint_root(self.cfg)
+        d = step_dir(root, step_done)
+        d.mkdir(parents=True, exist_ok=True)
+        gather([w.save_checkpoint.remote(str(d)) for w in self.workers.policy], self.cfg.trainer.step_timeout_s, "checkpoint")
+        save_driver_state(d, step_done, self._driver_state(), self.cfg.to_dict())
+        mark_complete(d, step_done, root=root, keep=self.cfg.checkpoint.keep)
+        return d
+
+    # -------------------------------------------------------------------- run
+    def run(self) -> int:
+        """Run the whole training; returns the process exit status (see the module docstring)."""
+        from algorithms.checkpoint import load_driver_state, resolve_resume
+        from algorithms.tasks import resolve_reward_fn
+
+        cfg = self.cfg
+        t0 = self.t0 = time.perf_counter()
+        status, code = "failed", 1
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        torch.set_num_threads(cfg.trainer.num_threads)
+        summary = self.summary
+        try:
+            resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)  # fail before starting anything
+            train, val = load_datasets(cfg)
+            self._init_data(train)
+            resume = resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
+            start = 0
+            if resume is not None:
+                state = load_driver_state(resume)
+                start = int(state["step"])
+                self._load_driver_state(state["prompts"])
+                summary["resumed_from"] = str(resume)
+            marks = [time.perf_counter()]
+            self._start_ray()
+            marks.append(time.perf_counter())
+            if cfg.data_plane.enabled:
+                from nemo_dataplane.factory import build_data_plane_client
+
+                self.client = build_data_plane_client(cfg.data_plane, bootstrap=True)
+            marks.append(time.perf_counter())
+            self._start_workers(self._num_collectors())
+            marks.append(time.perf_counter())
+            summary["startup_s"] = {
+                "ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2],
+            }
+            self.transport = self._make_transport()
+            if resume is not None:
+                from algorithms.step import gather
+
+                gather([w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
+                       cfg.trainer.startup_timeout_s, "checkpoint load")
+                if cfg.data_plane.enabled:
+                    self.transport.clear_all()  # rollouts of the interrupted run are regenerated
+            from algorithms.step import refit
+
+            refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
+            summary["policy_params"] = self.policy_params
+            summary["prompts"] = {"train": len(train), "val": len(val)}
+            self.logger = MetricsLogger(
+                self.out, total_steps=cfg.trainer.steps, start_step=start, progress=cfg.logging.progress,
+                tensorboard=cfg.logging.tensorboard,
+            )
+            code = self._loop(start, val)
+            status = "finished"
+            summary["workers_data_plane_modules"] = self._worker_modules()
+        except KeyboardInterrupt:
+            status, code = "interrupted (Ctrl-C)", 130
+            print(f"\n{self.name}: interrupted; clearing the store and shutting down workers", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - reported, then the process exits non-zero
+            status, code = "failed", 1
+            # The traceback too: the step's own error (with its worker's cause) is what a user debugs.
+            traceback.print_exc(file=sys.stderr)
+            print(f"{self.name}: error: {e}", file=sys.stderr)
+            summary["error"] = str(e)
+        finally:
+            self._shutdown()
+        rows = self.logger.rows if self.logger is not None else []
+        if self.logger is not None:
+            self.logger.close()
+        if rows and cfg.logging.plot:
+            try:
+                plot_metrics(rows, self.out / "reward_loss.png")
+            except Exception as e:  # noqa: BLE001 - a plot must not turn a good run into a failure
+                print(f"{self.name}: could not write the plot: {e}", file=sys.stderr)
+        wall = time.perf_counter() - t0
+        summary.update(
+            status=status,
+            exit_code=code,
+            wall_s=wall,
+            steps=len(rows),
+            last=rows[-1] if rows else None,
+            driver_data_plane_modules=data_plane_modules_loaded(sys.modules),
+        )
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        print(summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name), flush=True)
+        return code
+
+    def _num_collectors(self) -> int:
+        return 1
+
+    def _init_data(self, train: list[Any]) -> None:
+        """Build the prompt source from the training records (before any resume state loads)."""
+        raise NotImplementedError
+
+    def _loop(self, start: int, val: list[Any]) -> int:
+        raise NotImplementedError
+
+    def _after_step(self, step: int, row: dict[str, Any], val: list[Any]) -> None:
+        """Validation, the step's line, the checkpoint: the same for every trainer."""
+        from algorithms.step import gather
+
+        cfg = self.cfg
+        last = step == cfg.trainer.steps - 1
+        if val and cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
+            t = time.perf_counter()
+            (row["val_reward"],) = gather(
+                [self.workers.collector.validate.remote(val, cfg.trainer.seed * 7919 + step)],
+                cfg.trainer.step_timeout_s, "validation",
+            )
+            row["time/validate"] = time.perf_counter() - t
+        row["elapsed_s"] = time.perf_counter() - self.t0  # since the trainer started (incl. start-up)
+        assert self.logger is not None
+        self.logger.log_step(row)
+        if not cfg.logging.quiet and not cfg.logging.progress:
+            self.logger.write(
+                f"step {step}: reward={row['reward']:.3f} loss={row.get('loss')} step_s={row['step_s']:.2f}"
+                + (f" val_reward={row['val_reward']:.3f}" if row.get("val_reward") is not None else "")
+            )
+        if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or last):
+            self._save_checkpoint(step + 1)
+
+    def _banner(self, what: str) -> None:
+        cfg = self.cfg
+        if not cfg.logging.quiet and self.logger is not None:
+            self.logger.write(
+                f"{self.name}: {cfg.trainer.steps} steps, dp_size={cfg.trainer.dp_size}, transport={self.transport.name}, "
+                f"{cfg.grpo.prompts_per_step} prompts x {cfg.generation.n} samples per step{what}, output {self.out}"
+            )
+
+    def _worker_modules(self) -> dict[str, list[str]]:
+        from algorithms.step import gather
+
+        names = [f"policy{r}" for r in range(len(self.workers.policy))] + [
+            f"collector{i}" if i else "collector" for i in range(len(self.workers.collectors))
+        ]
+        actors = [*self.workers.policy, *self.workers.collectors]
+        mods = gather([a.loaded_modules.remote() for a in actors], 60, "module report")
+        return {n: data_plane_modules_loaded(m) for n, m in zip(names, mods)}
+
+    def _shutdown(self) -> None:
+        """Best effort, each part bounded: collectors, the store (emptied), workers, Ray. Safe
+        after any failure; a second Ctrl-C while it runs is ignored so the store and the cluster
+        still go down."""
+        import signal
+        import threading
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._shutdown_parts()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _shutdown_parts(self) -> None:
+        import ray
+
+        if self.workers is not None and ray.is_initialized():
+            # Producers stop first, so nothing is written after the store is emptied.
+            try:
+                ray.wait([c.stop.remote(5.0) for c in self.workers.collectors], num_returns=len(self.workers.collectors),
+                         timeout=10)
+            except Exception:  # noqa: BLE001 - a dead collector is killed below
+                pass
+        if self.transport is not None and self.client is not None:
+            try:
+                self.transport.clear_all()
+                self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
+            except Exception as e:  # noqa: BLE001
+                self.summary["keys_outstanding_at_exit"] = -1
+                print(f"{self.name}: emptying the store at exit failed: {e!r}", file=sys.stderr)
+        elif self.transport is not None:
+            self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
+        if self.workers is not None and ray.is_initialized():
+            # Let workers tear down their process groups and detach from the store before they
+            # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
+            # a wedged worker is killed below either way.
+            w = self.workers
+            refs = [p.shutdown.remote() for p in w.policy] + [w.generator.shutdown.remote()] + [
+                c.close.remote() for c in w.collectors
+            ]
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=10)
+            except Exception:  # noqa: BLE001 - a dead actor cannot shut down; it is killed below
+                pass
+            self.workers = None
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"{self.name}: closing the data plane failed: {e}", file=sys.stderr)
+            self.client = None
+        if ray.is_initialized():
+            for a in self.actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+            self.actors = []
+            if self._ray_started:
+                ray.shutdown()
+
+
+def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
+    """CLI entry point of a trainer; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m algorithms.{trainer_cls.name}",
+        description=(trainer_cls.__doc__ or "").strip().splitlines()[0],
+    )
+    parser.add_argument("--config", help="YAML config (examples/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.steps=10")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
+        return 2
+    return trainer_cls(cfg).run()

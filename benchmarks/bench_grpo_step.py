@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "clear", "refit", "worker_io", "worker_compute")
+PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "release", "refit", "worker_io", "worker_compute")
 
 
 def run_once(config: Path, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:

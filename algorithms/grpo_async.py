@@ -64,12 +64,13 @@ class AsyncTrainer(Trainer):
 
     def _loop(self, start: int, val: list[Any]) -> int:
         from algorithms.metrics import PhaseTimer
-        from algorithms.rollout_buffer import RolloutBuffer
+        from algorithms.rollout_buffer import CollectorPool, RolloutBuffer
         from algorithms.step import gather, train_on_batch
 
         cfg, a = self.cfg, self.cfg.async_
         G, n = cfg.grpo.prompts_per_step, cfg.generation.n
-        buffer = RolloutBuffer(cfg, self.workers, self.client if cfg.data_plane.enabled else None, self.ledger)
+        pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
+        buffer = RolloutBuffer(cfg, pool, self.client if cfg.data_plane.enabled else None, self.ledger)
         gather([c.start.remote(self.transport.partition(), a.inflight_groups(G), a.groups_per_generation)
                 for c in self.workers.collectors], cfg.trainer.startup_timeout_s, "collector start")
         bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.groups_per_generation) * n

@@ -142,18 +142,44 @@ class BufferStats:
     staleness: list[int] = field(default_factory=list)
 
 
+class CollectorPool:
+    """The buffer's view of the collector actors: queue jobs, poll failures, take outboxes."""
+
+    def __init__(self, collectors: Sequence[Any], timeout_s: float) -> None:
+        self.collectors = list(collectors)
+        self.timeout_s = timeout_s
+        self._rr = 0
+
+    def submit(self, pieces: Sequence[Sequence[Job]]) -> None:
+        """Queue each piece (one generate call's worth) on the next collector, round robin."""
+        refs = []
+        for piece in pieces:
+            refs.append(self.collectors[self._rr % len(self.collectors)].submit.remote(list(piece)))
+            self._rr += 1
+        gather(refs, self.timeout_s, "submitting prompts to the collectors")
+
+    def poll(self) -> list[dict[str, Any]]:
+        return gather([c.poll.remote() for c in self.collectors], 60, "polling the collectors")
+
+    def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+        per = max(timeout_s / len(self.collectors), 0.05)
+        outs = gather([c.take.remote(max_groups, per) for c in self.collectors], timeout_s + 60, "taking rollouts")
+        return [g for out in outs for g in out]
+
+
 class RolloutBuffer:
     """The async trainer's source of batches.
 
     Args:
-        cfg: the trainer config; ``workers``: the run's actors; ``client``: the store client
-            (``None``: legacy, rows come from the collectors' outboxes through Ray).
+        cfg: the trainer config; ``pool``: the collectors (:class:`CollectorPool` or an object
+            with the same three methods); ``client``: the store client (``None``: legacy, rows
+            come from the collectors' outboxes through Ray).
         ledger: the prompt ledger (restored on resume before the first :meth:`top_up`).
     """
 
-    def __init__(self, cfg: Any, workers: Any, client: Any, ledger: PromptLedger) -> None:
+    def __init__(self, cfg: Any, pool: Any, client: Any, ledger: PromptLedger) -> None:
         self.cfg = cfg
-        self.workers = workers
+        self.pool = pool
         self.client = client
         self.ledger = ledger
         self.n = cfg.generation.n
@@ -162,7 +188,6 @@ class RolloutBuffer:
         self.assembler = GroupAssembler(self.n)
         self.ready: collections.deque[_Group] = collections.deque()
         self.stats = BufferStats()
-        self._rr = 0
         self.collector_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ admission
@@ -172,12 +197,7 @@ class RolloutBuffer:
         if not jobs:
             return 0
         chunk = self.cfg.async_.groups_per_generation
-        pieces = [jobs[i:i + chunk] for i in range(0, len(jobs), chunk)]
-        refs = []
-        for piece in pieces:
-            refs.append(self.workers.collectors[self._rr % len(self.workers.collectors)].submit.remote(piece))
-            self._rr += 1
-        gather(refs, self.cfg.trainer.step_timeout_s, "submitting prompts to the collectors")
+        self.pool.submit([jobs[i:i + chunk] for i in range(0, len(jobs), chunk)])
         return len(jobs)
 
     # ------------------------------------------------------------------ claims
@@ -196,17 +216,14 @@ class RolloutBuffer:
                 self.ready.append(_Group(gid, int(tags[0]["weight_version"]), rows, [float(t["reward"]) for t in tags],
                                          _response_len(tags)))
         else:
-            per = max(timeout_s / len(self.workers.collectors), 0.05)
-            outs = gather([c.take.remote(self.G, per) for c in self.workers.collectors], timeout_s + 60, "taking rollouts")
-            for out in outs:
-                for g in out:
-                    tags = g["tags"]
-                    self.ready.append(_Group(int(g["group_id"]), int(g["version"]), g["rows"],
-                                             [float(t["reward"]) for t in tags], _response_len(tags)))
+            for g in self.pool.take(self.G, timeout_s):
+                tags = g["tags"]
+                self.ready.append(_Group(int(g["group_id"]), int(g["version"]), g["rows"],
+                                         [float(t["reward"]) for t in tags], _response_len(tags)))
 
     def _poll_collectors(self) -> None:
         """Requeue groups whose write failed (rolled back); raise if a collector stopped."""
-        polls = gather([c.poll.remote() for c in self.workers.collectors], 60, "polling the collectors")
+        polls = self.pool.poll()
         for p in polls:
             if p["error"]:
                 raise StepError(f"rollout collection stopped: {p['error']}")

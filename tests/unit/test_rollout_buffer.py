@@ -1,0 +1,207 @@
+"""Async GRPO's driver side: prompt ledger, admission (lag layer 1), group assembly, and the
+buffer's consumption check (lag layer 2) over real claims on the in-memory store.
+
+The buffer talks to its collectors through three methods (submit, poll, take); here a small
+in-process pool stands in for the collector actors so a test can decide exactly which weight
+version each group carries (the real actors are exercised by tests/functional/test_grpo_async.py).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from algorithms.config import TrainerConfig
+from algorithms.rollout_buffer import GroupAssembler, Job, PromptLedger, RolloutBuffer, admissible
+from algorithms.step import ROLLOUTS, StepError
+from algorithms.tasks import PromptIterator, PromptRecord
+from algorithms.workers.collector import rollout_keys
+from nemo_dataplane.adapters.memory import InMemoryClient
+from nemo_dataplane.codec import jagged_from_rows
+
+RECORDS = [PromptRecord(prompt=str(i % 10), answer=str((i + 3) % 10), uid=i) for i in range(50)]
+
+
+def _ledger(seed: int = 0) -> PromptLedger:
+    return PromptLedger(PromptIterator(RECORDS, 1, seed))
+
+
+# ------------------------------------------------------------------------------ ledger
+def test_ledger_hands_out_the_stream_in_order_and_retries_first() -> None:
+    led = _ledger()
+    stream = PromptIterator(RECORDS, 1, 0)
+    expected = [stream.next_batch()[0] for _ in range(6)]
+    jobs = led.admit(4)
+    assert [j.handout for j in jobs] == [0, 1, 2, 3] and [j.group_id for j in jobs] == [0, 1, 2, 3]
+    assert [j.record for j in jobs] == expected[:4]
+    led.requeue(2)  # e.g. too old when claimed
+    again = led.admit(2)
+    assert [(j.handout, j.group_id) for j in again] == [(2, 4), (4, 5)]  # retry first, then the stream
+    assert again[0].record == expected[2] and again[1].record == expected[4]
+    assert sorted(led.inflight) == [0, 1, 3, 4, 5]
+
+
+def test_ledger_never_skips_or_repeats_a_handout_across_checkpoint_and_resume() -> None:
+    """Random admit/train/requeue sequences with a checkpoint taken and resumed at random points:
+    trained handouts are unique and, with what is still pending, cover a prefix of the stream."""
+    rng = random.Random(7)
+    for trial in range(30):
+        led = _ledger(trial)
+        trained: list[int] = []
+        snapshot: tuple[dict[str, Any], list[int]] | None = None
+        for _ in range(rng.randint(5, 40)):
+            op = rng.random()
+            if op < 0.4:
+                led.admit(rng.randint(0, 5))
+            elif op < 0.7 and led.inflight:
+                gids = rng.sample(sorted(led.inflight), rng.randint(1, len(led.inflight)))
+                trained += [j.handout for j in led.trained(gids)]
+            elif op < 0.85 and led.inflight:
+                led.requeue(rng.choice(sorted(led.inflight)))
+            elif op < 0.93:
+                snapshot = (led.state_dict(), list(trained))
+            elif snapshot is not None:  # "crash" and resume from the snapshot
+                state, done = snapshot
+                led = _ledger(trial)
+                led.load_state_dict(state)
+                trained = list(done)
+        assert len(trained) == len(set(trained)), "a prompt was trained twice"
+        pending = [h for h, _ in led.state_dict()["pending"]]
+        assert sorted(trained + pending) == list(range(led.next_handout)), "a prompt was skipped"
+
+
+# ------------------------------------------------------------------------------ admission
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_admission_bounds_the_staleness_of_every_trained_group(staleness: int) -> None:
+    """Simulate a generator that draws admitted groups at a random pace with the latest weights and
+    a trainer that trains G groups per step, oldest first: with admission, no trained group is
+    older than the bound; admitting freely would break it (so the rule is what bounds it)."""
+    G = 4
+    for admit in (True, False):
+        rng = random.Random(staleness)
+        version, queue, worst = 0, [], 0
+        generated: list[tuple[int, int]] = []  # (group, version it was drawn with), oldest first
+        next_gid = 0
+        for _ in range(600):
+            k = admissible(len(queue) + len(generated), G, staleness) if admit else 6
+            queue += list(range(next_gid, next_gid + k))
+            next_gid += k
+            for _ in range(rng.randint(0, 6)):  # the generator (often faster than the trainer)
+                if queue:
+                    generated.append((queue.pop(0), version))
+            if len(generated) >= G and rng.random() < 0.3:  # the trainer trains step `version`
+                batch, generated = generated[:G], generated[G:]
+                worst = max(worst, *(version - v for _, v in batch))
+                version += 1
+        assert version > 50
+        if admit:
+            assert worst <= staleness
+        else:
+            assert worst > staleness
+
+
+# ------------------------------------------------------------------------------ assembly
+def test_group_assembler_waits_for_whole_groups_and_catches_a_row_seen_twice() -> None:
+    asm = GroupAssembler(3)
+    asm.add(5, 2, "c")
+    asm.add(5, 0, "a")
+    asm.add(4, 0, "x")
+    assert asm.pop_complete() == []
+    asm.add(5, 1, "b")
+    assert asm.pop_complete() == [(5, ["a", "b", "c"])]
+    assert len(asm) == 1
+    asm.add(4, 1, "y")
+    asm.add(4, 2, "z")
+    with pytest.raises(StepError, match="delivered twice"):
+        asm.add(4, 0, "x")
+
+
+# ------------------------------------------------------------------------------ the buffer
+N = 2
+
+
+def _cfg(**async_: Any) -> TrainerConfig:
+    return TrainerConfig.from_dict({
+        "policy": {"model": {"arch": "llama", "hf_config": {}}},
+        "generation": {"n": N},
+        "grpo": {"prompts_per_step": 2},
+        "trainer": {"dp_size": 1, "step_timeout_s": 5},
+        "async": {"claim_poll_s": 0.05, **async_},
+    })
+
+
+def _put_group(client: InMemoryClient, job: Job, version: int, reward: float = 0.5) -> list[str]:
+    keys = rollout_keys(version, [job.group_id], N)
+    ids = [torch.tensor([1, 2, 3 + i]) for i in range(N)]
+    td = TensorDict({
+        "input_ids": jagged_from_rows(ids), "prompt_len": torch.full((N,), 2), "seq_len": torch.full((N,), 3),
+        "group_id": torch.full((N,), job.group_id), "weight_version": torch.full((N,), version),
+        "rewards": torch.full((N,), reward), "gen_logprobs": jagged_from_rows([torch.zeros(2)] * N),
+    }, batch_size=[N])
+    tags = [{"seq_len": 3, "prompt_len": 2, "group": job.group_id, "weight_version": version, "reward": reward,
+             "handout": job.handout} for _ in range(N)]
+    client.kv_batch_put(keys, ROLLOUTS, td, tags=tags)
+    return keys
+
+
+class _Pool:
+    """Stands in for the collector actors: records queued jobs; failures are reported on poll."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Job] = []
+        self.failed: list[int] = []
+        self.error: str | None = None
+
+    def submit(self, pieces: list[list[Job]]) -> None:
+        self.jobs += [j for p in pieces for j in p]
+
+    def poll(self) -> list[dict[str, Any]]:
+        failed, self.failed = self.failed, []
+        return [{"failed": failed, "error": self.error, "idle_s": 0.0, "generate_s": 0.0, "groups_written": 0}]
+
+    def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+        return []
+
+
+def test_a_group_older_than_the_bound_is_cleared_counted_requeued_and_never_trained() -> None:
+    client = InMemoryClient()
+    pool = _Pool()
+    led = _ledger()
+    buf = RolloutBuffer(_cfg(max_staleness=1), pool, client, led)
+    assert buf.top_up() == 4  # (max_staleness + 1) * G
+    j0, j1, j2, j3 = pool.jobs
+    old_keys = _put_group(client, j0, version=0)  # trained at step 3 it would be 3 versions old
+    for j in (j1, j2, j3):
+        _put_group(client, j, version=2)
+    batch = buf.next_batch(step=3)
+    assert buf.stats.dropped_stale == 1
+    assert j0.group_id not in batch.group_ids and sorted(batch.group_ids) == [j1.group_id, j2.group_id]
+    assert batch.versions == [2, 2] and buf.stats.staleness == [1, 1]
+    assert not set(old_keys) & set(client.kv_list(ROLLOUTS).keys), "the stale group's keys left the store"
+    # Its prompt went back first in line and was handed out again under a new group id.
+    retry = [j for j in pool.jobs[4:] if j.handout == j0.handout]
+    assert len(retry) == 1 and retry[0].group_id != j0.group_id and retry[0].group_id in led.inflight
+    assert j0.group_id not in led.inflight
+    assert batch.rewards.shape == (2 * N,) and len(batch.handle) == 2 * N
+
+
+def test_failed_writes_are_requeued_and_a_stopped_collector_fails_the_step_with_its_error() -> None:
+    client = InMemoryClient()
+    pool = _Pool()
+    led = _ledger()
+    buf = RolloutBuffer(_cfg(max_staleness=0), pool, client, led)
+    buf.top_up()
+    j0, j1 = pool.jobs
+    pool.failed = [j0.group_id]  # its write was rolled back by the collector
+    _put_group(client, j1, version=0)
+    with pytest.raises(StepError, match="waited 5.0s for 2 rollout groups, got 1"):
+        buf.next_batch(step=0)
+    assert buf.stats.requeued_failed == 1
+    assert [j.handout for j in pool.jobs[2:]] == [j0.handout]  # regenerated, not lost
+    pool.error = "collector 0: RuntimeError: generator died"
+    with pytest.raises(StepError, match="generator died"):
+        buf.next_batch(step=0)

@@ -275,10 +275,16 @@ def check_select_fields(select_fields: Any) -> list[str]:
     return names
 
 
-def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) -> tuple[str, list[str], int, float]:
-    """Validate :meth:`DataPlaneClient.kv_claim`'s arguments (same words for every backend)."""
+def check_task(task: Any) -> str:
+    """Return ``task`` if it is a non-empty str, else raise ``ValueError`` (claims' task name)."""
     if not isinstance(task, str) or not task:
         raise ValueError(f"task must be a non-empty str, got {task!r}")
+    return task
+
+
+def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) -> tuple[str, list[str], int, float]:
+    """Validate :meth:`DataPlaneClient.kv_claim`'s arguments (same words for every backend)."""
+    check_task(task)
     names = check_select_fields(fields)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -105,6 +105,9 @@ class AsyncTrainer(Trainer):
                         f"{bound} = (max_inflight_groups + prompts_per_step) * n: something leaks"
                     )
                 self._after_step(step, row, val)
+        state = self.ledger.state_dict()
+        self.summary["prompts_in_flight_at_exit"] = [h for h, _ in state["pending"]]
+        self.summary["prompts_handed_out"] = state["next_handout"]
         return 0
 
 

@@ -64,34 +64,39 @@ class TrainerRun:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
+ASYNC_CONFIG = REPO / "examples" / "configs" / "grpo_async_tiny.yaml"
+
+
 def _command(
-    out_dir: Path, overrides: tuple[str, ...], extra_env: dict[str, str] | None = None
+    out_dir: Path, overrides: tuple[str, ...], extra_env: dict[str, str] | None = None, module: str = "grpo_sync"
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     path = os.pathsep.join([str(REPO), *([extra_env["PYTHONPATH"]] if extra_env and "PYTHONPATH" in extra_env else [])])
     env.update(extra_env or {})
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=path)
     env.pop("RAY_ADDRESS", None)  # a run starts its own cluster, never the test session's
-    cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(CONFIG), *TINY,
+    config = ASYNC_CONFIG if module == "grpo_async" else CONFIG
+    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *TINY,
            f"logging.output_dir={out_dir}", *overrides]
     return cmd, env
 
 
 def _run(
-    out_dir: Path, overrides: tuple[str, ...], timeout: float = 420, env: dict[str, str] | None = None
+    out_dir: Path, overrides: tuple[str, ...], timeout: float = 420, env: dict[str, str] | None = None,
+    module: str = "grpo_sync",
 ) -> TrainerRun:
-    cmd, env = _command(out_dir, overrides, env)
+    cmd, env = _command(out_dir, overrides, env, module)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return TrainerRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
 
 
-def _run_many(jobs: list[tuple[Path, tuple[str, ...]]], timeout: float) -> list[TrainerRun]:
+def _run_many(jobs: list[tuple[Path, tuple[str, ...], str]], timeout: float) -> list[TrainerRun]:
     # Runs whose results do not depend on timing (seeded, one thread per worker) share the machine:
     # their start-ups (Ray, the store, importing torch in each worker) overlap.
     procs = []
-    for out_dir, overrides in jobs:
+    for out_dir, overrides, module in jobs:
         out_dir.mkdir(parents=True, exist_ok=True)
-        cmd, env = _command(out_dir, overrides)
+        cmd, env = _command(out_dir, overrides, module=module)
         so, se = (out_dir / "stdout.txt").open("w"), (out_dir / "stderr.txt").open("w")
         procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se), so, se, out_dir))
     runs = []
@@ -112,10 +117,11 @@ def _run_many(jobs: list[tuple[Path, tuple[str, ...]]], timeout: float) -> list[
 
 @pytest.fixture(scope="session")
 def run_trainers_concurrently():
-    """``run_trainers_concurrently([(out_dir, overrides), ...]) -> [TrainerRun, ...]``."""
+    """``run_trainers_concurrently([(out_dir, overrides[, module]), ...]) -> [TrainerRun, ...]``
+    (``module``: ``grpo_sync`` (default) or ``grpo_async``, which runs grpo_async_tiny.yaml)."""
 
-    def run(jobs: list[tuple[Path, tuple[str, ...]]], timeout: float = 600) -> list[TrainerRun]:
-        return _run_many([(Path(d), tuple(o)) for d, o in jobs], timeout)
+    def run(jobs: list[tuple[Any, ...]], timeout: float = 600) -> list[TrainerRun]:
+        return _run_many([(Path(j[0]), tuple(j[1]), j[2] if len(j) > 2 else "grpo_sync") for j in jobs], timeout)
 
     return run
 
@@ -125,9 +131,10 @@ def run_trainer():
     """``run_trainer(out_dir, *overrides) -> TrainerRun``."""
 
     def run(
-        out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420, env: dict[str, str] | None = None
+        out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420, env: dict[str, str] | None = None,
+        module: str = "grpo_sync",
     ) -> TrainerRun:
-        return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout, env)
+        return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout, env, module)
 
     return run
 
@@ -136,7 +143,9 @@ def run_trainer():
 def trainer_command():
     """``trainer_command(out_dir, *overrides) -> (argv, env)`` for runs a test drives itself."""
 
-    def command(out_dir: Path, *overrides: str, small: bool = False) -> tuple[list[str], dict[str, str]]:
-        return _command(Path(out_dir), (*(SMALL if small else ()), *overrides))
+    def command(
+        out_dir: Path, *overrides: str, small: bool = False, module: str = "grpo_sync"
+    ) -> tuple[list[str], dict[str, str]]:
+        return _command(Path(out_dir), (*(SMALL if small else ()), *overrides), module=module)
 
     return command

@@ -1,0 +1,203 @@
+"""End-to-end runs of ``python -m algorithms.grpo_async`` (each in its own subprocess).
+
+One concurrent batch serves most checks (the CI machine has 2 cores): the default async config on
+the store (learning, bounds, checkpoints), the same on the in-memory baseline (legacy), a
+small run whose put of one group fails half-way with two concurrent collectors, and a small
+run with tight backpressure. Then a run SIGKILLed at a random step and resumed, a failing and an
+interrupted run, and a soak of several hundred tiny steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_ASYNC = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
+               "async.groups_per_generation=2")
+
+
+def _trained(run) -> list[dict[str, Any]]:
+    path = run.out_dir / "trained_groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _bound(run) -> int:
+    return int(run.summary["keys_outstanding_bound"])
+
+
+def _assert_lossless(run) -> None:
+    """0 skipped, 0 trained twice: trained handouts are unique and, with the prompts still in
+    flight at exit, are exactly the prompts handed out."""
+    handouts = [h for r in _trained(run) for h in r["handouts"]]
+    assert len(handouts) == len(set(handouts)), "a prompt was trained twice"
+    pending = run.summary["prompts_in_flight_at_exit"]
+    assert sorted(handouts + pending) == list(range(run.summary["prompts_handed_out"])), "a prompt was lost"
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("grpo_async_runs")
+
+
+@pytest.fixture(scope="module")
+def batch_runs(run_trainers_concurrently, runs_dir: Path):
+    runs = run_trainers_concurrently([
+        (runs_dir / "dp", ("checkpoint.every=4", "logging.plot=true"), "grpo_async"),
+        (runs_dir / "legacy", ("data_plane.enabled=false",), "grpo_async"),
+        (runs_dir / "putfail", (*SMALL_ASYNC, "debug.fail_in=put", "debug.fail_at_group=5", "async.num_collectors=2",
+                                "trainer.steps=10", "trainer.val_every=0"), "grpo_async"),
+        (runs_dir / "pressure", (*SMALL_ASYNC, "async.max_staleness=4", "async.max_inflight_groups=2",
+                                 "trainer.steps=10", "trainer.val_every=0"), "grpo_async"),
+    ], timeout=900)
+    for r in runs:
+        assert r.returncode == 0, r.explain()
+    return dict(zip(("dp", "legacy", "putfail", "pressure"), runs))
+
+
+def test_async_learns_within_the_lag_bound(batch_runs) -> None:
+    run = batch_runs["dp"]
+    rows = run.rows
+    assert [r["step"] for r in rows] == list(range(16))
+    rewards = [r["reward"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.1 and last > first + 0.1, rewards
+    for r in rows:
+        assert 0 <= r["staleness_max"] <= 1 and r["samples"] == 32 * 16, r
+        assert r["weight_version"] >= r["step"] - 1
+        for key in ("staleness_mean", "groups_dropped_stale", "trainer_idle_s", "collector_idle_s", "behaviour_kl",
+                    "is_truncated_frac", "keys_outstanding", "loss"):
+            assert r[key] is not None, key
+    assert any(r["staleness_max"] == 1 for r in rows), "generation ran ahead of training"
+    assert "grpo_async finished" in run.stdout and "staleness max" in run.stdout
+    assert (run.out_dir / "reward_loss.png").stat().st_size > 1000
+    _assert_lossless(run)
+
+
+def test_store_memory_is_bounded_every_step_and_empty_at_exit(batch_runs) -> None:
+    for name in ("dp", "putfail", "pressure"):
+        run = batch_runs[name]
+        bound = _bound(run)
+        assert all(0 <= r["keys_outstanding"] <= bound for r in run.rows), (name, bound)
+        assert run.summary["keys_outstanding_at_exit"] == 0, name
+    assert max(r["keys_outstanding"] for r in batch_runs["dp"].rows) > 0, "rollouts wait in the store between steps"
+
+
+def test_backpressure_stops_the_collector_at_max_inflight_groups(batch_runs) -> None:
+    run = batch_runs["pressure"]
+    n = 4
+    # Written-and-unclaimed groups never exceed 2, plus at most the one batch being trained.
+    assert _bound(run) == (2 + 4) * n
+    assert all(r["keys_outstanding"] <= (2 + 4) * n for r in run.rows)
+    assert sum(r["collector_idle_s"] for r in run.rows) > 0, "the collector waited on backpressure"
+    _assert_lossless(run)
+
+
+def test_a_failed_put_is_rolled_back_and_regenerated_with_concurrent_collectors(batch_runs) -> None:
+    run = batch_runs["putfail"]
+    # Group 5 is written together with group 4 (two groups per generate call): both roll back.
+    assert sum(r["groups_requeued_failed"] for r in run.rows) == 2
+    groups = [g for r in _trained(run) for g in r["groups"]]
+    assert not {4, 5} & set(groups), "no group of the failed write was ever trained"
+    assert len(groups) == len(set(groups)), "two collectors, one claim: no group consumed twice"
+    assert all(r["samples"] == 4 * 4 for r in run.rows), "every batch is whole groups"
+    _assert_lossless(run)
+
+
+def test_async_on_the_in_memory_baseline_never_loads_the_data_plane(batch_runs) -> None:
+    run = batch_runs["legacy"]
+    assert run.summary["driver_data_plane_modules"] == []
+    assert run.summary["workers_data_plane_modules"] == {"policy0": [], "policy1": [], "collector": []}
+    assert all(r["dp_bytes"] == 0 and r["staleness_max"] <= 1 for r in run.rows)
+    _assert_lossless(run)
+
+
+def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
+    trainer_command, run_trainer, batch_runs, runs_dir: Path
+) -> None:
+    out = runs_dir / "killed"
+    kill_after = random.Random(os.getpid()).randint(3, 8)  # steps logged before the SIGKILL
+    cmd, env = trainer_command(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0", module="grpo_async")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)  # no clean-up at all: the process group dies at once
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    resumed = run_trainer(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0",
+                          "checkpoint.resume=latest", module="grpo_async", timeout=600)
+    assert resumed.returncode == 0, resumed.explain()
+    assert [r["step"] for r in resumed.rows] == list(range(12)), "resumed rows replace the killed run's tail"
+    assert all(r["staleness_max"] <= 1 for r in resumed.rows)
+    _assert_lossless(resumed)
+    # The uninterrupted run trained the same prompts at the same steps (oldest first, none dropped).
+    ref = {r["step"]: r["handouts"] for r in _trained(batch_runs["dp"])}
+    got = {r["step"]: r["handouts"] for r in _trained(resumed)}
+    if not any(r["groups_dropped_stale"] for r in (*resumed.rows, *batch_runs["dp"].rows)):
+        assert all(sorted(got[s]) == sorted(ref[s]) for s in range(12)), (got, ref)
+
+
+def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(trainer_command, run_trainer, runs_dir: Path) -> None:
+    fail = run_trainer(runs_dir / "fail", *SMALL_ASYNC, "debug.fail_in=train", "debug.fail_at_step=2",
+                       "debug.fail_rank=1", "trainer.val_every=0", module="grpo_async")
+    assert fail.returncode == 1, fail.explain()
+    assert "injected failure at step 2 on policy rank 1" in fail.stderr
+    assert "Traceback" in fail.stderr, "the error keeps its traceback"
+    assert fail.summary["keys_outstanding_at_exit"] == 0 and [r["step"] for r in fail.rows] == [0, 1]
+
+    out = runs_dir / "interrupted"
+    cmd, env = trainer_command(out, *SMALL_ASYNC, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"].startswith("interrupted") and summary["keys_outstanding_at_exit"] == 0
+
+
+def test_soak_hundreds_of_tiny_steps_stay_within_the_memory_bound(run_trainer, runs_dir: Path) -> None:
+    steps = 300
+    run = run_trainer(
+        runs_dir / "soak", *SMALL_ASYNC, f"trainer.steps={steps}", "trainer.val_every=0", "generation.max_new_tokens=2",
+        "trainer.dp_size=1", "async.max_staleness=2", "logging.quiet=true", module="grpo_async", timeout=900,
+    )
+    assert run.returncode == 0, run.explain()
+    assert len(run.rows) == steps
+    bound = _bound(run)
+    assert max(r["keys_outstanding"] for r in run.rows) <= bound
+    assert max(r["staleness_max"] for r in run.rows) <= 2
+    assert run.summary["keys_outstanding_at_exit"] == 0
+    _assert_lossless(run)

@@ -538,10 +538,14 @@ class ClaimSampler(SequentialSampler):
             return picked, picked
         # keys_mapping is a dict: insertion order of keys, and a key cleared and put again is
         # re-inserted at the end, so this is production order regardless of index reuse.
-        ordered = [gi for gi in partition.keys_mapping.values() if gi in ready]
-        if len(ordered) < max(nd_min, 1):
+        picked: list[int] = []
+        for gi in partition.keys_mapping.values():
+            if gi in ready:
+                picked.append(gi)
+                if len(picked) >= nd_take:
+                    break
+        if len(picked) < max(nd_min, 1):
             return [], []
-        picked = ordered[:nd_take]
         return picked, picked
 
 

@@ -117,7 +117,17 @@ class Trainer:
             ray.init(address=self.cfg.ray.address, **kwargs)
         else:
             num_gpus = torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
-            ray.init(num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
+            for attempt in (1, 2):
+                try:
+                    ray.init(num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
+                    break
+                except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+                    # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.
+                    if attempt == 2 or "timed out during startup" not in str(e):
+                        raise
+                    print(f"{self.name}: local Ray did not start within its 30 s ({e}); trying once more",
+                          file=sys.stderr)
+                    ray.shutdown()
             self._ray_started = True
 
     def _start_workers(self, num_collectors: int = 1) -> None:

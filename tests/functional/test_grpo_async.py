@@ -52,9 +52,12 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def batch_runs(run_trainers_concurrently, runs_dir: Path):
+    # Two at a time: four Ray clusters starting at once can time out on a loaded 2-core machine.
     runs = run_trainers_concurrently([
         (runs_dir / "dp", ("checkpoint.every=4", "logging.plot=true"), "grpo_async"),
         (runs_dir / "legacy", ("data_plane.enabled=false",), "grpo_async"),
+    ], timeout=900)
+    runs += run_trainers_concurrently([
         (runs_dir / "putfail", (*SMALL_ASYNC, "debug.fail_in=put", "debug.fail_at_group=5", "async.num_collectors=2",
                                 "trainer.steps=10", "trainer.val_every=0"), "grpo_async"),
         (runs_dir / "pressure", (*SMALL_ASYNC, "async.max_staleness=4", "async.max_inflight_groups=2",

@@ -152,10 +152,13 @@ class CollectorPool:
 
     def submit(self, pieces: Sequence[Sequence[Job]]) -> None:
         """Queue each piece (one generate call's worth) on the next collector, round robin."""
-        refs = []
+        per: dict[int, list[Job]] = {}
         for piece in pieces:
-            refs.append(self.collectors[self._rr % len(self.collectors)].submit.remote(list(piece)))
+            per.setdefault(self._rr % len(self.collectors), []).extend(piece)
             self._rr += 1
+        # One call per collector: its calls run concurrently (threaded actor), so two calls could
+        # queue their jobs out of order, and groups are trained oldest first.
+        refs = [self.collectors[i].submit.remote(jobs) for i, jobs in per.items()]
         gather(refs, self.timeout_s, "submitting prompts to the collectors")
 
     def poll(self) -> list[dict[str, Any]]:

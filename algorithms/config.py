@@ -20,11 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.config import ConfigError, DataPlaneConfig, build_config, config_key, plain
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, mistyped or invalid; the message names its dotted path."""
+__all__ = ["ConfigError", "TrainerConfig", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -191,107 +189,15 @@ class TrainerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; ``TrainerConfig.from_dict(cfg.to_dict()) == cfg``."""
-        return _plain({_key(f): getattr(self, f.name) if not dataclasses.is_dataclass(getattr(self, f.name))
+        return plain({config_key(f): getattr(self, f.name) if not dataclasses.is_dataclass(getattr(self, f.name))
                        else dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerConfig:
         """Validate a nested mapping. Raises :class:`ConfigError` naming the dotted key."""
-        cfg = _build(cls, data, "")
+        cfg = build_config(cls, data, "")
         _cross_checks(cfg)
         return cfg
-
-
-# --------------------------------------------------------------------------- validation
-def _plain(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin in (Mapping, dict) or tp in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _plain(value)
-    raise ConfigError(f"{key}: unsupported config type {tp!r}")  # pragma: no cover - schema bug
-
-
-def _key(f: dataclasses.Field) -> str:
-    """A field's YAML key (``async`` is a Python keyword, so its field is ``async_``)."""
-    return f.metadata.get("key", f.name)
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    by_key = {_key(f): f.name for f in dataclasses.fields(cls)}
-    names = list(by_key)
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        dotted = [f"{path}.{k}" if path else str(k) for k in unknown]
-        raise ConfigError(f"unknown config key(s) {dotted}; known under {path or 'the top level'}: {names}")
-    kwargs: dict[str, Any] = {}
-    for yaml_key, value in data.items():
-        name = by_key[yaml_key]
-        key = f"{path}.{yaml_key}" if path else yaml_key
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(value, tp, key)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # the section's own checks (data_plane.* name their key)
-        msg = str(e)
-        raise ConfigError(msg if path and path in msg else f"{path or 'config'}: {msg}") from e
 
 
 def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:

@@ -27,9 +27,17 @@ YAML shape (all keys optional)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, mistyped or invalid; the message names its dotted path."""
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 PackingMode = Literal["none", "sequence", "dynamic"]
@@ -132,14 +140,12 @@ class DataPlaneConfig:
         """
         if isinstance(data, DataPlaneConfig):
             return data
-        return _build(cls, dict(data or {}), "data_plane")
+        return build_config(cls, dict(data or {}), "data_plane")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (round-trips through :meth:`from_dict`)."""
         return dataclasses.asdict(self)
 
-
-T = TypeVar("T")
 
 _SECTIONS: dict[str, type] = {
     "transfer_queue": TransferQueueConfig,
@@ -166,18 +172,104 @@ def config_section(value: Any, name: str, what: str) -> Any:
     raise TypeError(f"{what} must be a {cls.__name__}, DataPlaneConfig or mapping, got {type(value).__name__}")
 
 
-def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
-    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(known))
+# --------------------------------------------------------------------------- typed building
+# One validator for every config of this library and of the trainers (algorithms/config.py).
+def plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin in (Mapping, dict) or tp in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return plain(value)
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")  # pragma: no cover - schema bug
+
+
+def config_key(f: dataclasses.Field) -> str:
+    """A field's YAML key (``async`` is a Python keyword, so its field is ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
+def build_config(cls: type[T], data: Any, path: str) -> T:
+    """Build the frozen dataclass ``cls`` from a plain mapping, driven by its type hints.
+
+    Nested dataclass fields recurse; a field's YAML key is ``metadata["key"]`` or its name.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, or the section's own
+            ``__post_init__`` check failing; the message names the dotted key.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    by_key = {config_key(f): f.name for f in dataclasses.fields(cls)}
+    names = list(by_key)
+    unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ValueError(f"unknown config key(s) {[f'{path}.{k}' for k in unknown]}; known: {sorted(known)}")
+        dotted = [f"{path}.{k}" if path else str(k) for k in unknown]
+        raise ConfigError(f"unknown config key(s) {dotted}; known under {path or 'the top level'}: {names}")
     kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        sub = _SECTIONS.get(name) if cls is DataPlaneConfig else None
-        if sub is not None and isinstance(value, Mapping):
-            kwargs[name] = _build(sub, dict(value), f"{path}.{name}")
-        elif name == "backend_kwargs":
-            kwargs[name] = dict(value or {})
+    for yaml_key, value in data.items():
+        name = by_key[yaml_key]
+        key = f"{path}.{yaml_key}" if path else yaml_key
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = value if isinstance(value, tp) else build_config(tp, value, key)
         else:
-            kwargs[name] = value
-    return cls(**kwargs)
+            kwargs[name] = _coerce(value, tp, key)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # the section's own checks (data_plane.* name their key)
+        msg = str(e)
+        raise ConfigError(msg if path and path in msg else f"{path or 'config'}: {msg}") from e
+
+

@@ -213,8 +213,12 @@ class RolloutCollector:
                 jobs = [self._queue.popleft() for _ in range(min(self._chunk, len(self._queue)))]
             try:
                 t_idle = time.perf_counter()
+                pause = 0.005
                 while not self._stop and self._unconsumed_groups() + len(jobs) > self._max_inflight:
-                    time.sleep(0.02)  # backpressure: the trainer has not claimed enough yet
+                    # Backpressure: the trainer has not claimed enough yet. Back off so a long wait
+                    # does not keep the store's controller busy answering status requests.
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.2)
                 self._stats["idle_s"] += time.perf_counter() - t_idle
                 if self._stop:
                     return

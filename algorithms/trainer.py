@@ -119,7 +119,8 @@ class Trainer:
             num_gpus = torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
             for attempt in (1, 2):
                 try:
-                    ray.init(num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
+                    # address="local": a cluster of this run's own, even if `ray start` left one running.
+                    ray.init(address="local", num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
                     break
                 except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
                     # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.

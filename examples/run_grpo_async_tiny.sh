@@ -1,14 +1,5 @@
 #!/usr/bin/env bash
 # Asynchronous GRPO on the toy task: rollouts stream through TransferQueue while the policy trains.
 #   bash examples/run_grpo_async_tiny.sh [dotted.key=value ...]
-# Creates ./.venv when missing (.ci/setup-env: torch==2.13.0 first, so nothing pulls another
-# torch build; then the package with its extras), then runs the trainer with the data plane on.
-# Outputs (metrics.jsonl, reward_loss.png, checkpoints, summary.json) go to runs/grpo_async_tiny/.
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash .ci/setup-env   # ./.venv with torch==2.13.0 first, then .[train,test]; a no-op once done
-. .venv/bin/activate
-# One thread per process: 2 policy ranks, the generator, the collector and the store share
-# the CPU cores; more threads per process only make them fight.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
-exec python -m algorithms.grpo_async --config examples/configs/grpo_async_tiny.yaml data_plane.enabled=true "$@"
+# Same set-up as run_grpo_tiny.sh (fresh clone: creates ./.venv); outputs go to runs/grpo_async_tiny/.
+GRPO_TRAINER=grpo_async exec bash "$(dirname "${BASH_SOURCE[0]}")/run_grpo_tiny.sh" "$@"

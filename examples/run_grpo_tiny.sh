@@ -11,4 +11,8 @@ bash .ci/setup-env   # ./.venv with torch==2.13.0 first, then .[train,test]; a n
 # One thread per process: 2 policy ranks, the generator, the collector and the store share
 # the CPU cores; more threads per process only make them fight.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
-exec python -m algorithms.grpo_sync --config examples/configs/grpo_tiny.yaml data_plane.enabled=true "$@"
+# GRPO_TRAINER=grpo_async (examples/run_grpo_async_tiny.sh) runs the asynchronous trainer instead.
+trainer=${GRPO_TRAINER:-grpo_sync}
+config=examples/configs/grpo_tiny.yaml
+[ "$trainer" = grpo_async ] && config=examples/configs/grpo_async_tiny.yaml
+exec python -m "algorithms.$trainer" --config "$config" data_plane.enabled=true "$@"

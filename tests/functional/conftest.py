@@ -115,6 +115,45 @@ def _run_many(jobs: list[tuple[Path, tuple[str, ...], str]], timeout: float) -> 
     return runs
 
 
+def signal_after_steps(
+    cmd: list[str], env: dict[str, str], out_dir: Path, steps: int, sig: int, timeout: float = 300
+) -> tuple[int, str, str]:
+    """Start a trainer in its own process group, send ``sig`` to the whole group (what a
+    terminal's Ctrl-C does, or a SIGKILL of everything) once ``metrics.jsonl`` has ``steps``
+    lines, wait for the exit (bounded) and return ``(returncode, stdout, stderr)``.
+
+    Raises:
+        AssertionError: the run ended before it could be signalled (its stderr is quoted).
+    """
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        os.killpg(proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, stdout, stderr
+
+
+@pytest.fixture(scope="session")
+def signal_trainer():
+    """:func:`signal_after_steps`."""
+    return signal_after_steps
+
+
 @pytest.fixture(scope="session")
 def run_trainers_concurrently():
     """``run_trainers_concurrently([(out_dir, overrides[, module]), ...]) -> [TrainerRun, ...]``

@@ -13,8 +13,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -126,27 +124,12 @@ def test_async_on_the_in_memory_baseline_never_loads_the_data_plane(batch_runs) 
 
 
 def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
-    trainer_command, run_trainer, batch_runs, runs_dir: Path
+    trainer_command, signal_trainer, run_trainer, batch_runs, runs_dir: Path
 ) -> None:
     out = runs_dir / "killed"
     kill_after = random.Random(os.getpid()).randint(3, 8)  # steps logged before the SIGKILL
     cmd, env = trainer_command(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0", module="grpo_async")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 400
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.killpg(proc.pid, signal.SIGKILL)  # no clean-up at all: the process group dies at once
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    signal_trainer(cmd, env, out, kill_after, signal.SIGKILL)  # no clean-up at all
     resumed = run_trainer(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0",
                           "checkpoint.resume=latest", module="grpo_async", timeout=600)
     assert resumed.returncode == 0, resumed.explain()
@@ -160,7 +143,9 @@ def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
         assert all(sorted(got[s]) == sorted(ref[s]) for s in range(12)), (got, ref)
 
 
-def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(trainer_command, run_trainer, runs_dir: Path) -> None:
+def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
+    trainer_command, signal_trainer, run_trainer, runs_dir: Path
+) -> None:
     fail = run_trainer(runs_dir / "fail", *SMALL_ASYNC, "debug.fail_in=train", "debug.fail_at_step=2",
                        "debug.fail_rank=1", "trainer.val_every=0", module="grpo_async")
     assert fail.returncode == 1, fail.explain()
@@ -170,23 +155,8 @@ def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(trainer_command, r
 
     out = runs_dir / "interrupted"
     cmd, env = trainer_command(out, *SMALL_ASYNC, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, stderr[-4000:]
+    code, _, stderr = signal_trainer(cmd, env, out, 3, signal.SIGINT)
+    assert code == 130, stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted") and summary["keys_outstanding_at_exit"] == 0
 

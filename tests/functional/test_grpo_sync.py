@@ -140,40 +140,20 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
     assert run.rows[0]["reward"] == 0.25, "the custom reward function scored the rollouts"
 
 
-def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, runs_dir: Path) -> None:
+def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, signal_trainer, runs_dir: Path) -> None:
     import json
-    import os
     import signal
-    import subprocess
-    import time
 
     out = runs_dir / "interrupted"
     # Dynamic sampling on: at chance most groups score all-equal and are dropped (their keys cleared).
     cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0", "grpo.dynamic_sampling=true",
                                small=True)
-    proc = subprocess.Popen(
-        cmd, cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, stderr[-4000:]
+    code, stdout, stderr = signal_trainer(cmd, env, out, 2, signal.SIGINT)
+    assert code == 130, stderr[-4000:]
     assert "interrupted" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted")
     assert summary["keys_outstanding_at_exit"] == 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["keys_outstanding"] == 0 for r in rows)
     assert any(r["samples_dropped"] > 0 for r in rows), "dynamic sampling dropped equal-reward groups"

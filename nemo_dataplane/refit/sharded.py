@@ -1,0 +1,324 @@
+"""Resharding refit: many trainer ranks to many generator ranks, each moving only the bytes it owns.
+
+Every rank of the group is a sender (it appears in the trainer-side ``Layout``) or a receiver
+(generator side). ``ReshardSender`` / ``ReshardReceiver`` hold the rank's local tensors (the
+shards its layout gives it; fused ones included) and carry them over the group
+(docs/refit.md, section 6):
+
+1. ``prepare_refit_info()`` (once, collective): the first rank of each side publishes its
+   side's layout (the senders' with the transfer options); every rank reads both, checks that
+   its own layout is the published one and that its tensors are what the layout gives it,
+   computes the plan (``reshard.plan_reshard``: the same on every rank, cached) and posts
+   ``ok`` or its problems; every rank waits for all posts and raises ``RefitMismatchError``
+   listing them, before any bulk data moves. A receiver parameter that no sender covers fails
+   here, named.
+2. ``send_weights(version)`` / ``receive_weights()`` (each refit, collective): a header
+   ``all_reduce(max)`` of ``[magic, fingerprint, -fingerprint, version, -version, status]``
+   over every rank (so every sender and receiver learns of an abort, a plan or version
+   disagreement before any bulk data moves), then each rank's part of the exchange
+   (``transports/exchange.py``: send/recv per round, packed buckets and direct pieces).
+
+``bytes_moved`` holds what this rank sent or received in the last refit, counted at each
+send/recv; for a receiver it equals the bytes of its local tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import torch
+
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit.layout import Layout, LayoutError, LocalTensor
+from nemo_dataplane.refit.plan import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.protocol import (
+    MAGIC,
+    STATUS_ABORT,
+    STATUS_OK,
+    Endpoint,
+    NamedTensors,
+    RefitError,
+    RefitMismatchError,
+    clip,
+    dtype_name,
+)
+from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
+from nemo_dataplane.refit.transports.exchange import Exchange
+
+__all__ = ["RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender"]
+
+RESHARD_TRANSPORTS = ("auto", "p2p")
+_PROTOCOL = 1
+_I64_MIN = -(2**63)
+
+
+class _ReshardEndpoint(Endpoint):
+    sender = False
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
+                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+        super().__init__(group, named_tensors, channel)
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a nemo_dataplane.refit.layout.Layout, got {type(layout).__name__}")
+        if group.rank not in layout.mesh.coords:
+            raise ValueError(f"group rank {group.rank} is not in the layout's mesh (ranks {list(layout.mesh.ranks)})")
+        self.layout = layout
+        if device is None:
+            self.device = group.device
+        else:
+            self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and group.backend != "nccl":
+            raise ValueError("a reshard over CUDA tensors needs an NCCL group (backend='nccl')")
+        self.reshard_plan: ReshardPlan | None = None
+        self._exchange: Exchange | None = None
+        self._locals: dict[str, LocalTensor] = {}
+        self.transport: str | None = None
+        self.version: int | None = None
+        self.bytes_moved = 0
+        self._peers_watch: list[int] = []
+        self._side = "send" if self.sender else "recv"
+
+    # -- prepare
+
+    def _options(self) -> dict:
+        return {}
+
+    def _publish(self) -> None:
+        if self.group.rank == self.layout.mesh.ranks[0]:
+            doc = {"layout": self.layout.to_dict(), "options": self._options(), "protocol": _PROTOCOL}
+            self.group.store.set(self._key(self._gen, "layout", self._side), json.dumps(doc).encode())
+
+    def _read(self, side: str) -> dict:
+        key = self._key(self._gen, "layout", side)
+        what = "sending" if side == "send" else "receiving"
+        self.group.wait_for_ranks(lambda r: key, [0],
+                                  f"the {what} side's layout (published by that side's first rank)")
+        return json.loads(self.group.store.get(key))
+
+    def prepare_refit_info(self) -> ReshardPlan:
+        """Agree on both layouts and the plan with every rank (collective); see the module doc.
+
+        Raises ``RefitMismatchError`` (``ReshardPlanError`` text included where the plan
+        failed) listing every rank's problems; no bulk data has moved then.
+        """
+        g = self.group
+        self._gen += 1
+        self.release_buffers()
+        self._exchange = None
+        self._publish()
+        docs = {side: self._read(side) for side in ("send", "recv")}
+        problems: list[str] = []
+        plan = None
+        try:
+            src, dst = Layout.from_dict(docs["send"]["layout"]), Layout.from_dict(docs["recv"]["layout"])
+        except LayoutError as e:
+            src = dst = None
+            problems.append(f"a published layout is malformed: {e}")
+        opts = docs["send"].get("options", {})
+        if src is not None and dst is not None:
+            mine = src if self.sender else dst
+            if mine.to_json() != self.layout.to_json():
+                problems.append(f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
+                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})")
+            if self.sender and opts != self._options():
+                problems.append(f"options {self._options()} differ from the first sender's {opts}")
+            missing = sorted(set(range(g.world_size)) - set(src.mesh.ranks) - set(dst.mesh.ranks))
+            if missing:
+                problems.append(f"group rank(s) {missing} are in neither layout")
+            try:
+                plan = plan_reshard(src, dst, bucket_bytes=int(opts["bucket_bytes"]),
+                                    direct_bytes=int(opts["direct_bytes"]))
+            except ReshardPlanError as e:
+                problems.append(str(e))
+        problems += self._check_locals()
+        self._agree(problems)
+        assert plan is not None
+        self.reshard_plan = plan
+        self._fp = plan.fingerprint
+        self.transport = str(opts.get("transport", "p2p"))
+        if self.transport == "auto":
+            self.transport = "p2p"
+        rounds = plan.rounds(g.rank)
+        self._exchange = Exchange(g, rounds, self.sender, self._locals, self.device)
+        self._peers_watch = self._exchange.peers
+        self._connect()
+        return plan
+
+    def _check_locals(self) -> list[str]:
+        """This rank's tensors against what its layout gives it (names, shapes, dtypes, device)."""
+        try:
+            want = self.layout.local_tensors(self.group.rank)
+            tensors = self._tensors()
+        except (LayoutError, TypeError, ValueError) as e:
+            return [str(e)]
+        self._locals = want
+        return _diff_locals(want, tensors, self.device)
+
+    def _agree(self, problems: list[str]) -> None:
+        """Post this rank's status, wait for every rank's, raise if any failed. Ranks with the
+        same problem (a plan error is computed alike everywhere) are listed together."""
+        g = self.group
+        status = "ok" if not problems else f"{len(problems)} problem(s): {clip(problems)}"
+        g.store.set(self._key(self._gen, "status", g.rank), status.encode())
+        g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size),
+                         "reshard handshake (waiting for every rank to check the layouts and its tensors)")
+        by_status: dict[str, list[int]] = {}
+        for r in range(g.world_size):
+            st = g.store.get(self._key(self._gen, "status", r)).decode()
+            if st != "ok":
+                by_status.setdefault(st, []).append(r)
+        if not by_status:
+            return
+        parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {st}" for st, rs in by_status.items()]
+        raise RefitMismatchError(f"rank {g.rank}: reshard handshake failed, no weights were moved. " + " | ".join(parts))
+
+    def _connect(self) -> None:
+        """NCCL: one small send/recv per pair now, so the connections are set up at prepare
+        time rather than inside the first refit."""
+        if not self._cuda or self._exchange is None:
+            return
+        g = self.group
+        t = torch.zeros(1, dtype=torch.int32, device=self.device)
+        with g.coalesce():
+            for p in self._exchange.peers:
+                (g.send if self.sender else g.recv)(t, p)
+        g.synchronize(what="reshard connection set-up")
+
+    # -- each refit
+
+    def _watch(self) -> str | None:
+        return self._errors_of(self._peers_watch)
+
+    def _checked(self) -> Mapping[str, torch.Tensor]:
+        tensors = self._tensors()
+        problems = _diff_locals(self._locals, tensors, self.device)
+        if problems:
+            raise RefitMismatchError(f"rank {self.group.rank}: tensors changed since prepare_refit_info(): "
+                                     f"{clip(problems)}")
+        return tensors
+
+    def _header(self, version: int | None, failed: BaseException | None) -> int:
+        """The header all_reduce; returns the senders' version or raises (abort, disagreement)."""
+        g = self.group
+        fp = self._fp
+        status = STATUS_ABORT if failed is not None else STATUS_OK
+        vals = [MAGIC, fp, -fp, _I64_MIN if version is None else version,
+                _I64_MIN if version is None else -version, status]
+        t = torch.tensor(vals, dtype=torch.int64, device=g.device)
+        g.all_reduce(t, "max")
+        g.synchronize(what="reshard refit header")
+        magic, fp_max, neg_fp_min, v_max, neg_v_min, st = (int(x) for x in t.tolist())
+        if st != STATUS_OK:
+            if failed is not None:
+                raise failed
+            why = self._errors_of(r for r in range(g.world_size) if r != g.rank) or "no reason posted"
+            raise RefitError(f"rank {g.rank}: refit of version {v_max} aborted by another rank: {why}")
+        if magic != MAGIC or fp_max != fp or -neg_fp_min != fp:
+            msg = (f"refit header mismatch (magic {magic:#x}, fingerprints {-neg_fp_min}..{fp_max}, ours {fp}): "
+                   "the ranks prepared different plans; call prepare_refit_info() again on every rank")
+            raise RefitError(f"rank {g.rank}: {msg}")
+        if v_max != -neg_v_min:
+            raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
+        return v_max
+
+    def _refit(self, version: int | None) -> int:
+        if self._exchange is None:
+            raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before refitting")
+        self._seq += 1
+        failed: BaseException | None = None
+        tensors: Mapping[str, torch.Tensor] = {}
+        try:
+            tensors = self._checked()
+        except RefitMismatchError as e:
+            failed = e
+            self._publish_error(str(e))
+        v = self._header(version, failed)
+        what = f"reshard {'send' if self.sender else 'receive'} of version {v}"
+        try:
+            with torch.no_grad():
+                self._exchange.run(tensors, self._watch, what)
+        except Exception as e:
+            self._publish_error(f"{'sender' if self.sender else 'receiver'} failed during refit of version {v}: {e}")
+            raise
+        self.bytes_moved = self._exchange.bytes_moved
+        self.version = v
+        return v
+
+    def release_buffers(self) -> None:
+        super().release_buffers()
+        if getattr(self, "_exchange", None) is not None:
+            self._exchange.release_buffers()  # type: ignore[union-attr]
+
+
+class ReshardSender(_ReshardEndpoint):
+    """Trainer side of a resharding refit: this rank's shards, as its ``layout`` gives them.
+
+    Args:
+        group: the refit group: every trainer rank of ``layout`` plus every generator rank.
+        named_tensors: local name -> tensor (dict, pairs, or a callable returning either): the
+            rank's shards under their HF names (or fused names, see ``Layout.fused``).
+        layout: the trainer side's ``Layout`` (identical on every trainer rank).
+        bucket_bytes: staging per rank and round (two rounds in flight); default 1 GiB on GPU,
+            64 MiB on CPU.
+        direct_bytes: pieces at least this large that are contiguous on both ends go on their
+            own, zero-copy; default: only pieces larger than a bucket.
+        transport: ``"p2p"`` (send/recv over the group, NCCL or gloo) or ``"auto"`` (the same
+            for now; receivers follow the senders').
+        device: where the tensors live (default: the group's device).
+        channel: store namespace, for several refits on one group.
+    """
+
+    sender = True
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout,
+                 bucket_bytes: int | None = None, *, direct_bytes: int | None = None, transport: str = "auto",
+                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+        super().__init__(group, named_tensors, layout, device=device, channel=channel)
+        if transport not in RESHARD_TRANSPORTS:
+            raise ValueError(f"transport must be one of {RESHARD_TRANSPORTS}, got {transport!r}")
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
+        if bucket_bytes < 256:
+            raise ValueError(f"bucket_bytes must be >= 256, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.direct_bytes = self.bucket_bytes + 1 if direct_bytes is None else int(direct_bytes)
+        self._requested = transport
+
+    def _options(self) -> dict:
+        return {"bucket_bytes": self.bucket_bytes, "direct_bytes": self.direct_bytes, "transport": self._requested}
+
+    def send_weights(self, version: int) -> None:
+        """Send this rank's pieces of refit ``version`` (collective with every rank)."""
+        self._refit(int(version))
+
+
+class ReshardReceiver(_ReshardEndpoint):
+    """Generator side of a resharding refit: receives into this rank's tensors in place.
+
+    ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under
+    their fused name). ``version`` holds the last completed refit's version.
+    """
+
+    def receive_weights(self) -> int:
+        """Receive this rank's pieces of one refit; return (and store) its version."""
+        return self._refit(None)
+
+
+def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
+                 device: torch.device) -> list[str]:
+    out = []
+    for name, lt in want.items():
+        t = tensors.get(name)
+        if t is None:
+            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, but it has no such tensor")
+            continue
+        shape, dt = tuple(t.shape), dtype_name(t.dtype)
+        if shape != lt.shape or dt != lt.dtype:
+            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is "
+                       f"{list(shape)} {dt}")
+        if t.device != device:
+            out.append(f"{name}: on {t.device}, expected {device}")
+    out += [f"{n}: tensor not in the layout (it would go stale)" for n in tensors if n not in want]
+    return out

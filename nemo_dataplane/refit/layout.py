@@ -259,8 +259,13 @@ class Layout:
             "fused": {n: {"dim": f.dim, "parts": list(f.parts)} for n, f in self.fused.items()},
         }
 
-    def to_json(self) -> bytes:
+    @cached_property
+    def _json(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    def to_json(self) -> bytes:
+        """The JSON form (computed once per layout: layouts are immutable)."""
+        return self._json
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Layout:

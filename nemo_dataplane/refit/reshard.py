@@ -209,7 +209,8 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 @lru_cache(maxsize=4096)
 def _covers(src_table: tuple, dst_table: tuple) -> tuple:
-    """Per distinct receiver box: (box, its ranks, [(intersection, sender ranks)], fully covered)."""
+    """Per distinct receiver box: (box, its ranks, [(intersection, bytes-less volume, sender
+    ranks, their boxes)], fully covered)."""
     out = []
     for db, dranks in dst_table:
         vol = _volume(db)
@@ -218,19 +219,26 @@ def _covers(src_table: tuple, dst_table: tuple) -> tuple:
         for sb, sranks in src_table:
             inter = _intersect(db, sb)
             if inter is not None:
-                cov.append((inter, sranks))
-                got += _volume(inter)
-        out.append((db, dranks, tuple(cov), got == vol))
+                v = _volume(inter)
+                cov.append((inter, v, sranks, sb))
+                got += v
+        out.append((db, dranks, tuple(cov), got == vol, vol))
     return tuple(out)
 
 
 def _contiguous(region: Box, shape: Sequence[int]) -> bool:
-    """Whether ``region`` of a row-major tensor of ``shape`` is one contiguous run."""
+    """Whether ``region`` of a row-major tensor of ``shape`` is one contiguous run: every dim
+    before the last one it does not span fully has extent 1."""
     last = -1
-    for i, ((lo, hi), n) in enumerate(zip(region, shape)):
-        if hi - lo != n:
+    for i in range(len(shape)):
+        lo, hi = region[i]
+        if hi - lo != shape[i]:
             last = i
-    return all(hi - lo == 1 for lo, hi in region[:max(last, 0)])
+    for i in range(last):
+        lo, hi = region[i]
+        if hi - lo != 1:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- local coordinates
@@ -243,12 +251,16 @@ class _Side:
         self.layout = layout
         self.part_of = layout.part_of
         self._fused: dict[tuple[str, int], tuple[tuple[int, ...], dict[str, int]]] = {}
+        self._shapes: dict[Box, tuple[int, ...]] = {}
 
     def local(self, param: str, rank: int, own: Box) -> tuple[str, tuple[int, ...], int, int]:
         """(local name, local shape, fuse dim, offset of this part along it)."""
         fname = self.part_of.get(param)
         if fname is None:
-            return param, tuple(hi - lo for lo, hi in own), 0, 0
+            shape = self._shapes.get(own)
+            if shape is None:
+                shape = self._shapes[own] = tuple(hi - lo for lo, hi in own)
+            return param, shape, 0, 0
         key = (fname, rank)
         got = self._fused.get(key)
         if got is None:
@@ -260,8 +272,13 @@ class _Side:
 
 
 def _region(box: Box, own: Box, dim: int, off: int) -> Box:
-    return tuple((lo - olo + (off if i == dim else 0), hi - olo + (off if i == dim else 0))
-                 for i, ((lo, hi), (olo, _)) in enumerate(zip(box, own)))
+    """``box`` (full-parameter coordinates) in the local tensor of a rank holding ``own``, its
+    part starting at ``off`` along the fused ``dim``."""
+    out = []
+    for i in range(len(box)):
+        d = own[i][0] - (off if i == dim else 0)
+        out.append((box[i][0] - d, box[i][1] - d))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- the plan
@@ -324,23 +341,25 @@ def _build(src: Layout, dst: Layout, bucket_bytes: int, direct_bytes: int, finge
         one = None
         if sp.rule is None or dp.rule is None:
             whole = tuple((0, n) for n in sp.shape)
-            one = next((rs[0] for b, rs in stab if b == whole), None)
+            one = next((rs[0] for b, rs in stab if b == whole), None)  # the first sender holding all of it
             if one is not None:
                 fallback.append(name)
         isz = dp.itemsize
         j = idx  # rotates the replica choice over parameters and receivers
-        for db, dranks, cov, full in _covers(stab, dtab):
+        for db, dranks, cov, full, vol in _covers(stab, dtab):
             if not full:
                 problems.append(f"{name}: the senders cover only part of the box "
                                 f"{[list(x) for x in db]} that receiver rank {dranks[0]} holds")
                 continue
-            if _volume(db) == 0:
+            if vol == 0:
                 continue
+            if one is not None:
+                cov = ((db, vol, (one,), next(b for b, rs in stab if one in rs)),)
             for r in dranks:
-                for inter, sranks in (((db, (one,)),) if one is not None else cov):
+                for inter, v, sranks, sb in cov:
                     s = sranks[j % len(sranks)]
                     pairs.setdefault((s, r), []).append(len(pieces))
-                    pieces.append(Piece(name, s, r, inter, _volume(inter) * isz, _sender_box(stab, s), db))
+                    pieces.append(Piece(name, s, r, inter, v * isz, sb, db))
                 j += 1
     sent_nowhere = [n for n in src.params if n not in dst.params]
     if sent_nowhere:
@@ -359,16 +378,9 @@ def _entry(p: Piece, sside: _Side, dside: _Side) -> Entry:
     sname, sshape, sdim, soff = sside.local(p.param, p.src, p.src_box)
     dname, dshape, ddim, doff = dside.local(p.param, p.dst, p.dst_box)
     sreg, dreg = _region(p.box, p.src_box, sdim, soff), _region(p.box, p.dst_box, ddim, doff)
-    isz = sside.layout.params[p.param].itemsize
-    return Entry(p.param, sname, sreg, dname, dreg, sside.layout.params[p.param].dtype, isz, p.nbytes,
+    pl = sside.layout.params[p.param]
+    return Entry(p.param, sname, sreg, dname, dreg, pl.dtype, pl.itemsize, p.nbytes,
                  contiguous=_contiguous(sreg, sshape) and _contiguous(dreg, dshape))
-
-
-def _sender_box(stab: tuple, rank: int) -> Box:
-    for b, rs in stab:
-        if rank in rs:
-            return b
-    raise AssertionError(f"rank {rank} holds no box")  # the rank was taken from this table
 
 
 def _split(e: Entry, cap: int) -> list[Entry]:
@@ -411,12 +423,10 @@ def _cut_messages(pair: tuple[int, int], entries: list[Entry], cap: int, direct_
             # Largest items first: every slot then starts at a multiple of its itemsize.
             cur.sort(key=lambda x: -x.itemsize)
             off = 0
-            placed = []
-            for x in cur:
-                placed.append(Entry(x.param, x.src_local, x.src_region, x.dst_local, x.dst_region, x.dtype,
-                                    x.itemsize, x.nbytes, off))
+            for x in cur:  # entries are this pair's own objects: placed in place
+                x.offset = off
                 off += x.nbytes
-            out.append(Message(s, r, off, False, tuple(placed)))
+            out.append(Message(s, r, off, False, tuple(cur)))
         cur, size = [], 0
 
     for e in entries:

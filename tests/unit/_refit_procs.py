@@ -705,7 +705,8 @@ def reshard_shapes(moe: bool = False) -> dict[str, tuple[tuple[int, ...], torch.
                     p + "self_attn.o_proj.weight": ((h, h), bf), p + "post_attention_layernorm.weight": ((h,), f32)})
         if moe:
             out.update({p + "mlp.gate.weight": ((e, h), bf), p + "mlp.experts.gate_proj": ((e, inter, h), bf),
-                        p + "mlp.experts.up_proj": ((e, inter, h), bf), p + "mlp.experts.down_proj": ((e, h, inter), bf)})
+                        p + "mlp.experts.up_proj": ((e, inter, h), bf),
+                        p + "mlp.experts.down_proj": ((e, h, inter), bf)})
         else:
             out.update({p + "mlp.gate_proj.weight": ((inter, h), bf), p + "mlp.up_proj.weight": ((inter, h), bf),
                         p + "mlp.down_proj.weight": ((h, inter), bf)})
@@ -776,6 +777,7 @@ RESHARD_CASES: dict[str, tuple[dict[str, int], dict[str, int], bool, bool]] = {
     "dp2tp2->tp2": ({"dp": 2, "tp": 2}, {"tp": 2}, False, True),
     "pp2->pp1": ({"pp": 2}, {"tp": 1}, False, False),
     "ep2->ep1": ({"ep": 2}, {"ep": 1}, True, False),
+    "tp1->tp1": ({"tp": 1}, {"tp": 1}, False, True),  # 2 ranks: the NCCL p2p case on 2 GPUs
 }
 
 
@@ -806,20 +808,27 @@ def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool
 
 
 def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tuple[int, ...] = (7, 8),
-                      bucket_bytes: int = 1024, direct_bytes: int | None = 512) -> dict[str, Any]:
+                      bucket_bytes: int = 1024, direct_bytes: int | None = 512, backend: str = "gloo",
+                      gpus: tuple[int, ...] | None = None, transport: str = "auto") -> dict[str, Any]:
     """Refit ``case`` twice with different values; receivers compare bit patterns with the
-    hand-sharded unsharded weights and report what they received."""
+    hand-sharded unsharded weights and report what they received. ``gpus``: each rank's CUDA
+    device (tensors there; ranks may share one with a gloo group and transport="ipc")."""
     from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
 
-    g = _group(rank, world, port, "gloo")
+    dev = torch.device("cpu")
+    if gpus is not None:
+        torch.cuda.set_device(gpus[rank])
+        dev = torch.device("cuda", gpus[rank])
+    g = _group(rank, world, port, backend, gpu=None if gpus is None else gpus[rank])
     src, dst = reshard_layouts(case)
     moe, fused = RESHARD_CASES[case][2], RESHARD_CASES[case][3]
     out: dict[str, Any] = {}
     if rank in src.mesh.coords:
-        mine = _hand_for(src, rank, reshard_full(0, moe), False)
+        mine = {k: v.to(dev) for k, v in _hand_for(src, rank, reshard_full(0, moe), False).items()}
         # A strided source exercises packing from views.
         mine = {k: (_noncontig(v) if k.endswith("o_proj.weight") else v) for k, v in mine.items()}
-        ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes)
+        ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes, transport=transport,
+                                device=dev)
         plan = ep.prepare_refit_info()
         sent = []
         for i, v in enumerate(versions):
@@ -831,9 +840,10 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
             sent.append(ep.bytes_moved)
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
     else:
-        mine = {k: torch.zeros_like(v) for k, v in _hand_for(dst, rank, reshard_full(0, moe), fused).items()}
+        shards = _hand_for(dst, rank, reshard_full(0, moe), fused)
+        mine = {k: torch.zeros_like(v, device=dev) for k, v in shards.items()}
         mine = {k: (_noncontig(v) if k.endswith("down_proj.weight") else v) for k, v in mine.items()}
-        ep = ReshardReceiver(g, mine, dst)
+        ep = ReshardReceiver(g, mine, dst, device=dev)
         plan = ep.prepare_refit_info()
         refits = []
         for i in range(len(versions)):
@@ -843,13 +853,45 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
             refits.append({"version": v, "wrong": wrong, "received": ep.bytes_moved,
                            "owned": sum(t.numel() * t.element_size() for t in want.values()),
                            "names": sorted(mine)})
-        out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank), staging=ep._exchange.staging_bytes)
-    out.update(fallback=list(plan.fallback), fingerprint=plan.fingerprint,
+        out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank),
+                   staging=ep._exchange.staging_bytes if ep._exchange is not None else 0)
+    out.update(fallback=list(plan.fallback), fingerprint=plan.fingerprint, transport=ep.transport,
                senders_by_param={p.param: sorted({q.src for q in plan.pieces if q.param == p.param})
                                  for p in plan.pieces})
     g.barrier()
+    ep.close()
+    g.barrier()
     g.destroy()
     return out
+
+
+def check_reshard(res: dict[int, Any], case: str) -> None:
+    """What every ``reshard_roundtrip`` must show (CPU and GPU tests)."""
+    for r, out in res.items():
+        assert not isinstance(out, BaseException), f"rank {r}:\n{format_exc(out)}"
+    src, dst = reshard_layouts(case)
+    assert len({res[r]["fingerprint"] for r in res}) == 1, "every rank must compute the same plan"
+    received = 0
+    for r in dst.mesh.ranks:
+        out = res[r]
+        assert [x["version"] for x in out["refits"]] == [7, 8]
+        assert [x["wrong"] for x in out["refits"]] == [[], []], (r, out["refits"])
+        for x in out["refits"]:
+            assert x["received"] == x["owned"] == out["plan_bytes_to"], (r, x)
+        received += out["refits"][0]["received"]
+        assert out["staging"] <= 2 * 1024  # two rounds of buckets (0 on the ipc transport)
+        names = out["refits"][0]["names"]
+        fused = RESHARD_CASES[case][3]
+        assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == fused, names
+        assert ("model.layers.1.mlp.gate_up_proj.weight" in names) == fused, names
+    sent = [res[s]["sent"] for s in src.mesh.ranks]
+    assert all(a == b == res[s]["plan_bytes_from"] for (a, b), s in zip(sent, src.mesh.ranks)), sent
+    assert sum(a for a, _ in sent) == received, (sent, received)
+    # the parameter no rule knows arrived whole from one sender
+    assert "model.layers.0.mlp.router_A_log" in res[dst.mesh.ranks[0]]["fallback"]
+    assert res[dst.mesh.ranks[0]]["senders_by_param"]["model.layers.0.mlp.router_A_log"] == [0]
+    if case == "dp2tp2->tp2":  # both data-parallel replicas of the trainer send
+        assert all(res[s]["sent"][0] > 0 for s in src.mesh.ranks)
 
 
 def reshard_failures(rank: int, world: int, port: int, what: str) -> dict[str, Any]:

@@ -711,6 +711,7 @@ def reshard_shapes(moe: bool = False) -> dict[str, tuple[tuple[int, ...], torch.
             out.update({p + "mlp.gate_proj.weight": ((inter, h), bf), p + "mlp.up_proj.weight": ((inter, h), bf),
                         p + "mlp.down_proj.weight": ((h, inter), bf)})
     out["model.layers.0.mlp.router_A_log"] = ((5,), f32)
+    out["model.layers.1.self_attn.sinks"] = ((3,), bf)  # odd bytes: later slots must stay aligned
     out["model.norm.weight"] = ((h,), f32)
     out["lm_head.weight"] = ((vocab, h), bf)
     return out
@@ -879,7 +880,7 @@ def check_reshard(res: dict[int, Any], case: str) -> None:
         for x in out["refits"]:
             assert x["received"] == x["owned"] == out["plan_bytes_to"], (r, x)
         received += out["refits"][0]["received"]
-        assert out["staging"] <= 2 * 1024  # two rounds of buckets (0 on the ipc transport)
+        assert out["staging"] <= 2 * (1024 + 16 * len(src.mesh.ranks)), out["staging"]  # 2 rounds (ipc: 0)
         names = out["refits"][0]["names"]
         fused = RESHARD_CASES[case][3]
         assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == fused, names

@@ -10,7 +10,8 @@ in the same order on both ends of every pair, so send/recv always match:
 * receiver, round k: post the receives once round k-2 was unpacked (same buffer), then unpack
   round k-1 while round k moves.
 
-Staging memory per rank is the two buffers: at most ``2 * bucket_bytes`` (``reshard.py``).
+Staging memory per rank is the two buffers: at most ``2 * (bucket_bytes + 16 * peers)``
+(``reshard.py``; 16: each message's alignment).
 Every wait is bounded by the group's timeout and polls the peers' error reports.
 """
 
@@ -28,6 +29,10 @@ from nemo_dataplane.refit.protocol import dtype_from_name
 from nemo_dataplane.refit.reshard import Entry, Message
 
 __all__ = ["Exchange"]
+
+# Messages of one round sit back to back in its buffer, each starting at a multiple of this (the
+# largest itemsize), so every slot can be viewed as its dtype; the wire carries no padding.
+_SLOT_ALIGN = 16
 
 
 def _slices(region: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
@@ -64,6 +69,7 @@ class Exchange:
                 if m.direct:
                     direct.append(m)
                 else:
+                    off = -(-off // _SLOT_ALIGN) * _SLOT_ALIGN  # slots stay aligned for their dtypes
                     packed.append((m, off))
                     off += m.nbytes
             self.rounds.append(_Round(packed, direct, off))

@@ -36,6 +36,9 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
                       case=case, gpus=gpus, transport="ipc", limit=120)
     P.check_reshard(res, case)
     assert {res[r]["transport"] for r in res} == {"ipc"}
+    src, _ = P.reshard_layouts(case)
+    for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
+        assert res[s]["raw"], res[s]["raw_error"]
 
 
 def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:

@@ -95,6 +95,10 @@ class IpcPush:
         self._rt = _ipc._cudart()
         self.raw = self._rt is not None
         self.raw_error: str | None = None
+        # timing=True: CUDA events split the last refit's copies into the contiguous ones
+        # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
+        self.timing = False
+        self._events: list[torch.cuda.Event] = []
 
     # -- setup
 
@@ -162,6 +166,9 @@ class IpcPush:
                         slow.append((dst, src))
                     else:
                         copies += ops
+        # Contiguous copies first, then the pitched ones (order is free: no two write the same
+        # bytes), so timing can tell their rates apart.
+        copies.sort(key=lambda c: c[5] > 1)
         self._key, self._copies, self._slow, self._gather = key, copies, slow, gather
         self._sources = list(tensors.values())  # what the copies read stays alive
 
@@ -198,11 +205,34 @@ class IpcPush:
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
         handle = int(stream.cuda_stream)
         ok = rt.cudaError_t.cudaSuccess
+        marks = []
+        if self.timing:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record(stream)
+        pitched = False
         with torch.cuda.device(self.device):
             for dp, dpitch, sp, spitch, width, height in self._copies:
+                if marks and height > 1 and not pitched:
+                    marks[1].record(stream)
+                    pitched = True
                 (err,) = rt.cudaMemcpy2DAsync(dp, dpitch, sp, spitch, width, height, kind, handle)
                 if err != ok:
                     raise RuntimeError(f"cudaMemcpy2DAsync: {err}")
+        if marks:
+            if not pitched:
+                marks[1].record(stream)
+            marks[2].record(stream)
+        self._events = marks
+
+    def phases(self) -> dict[str, float]:
+        """After a refit with ``timing`` (and its copies done): bytes and GPU milliseconds of the
+        contiguous and of the pitched copies."""
+        if len(self._events) != 3:
+            return {}
+        e0, e1, e2 = self._events
+        flat = sum(w for _, _, _, _, w, h in self._copies if h == 1)
+        return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(e1),
+                "pitched_bytes": self.bytes_issued - flat, "pitched_ms": e1.elapsed_time(e2)}
 
     def scatter(self) -> None:
         """Receiver: staged values into its non-contiguous tensors, on the current stream."""

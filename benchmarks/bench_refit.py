@@ -2,6 +2,9 @@
 
 GPU (2 GPUs, default):  python benchmarks/bench_refit.py
 CPU (gloo, small):      python benchmarks/bench_refit.py --device cpu --params 50e6
+Resharding refit:       python benchmarks/bench_refit.py --reshard [--device cpu --params 20e6]
+                        (TP=2 -> TP=1 and TP=2 -> TP=2 vs a full broadcast, plus the plan time of
+                        a 1,000-parameter model; benchmarks/reshard_bench.py)
 
 A llama-shaped parameter set (~150 tensors, bf16) lives on the trainer process (rank 0, GPU 0)
 and is refit into a generator process (rank 1, GPU 1). Metric: wall time from the sender's
@@ -458,16 +461,30 @@ def main() -> None:
     ap.add_argument("--nccl-config", default="", help="NCCLConfig fields for the refit group, e.g. min_ctas=32")
     ap.add_argument("--ipc-only", action="store_true",
                     help="GPU: only the CUDA IPC rows, the defaults and per-tensor broadcast (plus flat baselines)")
+    ap.add_argument("--reshard", action="store_true",
+                    help="resharding refit (benchmarks/reshard_bench.py): TP=2 -> TP=1 / TP=2 vs a full broadcast")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="--reshard: staging per round (default: "
+                    "1 GiB GPU, 64 MiB CPU)")
+    ap.add_argument("--direct-bytes", type=int, default=None,
+                    help="--reshard: contiguous pieces at least this large go unpacked (default: ReshardSender's)")
+    ap.add_argument("--limit", type=float, default=400.0, help="--reshard: seconds per scenario")
     ap.add_argument("--matrix", action="store_true",
                     help="GPU: run the NCCL settings matrix (flat and per-tensor, broadcast and p2p) and exit")
     args = ap.parse_args()
     args.nccl_config = {k: int(v) for k, v in (kv.split("=") for kv in args.nccl_config.split(",") if kv)}
     if args.params is None:
-        args.params = 2e9 if args.device == "cuda" else 50e6
+        args.params = 2e9 if args.device == "cuda" else (20e6 if args.reshard else 50e6)
     if args.matrix:
         args.iters = min(args.iters, 6)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("--device cuda needs 2 GPUs; use --device cpu --params 50e6")
+    if args.reshard:
+        import reshard_bench
+
+        if args.bucket_bytes is None:
+            args.bucket_bytes = (1 << 30) if args.device == "cuda" else (64 << 20)
+        reshard_bench.main(args)
+        return
     shapes = llama_shapes(args.params)
     nbytes = sum(math.prod(s) for _, s in shapes) * 2
     print(f"[bench_refit] {args.device}: {len(shapes)} tensors, {nbytes / 2 / 1e9:.3f} B params, "

@@ -1,0 +1,10 @@
+"""Process groups outside ``torch.distributed``'s global state (docs/refit.md, section 1)."""
+
+from nemo_dataplane.distributed.stateless_group import (
+    StatelessGroupError,
+    StatelessGroupTimeout,
+    StatelessProcessGroup,
+    Work,
+)
+
+__all__ = ["StatelessGroupError", "StatelessGroupTimeout", "StatelessProcessGroup", "Work"]

@@ -1,0 +1,493 @@
+"""How named parameters are split over a device mesh, as wire-safe JSON (docs/refit.md, section 6).
+
+A ``Layout`` describes one side of a resharding refit (the trainer's or the generator's):
+
+* ``mesh``: named dimensions (``("pp", 2), ("dp", 2), ("tp", 2)``) and the group rank at each
+  coordinate, row-major;
+* ``params``: per parameter, under its Hugging Face name, the *full* shape, the dtype and one
+  placement per mesh dimension: ``Shard(d)`` (split along tensor dim ``d`` in
+  ``torch.chunk`` fashion, nested in mesh-dimension order like DTensor), ``Replicate`` (every
+  index holds the same data) or ``Only(k)`` (only index ``k`` holds it: a pipeline stage, a
+  rank that gathered the whole tensor); ``rule`` names the sharding rule that produced it, and
+  ``None`` marks a parameter whose rule is not known: it must then be held whole wherever it is
+  held, and it is moved whole from one sender (``reshard.py``);
+* ``fused``: local tensors assembled from several parameters' local shards concatenated along
+  one dim, on every rank that holds them (q/k/v -> qkv, gate/up -> gate_up).
+
+The local tensors of a rank are then fully determined: ``local_tensors(rank)``. The helpers
+(``build_layout``, ``DEFAULT_RULES``, ``layer_stages``, ``fuse``) build layouts for the common
+rules: column-parallel, row-parallel, vocab-parallel, replicated, grouped MoE experts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+__all__ = [
+    "DEFAULT_FUSIONS",
+    "DEFAULT_RULES",
+    "Fused",
+    "Layout",
+    "LayoutError",
+    "LocalTensor",
+    "Mesh",
+    "Only",
+    "ParamLayout",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "build_layout",
+    "fuse",
+    "layer_stages",
+    "parse_placement",
+]
+
+Box = tuple[tuple[int, int], ...]  # per tensor dim: [start, stop)
+
+
+class LayoutError(ValueError):
+    """A layout is malformed or does not fit its parameters; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split along tensor dim ``dim`` over a mesh dimension (``torch.chunk`` sizes)."""
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every index of the mesh dimension holds the same data."""
+
+    def __str__(self) -> str:
+        return "Replicate"
+
+
+@dataclass(frozen=True)
+class Only:
+    """Only index ``index`` of the mesh dimension holds the parameter (e.g. its pipeline stage)."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"Only({self.index})"
+
+
+Placement = Shard | Replicate | Only
+_PLACEMENT_RE = re.compile(r"^(Shard|Only)\((\d+)\)$")
+
+
+def parse_placement(text: str) -> Placement:
+    """``"Shard(0)"``, ``"Replicate"`` or ``"Only(1)"`` back to a placement."""
+    if text == "Replicate":
+        return Replicate()
+    m = _PLACEMENT_RE.match(text)
+    if m is None:
+        raise LayoutError(f"placement {text!r} is not Shard(d), Replicate or Only(k)")
+    return Shard(int(m[2])) if m[1] == "Shard" else Only(int(m[2]))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named dimensions and the group rank at each coordinate (row-major, last dim fastest)."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.sizes):
+            raise LayoutError(f"mesh: {len(self.dims)} dims {list(self.dims)} but {len(self.sizes)} sizes")
+        if len(set(self.dims)) != len(self.dims):
+            raise LayoutError(f"mesh: repeated dim name in {list(self.dims)}")
+        if any(s < 1 for s in self.sizes):
+            raise LayoutError(f"mesh: sizes must be >= 1, got {list(self.sizes)}")
+        n = 1
+        for s in self.sizes:
+            n *= s
+        if len(self.ranks) != n:
+            raise LayoutError(f"mesh: sizes {list(self.sizes)} need {n} ranks, got {len(self.ranks)}")
+        if len(set(self.ranks)) != n:
+            raise LayoutError(f"mesh: a group rank appears twice in {list(self.ranks)}")
+
+    @classmethod
+    def of(cls, ranks: Iterable[int], **dims: int) -> Mesh:
+        """``Mesh.of(range(4), dp=2, tp=2)``: dims in keyword order, ranks row-major."""
+        return cls(tuple(dims), tuple(dims.values()), tuple(int(r) for r in ranks))
+
+    @cached_property
+    def coords(self) -> dict[int, tuple[int, ...]]:
+        """Group rank -> its coordinate."""
+        out: dict[int, tuple[int, ...]] = {}
+        for i, r in enumerate(self.ranks):
+            c = []
+            for s in reversed(self.sizes):
+                c.append(i % s)
+                i //= s
+            out[r] = tuple(reversed(c))
+        return out
+
+    def size(self, dim: str) -> int:
+        return self.sizes[self.dims.index(dim)] if dim in self.dims else 1
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: full shape, dtype, a placement per mesh dim, and the rule behind them."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[Placement, ...]
+    rule: str | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A local tensor made of several parameters' local shards concatenated along ``dim``."""
+
+    dim: int
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """What one rank holds under one local name: its shape and, per parameter part, the box
+    of the full parameter it holds and where that box starts along the fused dim."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    parts: tuple[tuple[str, Box, int], ...]  # (param, box in param coords, offset along fuse dim)
+    fuse_dim: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = _itemsize(self.dtype)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise LayoutError(f"unknown dtype {dtype!r}")
+        n = _ITEMSIZE[dtype] = dt.itemsize
+    return n
+
+
+def chunk(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk``'s ``index``-th of ``parts`` pieces of ``[lo, hi)`` (possibly empty)."""
+    n = hi - lo
+    step = -(-n // parts) if n else 0
+    a = min(index * step, n)
+    return lo + a, lo + min(a + step, n)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One side's parameters over its mesh. Immutable; ``to_json``/``from_json`` round-trip."""
+
+    mesh: Mesh
+    params: Mapping[str, ParamLayout]
+    fused: Mapping[str, Fused] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        nd = len(self.mesh.dims)
+        for name, p in self.params.items():
+            if len(p.placements) != nd:
+                raise LayoutError(f"param {name!r}: {len(p.placements)} placements for a mesh of {nd} dims "
+                                  f"{list(self.mesh.dims)}")
+            _itemsize(p.dtype)
+            for m, pl in enumerate(p.placements):
+                if isinstance(pl, Shard) and not 0 <= pl.dim < len(p.shape):
+                    raise LayoutError(f"param {name!r}: {pl} on mesh dim {self.mesh.dims[m]!r} but the "
+                                      f"parameter has {len(p.shape)} dims")
+                if isinstance(pl, Only) and not 0 <= pl.index < self.mesh.sizes[m]:
+                    raise LayoutError(f"param {name!r}: {pl} but mesh dim {self.mesh.dims[m]!r} has size "
+                                      f"{self.mesh.sizes[m]}")
+                if p.rule is None and isinstance(pl, Shard):
+                    raise LayoutError(f"param {name!r}: its rule is unknown (rule=None), so it must be held "
+                                      f"whole (Replicate/Only), not {pl} on {self.mesh.dims[m]!r}")
+        owner: dict[str, str] = {}
+        for local, f in self.fused.items():
+            if local in self.params:
+                raise LayoutError(f"fused {local!r}: the name is also a parameter")
+            if len(f.parts) < 1:
+                raise LayoutError(f"fused {local!r}: no parts")
+            for part in f.parts:
+                p = self.params.get(part)
+                if p is None:
+                    raise LayoutError(f"fused {local!r}: part {part!r} is not a parameter of this layout")
+                if part in owner:
+                    raise LayoutError(f"fused {local!r}: part {part!r} already belongs to {owner[part]!r}")
+                owner[part] = local
+                first = self.params[f.parts[0]]
+                if p.dtype != first.dtype or len(p.shape) != len(first.shape) or not 0 <= f.dim < len(p.shape):
+                    raise LayoutError(f"fused {local!r}: part {part!r} ({p.dtype}, {len(p.shape)} dims) cannot be "
+                                      f"concatenated with {f.parts[0]!r} along dim {f.dim}")
+                if _holding(p.placements) != _holding(first.placements):
+                    raise LayoutError(f"fused {local!r}: part {part!r} is held by other ranks than {f.parts[0]!r}")
+
+    # -- the wire format
+
+    def to_dict(self) -> dict:
+        return {
+            "mesh": {"dims": list(self.mesh.dims), "sizes": list(self.mesh.sizes), "ranks": list(self.mesh.ranks)},
+            "params": {n: {"shape": list(p.shape), "dtype": p.dtype, "placements": [str(x) for x in p.placements],
+                           "rule": p.rule} for n, p in self.params.items()},
+            "fused": {n: {"dim": f.dim, "parts": list(f.parts)} for n, f in self.fused.items()},
+        }
+
+    @cached_property
+    def _json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    def to_json(self) -> bytes:
+        """The JSON form (computed once per layout: layouts are immutable)."""
+        return self._json
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Layout:
+        try:
+            m = d["mesh"]
+            mesh = Mesh(tuple(m["dims"]), tuple(int(s) for s in m["sizes"]), tuple(int(r) for r in m["ranks"]))
+            params = {}
+            for n, p in d["params"].items():
+                params[n] = ParamLayout(tuple(int(s) for s in p["shape"]), str(p["dtype"]),
+                                        tuple(parse_placement(x) for x in p["placements"]), p.get("rule"))
+            fused = {n: Fused(int(f["dim"]), tuple(f["parts"])) for n, f in d.get("fused", {}).items()}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise LayoutError(f"malformed layout: missing or wrong field {e}") from e
+        return cls(mesh, params, fused)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Layout:
+        return cls.from_dict(json.loads(data))
+
+    @cached_property
+    def fingerprint(self) -> int:
+        """A 31-bit checksum of the JSON form."""
+        return zlib.crc32(self.to_json()) & 0x7FFFFFFF
+
+    # -- what a rank holds
+
+    def box(self, name: str, rank: int) -> Box | None:
+        """The box of parameter ``name`` that group rank ``rank`` holds (None: none of it)."""
+        p = self.params[name]
+        return param_box(p.shape, p.placements, self.mesh.sizes, self.mesh.coords[rank])
+
+    @cached_property
+    def part_of(self) -> dict[str, str]:
+        """Parameter -> the fused local tensor it is a part of."""
+        return {part: local for local, f in self.fused.items() for part in f.parts}
+
+    def local_tensors(self, rank: int) -> dict[str, LocalTensor]:
+        """Every local tensor ``rank`` holds, in parameter order (a fused one where its first
+        part comes)."""
+        if rank not in self.mesh.coords:
+            raise LayoutError(f"rank {rank} is not in this layout's mesh (ranks {list(self.mesh.ranks)})")
+        out: dict[str, LocalTensor] = {}
+        part_of = self.part_of
+        for name, p in self.params.items():
+            local = part_of.get(name)
+            if local is not None:
+                if local not in out:
+                    lt = self.fused_local(local, rank)
+                    if lt is not None:
+                        out[local] = lt
+                continue
+            b = self.box(name, rank)
+            if b is not None:
+                out[name] = LocalTensor(name, tuple(hi - lo for lo, hi in b), p.dtype, ((name, b, 0),))
+        return out
+
+    def fused_local(self, local: str, rank: int) -> LocalTensor | None:
+        """The fused local tensor ``local`` on ``rank`` (None if it holds none of it)."""
+        f = self.fused[local]
+        parts = []
+        off = 0
+        shape: list[int] | None = None
+        for part in f.parts:
+            b = self.box(part, rank)
+            if b is None:
+                return None
+            ext = [hi - lo for lo, hi in b]
+            if shape is None:
+                shape = ext
+            elif [e for i, e in enumerate(ext) if i != f.dim] != [e for i, e in enumerate(shape) if i != f.dim]:
+                raise LayoutError(f"fused {local!r} on rank {rank}: part {part!r} holds {ext}, which does not "
+                                  f"concatenate with {shape} along dim {f.dim}")
+            parts.append((part, b, off))
+            off += ext[f.dim]
+        assert shape is not None
+        shape[f.dim] = off
+        return LocalTensor(local, tuple(shape), self.params[f.parts[0]].dtype, tuple(parts), f.dim)
+
+
+def _holding(placements: Sequence[Placement]) -> tuple:
+    return tuple(pl if isinstance(pl, Only) else None for pl in placements)
+
+
+def param_box(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int],
+              coord: Sequence[int]) -> Box | None:
+    """The box held at mesh coordinate ``coord`` (None where an ``Only`` excludes it)."""
+    box = [(0, n) for n in shape]
+    for m, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            lo, hi = box[pl.dim]
+            box[pl.dim] = chunk(lo, hi, sizes[m], coord[m])
+        elif isinstance(pl, Only) and coord[m] != pl.index:
+            return None
+    return tuple(box)
+
+
+# ---------------------------------------------------------------- helpers for the common rules
+
+# (regex on the Hugging Face name, rule). First match wins; names matching none get rule None.
+DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    (r"\.experts\.(gate_proj|up_proj|w1|w3)(\.weight)?$", "expert_column"),  # [E, out, in]
+    (r"\.experts\.(down_proj|w2)(\.weight)?$", "expert_row"),  # [E, out, in]
+    # A grouped gate_up is [gate; up] per expert: a TP split along its rows would mix the two
+    # halves, so it is only ever split over experts.
+    (r"\.experts\.gate_up_proj(\.weight)?$", "expert"),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", "column"),
+    (r"\.(o_proj|down_proj)\.weight$", "row"),
+    (r"\.(o_proj|down_proj)\.bias$", "replicate"),
+    (r"(^|\.)(embed_tokens|lm_head)\.weight$", "vocab"),
+    (r"(norm|layernorm)\.(weight|bias)$", "replicate"),
+)
+
+# Local fused name -> its parts, by the last path component before ".weight"/".bias".
+DEFAULT_FUSIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_stages(num_layers: int, stages: int, *, last: Sequence[str] = ("lm_head.", "model.norm.")
+                 ) -> Callable[[str], int]:
+    """Stage of a parameter under an even pipeline split of ``num_layers`` layers: layer ``i`` on
+    stage ``i * stages // num_layers``, names starting with one of ``last`` on the last stage,
+    everything else (embeddings) on stage 0."""
+    if num_layers < 1 or stages < 1:
+        raise LayoutError(f"layer_stages: num_layers and stages must be >= 1, got {num_layers}, {stages}")
+
+    def stage_of(name: str) -> int:
+        m = _LAYER_RE.search(name)
+        if m is not None:
+            return int(m[1]) * stages // num_layers
+        return stages - 1 if name.startswith(tuple(last)) else 0
+
+    return stage_of
+
+
+def _rule_placements(rule: str | None, shape: Sequence[int], dims: Sequence[str], tp: str, ep: str,
+                     stage: int | None, pp: str) -> tuple[Placement, ...]:
+    out: list[Placement] = []
+    for d in dims:
+        if d == pp:
+            out.append(Only(stage or 0))
+        elif d == tp and rule in ("column", "vocab"):
+            out.append(Shard(0))
+        elif d == tp and rule == "row":
+            out.append(Shard(1) if len(shape) >= 2 else Replicate())
+        elif d == tp and rule == "expert_column":
+            out.append(Shard(1))
+        elif d == tp and rule == "expert_row":
+            out.append(Shard(2))
+        elif d == ep and rule in ("expert_column", "expert_row", "expert"):
+            out.append(Shard(0))
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def build_layout(mesh: Mesh, params: Mapping[str, tuple[Sequence[int], torch.dtype | str]], *,
+                 rules: Sequence[tuple[str, str]] = DEFAULT_RULES, tp: str = "tp", ep: str = "ep",
+                 pp: str = "pp", stage_of: Callable[[str], int] | None = None,
+                 fusions: Mapping[str, Sequence[str]] | None = None,
+                 overrides: Mapping[str, Sequence[str] | None] | None = None) -> Layout:
+    """A layout from full parameter shapes and naming rules.
+
+    ``params``: HF name -> (full shape, dtype). Rules (first regex match wins): ``column`` and
+    ``vocab`` shard dim 0 over ``tp``, ``row`` dim 1; ``expert_column`` / ``expert_row`` (grouped
+    ``[E, out, in]`` expert weights) shard dim 0 over ``ep`` and dim 1 / dim 2 over ``tp``;
+    ``expert`` only over ``ep``; ``replicate`` nowhere. A parameter no rule matches gets rule
+    None: held whole on every rank of its stage, moved whole from one sender. On a mesh with a
+    ``pp`` dim, ``stage_of(name)`` gives each parameter's stage (``Only(stage)``; required).
+    Mesh dims other than ``tp``/``ep``/``pp`` (data-parallel replicas) are ``Replicate``.
+    ``fusions``: local fused names assembled on this side (``DEFAULT_FUSIONS`` for a vLLM-like
+    generator; see ``fuse``). ``overrides``: name -> placement strings (rule ``"custom"``), or
+    None to force the unknown-rule path for that name.
+    """
+    if pp in mesh.dims and mesh.size(pp) > 1 and stage_of is None:
+        raise LayoutError(f"build_layout: the mesh has a {pp!r} dim of size {mesh.size(pp)}; pass stage_of")
+    compiled = [(re.compile(rx), rule) for rx, rule in rules]
+    out: dict[str, ParamLayout] = {}
+    overrides = overrides or {}
+    for name, (shape, dtype) in params.items():
+        shape = tuple(int(s) for s in shape)
+        dt = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        stage = stage_of(name) if stage_of is not None else 0
+        if name in overrides:
+            given = overrides[name]
+            if given is None:
+                out[name] = ParamLayout(shape, dt, _rule_placements(None, shape, mesh.dims, tp, ep, stage, pp), None)
+            else:
+                out[name] = ParamLayout(shape, dt, tuple(parse_placement(x) for x in given), "custom")
+            continue
+        rule = next((r for rx, r in compiled if rx.search(name)), None)
+        out[name] = ParamLayout(shape, dt, _rule_placements(rule, shape, mesh.dims, tp, ep, stage, pp), rule)
+    fused = fuse(out, fusions) if fusions else {}
+    return Layout(mesh, out, fused)
+
+
+def fuse(params: Mapping[str, ParamLayout] | Iterable[str],
+         fusions: Mapping[str, Sequence[str]] = DEFAULT_FUSIONS, dim: int = 0,
+         exclude: str | None = r"\.experts\.") -> dict[str, Fused]:
+    """Fused local tensors for every complete group of ``fusions`` among ``params``' names.
+
+    ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}`` turns ``...self_attn.q_proj.weight``,
+    ``k_proj``, ``v_proj`` into ``...self_attn.qkv_proj.weight`` = their local shards
+    concatenated along ``dim`` (on a TP rank: its q rows, then its k rows, then its v rows,
+    as vLLM's ``QKVParallelLinear`` holds them). Groups missing a part are left unfused, and
+    so are names matching ``exclude`` (grouped experts: their gate/up concatenate along dim 1).
+    """
+    skip = re.compile(exclude) if exclude else None
+    names = {n for n in params if skip is None or not skip.search(n)}
+    out: dict[str, Fused] = {}
+    for fused_name, parts in fusions.items():
+        first = parts[0]
+        rx = re.compile(rf"^(.*(?:^|\.)){re.escape(first)}(\.[A-Za-z_]+)?$")
+        for n in sorted(names):
+            m = rx.match(n)
+            if m is None:
+                continue
+            prefix, suffix = m[1], m[2] or ""
+            group = [f"{prefix}{p}{suffix}" for p in parts]
+            if all(g in names for g in group):
+                out[f"{prefix}{fused_name}{suffix}"] = Fused(dim, tuple(group))
+    return out

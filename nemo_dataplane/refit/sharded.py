@@ -1,0 +1,463 @@
+"""Resharding refit: many trainer ranks to many generator ranks, each moving only the bytes it owns.
+
+Every rank of the group is a sender (it appears in the trainer-side ``Layout``) or a receiver
+(generator side). ``ReshardSender`` / ``ReshardReceiver`` hold the rank's local tensors (the
+shards its layout gives it; fused ones included) and carry them over the group
+(docs/refit.md, section 6):
+
+1. ``prepare_refit_info()`` (once, collective): the first rank of each side publishes its
+   side's layout (the senders' with the transfer options); every rank reads both, checks that
+   its own layout is the published one and that its tensors are what the layout gives it,
+   computes the plan (``reshard.plan_reshard``: the same on every rank, cached) and posts
+   ``ok`` or its problems; every rank waits for all posts and raises ``RefitMismatchError``
+   listing them, before any bulk data moves. A receiver parameter that no sender covers fails
+   here, named.
+2. ``send_weights(version)`` / ``receive_weights()`` (each refit, collective): a header
+   ``all_reduce(max)`` of ``[magic, fingerprint, -fingerprint, version, -version, status]``
+   over every rank (so every sender and receiver learns of an abort, a plan or version
+   disagreement before any bulk data moves), then the bytes:
+
+   * ``transport="p2p"``: each rank's part of the exchange (``transports/exchange.py``:
+     send/recv per round over NCCL or gloo, packed buckets and direct pieces);
+   * ``transport="ipc"`` (CUDA, every pair on one host): receivers exported their tensors at
+     prepare; each sender writes its pieces straight into them with copy-engine copies, then a
+     ``done`` ``all_reduce`` (``transports/exchange_ipc.py``). The group only carries control,
+     so it may be a gloo group even when several ranks share a GPU.
+
+``bytes_moved`` holds what this rank sent or received in the last refit: counted at each
+send/recv (p2p), or the bytes of the copies a sender issued (ipc; a receiver reports the
+plan's bytes for it, as it does not see the copies). For a receiver it equals the bytes of its
+local tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import torch
+
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup, Work
+from nemo_dataplane.refit import ipc as _ipc
+from nemo_dataplane.refit.layout import Layout, LayoutError, LocalTensor
+from nemo_dataplane.refit.plan import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.protocol import (
+    MAGIC,
+    STATUS_ABORT,
+    STATUS_OK,
+    Endpoint,
+    NamedTensors,
+    RefitError,
+    RefitMismatchError,
+    clip,
+    dtype_name,
+)
+from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
+from nemo_dataplane.refit.transports.exchange import Exchange
+from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+
+__all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender"]
+
+RESHARD_TRANSPORTS = ("auto", "p2p", "ipc")
+# Contiguous pieces at least this large go unpacked (zero-copy): fewer copies, while smaller ones
+# share a bucket (on gloo every send/recv costs a helper thread; measured: sending every
+# contiguous piece on its own made a 24 MB TP=2 -> TP=1 refit 10x slower than this).
+DEFAULT_DIRECT_BYTES = 1 << 20
+_PROTOCOL = 1
+_I64_MIN = -(2**63)
+
+
+class _ReshardEndpoint(Endpoint):
+    sender = False
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
+                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+        super().__init__(group, named_tensors, channel)
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a nemo_dataplane.refit.layout.Layout, got {type(layout).__name__}")
+        if group.rank not in layout.mesh.coords:
+            raise ValueError(f"group rank {group.rank} is not in the layout's mesh (ranks {list(layout.mesh.ranks)})")
+        self.layout = layout
+        if device is None:
+            self.device = group.device
+        else:
+            self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.reshard_plan: ReshardPlan | None = None
+        self._exchange: Exchange | None = None
+        self._push: IpcPush | None = None
+        # Why transport="auto" did not end up on "ipc" (None: it did, or it was not considered).
+        self.ipc_fallback_reason: str | None = None
+        self._locals: dict[str, LocalTensor] = {}
+        self.transport: str | None = None
+        self.version: int | None = None
+        self.bytes_moved = 0
+        self._peers_watch: list[int] = []
+        self._side = "send" if self.sender else "recv"
+
+    # -- prepare
+
+    def _options(self) -> dict:
+        return {}
+
+    def _publish(self) -> None:
+        if self.group.rank == self.layout.mesh.ranks[0]:
+            doc = {"layout": self.layout.to_dict(), "options": self._options(), "protocol": _PROTOCOL}
+            self.group.store.set(self._key(self._gen, "layout", self._side), json.dumps(doc).encode())
+
+    def _read(self, side: str) -> dict:
+        key = self._key(self._gen, "layout", side)
+        what = "sending" if side == "send" else "receiving"
+        self.group.wait_for_ranks(lambda r: key, [0],
+                                  f"the {what} side's layout (published by that side's first rank)")
+        return json.loads(self.group.store.get(key))
+
+    def prepare_refit_info(self) -> ReshardPlan:
+        """Agree on both layouts and the plan with every rank (collective); see the module doc.
+
+        Raises ``RefitMismatchError`` (``ReshardPlanError`` text included where the plan
+        failed) listing every rank's problems; no bulk data has moved then.
+        """
+        g = self.group
+        self._gen += 1
+        self.close()
+        self._exchange = None
+        if self._cuda:
+            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(self.device)).encode())
+        self._publish()
+        docs = {side: self._read(side) for side in ("send", "recv")}
+        problems: list[str] = []
+        plan = None
+        try:
+            src, dst = Layout.from_dict(docs["send"]["layout"]), Layout.from_dict(docs["recv"]["layout"])
+        except LayoutError as e:
+            src = dst = None
+            problems.append(f"a published layout is malformed: {e}")
+        opts = docs["send"].get("options", {})
+        if src is not None and dst is not None:
+            mine = src if self.sender else dst
+            if mine.to_json() != self.layout.to_json():
+                problems.append(f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
+                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})")
+            if self.sender and opts != self._options():
+                problems.append(f"options {self._options()} differ from the first sender's {opts}")
+            missing = sorted(set(range(g.world_size)) - set(src.mesh.ranks) - set(dst.mesh.ranks))
+            if missing:
+                problems.append(f"group rank(s) {missing} are in neither layout")
+            try:
+                plan = plan_reshard(src, dst, bucket_bytes=int(opts["bucket_bytes"]),
+                                    direct_bytes=int(opts["direct_bytes"]))
+            except ReshardPlanError as e:
+                problems.append(str(e))
+        problems += self._check_locals()
+        self._agree(problems)
+        assert plan is not None
+        self.reshard_plan = plan
+        self._fp = plan.fingerprint
+        self.transport = self._choose(str(opts.get("transport", "auto")), plan)
+        if self.transport == "ipc":
+            self._setup_ipc(plan, fallback=opts.get("transport") == "auto")
+        if self.transport == "p2p":
+            self._exchange = Exchange(g, plan.rounds(g.rank), self.sender, self._locals, self.device)
+            self._peers_watch = self._exchange.peers
+            self._connect()
+        return plan
+
+    def _choose(self, requested: str, plan: ReshardPlan) -> str:
+        """The transport, decided alike on every rank from what all of them posted."""
+        g = self.group
+        if not self._cuda:
+            if requested == "ipc":
+                raise RefitError(f"rank {g.rank}: transport='ipc' needs CUDA tensors")
+            return "p2p"
+        if requested == "p2p":
+            if g.backend != "nccl":
+                raise RefitError(f"rank {g.rank}: transport='p2p' with CUDA tensors needs an NCCL group")
+            return "p2p"
+        key = lambda r: self._key(self._gen, "host", r)  # noqa: E731
+        g.wait_for_ranks(key, range(g.world_size), "reshard host check (waiting for every rank's host and GPU)")
+        records = {r: json.loads(g.store.get(key(r))) for r in range(g.world_size)}
+        problems = []
+        for s, r in plan.pairs:
+            problems += _ipc.ipc_problems({s: records[s], r: records[r]}, s, push=True)
+        if not problems:
+            return "ipc"
+        if requested == "ipc" or g.backend != "nccl":
+            raise RefitError(f"rank {g.rank}: transport='ipc' needs every sender on its receivers' host with "
+                             f"their GPUs visible: {clip(problems)}")
+        self.ipc_fallback_reason = "; ".join(problems)
+        return "p2p"
+
+    def _setup_ipc(self, plan: ReshardPlan, fallback: bool) -> None:
+        """Receivers export their tensors, senders open their receivers'; all agree it worked."""
+        g = self.group
+        push = IpcPush(plan, g.rank, self.sender, self._locals, self.device)
+        status = "ok"
+        key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
+        try:
+            if not self.sender:
+                try:
+                    blob = push.export(self._tensors())
+                except Exception as e:
+                    blob = json.dumps({"error": str(e)}).encode()
+                    raise
+                finally:
+                    g.store.set(key(g.rank), blob)
+            else:
+                g.wait_for_ranks(key, push.peers, "CUDA IPC handles of the receivers' tensors")
+                push.open({r: g.store.get(key(r)) for r in push.peers},
+                          {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers})
+        except Exception as e:
+            push.close()
+            status = f"CUDA IPC setup failed: {e}"
+        g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
+        g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
+                         "CUDA IPC setup (waiting for every rank to export or open handles)")
+        bad = [f"rank {r}: {st}" for r in range(g.world_size)
+               if (st := g.store.get(self._key(self._gen, "ipc_open", r)).decode()) != "ok"]
+        if not bad:
+            self._push = push
+            self._peers_watch = push.peers
+            return
+        push.close()
+        if fallback and g.backend == "nccl":
+            self.transport = "p2p"
+            self.ipc_fallback_reason = "; ".join(bad)
+            return
+        raise RefitError(f"rank {g.rank}: transport='ipc' setup failed, no weights were moved: {clip(bad)}")
+
+    def _check_locals(self) -> list[str]:
+        """This rank's tensors against what its layout gives it (names, shapes, dtypes, device)."""
+        try:
+            want = self.layout.local_tensors(self.group.rank)
+            tensors = self._tensors()
+        except (LayoutError, TypeError, ValueError) as e:
+            return [str(e)]
+        self._locals = want
+        return _diff_locals(want, tensors, self.device)
+
+    def _agree(self, problems: list[str]) -> None:
+        """Post this rank's status, wait for every rank's, raise if any failed. Ranks with the
+        same problem (a plan error is computed alike everywhere) are listed together."""
+        g = self.group
+        status = "ok" if not problems else f"{len(problems)} problem(s): {clip(problems)}"
+        g.store.set(self._key(self._gen, "status", g.rank), status.encode())
+        g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size),
+                         "reshard handshake (waiting for every rank to check the layouts and its tensors)")
+        by_status: dict[str, list[int]] = {}
+        for r in range(g.world_size):
+            st = g.store.get(self._key(self._gen, "status", r)).decode()
+            if st != "ok":
+                by_status.setdefault(st, []).append(r)
+        if not by_status:
+            return
+        parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {st}" for st, rs in by_status.items()]
+        raise RefitMismatchError(f"rank {g.rank}: reshard handshake failed, no weights were moved. "
+                                 + " | ".join(parts))
+
+    def _connect(self) -> None:
+        """NCCL: one small send/recv per pair now, so the connections are set up at prepare
+        time rather than inside the first refit."""
+        if not self._cuda or self._exchange is None:
+            return
+        g = self.group
+        t = torch.zeros(1, dtype=torch.int32, device=self.device)
+        with g.coalesce():
+            for p in self._exchange.peers:
+                (g.send if self.sender else g.recv)(t, p)
+        g.synchronize(what="reshard connection set-up")
+
+    # -- each refit
+
+    def _watch(self) -> str | None:
+        return self._errors_of(self._peers_watch)
+
+    def _checked(self) -> Mapping[str, torch.Tensor]:
+        tensors = self._tensors()
+        problems = _diff_locals(self._locals, tensors, self.device)
+        if problems:
+            raise RefitMismatchError(f"rank {self.group.rank}: tensors changed since prepare_refit_info(): "
+                                     f"{clip(problems)}")
+        return tensors
+
+    def _header(self, version: int | None, failed: BaseException | None) -> int:
+        """The header all_reduce; returns the senders' version or raises (abort, disagreement)."""
+        g = self.group
+        fp = self._fp
+        status = STATUS_ABORT if failed is not None else STATUS_OK
+        vals = [MAGIC, fp, -fp, _I64_MIN if version is None else version,
+                _I64_MIN if version is None else -version, status]
+        magic, fp_max, neg_fp_min, v_max, neg_v_min, st = self._max(vals, "reshard refit header")
+        if st != STATUS_OK:
+            if failed is not None:
+                raise failed
+            why = self._errors_of(r for r in range(g.world_size) if r != g.rank) or "no reason posted"
+            raise RefitError(f"rank {g.rank}: refit of version {v_max} aborted by another rank: {why}")
+        if magic != MAGIC or fp_max != fp or -neg_fp_min != fp:
+            msg = (f"refit header mismatch (magic {magic:#x}, fingerprints {-neg_fp_min}..{fp_max}, ours {fp}): "
+                   "the ranks prepared different plans; call prepare_refit_info() again on every rank")
+            raise RefitError(f"rank {g.rank}: {msg}")
+        if v_max != -neg_v_min:
+            raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
+        return v_max
+
+    def _max(self, vals: list[int], what: str) -> list[int]:
+        """Element-wise max over every rank, on the host (bounded)."""
+        g = self.group
+        t = torch.tensor(vals, dtype=torch.int64, device=g.device)
+        g.all_reduce(t, "max")
+        g.synchronize(what=what)
+        return [int(x) for x in t.tolist()]
+
+    def _refit(self, version: int | None) -> int:
+        if self._exchange is None and self._push is None:
+            raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before refitting")
+        self._seq += 1
+        failed: BaseException | None = None
+        tensors: Mapping[str, torch.Tensor] = {}
+        try:
+            tensors = self._checked()
+            if self._push is not None and not self.sender:
+                moved = self._push.moved(tensors)
+                if moved:
+                    raise RefitMismatchError(
+                        f"rank {self.group.rank}: transport='ipc': tensor(s) {clip(moved)} moved to new storage "
+                        "since prepare_refit_info(); call prepare_refit_info() again on every rank")
+        except RefitMismatchError as e:
+            failed = e
+            self._publish_error(str(e))
+        if self._push is not None:
+            return self._refit_ipc(version, tensors, failed)
+        v = self._header(version, failed)
+        what = f"reshard {'send' if self.sender else 'receive'} of version {v}"
+        try:
+            with torch.no_grad():
+                self._exchange.run(tensors, self._watch, what)
+        except Exception as e:
+            self._publish_error(f"{'sender' if self.sender else 'receiver'} failed during refit of version {v}: {e}")
+            raise
+        self.bytes_moved = self._exchange.bytes_moved
+        self.version = v
+        return v
+
+    def _refit_ipc(self, version: int | None, tensors: Mapping[str, torch.Tensor],
+                   failed: BaseException | None) -> int:
+        g = self.group
+        push = self._push
+        assert push is not None
+        if not self.sender and failed is None:
+            # Ready only once the work already queued on our tensors (e.g. generation) is done.
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            Work(g, "reshard receiver readiness (its queued GPU work)", event=ev).wait()
+        v = self._header(version, failed)
+        status = 0
+        if self.sender:
+            try:
+                with torch.no_grad():
+                    done = push.issue(tensors)
+                Work(g, f"reshard ipc copies of version {v}", event=done).wait(watch=self._watch)
+                self.bytes_moved = push.bytes_issued
+            except Exception as e:
+                status = 1
+                failed = e
+                self._publish_error(f"sender failed to copy refit version {v}: {e}")
+        (st,) = self._max([status], f"reshard ipc refit of version {v} (waiting for every sender's copies)")
+        if st:
+            if failed is not None:
+                raise RefitError(f"rank {g.rank}: failed to copy refit version {v}: {failed}") from failed
+            why = self._errors_of(r for r in range(g.world_size) if r != g.rank) or "no reason posted"
+            raise RefitError(f"rank {g.rank}: a sender failed to copy refit version {v}: {why}")
+        if not self.sender:
+            push.scatter()
+            self.bytes_moved = self.reshard_plan.bytes_to(g.rank)  # type: ignore[union-attr]
+        self.version = v
+        return v
+
+    def release_buffers(self) -> None:
+        super().release_buffers()
+        if getattr(self, "_exchange", None) is not None:
+            self._exchange.release_buffers()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Free buffers and drop CUDA IPC handles; call on every rank before destroying the group."""
+        super().close()
+        if getattr(self, "_push", None) is not None:
+            self._push.close()  # type: ignore[union-attr]
+            self._push = None
+
+
+class ReshardSender(_ReshardEndpoint):
+    """Trainer side of a resharding refit: this rank's shards, as its ``layout`` gives them.
+
+    Args:
+        group: the refit group: every trainer rank of ``layout`` plus every generator rank.
+        named_tensors: local name -> tensor (dict, pairs, or a callable returning either): the
+            rank's shards under their HF names (or fused names, see ``Layout.fused``).
+        layout: the trainer side's ``Layout`` (identical on every trainer rank).
+        bucket_bytes: staging per rank and round (two rounds in flight); default 1 GiB on GPU,
+            64 MiB on CPU.
+        direct_bytes: pieces at least this large that are contiguous on both ends go on their
+            own, zero-copy (default ``DEFAULT_DIRECT_BYTES``, 1 MiB).
+        transport: ``"p2p"`` (send/recv over the group, NCCL or gloo), ``"ipc"`` (CUDA, every
+            sender on its receivers' host: copy-engine copies into the receivers' exported
+            tensors; the group only carries control) or ``"auto"`` (ipc where every pair can,
+            else p2p on an NCCL group; CPU: p2p). Receivers follow the senders'.
+        device: where the tensors live (default: the group's device).
+        channel: store namespace, for several refits on one group.
+    """
+
+    sender = True
+
+    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout,
+                 bucket_bytes: int | None = None, *, direct_bytes: int | None = None, transport: str = "auto",
+                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+        super().__init__(group, named_tensors, layout, device=device, channel=channel)
+        if transport not in RESHARD_TRANSPORTS:
+            raise ValueError(f"transport must be one of {RESHARD_TRANSPORTS}, got {transport!r}")
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
+        if bucket_bytes < 256:
+            raise ValueError(f"bucket_bytes must be >= 256, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        if direct_bytes is None:
+            direct_bytes = min(DEFAULT_DIRECT_BYTES, self.bucket_bytes + 1)
+        self.direct_bytes = int(direct_bytes)
+        self._requested = transport
+
+    def _options(self) -> dict:
+        return {"bucket_bytes": self.bucket_bytes, "direct_bytes": self.direct_bytes, "transport": self._requested}
+
+    def send_weights(self, version: int) -> None:
+        """Send this rank's pieces of refit ``version`` (collective with every rank)."""
+        self._refit(int(version))
+
+
+class ReshardReceiver(_ReshardEndpoint):
+    """Generator side of a resharding refit: receives into this rank's tensors in place.
+
+    ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under
+    their fused name). ``version`` holds the last completed refit's version.
+    """
+
+    def receive_weights(self) -> int:
+        """Receive this rank's pieces of one refit; return (and store) its version."""
+        return self._refit(None)
+
+
+def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
+                 device: torch.device) -> list[str]:
+    out = []
+    for name, lt in want.items():
+        t = tensors.get(name)
+        if t is None:
+            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, but it has no such tensor")
+            continue
+        shape, dt = tuple(t.shape), dtype_name(t.dtype)
+        if shape != lt.shape or dt != lt.dtype:
+            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is "
+                       f"{list(shape)} {dt}")
+        if t.device != device:
+            out.append(f"{name}: on {t.device}, expected {device}")
+    out += [f"{n}: tensor not in the layout (it would go stale)" for n in tensors if n not in want]
+    return out

@@ -1,0 +1,54 @@
+"""CPU-testable parts of the reshard's CUDA IPC transport: the pitched-copy decomposition
+(executed here with memmove, which is what cudaMemcpy2D does row by row)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from nemo_dataplane.refit.transports.exchange_ipc import pitched_copies
+
+
+def _run(ops: list) -> None:
+    for dp, dpitch, sp, spitch, width, height in ops:
+        assert width <= dpitch and width <= spitch
+        for row in range(height):
+            ctypes.memmove(dp + row * dpitch, sp + row * spitch, width)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dst_idx", "src_idx", "n_ops", "height"),
+    [
+        ((8, 6), (slice(2, 5), slice(None)), (slice(0, 3), slice(None)), 1, 1),  # row block: one 1D copy
+        ((8, 6), (slice(None), slice(2, 5)), (slice(None), slice(0, 3)), 1, 8),  # column block: pitched
+        ((4, 6, 5), (slice(1, 3), slice(2, 4), slice(None)), (slice(0, 2), slice(0, 2), slice(None)), 1, 2),
+        ((4, 6, 5), (slice(1, 3), slice(None), slice(1, 4)), (slice(0, 2), slice(None), slice(0, 3)), 1, 12),
+        ((4, 6, 5), (slice(1, 3), slice(1, 5), slice(1, 4)), (slice(0, 2), slice(0, 4), slice(0, 3)), 2, 4),
+        ((4, 6, 5), (slice(0, 4), slice(None), slice(None)), (slice(0, 4), slice(None), slice(None)), 1, 1),
+    ],
+    ids=["rows", "columns", "expert-rows", "expert-columns", "expert-box", "whole"],
+)
+def test_pitched_copies_reproduce_copy(shape: tuple, dst_idx: tuple, src_idx: tuple, n_ops: int, height: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    src_full = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    dst, src = big[dst_idx], src_full[src_idx]
+    want = big.clone()
+    want[dst_idx] = src
+    ops = pitched_copies(dst, src)
+    assert ops is not None and len(ops) == n_ops and ops[0][5] == height
+    _run(ops)
+    assert torch.equal(big.view(torch.int16), want.view(torch.int16))
+
+
+def test_pitched_copies_edge_cases() -> None:
+    a, b = torch.zeros(6, 4), torch.arange(24.0).reshape(4, 6)
+    assert pitched_copies(a, b.t()) is None  # innermost dim strided on one side: not a pitched copy
+    assert pitched_copies(torch.zeros(0, 3), torch.zeros(0, 3)) == []
+    x, y = torch.zeros(()), torch.tensor(5.0)
+    _run(pitched_copies(x, y))  # type: ignore[arg-type]
+    assert x.item() == 5.0
+    with pytest.raises(ValueError, match="pitched_copies"):
+        pitched_copies(torch.zeros(2), torch.zeros(3))

@@ -1,0 +1,1 @@
+"""Compute engines behind the workers (training: torch / Megatron-core)."""

@@ -1,0 +1,160 @@
+"""Megatron-core training engine: a GPT model from MCore's layer spec, loaded from HF weights.
+
+megatron-core (extra ``megatron``, 0.19.x; Python >= 3.12) is imported inside the functions
+only, so this module imports anywhere. What runs here:
+
+* :func:`init_parallel`: Megatron's parallel state (TP x PP x CP, DP the rest) on an already
+  initialised ``torch.distributed`` world, plus the TP-aware CUDA RNG;
+* :func:`build_gpt`: ``GPTModel`` from the **local** layer spec (no Transformer Engine) with the
+  HF config's shape (``mcore_convert.transformer_kwargs``), TP rank's shard of the HF weights
+  loaded; ``use_te=True`` takes the TE spec instead (names via ``mcore_convert(te=True)``);
+* :func:`forward_packed` / :func:`microbatch_logprobs`: one packed forward per micro-batch from
+  the fetched jagged ``input_ids`` (``packing``): ``PackedSeqParams`` on the TE path, the same
+  ``cu_seqlens`` as a block-causal mask on the local path (its attention has no varlen kernel);
+* :func:`hf_shards` / :func:`refit_layout`: this TP rank's weights under HF names and the
+  trainer-side layout for :class:`~nemo_dataplane.refit.ReshardSender`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from algorithms.engines.training.mcore_convert import GPTShape, hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config, transformer_kwargs
+from algorithms.engines.training.packing import block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded
+
+__all__ = ["build_gpt", "forward_packed", "hf_shards", "init_parallel", "load_hf", "microbatch_logprobs", "refit_layout"]
+
+
+def init_parallel(tp: int = 1, *, seed: int = 0, pp: int = 1, cp: int = 1) -> None:
+    """Megatron parallel state on the current ``torch.distributed`` world (idempotent)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt(hf_config: Any, *, device: torch.device | str = "cuda", use_te: bool = False) -> torch.nn.Module:
+    """An MCore ``GPTModel`` shaped like ``hf_config`` for the initialised TP size (random init;
+    :func:`load_hf` fills it). fp32 parameters."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tc_kw, gpt_kw = transformer_kwargs(hf_config, tp=tp)
+    tc_kw["use_cpu_initialization"] = torch.device(device).type == "cpu"
+    config = TransformerConfig(**tc_kw)
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, **gpt_kw)
+    return model.to(device)
+
+
+def load_hf(model: torch.nn.Module, hf_state: Mapping[str, Tensor], shape: GPTShape, *, use_te: bool = False) -> None:
+    """Load this TP rank's shard of a full HF state dict; raises ``KeyError`` naming any
+    parameter the converter and the model disagree on (``_extra_state`` aside)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    mc = hf_to_mcore(hf_state, shape, tp=tp, rank=rank, te=use_te)
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    if shape.tied:
+        own.discard("output_layer.weight")
+    if set(mc) != own:
+        raise KeyError(f"load_hf: converter-only keys {sorted(set(mc) - own)}, model-only keys {sorted(own - set(mc))}")
+    missing, unexpected = model.load_state_dict(mc, strict=False)
+    bad = [k for k in missing if not k.endswith("_extra_state") and k != "output_layer.weight"]
+    if bad or unexpected:
+        raise KeyError(f"load_hf: missing {bad}, unexpected {list(unexpected)}")
+
+
+def forward_packed(model: torch.nn.Module, tokens: Tensor, cu_seqlens: Tensor, *, use_te: bool = False) -> Tensor:
+    """Logits ``[T, V]`` (full vocab: the model gathers its TP shards) of one packed stream."""
+    T = tokens.shape[1]
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens, output_size=T)
+    position_ids = (torch.arange(T, device=tokens.device) - starts).reshape(1, T)
+    if use_te:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = cu_seqlens.to(torch.int32)
+        mx = int(lens.max())
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
+        out = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, packed_seq_params=psp)
+    else:
+        out = model(input_ids=tokens, position_ids=position_ids, attention_mask=block_causal_mask(cu_seqlens, T))
+    return out.reshape(T, -1)
+
+
+def microbatch_logprobs(model: torch.nn.Module, input_ids: Tensor, prompt_len: Tensor, *, device: torch.device,
+                        temperature: float = 1.0, return_entropy: bool = False,
+                        use_te: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(logprobs [N, L-1], entropy [N, L-1] | None, mask [N, L-1])`` of one micro-batch in the
+    torch worker's padded form (``L`` = its longest row; response tokens only, else 0), from
+    its jagged ``input_ids`` packed as fetched."""
+    tokens, cu = packed_from_jagged(input_ids)
+    tokens, cu = tokens.to(device), cu.to(device)
+    logits = forward_packed(model, tokens, cu, use_te=use_te)
+    lp, ent = packed_logprobs(logits, tokens.reshape(-1), cu, temperature=temperature, return_entropy=return_entropy)
+    lens = (cu[1:] - cu[:-1]).long()
+    width = int(lens.max()) - 1
+    col = torch.arange(1, width + 1, device=device).reshape(1, -1)  # token index scored at column t
+    mask = ((col >= prompt_len.to(device).reshape(-1, 1)) & (col < lens.reshape(-1, 1))).float()
+    lp = unpack_to_padded(lp, cu, width) * mask
+    ent = unpack_to_padded(ent, cu, width) * mask if ent is not None else None
+    return lp, ent, mask
+
+
+def hf_shards(model: torch.nn.Module, shape: GPTShape, *, use_te: bool = False) -> dict[str, Tensor]:
+    """This TP rank's weights under HF names (views of the live parameters; q/k/v copies come
+    from the interleaved qkv as strided views), for a ``ReshardSender``."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    return mcore_shard_to_hf(params, shape, tp=tp, te=use_te)
+
+
+def refit_layout(hf_config: Any, ranks: list[int], dtype: torch.dtype = torch.float32) -> Any:
+    """The trainer-side layout of a TP group (group ranks ``ranks``, TP order) under HF names."""
+    from nemo_dataplane.refit import Mesh, build_layout
+
+    return build_layout(Mesh.of(ranks, tp=len(ranks)), hf_full_shapes(shape_from_hf_config(hf_config), dtype))
+
+
+def hf_full_shapes(s: GPTShape, dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Full HF parameter shapes of a Llama-shaped model (what a layout is built from)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "model.embed_tokens.weight": ((s.vocab, s.hidden), dtype), "model.norm.weight": ((s.hidden,), dtype),
+        "lm_head.weight": ((s.vocab, s.hidden), dtype),
+    }
+    for i in range(s.num_layers):
+        h = f"model.layers.{i}."
+        out.update({
+            h + "self_attn.q_proj.weight": ((s.heads * s.head_dim, s.hidden), dtype),
+            h + "self_attn.k_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
+            h + "self_attn.v_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
+            h + "self_attn.o_proj.weight": ((s.hidden, s.heads * s.head_dim), dtype),
+            h + "mlp.gate_proj.weight": ((s.ffn, s.hidden), dtype),
+            h + "mlp.up_proj.weight": ((s.ffn, s.hidden), dtype),
+            h + "mlp.down_proj.weight": ((s.hidden, s.ffn), dtype),
+            h + "input_layernorm.weight": ((s.hidden,), dtype),
+            h + "post_attention_layernorm.weight": ((s.hidden,), dtype),
+        })
+    return out

@@ -1,0 +1,128 @@
+"""Rank bodies for the Megatron-core tests (run through ``_refit_procs.run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import _refit_procs as P
+from algorithms.models import build_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+VOCAB = 34  # algorithms.tasks.CharTokenizer
+
+
+def tiny_hf(seed: int = 0, **over: Any) -> torch.nn.Module:
+    return build_model({"arch": "llama", "seed": seed, "hf_config": {**TINY, **over}}, vocab_size=VOCAB)
+
+
+def refit_tp2_to_tp1(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Ranks 0, 1: a TP=2 Megatron trainer's shards (from ``hf_to_mcore``), exported under HF
+    names by ``mcore_shard_to_hf``; rank 2: a TP=1 HF generator. Refit twice (seed 0, then 1)."""
+    from algorithms.engines.training.mcore_convert import hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config
+    from algorithms.engines.training.megatron import hf_full_shapes
+    from nemo_dataplane.refit import Mesh, build_layout
+    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+
+    ref = [tiny_hf(seed) for seed in (0, 1)]
+    shape = shape_from_hf_config(ref[0].config)
+    shapes = hf_full_shapes(shape)
+    g = P._group(rank, world, port, "gloo")
+    if rank < 2:
+        train = build_layout(Mesh.of([0, 1], tp=2), shapes)
+        mc = hf_to_mcore(ref[0].state_dict(), shape, tp=2, rank=rank)  # what the TP rank's model holds
+        snd = ReshardSender(g, lambda: mcore_shard_to_hf(mc, shape, tp=2), train, 4096, direct_bytes=512)
+        plan = snd.prepare_refit_info()
+        snd.send_weights(1)
+        first = snd.bytes_moved
+        for k, v in hf_to_mcore(ref[1].state_dict(), shape, tp=2, rank=rank).items():
+            mc[k].copy_(v)  # an optimizer step, in place
+        snd.send_weights(2)
+        return {"sent": [first, snd.bytes_moved], "owned": plan.bytes_from(rank)}
+    gen_model = tiny_hf(seed=5)
+    mine = dict(gen_model.named_parameters())
+    rcv = ReshardReceiver(g, mine, build_layout(Mesh.of([2], tp=1), shapes))
+    rcv.prepare_refit_info()
+    wrong = []
+    for i in range(2):
+        rcv.receive_weights()
+        want = ref[i].state_dict()
+        wrong.append(sorted(k for k, v in mine.items() if not torch.equal(v.detach(), want[k])))
+    return {"wrong": wrong, "names": len(mine)}
+
+
+# ------------------------------------------------------------------------ GPU (megatron-core)
+def _mcore_world(rank: int, world: int, port: int, tp: int) -> torch.device:
+    import torch.distributed as dist
+
+    from algorithms.engines.training.megatron import init_parallel
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://{P.HOST}:{port}", rank=rank, world_size=world)
+    init_parallel(tp, seed=1234)
+    return torch.device("cuda", rank)
+
+
+def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str, Any]:
+    """HF vs MCore (TP=``tp``) on the same weights and packed batch: logits, log-probs, the GRPO
+    loss and its gradients (mapped back to HF names and gathered), and the round trip."""
+    import torch.distributed as dist
+
+    from algorithms.engines.training import megatron as M
+    from algorithms.engines.training.mcore_convert import mcore_to_hf, shape_from_hf_config
+    from algorithms.grpo import policy_loss
+    from algorithms.models import pad_batch, sequence_logprobs
+    from megatron.core import parallel_state as ps
+
+    dev = _mcore_world(rank, world, port, tp)
+    try:
+        hf = tiny_hf(0).to(dev)
+        shape = shape_from_hf_config(hf.config)
+        mc = M.build_gpt(hf.config, device=dev)
+        M.load_hf(mc, hf.state_dict(), shape)
+        g = torch.Generator().manual_seed(7)
+        rows = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (9, 5, 12, 7)]
+        prompt_len = torch.tensor([4, 2, 6, 3])
+        jag = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        # HF, padded
+        ids, attn = pad_batch(rows, 0)
+        ids, attn = ids.to(dev), attn.to(dev)
+        resp = (torch.arange(ids.shape[1], device=dev)[None] >= prompt_len.to(dev)[:, None]) & attn.bool()
+        hf_lp = sequence_logprobs(hf, ids, attn, resp)
+        mc_lp, _, mask = M.microbatch_logprobs(mc, jag, prompt_len, device=dev)
+        # logits, per sequence
+        tokens, cu = M.packed_from_jagged(jag)
+        with torch.no_grad():
+            pl = M.forward_packed(mc, tokens.to(dev), cu.to(dev)).float()
+            hl = hf(input_ids=ids, attention_mask=attn).logits.float()
+        logit_diff = max(float((pl[int(cu[j]):int(cu[j + 1])] - hl[j, : len(r)]).abs().max()) for j, r in enumerate(rows))
+        # loss + grads
+        adv = torch.tensor([1.0, -0.5, 0.3, -1.2], device=dev)
+        old = (hf_lp.detach() + 0.05 * mask).detach()
+        kw = dict(clip_eps=0.2, kl_coef=0.01, global_token_count=float(mask.sum()))
+        hf_loss, _ = policy_loss(hf_lp, old, old - 0.1 * mask, adv, mask, **kw)
+        mc_loss, _ = policy_loss(mc_lp, old, old - 0.1 * mask, adv, mask, **kw)
+        hf_loss.backward()
+        mc_loss.backward()
+        grads = {n: p.grad for n, p in mc.named_parameters()}
+        tp_group = ps.get_tensor_model_parallel_group()
+        gathered = [None] * tp
+        dist.all_gather_object(gathered, {k: v.cpu() for k, v in grads.items()}, group=tp_group)
+        mc_hf_grads = mcore_to_hf(gathered, shape)
+        grad_diff = max(float((mc_hf_grads[n] - p.grad.cpu()).abs().max()) for n, p in hf.named_parameters())
+        # round trip of the weights
+        params = [None] * tp
+        dist.all_gather_object(params, {k: v.detach().cpu() for k, v in mc.state_dict().items()
+                                        if not k.endswith("_extra_state")}, group=tp_group)
+        back = mcore_to_hf(params, shape)
+        exact = all(torch.equal(back[k], v.cpu()) for k, v in hf.state_dict().items())
+        return {"logit_diff": logit_diff, "lp_diff": float((mc_lp - hf_lp).abs().max()),
+                "loss": (float(hf_loss), float(mc_loss)), "grad_diff": grad_diff, "roundtrip_exact": exact,
+                "tp": ps.get_tensor_model_parallel_world_size()}
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -41,6 +41,10 @@ class PolicyConfig:
     max_grad_norm: float = 1.0
     device: Literal["cpu", "cuda"] = "cpu"
     dist_backend: Literal["gloo", "nccl"] = "gloo"  # gradient all-reduce among policy ranks
+    # torch: the HF model as built; megatron: Megatron-core GPT (local spec) converted from it
+    # (extra `megatron`, CUDA only; docs/megatron.md). The Ray worker runs it at TP=1 today.
+    backend: Literal["torch", "megatron"] = "torch"
+    tensor_parallel_size: int = 1  # megatron only
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,20 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
+    _positive(cfg.policy.tensor_parallel_size, "policy.tensor_parallel_size")
+    if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size} needs policy.backend=megatron "
+            "(the torch worker is data-parallel only)"
+        )
+    if cfg.policy.backend == "megatron":
+        if cfg.policy.device != "cuda":
+            raise ConfigError("policy.backend=megatron needs policy.device=cuda")
+        if cfg.policy.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size}: the Ray policy worker runs "
+                "Megatron-core at TP=1 only so far (TP>1 is tested at the engine level; docs/megatron.md)"
+            )
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
 

@@ -97,9 +97,61 @@ class PolicyWorker:
             world_size=world_size,
             timeout=timedelta(seconds=self.timeout_s),
         )
+        self.backend = str(pcfg.get("backend", "torch"))
+        self._mc_shape: Any = None
+        if self.backend == "megatron":
+            self._use_megatron(int(pcfg.get("tensor_parallel_size", 1)))
         self._fetcher: Any = None
         self._refit_group: Any = None
         self._sender: Any = None
+
+    def _use_megatron(self, tp: int) -> None:
+        """Swap the HF model for Megatron-core GPT models converted from it (same weights), on
+        Megatron's parallel state over this worker's world (DP = world / TP)."""
+        from algorithms.engines.training import megatron as M
+        from algorithms.engines.training.mcore_convert import shape_from_hf_config
+
+        torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+        M.init_parallel(tp, seed=int(self.cfg["trainer"]["seed"]))
+        hf_cfg, hf_state = self.model.config, self.model.state_dict()
+        self._mc_shape = shape_from_hf_config(hf_cfg)
+        self.model = M.build_gpt(hf_cfg, device=self.device)
+        M.load_hf(self.model, hf_state, self._mc_shape)
+        self.ref_model = M.build_gpt(hf_cfg, device=self.device)
+        M.load_hf(self.ref_model, hf_state, self._mc_shape)
+        self.ref_model.eval()
+        for p in self.ref_model.parameters():
+            p.requires_grad_(False)
+        pcfg = self.cfg["policy"]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=pcfg["lr"], weight_decay=pcfg["weight_decay"], betas=tuple(pcfg["betas"])
+        )
+
+    def _score(self, model: torch.nn.Module, mb: TensorDict, entropy: bool) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """``(logprobs, entropy | None, mask)`` ``[n, L - 1]`` of one micro-batch: the one place
+        the backends differ (torch: padded HF forward; megatron: one packed MCore forward)."""
+        if self.backend == "megatron":
+            from algorithms.engines.training.megatron import microbatch_logprobs
+
+            return microbatch_logprobs(model, mb["input_ids"], mb["prompt_len"], device=self.device,
+                                       temperature=self.temperature, return_entropy=entropy)
+        from algorithms.models import sequence_logprobs
+
+        ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
+        mask = (resp[:, 1:] & attn[:, 1:].bool()).float()
+        if entropy:
+            lp, ent = sequence_logprobs(model, ids, attn, resp, return_entropy=True, temperature=self.temperature)
+            return lp, ent, mask
+        return sequence_logprobs(model, ids, attn, resp, temperature=self.temperature), None, mask
+
+    def _named_for_refit(self) -> Any:
+        """Weights under HF names (the generator's): the HF model's own, or the MCore model's
+        mapped back (views at TP=1, so nothing is gathered or copied here)."""
+        if self.backend == "megatron":
+            from algorithms.engines.training.megatron import hf_shards
+
+            return hf_shards(self.model, self._mc_shape).items()
+        return self.model.named_parameters()
 
     # ---------------------------------------------------------------- set-up
     def ready(self) -> dict[str, int]:
@@ -127,7 +179,7 @@ class PolicyWorker:
         self._refit_group = StatelessProcessGroup(
             host, port, 0, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit"
         )
-        self._sender = RefitSender(self._refit_group, self.model.named_parameters, bucket_bytes=rcfg["bucket_bytes"])
+        self._sender = RefitSender(self._refit_group, self._named_for_refit, bucket_bytes=rcfg["bucket_bytes"])
         self._sender.prepare_refit_info()
 
     def send_weights(self, version: int) -> float:
@@ -161,18 +213,15 @@ class PolicyWorker:
 
     def _logprobs(self, models: Sequence[tuple[torch.nn.Module, str]], batch: Any) -> dict[str, Any]:
         """One fetch, then per-token log-probs of each ``(model, field)``; one write-back of all."""
-        from algorithms.models import sequence_logprobs
-
         t0 = time.perf_counter()
         mbs, positions, n, in_bytes = self._load(batch, ["input_ids", "prompt_len"])
         t_fetch = time.perf_counter() - t0
         rows: dict[str, list[torch.Tensor]] = {f: [torch.empty(0)] * n for _, f in models}
         with torch.no_grad():
             for mb, pos in zip(mbs, positions):
-                ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
-                lens = attn.sum(1).tolist()
+                lens = [r.numel() for r in jagged_rows(mb["input_ids"])]
                 for model, f in models:
-                    lp = sequence_logprobs(model, ids, attn, resp, temperature=self.temperature).float().cpu()
+                    lp = self._score(model, mb, False)[0].float().cpu()
                     for j, p in enumerate(pos):
                         rows[f][p] = lp[j, : int(lens[j]) - 1].clone()
         cols = {f: jagged_from_rows(r) for f, r in rows.items()}
@@ -214,7 +263,6 @@ class PolicyWorker:
         share with the same denominator, so the driver sums them over ranks.
         """
         from algorithms.grpo import masked_sum, policy_loss
-        from algorithms.models import sequence_logprobs
 
         self._maybe_fail("train", step)
         t0 = time.perf_counter()
@@ -226,14 +274,16 @@ class PolicyWorker:
         prepared = []
         local_tokens = 0
         for mb in mbs:
-            ids, attn, resp = model_inputs(mb, self.tokenizer.pad_id, self.device)
-            mask = (resp[:, 1:] & attn[:, 1:].bool()).float()
-            width = ids.shape[1] - 1
+            lens = torch.tensor([r.numel() for r in jagged_rows(mb["input_ids"])])
+            width = int(lens.max()) - 1
+            col = torch.arange(1, width + 1).reshape(1, -1)  # the token each log-prob column scores
+            mask = (col >= mb["prompt_len"].reshape(-1, 1)) & (col < lens.reshape(-1, 1))
+            mask = mask.float().to(self.device)
             old = pad_float_rows(jagged_rows(mb["prev_logprobs"]), width).to(self.device)
             ref = pad_float_rows(jagged_rows(mb["ref_logprobs"]), width).to(self.device)
             adv = mb["advantages"].float().to(self.device)
             beh = pad_float_rows(jagged_rows(mb["gen_logprobs"]), width).to(self.device) if behaviour else None
-            prepared.append((ids, attn, resp, mask, old, ref, adv, beh))
+            prepared.append((mb, mask, old, ref, adv, beh))
             local_tokens += int(mask.sum().item())
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
@@ -247,10 +297,8 @@ class PolicyWorker:
         for epoch in range(epochs):
             self.optimizer.zero_grad(set_to_none=False)
             last = epoch == epochs - 1
-            for ids, attn, resp, mask, old, ref, adv, beh in prepared:
-                lp, ent = sequence_logprobs(
-                    self.model, ids, attn, resp, return_entropy=True, temperature=self.temperature
-                )
+            for mb, mask, old, ref, adv, beh in prepared:
+                lp, ent, _ = self._score(self.model, mb, True)
                 loss, m = policy_loss(
                     lp, old, ref, adv, mask, clip_eps=self.grpo["clip_eps"], kl_coef=self.grpo["kl_coef"],
                     loss_agg=self.grpo["loss_agg"], global_token_count=global_tokens,

@@ -126,3 +126,61 @@ def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict[str, Any]:
+    """TP=2 (one replica group, DP=1): the TP leader fetches each micro-batch set once from the
+    store and broadcasts over Megatron's TP group; both ranks compute log-probs of every
+    micro-batch of the driver's plan from the packed rows; the leader alone writes back."""
+    import torch.distributed as dist
+
+    from algorithms.engines.training import megatron as M
+    from algorithms.engines.training.mcore_convert import shape_from_hf_config
+    from megatron.core import parallel_state as ps
+    from nemo_dataplane.adapters.memory import InMemoryClient
+    from nemo_dataplane.codec import jagged_from_rows
+    from nemo_dataplane.observability import ObservedClient
+    from nemo_dataplane.worker.fetch import WorkerFetcher
+
+    dev = _mcore_world(rank, world, port, 2)
+    try:
+        hf = tiny_hf(0)
+        shape = shape_from_hf_config(hf.config)
+        mc = M.build_gpt(hf.config, device=dev)
+        M.load_hf(mc, hf.state_dict(), shape)
+        leader = ps.get_tensor_model_parallel_rank() == 0
+        client = ObservedClient(InMemoryClient()) if leader else None
+        g = torch.Generator().manual_seed(3)
+        metas = []
+        for s in range(sets):
+            rows = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (6, 9, 4, 11, 7, 5)]
+            if leader:
+                meta = client.kv_batch_put([f"s{s}r{j}" for j in range(6)], f"step{s}",
+                                           {"input_ids": jagged_from_rows(rows), "prompt_len": torch.full((6,), 3)})
+                meta = meta._replace(extra_info={"packing": {"microbatches": [[0, 1, 2], [3, 4, 5]]}})
+            metas.append(meta if leader else None)
+        if leader:
+            client.op_counts.clear()  # count only what the fetch loop does
+        obj = [metas]
+        dist.broadcast_object_list(obj, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        metas = obj[0]
+        fetcher = WorkerFetcher(client, fetch_policy="leader_broadcast", replica_group=ps.get_tensor_model_parallel_group(),
+                                timeout_s=60)
+        sums = []
+        n_mbs = 0
+        for meta in metas:
+            fetched = fetcher.fetch(meta, ["input_ids", "prompt_len"])
+            lps = []
+            with torch.no_grad():
+                for mb in fetched.microbatches:
+                    lp, _, _ = M.microbatch_logprobs(mc, mb["input_ids"], mb["prompt_len"], device=dev)
+                    lps.extend(lp[j, : int(mb["input_ids"].offsets()[j + 1] - mb["input_ids"].offsets()[j]) - 1].cpu()
+                               for j in range(lp.shape[0]))
+                    n_mbs += 1
+            sums.append(float(sum(x.sum() for x in lps)))
+            fetcher.write_back(meta, {"prev_logprobs": jagged_from_rows(lps)})
+        ops = dict(client.op_counts) if leader else {}
+        return {"leader": leader, "ops": ops, "sums": sums, "microbatches": n_mbs, "mode": fetcher.fetch_policy}
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -108,3 +108,22 @@ def test_the_gpu_layout_validates() -> None:
     assert (cfg.policy.device, cfg.generation.device, cfg.refit.backend) == ("cuda", "cuda", "nccl")
     with pytest.raises(ConfigError, match="policy.dist_backend=nccl needs policy.device=cuda"):
         load_config(YAML, ["policy.dist_backend=nccl"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["policy.backend=jax"], "policy.backend"),
+        (["policy.tensor_parallel_size=2"], "policy.tensor_parallel_size=2 needs policy.backend=megatron"),
+        (["policy.backend=megatron"], "policy.backend=megatron needs policy.device=cuda"),
+        (["policy.tensor_parallel_size=0"], "policy.tensor_parallel_size must be > 0"),
+    ],
+)
+def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(YAML, overrides)
+
+
+def test_megatron_backend_accepted_on_cuda() -> None:
+    cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl"])
+    assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == 1

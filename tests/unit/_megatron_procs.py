@@ -30,7 +30,9 @@ def refit_tp2_to_tp1(rank: int, world: int, port: int) -> dict[str, Any]:
     ref = [tiny_hf(seed) for seed in (0, 1)]
     shape = shape_from_hf_config(ref[0].config)
     shapes = hf_full_shapes(shape)
-    g = P._group(rank, world, port, "gloo")
+    gen_model = tiny_hf(seed=5) if rank == 2 else None
+    # everything slow (imports, model builds) happens before joining: the CI box is shared
+    g = P._group(rank, world, port, "gloo", timeout=60.0)
     if rank < 2:
         train = build_layout(Mesh.of([0, 1], tp=2), shapes)
         mc = hf_to_mcore(ref[0].state_dict(), shape, tp=2, rank=rank)  # what the TP rank's model holds
@@ -42,7 +44,7 @@ def refit_tp2_to_tp1(rank: int, world: int, port: int) -> dict[str, Any]:
             mc[k].copy_(v)  # an optimizer step, in place
         snd.send_weights(2)
         return {"sent": [first, snd.bytes_moved], "owned": plan.bytes_from(rank)}
-    gen_model = tiny_hf(seed=5)
+    assert gen_model is not None
     mine = dict(gen_model.named_parameters())
     rcv = ReshardReceiver(g, mine, build_layout(Mesh.of([2], tp=1), shapes))
     rcv.prepare_refit_info()

@@ -135,7 +135,7 @@ def test_packed_logprobs_equal_padded_sequence_logprobs() -> None:
 
 
 def test_tp2_megatron_export_refits_a_tp1_generator_exactly(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, MP.refit_tp2_to_tp1, [0, 1, 2], world=3, port=P.free_port(), limit=90)
+    res = P.run_ranks(pool, MP.refit_tp2_to_tp1, [0, 1, 2], world=3, port=P.free_port(), limit=240)
     for r, out in res.items():
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
     assert res[2]["wrong"] == [[], []] and res[2]["names"] == 21

@@ -67,7 +67,7 @@ def test_legacy_shard_refs_pass_through_the_graph_and_a_worker_error_is_the_step
     assert "step 2 train: InjectedFailure" in legacy.stderr, legacy.explain()
     assert "injected failure at step 2 on policy rank 0" in legacy.summary["error"]
     assert legacy.summary["dispatch"]["fallback"] is None  # a worker's error is not a graph failure
-    assert legacy.summary["dispatch"]["graph_calls"] == 2  # step 1's two calls; step 2's train raised
+    assert legacy.summary["dispatch"]["graph_calls"] == 3  # step 1's two calls, step 2's logprobs; its train raised
     assert "dispatch: the compiled graph cannot serve" not in legacy.stderr
 
 

@@ -210,7 +210,9 @@ class CompiledGraphDispatch:
             ctx.teardown_timeout = previous
 
 
-def make_dispatcher(mode: str, policy: Sequence[Any], *, fail_compile: bool = False) -> ActorDispatch | CompiledGraphDispatch:
+def make_dispatcher(
+    mode: str, policy: Sequence[Any], *, fail_compile: bool = False
+) -> ActorDispatch | CompiledGraphDispatch:
     """The dispatcher of ``trainer.dispatch`` over the policy actors ``policy``."""
     if mode == "actors":
         return ActorDispatch(policy)

@@ -219,12 +219,14 @@ def train_on_batch(
                 inputs = transport.rank_inputs(handle, preshards, step)
             with timer("logprobs"):
                 # Proximal (current weights) and reference log-probs from one fetch per rank.
-                out = ranks.call(transport, workers.dispatch, "logprobs", inputs, step, True, timeout, f"step {step} logprobs")
+                out = ranks.call(transport, workers.dispatch, "logprobs", inputs, step, True, timeout,
+                                 f"step {step} logprobs")
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
-                metrics = ranks.call(transport, workers.dispatch, "train", inputs, step, behaviour, timeout, f"step {step} train")
+                metrics = ranks.call(transport, workers.dispatch, "train", inputs, step, behaviour, timeout,
+                                     f"step {step} train")
             for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])

@@ -95,6 +95,10 @@ class TrainerSection:
     val_every: int = 10  # 0: no periodic validation
     step_timeout_s: float = 600.0  # bound on every wait for a worker inside a step
     startup_timeout_s: float = 300.0  # bound on worker start-up (model build, groups)
+    # How the per-step calls reach the policy ranks (algorithms/dispatch.py): plain actor calls,
+    # or one Ray Compiled Graph compiled after the first step (falls back to actor calls if it
+    # cannot serve; its idle workers poll, see docs/grpo_sync.md "Dispatch").
+    dispatch: Literal["actors", "compiled_graph"] = "actors"
 
 
 @dataclass(frozen=True)
@@ -166,12 +170,15 @@ class AsyncConfig:
 @dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests: the named phase raises on ``fail_at_step`` (``put``: the
-    collector's write of group ``fail_at_group`` fails half-way, async only)."""
+    collector's write of group ``fail_at_group`` fails half-way, async only);
+    ``fail_dispatch_compile``: the compiled graph's compile raises as in an unsupported
+    environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
     fail_in: Literal["collect", "logprobs", "train", "put"] | None = None
     fail_rank: int = 0
     fail_at_group: int | None = None
+    fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
 
 
 @dataclass(frozen=True)

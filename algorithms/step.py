@@ -103,6 +103,13 @@ class Workers:
     policy: list[Any]
     generator: Any
     collectors: list[Any]
+    dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
+
+    def __post_init__(self) -> None:
+        if self.dispatch is None:
+            from algorithms.dispatch import ActorDispatch
+
+            self.dispatch = ActorDispatch(self.policy)
 
     @property
     def collector(self) -> Any:
@@ -212,14 +219,14 @@ def train_on_batch(
                 inputs = transport.rank_inputs(handle, preshards, step)
             with timer("logprobs"):
                 # Proximal (current weights) and reference log-probs from one fetch per rank.
-                calls = [w.get_logprobs.remote(inputs[r], step, with_reference=True) for r, w in enumerate(workers.policy)]
-                out = ranks.gather(transport, inputs, calls, timeout, f"step {step} logprobs")
+                out = ranks.call(transport, workers.dispatch, "logprobs", inputs, step, True, timeout,
+                                 f"step {step} logprobs")
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
-                calls = [w.train.remote(inputs[r], step, behaviour=behaviour) for r, w in enumerate(workers.policy)]
-                metrics = ranks.gather(transport, inputs, calls, timeout, f"step {step} train")
+                metrics = ranks.call(transport, workers.dispatch, "train", inputs, step, behaviour, timeout,
+                                     f"step {step} train")
             for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
@@ -274,12 +281,12 @@ class _RankTotals:
     io_s: float = 0.0  # per phase, the slowest rank's time to get its rows and write results back
     compute_s: float = 0.0  # per phase, the slowest rank's forward/backward time
 
-    def gather(self, transport: Transport, inputs: Sequence[Any], calls: Sequence[ray.ObjectRef], timeout_s: float,
-               what: str) -> list[Any]:
-        """:func:`gather` the policy ranks' ``calls`` on ``inputs``; count the bytes through the
-        driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
+    def call(self, transport: Transport, dispatch: Any, kind: str, inputs: Sequence[Any], step: int, flag: bool,
+             timeout_s: float, what: str) -> list[Any]:
+        """Run ``kind`` on every policy rank through ``dispatch`` (``algorithms.dispatch``); count
+        the bytes through the driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
         transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
-        out = gather(calls, timeout_s, what)
+        out = dispatch.call(kind, inputs, step, flag, timeout_s, what)
         transport.driver_bytes += payload_bytes(out)
         self.dp_bytes += sum(int(o["dp_bytes"]) for o in out)
         self.io_s += max(float(o["io_s"]) for o in out)

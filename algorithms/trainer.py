@@ -166,7 +166,10 @@ class Trainer:
             for i in range(num_collectors)
         ]
         self.actors = [*policy, generator, *collectors]
-        self.workers = Workers(policy=policy, generator=generator, collectors=collectors)
+        from algorithms.dispatch import make_dispatcher
+
+        dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile)
+        self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch)
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
@@ -390,6 +393,10 @@ class Trainer:
         elif self.transport is not None:
             self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
         if self.workers is not None and ray.is_initialized():
+            # The graph's loops run inside the policy actors: tear them down (bounded) while the
+            # actors live, before their shutdown calls and the kill.
+            self.summary["dispatch"] = self.workers.dispatch.report()
+            self.workers.dispatch.close(timeout_s=10.0)
             # Let workers tear down their process groups and detach from the store before they
             # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
             # a wedged worker is killed below either way.

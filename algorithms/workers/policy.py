@@ -246,6 +246,23 @@ class PolicyWorker:
         models = [(self.model, "prev_logprobs")] + ([(self.ref_model, "ref_logprobs")] if with_reference else [])
         return self._logprobs(models, batch)
 
+    def step_call(self, kind: str, batch: Any, step: int, flag: bool) -> dict[str, Any]:
+        """The compiled graph's one entry (``algorithms.dispatch``): ``kind`` ``logprobs`` is
+        :meth:`get_logprobs` with ``with_reference=flag``, ``train`` is :meth:`train` with
+        ``behaviour=flag``. A legacy shard arrives as its ``ObjectRef`` (a graph input is not
+        resolved by Ray as a task argument is) and is fetched here, bounded."""
+        import ray
+
+        if isinstance(batch, ray.ObjectRef):
+            from algorithms.legacy_transport import fetch_shard
+
+            batch = fetch_shard(batch, timeout_s=self.timeout_s)
+        if kind == "logprobs":
+            return self.get_logprobs(batch, step, with_reference=flag)
+        if kind == "train":
+            return self.train(batch, step, behaviour=flag)
+        raise ValueError(f"policy rank {self.rank}: step_call kind must be 'logprobs' or 'train', got {kind!r}")
+
     def get_reference_logprobs(self, batch: Any, step: int) -> dict[str, Any]:
         """As :meth:`get_logprobs`, from the frozen initial weights, into ``ref_logprobs``."""
         return self._logprobs([(self.ref_model, "ref_logprobs")], batch)

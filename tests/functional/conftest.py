@@ -188,3 +188,9 @@ def trainer_command():
         return _command(Path(out_dir), (*(SMALL if small else ()), *overrides), module=module)
 
     return command
+
+
+@pytest.fixture(scope="session")
+def small_overrides() -> tuple[str, ...]:
+    """:data:`SMALL`, for tests that build their own job lists."""
+    return SMALL

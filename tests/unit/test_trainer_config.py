@@ -46,6 +46,7 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("trainer.steps=1.5", "trainer.steps"),
         ("data_plane.enabled=maybe", "data_plane.enabled"),
         ("refit.backend=mpi", "refit.backend"),  # not an allowed value
+        ("trainer.dispatch=compiled", "trainer.dispatch"),
         ("trainer.steps=0", "trainer.steps"),  # out of range
         ("grpo.clip_eps=-0.1", "grpo.clip_eps"),
         ("refit.timeout_s=0", "refit.timeout_s"),
@@ -62,6 +63,12 @@ def test_bad_values_name_the_dotted_key(override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(YAML, [override])
     assert needle in str(info.value)
+
+
+def test_dispatch_defaults_to_actor_calls_and_accepts_the_compiled_graph() -> None:
+    assert load_config(YAML).trainer.dispatch == "actors"
+    cfg = load_config(YAML, ["trainer.dispatch=compiled_graph", "debug.fail_dispatch_compile=true"])
+    assert (cfg.trainer.dispatch, cfg.debug.fail_dispatch_compile) == ("compiled_graph", True)
 
 
 def test_malformed_override_is_rejected() -> None:

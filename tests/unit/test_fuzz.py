@@ -171,7 +171,7 @@ def test_driver_balanced_preshards_any_lengths_any_dp(lens: list[int], dp: int, 
 
 
 # ------------------------------------------------------------------ config loading
-BASE = ["policy.model.arch=gpt2", "policy.model.hf_config={n_layer: 1}"]
+BASE = ["policy.model.arch=gpt2", "policy.model.hf_config={n_layer: 1}", "data_plane.packing.micro_batch_size=4"]
 
 
 def _leaves(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
@@ -217,7 +217,10 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 
 
 def _base() -> dict[str, Any]:
-    return {"policy": {"model": {"arch": "gpt2", "hf_config": {"n_layer": 1}}}}
+    # packing given whole: a partial packing section does not inherit the section default's
+    # micro_batch_size, so any packing key alone fails naming micro_batch_size (correctly).
+    return {"policy": {"model": {"arch": "gpt2", "hf_config": {"n_layer": 1}}},
+            "data_plane": {"packing": {"mode": "none", "micro_batch_size": 4}}}
 
 
 def test_base_config_is_valid() -> None:

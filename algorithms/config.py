@@ -161,13 +161,16 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests: the named phase raises on ``fail_at_step`` (``put``: the
-    collector's write of group ``fail_at_group`` fails half-way, async only)."""
+    """Fault injection for tests (:mod:`algorithms.faults`): the named phase fails on
+    ``fail_at_step`` (``put``: the collector's write of group ``fail_at_group`` fails half-way,
+    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "logprobs", "train", "put"] | None = None
+    fail_in: Literal["collect", "generate", "logprobs", "train", "put"] | None = None
     fail_rank: int = 0
     fail_at_group: int | None = None
+    fail_mode: Literal["raise", "sigkill"] = "raise"
+    fault_marker: str | None = None  # a file the hook writes the injection time to (chaos tests)
 
 
 @dataclass(frozen=True)
@@ -255,9 +258,9 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key}={val!r} is not a file")
     if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
-    if cfg.debug.fail_in == "put":
+    if cfg.debug.fail_in in ("put", "generate"):
         if cfg.debug.fail_at_group is None:
-            raise ConfigError("debug.fail_in=put needs debug.fail_at_group")
+            raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs debug.fail_at_group")
     elif cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:
         raise ConfigError("debug.fail_in is set but debug.fail_at_step is not")
     a = cfg.async_

@@ -43,9 +43,10 @@ class StepError(RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
 
 
-def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
+def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str = "worker") -> list[Any]:
     """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
     that failed would otherwise leave its peers blocked in a collective until they time out).
+    A worker that died (no error of its own) is named as ``{who} {its index in refs}``.
 
     Raises:
         StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
@@ -66,7 +67,7 @@ def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[A
                 cause = getattr(e, "cause", None) or e
                 raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
             except ray.exceptions.RayError as e:
-                raise StepError(f"{what}: {type(e).__name__}: {e}") from e
+                raise StepError(f"{what}: {who} {index[r]} died or was lost: {type(e).__name__}: {e}") from e
     return results
 
 
@@ -279,7 +280,7 @@ class _RankTotals:
         """:func:`gather` the policy ranks' ``calls`` on ``inputs``; count the bytes through the
         driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
         transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
-        out = gather(calls, timeout_s, what)
+        out = gather(calls, timeout_s, what, who="policy rank")
         transport.driver_bytes += payload_bytes(out)
         self.dp_bytes += sum(int(o["dp_bytes"]) for o in out)
         self.io_s += max(float(o["io_s"]) for o in out)

@@ -159,7 +159,7 @@ class CollectorPool:
         # One call per collector: its calls run concurrently (threaded actor), so two calls could
         # queue their jobs out of order, and groups are trained oldest first.
         refs = [self.collectors[i].submit.remote(jobs) for i, jobs in per.items()]
-        gather(refs, self.timeout_s, "submitting prompts to the collectors")
+        gather(refs, self.timeout_s, "submitting prompts to the collectors", who=[f"collector {i}" for i in per])
 
     def poll(self) -> list[dict[str, Any]]:
         return gather([c.poll.remote() for c in self.collectors], 60, "polling the collectors", who="collector")

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from nemo_dataplane.config import ConfigError, DataPlaneConfig, build_config, config_key, plain
 
-__all__ = ["ConfigError", "TrainerConfig", "load_config"]
+__all__ = ["ConfigError", "TrainerConfig", "check_devices", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -169,16 +169,19 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests: the named phase raises on ``fail_at_step`` (``put``: the
-    collector's write of group ``fail_at_group`` fails half-way, async only);
+    """Fault injection for tests (:mod:`algorithms.faults`): the named phase fails on
+    ``fail_at_step`` (``put``: the collector's write of group ``fail_at_group`` fails half-way,
+    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself;
     ``fail_dispatch_compile``: the compiled graph's compile raises as in an unsupported
     environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "logprobs", "train", "put"] | None = None
+    fail_in: Literal["collect", "generate", "logprobs", "train", "put"] | None = None
     fail_rank: int = 0
     fail_at_group: int | None = None
     fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
+    fail_mode: Literal["raise", "sigkill"] = "raise"
+    fault_marker: str | None = None  # a file the hook writes the injection time to (chaos tests)
 
 
 @dataclass(frozen=True)
@@ -266,9 +269,9 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key}={val!r} is not a file")
     if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
-    if cfg.debug.fail_in == "put":
+    if cfg.debug.fail_in in ("put", "generate"):
         if cfg.debug.fail_at_group is None:
-            raise ConfigError("debug.fail_in=put needs debug.fail_at_group")
+            raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs debug.fail_at_group")
     elif cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:
         raise ConfigError("debug.fail_in is set but debug.fail_at_step is not")
     a = cfg.async_
@@ -302,6 +305,52 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             )
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
+    if cfg.data_plane.enabled:
+        _check_backend(cfg.data_plane.backend)
+
+
+# Built-in backends are known by name; importing transfer_queue (and Ray) just to validate a
+# config would slow every load, and its absence is reported by the factory with an install hint.
+_BUILTIN_BACKENDS = ("transfer_queue", "memory")
+
+
+def _check_backend(backend: str) -> None:
+    """Refuse a data-plane backend the trainer cannot use, naming ``data_plane.backend``."""
+    if backend == "memory":
+        raise ConfigError(
+            "data_plane.backend=memory is one private store per process, but the trainer's driver, "
+            "policy ranks and collectors are separate processes (Ray actors) and would each see an "
+            "empty store; use data_plane.backend=transfer_queue or a shared 'pkg.module:Class' backend"
+        )
+    if backend in _BUILTIN_BACKENDS:
+        return
+    from nemo_dataplane.factory import resolve_backend  # only on the data-plane path
+
+    try:
+        resolve_backend(backend)
+    except (ImportError, ValueError) as e:
+        msg = str(e)
+        raise ConfigError(msg if "data_plane.backend" in msg else f"data_plane.backend={backend!r}: {msg}") from e
+
+
+def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
+    """Refuse, before Ray starts, CUDA placements that a local cluster cannot satisfy.
+
+    Only for a cluster this run starts itself (``ray.address`` unset): a remote cluster's GPUs are
+    not visible from the driver. ``cuda_devices``: the count to check against (default: this
+    machine's). Raises :class:`ConfigError` naming the key at fault.
+    """
+    if cfg.ray.address:
+        return
+    if cuda_devices is None:
+        import torch
+
+        cuda_devices = torch.cuda.device_count()
+    for key, device in (("policy.device", cfg.policy.device), ("generation.device", cfg.generation.device)):
+        if device == "cuda" and cuda_devices == 0:
+            raise ConfigError(f"{key}=cuda but this machine has no CUDA device (and ray.address is unset)")
+    if cfg.refit.backend == "nccl" and cuda_devices < 1:
+        raise ConfigError("refit.backend=nccl needs CUDA devices; this machine has none")
 
 
 # --------------------------------------------------------------------------- loading

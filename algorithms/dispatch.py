@@ -70,7 +70,7 @@ class ActorDispatch:
             refs = [w.get_logprobs.remote(inputs[r], step, with_reference=flag) for r, w in enumerate(self.policy)]
         else:
             refs = [w.train.remote(inputs[r], step, behaviour=flag) for r, w in enumerate(self.policy)]
-        return gather(refs, timeout_s, what)
+        return gather(refs, timeout_s, what, who="policy rank")
 
     def report(self) -> dict[str, Any]:
         """For summary.json."""

@@ -159,14 +159,14 @@ class CollectorPool:
         # One call per collector: its calls run concurrently (threaded actor), so two calls could
         # queue their jobs out of order, and groups are trained oldest first.
         refs = [self.collectors[i].submit.remote(jobs) for i, jobs in per.items()]
-        gather(refs, self.timeout_s, "submitting prompts to the collectors")
+        gather(refs, self.timeout_s, "submitting prompts to the collectors", who=[f"collector {i}" for i in per])
 
     def poll(self) -> list[dict[str, Any]]:
-        return gather([c.poll.remote() for c in self.collectors], 60, "polling the collectors")
+        return gather([c.poll.remote() for c in self.collectors], 60, "polling the collectors", who="collector")
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         per = max(timeout_s / len(self.collectors), 0.05)
-        outs = gather([c.take.remote(max_groups, per) for c in self.collectors], timeout_s + 60, "taking rollouts")
+        outs = gather([c.take.remote(max_groups, per) for c in self.collectors], timeout_s + 60, "taking rollouts", who="collector")
         return [g for out in outs for g in out]
 
 

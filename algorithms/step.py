@@ -43,9 +43,11 @@ class StepError(RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
 
 
-def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
+def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker") -> list[Any]:
     """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
     that failed would otherwise leave its peers blocked in a collective until they time out).
+    A worker that died (no error of its own) is named as ``{who} {its index in refs}``, or
+    ``who[index]`` when ``who`` is a list of names, one per ref.
 
     Raises:
         StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
@@ -66,7 +68,8 @@ def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[A
                 cause = getattr(e, "cause", None) or e
                 raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
             except ray.exceptions.RayError as e:
-                raise StepError(f"{what}: {type(e).__name__}: {e}") from e
+                name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]
+                raise StepError(f"{what}: {name} died or was lost: {type(e).__name__}: {e}") from e
     return results
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from algorithms.config import ConfigError, TrainerConfig, load_config
+from algorithms.config import ConfigError, TrainerConfig, check_devices, load_config
 from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
 
 # Modules the legacy path must never load (checked by tests/unit/test_architecture.py and
@@ -109,6 +109,7 @@ class Trainer:
 
         if ray.is_initialized():
             return
+        check_devices(self.cfg)  # a CUDA layout this machine cannot hold fails here, not in an actor
         # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
         # that raised) would otherwise print their own, secondary tracebacks at shutdown.
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
@@ -437,6 +438,7 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_devices(cfg)
     except (ConfigError, FileNotFoundError) as e:
         print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
         return 2

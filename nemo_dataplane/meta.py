@@ -27,6 +27,35 @@ def _duplicates(items: Iterable[str]) -> list[str]:
     return dups
 
 
+class MissingKeysError(KeyError, RuntimeError):
+    """Keys asked for are not in the meta: ``KeyError`` for this library's callers,
+    ``RuntimeError`` for callers written against TransferQueue's ``KVBatchMeta``."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for ``extra_info`` values, tensors and arrays compared element-wise."""
+    if type(a) is not type(b):
+        return False
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        try:
+            import torch
+
+            if isinstance(a, torch.Tensor):
+                return bool(torch.equal(a, b))
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an uncomparable value is a conflict, not a crash
+        return False
+
+
 @dataclass(frozen=True)
 class KVBatchMeta:
     """Keys of one batch in one partition, with per-key tags and batch-level info.
@@ -56,19 +85,19 @@ class KVBatchMeta:
                 raise ValueError(f"KVBatchMeta.keys[{i}] must be a str, got {type(key).__name__}: {key!r}")
         if len(tags) != len(keys):
             raise ValueError(
-                f"KVBatchMeta.tags must hold one dict per key: got {len(tags)} tags for {len(keys)} keys"
+                f"KVBatchMeta: keys and tags must have same length (one tag dict per key): got {len(tags)} tags for {len(keys)} keys"
             )
         for i, tag in enumerate(tags):
             if not isinstance(tag, Mapping):
                 raise ValueError(f"KVBatchMeta.tags[{i}] (key {keys[i]!r}) must be a dict, got {type(tag).__name__}")
         dups = _duplicates(keys)
         if dups:
-            raise ValueError(f"KVBatchMeta.keys must be unique; duplicated: {dups[:10]}")
+            raise ValueError(f"KVBatchMeta.keys: Got duplicated keys {dups[:10]}")
         fields = None if self.fields is None else tuple(self.fields)
         if fields is not None:
             dup_fields = _duplicates(fields)
             if dup_fields:
-                raise ValueError(f"KVBatchMeta.fields must be unique; duplicated: {dup_fields}")
+                raise ValueError(f"KVBatchMeta.fields: Got duplicated fields {dup_fields}")
         if self.partition_id is not None and not isinstance(self.partition_id, str):
             raise ValueError(f"KVBatchMeta.partition_id must be a str or None, got {self.partition_id!r}")
         object.__setattr__(self, "keys", keys)
@@ -140,25 +169,32 @@ class KVBatchMeta:
         Raises:
             ValueError: ``indices`` is not a permutation of ``range(len(self))``.
         """
-        if sorted(int(i) for i in indices) != list(range(len(self.keys))):
+        idx = [int(i) for i in indices]
+        if len(idx) != len(self.keys):
             raise ValueError(
-                f"KVBatchMeta.reorder needs a permutation of range({len(self.keys)}), got {list(indices)[:20]}"
+                f"KVBatchMeta.reorder: indexes length {len(idx)} does not match the batch size {len(self.keys)}"
             )
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"KVBatchMeta.reorder: Contain duplicate indexes {_duplicates(map(str, idx))[:10]}")
+        if sorted(idx) != list(range(len(self.keys))):
+            raise ValueError(f"KVBatchMeta.reorder needs a permutation of range({len(self.keys)}), got {idx[:20]}")
         return self.subset(indices)
 
     def select_keys(self, keys: Sequence[str]) -> KVBatchMeta:
         """The given keys, in the given order.
 
         Raises:
-            KeyError: naming keys not in this meta.  ValueError: a key repeats.
+            ValueError: a key repeats.  MissingKeysError (a ``KeyError`` and a ``RuntimeError``,
+            so callers written for either this class or TransferQueue's catch it): naming keys
+            not in this meta.
         """
+        dups = _duplicates(keys)
+        if dups:
+            raise ValueError(f"KVBatchMeta.select_keys: Contain duplicate keys {dups[:10]}")
         index = {k: i for i, k in enumerate(self.keys)}
         missing = [k for k in keys if k not in index]
         if missing:
-            raise KeyError(f"KVBatchMeta.select_keys: keys not in this batch: {missing[:10]}")
-        dups = _duplicates(keys)
-        if dups:
-            raise ValueError(f"KVBatchMeta.select_keys: duplicated keys {dups[:10]}")
+            raise MissingKeysError(f"KVBatchMeta.select_keys: keys {missing[:10]} not found in current batch")
         return self.subset([index[k] for k in keys])
 
     def chunk(self, n: int) -> list[KVBatchMeta]:
@@ -180,34 +216,50 @@ class KVBatchMeta:
 
     @staticmethod
     def concat(metas: Sequence[KVBatchMeta]) -> KVBatchMeta:
-        """Join metas of one partition, keys in order; ``extra_info`` and ``fields`` of the first.
+        """Join metas of one partition, keys in order (TransferQueue's semantics).
 
-        ``fields`` becomes the intersection (in the first meta's order) when they differ, since
-        only those are known to be stored for every key.
+        Empty metas are skipped before anything is checked; no meta left gives an empty meta.
+        Every meta that knows its ``fields`` must know the same set (the result keeps the first
+        meta's order); if any meta's fields are unknown (``None``) the result's are too.
+        ``extra_info`` is the union of the metas' dicts; a key with two different values is an
+        error rather than a silent first-wins.
 
         Raises:
-            ValueError: empty input, mixed partitions, or a key in two metas.
+            ValueError: mixed partitions, different field sets, conflicting ``extra_info``
+            values (naming the key), or a key in two metas.
         """
+        metas = [m for m in metas if m is not None and len(m) > 0]
         if not metas:
-            raise ValueError("KVBatchMeta.concat needs at least one meta")
+            return KVBatchMeta()
         partitions = {m.partition_id for m in metas}
         if len(partitions) > 1:
-            raise ValueError(f"KVBatchMeta.concat: metas span several partitions {sorted(map(str, partitions))}")
-        fields: tuple[str, ...] | None = metas[0].fields
-        for m in metas[1:]:
-            if fields is None or m.fields is None:
-                fields = None
-                break
-            other = set(m.fields)
-            fields = tuple(f for f in fields if f in other)
+            raise ValueError(
+                f"KVBatchMeta.concat: Partition do not match for concatenation: {sorted(map(str, partitions))}"
+            )
+        known = [m.fields for m in metas if m.fields is not None]
+        for f in known[1:]:
+            if set(f) != set(known[0]):
+                raise ValueError(
+                    f"KVBatchMeta.concat: Field names do not match for concatenation: {list(known[0])} vs {list(f)}"
+                )
+        fields = known[0] if known and len(known) == len(metas) else None
+        extra: dict[str, Any] = {}
+        for m in metas:
+            for name, value in (m.extra_info or {}).items():
+                if name in extra and not _values_equal(extra[name], value):
+                    raise ValueError(
+                        f"KVBatchMeta.concat: extra_info key {name!r} has conflicting values across metas"
+                    )
+                extra.setdefault(name, value)
         return metas[0]._replace(
             keys=[k for m in metas for k in m.keys],
             tags=[t for m in metas for t in m.tags],
             fields=fields,
+            extra_info=extra,
         )
 
-    def with_fields(self, fields: Iterable[str] | None) -> KVBatchMeta:
-        """The same keys, with ``fields`` replaced."""
+    def replace_fields(self, fields: Iterable[str] | None) -> KVBatchMeta:
+        """The same keys, with ``fields`` replaced (NeMo-RL's ``with_fields`` merges: see ``add_fields``)."""
         return self._replace(fields=None if fields is None else tuple(fields))
 
     def add_fields(self, fields: Iterable[str]) -> KVBatchMeta:
@@ -222,8 +274,10 @@ class KVBatchMeta:
         merged.update(info)
         return self._replace(extra_info=merged)
 
-    def stamp_tags(self, tags: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> KVBatchMeta:
+    def merge_tags(self, tags: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> KVBatchMeta:
         """Merge tags into every key: one dict for all keys, or one dict per key.
+
+        (Not NeMo-RL's ``stamp_tags``, which takes per-key columns; hence the different name.)
 
         Only the meta changes; write tags to the store with ``kv_batch_put(..., tags=...)``.
 
@@ -235,7 +289,7 @@ class KVBatchMeta:
         else:
             per_key = list(tags)
             if len(per_key) != len(self.keys):
-                raise ValueError(f"stamp_tags: got {len(per_key)} tag dicts for {len(self.keys)} keys")
+                raise ValueError(f"merge_tags: got {len(per_key)} tag dicts for {len(self.keys)} keys")
         return self._replace(tags=[{**old, **dict(new)} for old, new in zip(self.tags, per_key)])
 
     # ------------------------------------------------------ TransferQueue I/O

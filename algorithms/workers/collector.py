@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from algorithms.metrics import payload_bytes
-from algorithms.workers.policy import InjectedFailure
+from algorithms.faults import InjectedFailure, maybe_fail
 from nemo_dataplane.codec import jagged_from_rows
 from nemo_dataplane.rows import select_rows
 
@@ -86,7 +86,13 @@ class RolloutCollector:
         out = []
         for i, resp in enumerate(responses):
             record = records[i // n]
-            value = self.reward_fn(record, self.tokenizer.decode(resp))
+            try:
+                value = self.reward_fn(record, self.tokenizer.decode(resp))
+            except Exception as e:
+                raise RuntimeError(
+                    f"reward_fn {self.cfg['task']['reward_fn'] or self.cfg['task']['name']!r} raised "
+                    f"{type(e).__name__} on prompt uid {record.uid} ({record.prompt[:80]!r}): {e}"
+                ) from e
             try:
                 out.append(float(value))
             except (TypeError, ValueError):
@@ -166,10 +172,9 @@ class RolloutCollector:
         else:
             out["meta"] = self._put(jobs, batch, tags, version, partition_id)
             out["dp_bytes"] = payload_bytes(batch)
-        debug = self.cfg["debug"]
-        if debug.get("fail_in") == "collect" and debug.get("fail_at_step") == jobs[0].group_id // len(jobs):
-            # After the put, so the test sees the driver release keys a failed step left behind.
-            raise InjectedFailure(f"debug.fail_in=collect: injected failure at step {debug['fail_at_step']} in the collector")
+        # After the put, so the test sees the driver release keys a failed step left behind.
+        step = jobs[0].group_id // len(jobs)
+        maybe_fail(self.cfg["debug"], "collect", step=step, what=f"at step {step} in the collector")
         return out
 
     # ------------------------------------------------------------------ async producer
@@ -224,6 +229,9 @@ class RolloutCollector:
                     return
                 t0 = time.perf_counter()
                 batch, tags, version, _ = self._generate(jobs, generation_seed(seed, jobs[0].group_id))
+                # fail_in=generate: mid-generation, before anything of these groups is written
+                maybe_fail(self.cfg["debug"], "generate", group=jobs[0].group_id,
+                           what=f"generating group {jobs[0].group_id} in collector {self.index}")
                 self._stats["generate_s"] += time.perf_counter() - t0
                 if self._partition is None:
                     with self._cv:

@@ -31,13 +31,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from algorithms.faults import InjectedFailure, maybe_fail  # noqa: F401 - InjectedFailure re-exported
 from algorithms.metrics import payload_bytes
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 from nemo_dataplane.meta import KVBatchMeta
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by the ``debug.fail_*`` hook (tests of the failure path)."""
 
 
 def pad_float_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
@@ -190,12 +187,7 @@ class PolicyWorker:
 
     # ------------------------------------------------------------- batches
     def _maybe_fail(self, phase: str, step: int) -> None:
-        if (
-            self.debug.get("fail_in") == phase
-            and self.debug.get("fail_at_step") == step
-            and self.debug.get("fail_rank", 0) == self.rank
-        ):
-            raise InjectedFailure(f"debug.fail_in={phase}: injected failure at step {step} on policy rank {self.rank}")
+        maybe_fail(self.debug, phase, step=step, rank=self.rank, what=f"at step {step} on policy rank {self.rank}")
 
     def _load(self, batch: Any, fields: Sequence[str]) -> tuple[list[TensorDict], list[list[int]], int, int]:
         """Micro-batches, their positions within the shard, shard size, bytes fetched from the store."""

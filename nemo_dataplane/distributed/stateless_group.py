@@ -15,7 +15,6 @@ number of groups can live in one process. Every host-side wait is bounded by ``t
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import socket
@@ -85,6 +84,34 @@ class StatelessGroupTimeout(StatelessGroupError, TimeoutError):
 def _try(fn: Callable[[], object]) -> None:
     with contextlib.suppress(Exception):
         fn()
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
+    """``fn()`` on a daemon thread; its result, or its exception re-raised, within ``timeout``.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within ``timeout`` seconds. The thread is left
+            running (a blocked C call cannot be interrupted) but, being a daemon, it never keeps
+            the interpreter from exiting, unlike a ``ThreadPoolExecutor`` worker, which is
+            joined at exit.
+    """
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"{name}: did not finish within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _import_nccl() -> Any:
@@ -369,20 +396,17 @@ class StatelessProcessGroup:
                 return nccl.Communicator.init(self.world_size, self.rank, uid, config)
 
         # ncclCommInitRank blocks until every rank joins and has no timeout of its own; run it
-        # on a thread so a rank dying after the store rendezvous cannot hang us forever.
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"spg-init-{self.group_name}")
-        fut = pool.submit(_build)
+        # on a daemon thread so a rank dying after the store rendezvous cannot hang us forever,
+        # nor (a pool thread would be joined at exit) keep the interpreter from exiting.
         try:
-            self._comm = fut.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError as e:
+            self._comm = call_with_deadline(_build, self.timeout, f"spg-init-{self.group_name}")
+        except TimeoutError as e:
             self._broken = True
             raise self._error(StatelessGroupTimeout,
                               f"NCCL communicator init did not finish within {self.timeout:g}s "
                               "although every rank reached the store") from e
         except Exception as e:
             raise self._error(StatelessGroupError, f"NCCL communicator init failed: {e}") from e
-        finally:
-            pool.shutdown(wait=False)
 
     def _warm_up(self) -> None:
         # A value rank 0 alone knows: seeing it everywhere proves data really moved.

@@ -21,6 +21,7 @@ Write-back is leader-only under every policy, so each field is written exactly o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -231,8 +232,8 @@ class WorkerFetcher:
     # -------------------------------------------------------------- broadcast
     def _bcast(self, t: torch.Tensor) -> None:
         work = dist.broadcast(t, src=self.leader_rank, group=self.replica_group, async_op=True)
-        if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
-            raise TimeoutError(f"rank {self.rank}: broadcast from leader {self.leader_rank} timed out")
+        wait_work(work, self.timeout_s, f"rank {self.rank}: broadcast from replica leader rank {self.leader_rank}",
+                  on_device=t.is_cuda)
 
     def _send_header(self, header: list[int]) -> None:
         self._bcast(torch.tensor([len(header)], dtype=torch.int64, device=self._device))
@@ -314,6 +315,36 @@ class WorkerFetcher:
         if nbytes:
             self._bcast(buf)
         return buf.cpu().view(dtype).reshape(list(shape))
+
+
+def wait_work(work: Any, timeout_s: float, what: str, *, on_device: bool = False) -> None:
+    """Wait for a ``torch.distributed`` work handle, ending within ``timeout_s`` on the host.
+
+    gloo raises from ``wait`` on a timeout or a lost peer (it never returns ``False``); NCCL's
+    ``wait`` only orders the current stream after the collective and returns at once, so the
+    host-side bound is enforced here by polling ``is_completed`` (``on_device``). After a timeout
+    the collective may still be pending: the group is unusable (its owner aborts or exits).
+
+    Raises:
+        TimeoutError: not done within ``timeout_s`` (names ``what`` and the bound).
+        RuntimeError: the backend reported another failure, e.g. a peer that went away.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        finished = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - gloo's timeout / peer-loss errors are bare RuntimeErrors
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s: {e}") from e
+        raise RuntimeError(f"{what} failed: {e}") from e
+    if finished is False:  # backends that do report a timeout this way
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+    if on_device:
+        delay = 1e-4
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what} did not finish within {timeout_s:g}s (device collective still pending)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

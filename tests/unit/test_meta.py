@@ -21,11 +21,11 @@ def _meta(n: int = 5, **kw: object) -> KVBatchMeta:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"keys": ["a", "b"], "tags": [{}]}, "one dict per key: got 1 tags for 2 keys"),
-        ({"keys": ["a", "a"], "tags": [{}, {}]}, r"unique; duplicated: \['a'\]"),
+        ({"keys": ["a", "b"], "tags": [{}]}, r"one tag dict per key\): got 1 tags for 2 keys"),
+        ({"keys": ["a", "a"], "tags": [{}, {}]}, r"Got duplicated keys \[.a.\]"),
         ({"keys": ["a", 3], "tags": [{}, {}]}, r"keys\[1\] must be a str"),
         ({"keys": ["a"], "tags": ["x"]}, r"tags\[0\] \(key 'a'\) must be a dict"),
-        ({"keys": ["a"], "tags": [{}], "fields": ["f", "f"]}, "fields must be unique"),
+        ({"keys": ["a"], "tags": [{}], "fields": ["f", "f"]}, "fields: Got duplicated fields"),
         ({"keys": ["a"], "tags": [{}], "partition_id": 7}, "partition_id must be a str"),
     ],
 )
@@ -58,13 +58,17 @@ def test_subset_reorder_select_keys() -> None:
         m.subset([1, -4])  # same key twice through a negative index
     r = m.reorder([4, 3, 2, 1, 0])
     assert r.keys == tuple(reversed(m.keys))
-    with pytest.raises(ValueError, match="permutation"):
+    with pytest.raises(ValueError, match="does not match"):
         m.reorder([0, 1, 2])
+    with pytest.raises(ValueError, match="permutation"):
+        m.reorder([0, 1, 2, 3, 7])
     sk = m.select_keys(["k2", "k0"])
     assert sk.keys == ("k2", "k0") and sk.tags[0]["i"] == 2
     with pytest.raises(KeyError, match="zz"):
         m.select_keys(["k1", "zz"])
-    with pytest.raises(ValueError, match="duplicated"):
+    with pytest.raises(RuntimeError, match="not found in current batch"):  # TransferQueue's type
+        m.select_keys(["zz"])
+    with pytest.raises(ValueError, match="duplicate"):
         m.select_keys(["k1", "k1"])
 
 
@@ -80,35 +84,42 @@ def test_chunk_sizes_and_concat_inverse() -> None:
 
 def test_concat_rules() -> None:
     a = _meta(2, fields=("ids", "logp", "r"))
-    b = KVBatchMeta(keys=["x"], tags=[{}], partition_id="train", fields=("r", "ids"))
+    b = KVBatchMeta(keys=["x"], tags=[{}], partition_id="train", fields=("r", "ids", "logp"), extra_info={"plan": [1, 2]})
     c = KVBatchMeta.concat([a, b])
-    assert c.keys == ("k0", "k1", "x") and c.fields == ("ids", "r")  # intersection, first's order
-    assert KVBatchMeta.concat([a, b.with_fields(None)]).fields is None
-    with pytest.raises(ValueError, match="several partitions"):
+    assert c.keys == ("k0", "k1", "x") and c.fields == ("ids", "logp", "r")  # same set, first's order
+    assert KVBatchMeta.concat([a, b.replace_fields(None)]).fields is None  # unknown for some keys
+    with pytest.raises(ValueError, match="Field names do not match"):
+        KVBatchMeta.concat([a, b.replace_fields(["r", "ids"])])
+    with pytest.raises(ValueError, match="Partition do not match"):
         KVBatchMeta.concat([a, KVBatchMeta(keys=["y"], tags=[{}], partition_id="val")])
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="duplicated keys"):
         KVBatchMeta.concat([a, a])
-    with pytest.raises(ValueError, match="at least one"):
-        KVBatchMeta.concat([])
+    with pytest.raises(ValueError, match="'plan' has conflicting"):
+        KVBatchMeta.concat([a, b.with_extra_info(plan=[9])])
+    u = KVBatchMeta.concat([a, b.with_extra_info(step=4)])
+    assert u.extra_info == {"plan": [1, 2], "step": 4}  # union
+    assert KVBatchMeta.concat([]) == KVBatchMeta()
+    # empties are skipped before the partition check
+    assert KVBatchMeta.concat([KVBatchMeta(partition_id="val"), a]) == a
 
 
 def test_field_and_info_transforms_return_new_metas() -> None:
     m = _meta()
-    assert m.with_fields(["a"]).fields == ("a",) and m.fields == ("ids", "logp")
+    assert m.replace_fields(["a"]).fields == ("a",) and m.fields == ("ids", "logp")
     assert m.add_fields(["logp", "adv"]).fields == ("ids", "logp", "adv")
     assert KVBatchMeta(keys=["a"], tags=[{}], fields=None).add_fields(["x"]).fields == ("x",)
     e = m.with_extra_info(step=3)
     assert e.extra_info == {"plan": [1, 2], "step": 3} and m.extra_info == {"plan": [1, 2]}
 
 
-def test_stamp_tags_and_tag_values() -> None:
+def test_merge_tags_and_tag_values() -> None:
     m = _meta(3)
-    s = m.stamp_tags({"step": 1})
+    s = m.merge_tags({"step": 1})
     assert all(t["step"] == 1 for t in s.tags) and "step" not in m.tags[0]
-    p = m.stamp_tags([{"a": 1}, {"a": 2}, {"len": -1}])
+    p = m.merge_tags([{"a": 1}, {"a": 2}, {"len": -1}])
     assert p.tag_values("len") == [0, 10, -1]
     with pytest.raises(ValueError, match="3 keys"):
-        m.stamp_tags([{"a": 1}])
+        m.merge_tags([{"a": 1}])
     with pytest.raises(KeyError, match=r"missing on 1 key\(s\), e.g. \[.k2.\]"):
         p.tag_values("a")
 

@@ -134,3 +134,58 @@ def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
 def test_megatron_backend_accepted_on_cuda() -> None:
     cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl"])
     assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == 1
+
+
+# ------------------------------------------------------------ configs that cannot work (issue 14, item 8)
+def test_memory_backend_with_the_multi_process_trainer_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data_plane.backend=memory is one private store per process"):
+        load_config(YAML, ["data_plane.backend=memory"])
+    # the legacy path never builds a client, so the key is inert there
+    assert load_config(YAML, ["data_plane.backend=memory", "data_plane.enabled=false"]).data_plane.backend == "memory"
+
+
+@pytest.mark.parametrize(
+    ("backend", "needle"),
+    [
+        ("no_such_pkg.sub:Client", r"data_plane.backend='no_such_pkg.sub:Client': cannot import 'no_such_pkg.sub'"),
+        ("nemo_dataplane.meta:NoSuchClass", r"data_plane.backend='nemo_dataplane.meta:NoSuchClass'.*no attribute"),
+        ("nemo_dataplane.meta:KVBatchMeta", r"data_plane.backend='nemo_dataplane.meta:KVBatchMeta'.*not a .*DataPlaneClient"),
+        ("redis", r"data_plane.backend='redis' is neither a built-in backend"),
+    ],
+)
+def test_unusable_backend_path_is_refused_at_load_naming_it(backend: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(YAML, [f"data_plane.backend={backend}"])
+
+
+def test_a_custom_backend_class_that_imports_is_accepted() -> None:
+    cfg = load_config(YAML, ["data_plane.backend=nemo_dataplane.adapters.memory:InMemoryClient"])
+    assert cfg.data_plane.backend.endswith(":InMemoryClient")
+
+
+def test_cuda_layout_on_a_machine_without_cuda_is_refused_for_a_local_cluster() -> None:
+    from algorithms.config import check_devices
+
+    gpu = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl"])
+    with pytest.raises(ConfigError, match=r"policy.device=cuda but this machine has no CUDA device"):
+        check_devices(gpu, cuda_devices=0)
+    check_devices(gpu, cuda_devices=2)  # fits
+    check_devices(load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
+                                     "ray.address=10.0.0.1:6379"]), cuda_devices=0)  # remote: not ours to see
+    with pytest.raises(ConfigError, match=r"generation.device=cuda"):
+        check_devices(load_config(YAML, ["generation.device=cuda"]), cuda_devices=0)
+
+
+def test_the_cli_refuses_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    from algorithms.grpo_async import AsyncTrainer
+    from algorithms.trainer import main
+
+    assert not ray.is_initialized()
+    assert main(AsyncTrainer, ["--config", str(YAML), "data_plane.backend=memory"]) == 2
+    assert "data_plane.backend=memory" in capsys.readouterr().err
+    if not __import__("torch").cuda.is_available():
+        assert main(AsyncTrainer, ["--config", str(YAML), "policy.device=cuda"]) == 2
+        assert "policy.device=cuda" in capsys.readouterr().err
+    assert not ray.is_initialized()

@@ -1,0 +1,43 @@
+"""algorithms.faults: the fault-injection hook fires exactly where the debug keys say."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from algorithms.faults import InjectedFailure, maybe_fail, raising_reward
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_fires_only_at_the_named_point_step_rank_and_group(tmp_path: Path) -> None:
+    debug = {"fail_in": "train", "fail_at_step": 2, "fail_rank": 1, "fail_at_group": None}
+    maybe_fail({}, "train", step=2, rank=1)  # nothing asked
+    maybe_fail(debug, "logprobs", step=2, rank=1)  # another point
+    maybe_fail(debug, "train", step=1, rank=1)  # another step
+    maybe_fail(debug, "train", step=2, rank=0)  # another rank
+    marker = tmp_path / "t"
+    with pytest.raises(InjectedFailure, match="debug.fail_in=train: injected failure on rank one"):
+        maybe_fail({**debug, "fault_marker": str(marker)}, "train", step=2, rank=1, what="on rank one")
+    assert float(marker.read_text()) > 0
+    # a key the call site does not know (rank=None) does not block the match
+    with pytest.raises(InjectedFailure):
+        maybe_fail({"fail_in": "generate", "fail_at_group": 5, "fail_rank": 0}, "generate", group=5)
+    maybe_fail({"fail_in": "generate", "fail_at_group": 5}, "generate", group=4)
+
+
+def test_sigkill_mode_kills_the_process_without_cleanup() -> None:
+    code = ("from algorithms.faults import maybe_fail\n"
+            "maybe_fail({'fail_in': 'train', 'fail_mode': 'sigkill'}, 'train', step=0, rank=0)\n"
+            "print('survived')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == -9 and "survived" not in proc.stdout
+
+
+def test_raising_reward_raises() -> None:
+    with pytest.raises(ValueError, match="refusing to score a response of 3 chars"):
+        raising_reward(None, "abc")

@@ -1,0 +1,1 @@
+"""Engines the trainer's workers drive (generation today; see ``generation/``)."""

@@ -67,6 +67,8 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
     from nemo_dataplane.refit.packed import RefitSender
 
+    import transformers.models.llama.modeling_llama  # noqa: F401 - both engines build the policy's model
+
     tok = CharTokenizer()
     model_cfg = SIZES[size]
     if engine_name != "hf":

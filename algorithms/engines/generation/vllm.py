@@ -80,6 +80,7 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"unknown generation.vllm key(s) {unknown}; known: {sorted(DEFAULT_ENGINE_ARGS)}")
         self.eos_id = int(eos_id)
         self.llm: Any = None
+        self._rpc_timeout_s = 600.0
         self._model_dir = tempfile.mkdtemp(prefix="ndp-vllm-model-")
         try:
             model = build_model(model_cfg, vocab_size=vocab_size)
@@ -136,11 +137,13 @@ class VLLMEngine(GenerationEngine):
         return tokens, logprobs
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
-        self.llm.collective_rpc("ndp_refit_init",
+        # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
+        self._rpc_timeout_s = 2 * timeout_s + 60
+        self.llm.collective_rpc("ndp_refit_init", timeout=self._rpc_timeout_s,
                                 args=(self.param_specs, host, port, world_size, rank, backend, timeout_s))
 
     def _receive_weights(self) -> int:
-        (version, *others) = self.llm.collective_rpc("ndp_refit_receive")
+        (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)
         if any(v != version for v in others):
             raise RuntimeError(f"vLLM workers installed different refit versions: {[version, *others]}")
         # KV blocks cached under the old weights must not serve prompts after the refit.
@@ -153,7 +156,7 @@ class VLLMEngine(GenerationEngine):
         try:
             if llm is not None:
                 try:
-                    llm.collective_rpc("ndp_refit_close")
+                    llm.collective_rpc("ndp_refit_close", timeout=30)
                 except Exception:  # noqa: BLE001 - a dead engine has no group left to close
                     pass
                 llm.llm_engine.engine_core.shutdown()

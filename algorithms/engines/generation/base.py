@@ -136,7 +136,8 @@ class GenerationEngine(ABC):
             raise RuntimeError(f"{self.name} engine is shut down")
 
     @abstractmethod
-    def _generate(self, prompts: list[list[int]], n: int, spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and per-token log-probs, group-major."""
 
     @abstractmethod

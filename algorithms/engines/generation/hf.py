@@ -46,7 +46,8 @@ class HFEngine(GenerationEngine):
         return cls(cfg["policy"]["model"], device=cfg["generation"]["device"], vocab_size=tok.vocab_size,
                    eos_id=tok.eos_id, pad_id=tok.pad_id)
 
-    def _generate(self, prompts: list[list[int]], n: int, spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
         from algorithms.models import generate
 
         if spec.top_p != 1.0:

@@ -17,9 +17,10 @@ weights, sampled from token ids, refit in place.
   old weights would otherwise be reused for prompts sharing a prefix). The base class's lock
   keeps refits between generations.
 * In-process by default (``generation.vllm.multiprocessing=false``): the engine core and its
-  worker run in the generator's own process. On this project's CPU machines that starts in ~3 s
-  instead of ~20 s (no EngineCore/worker processes that re-import everything), generates ~1.5x
-  faster for small batches, and leaves no child process that could outlive the generator. The
+  worker run in the generator's own process. On this project's CPU machines that started in
+  5.5-18 s instead of 18-75 s (no EngineCore/worker processes that re-import everything),
+  generated 1.5-3.7x faster at toy size, and leaves no child process that could outlive the
+  generator (docs/generation.md). The
   multiprocess engine is the same code path (the refit runs in its worker process through
   ``collective_rpc``).
 * GPU: the same worker extension with ``refit.backend=nccl`` receives over NCCL or CUDA IPC
@@ -112,7 +113,8 @@ class VLLMEngine(GenerationEngine):
         """The local HF directory the engine was built from (deleted at shutdown)."""
         return self._model_dir
 
-    def _generate(self, prompts: list[list[int]], n: int, spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
         params = [

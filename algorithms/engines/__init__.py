@@ -1,1 +1,2 @@
-"""Compute engines behind the workers (training: torch / Megatron-core)."""
+"""Compute engines behind the workers: generation (``generation/``: hf, vllm) and training
+(``training/``: torch, Megatron-core)."""

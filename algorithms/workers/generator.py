@@ -1,4 +1,5 @@
-"""Generation worker: its own copy of the policy, refreshed by refit after every step (Ray actor).
+"""Generation worker (Ray actor): owns the generation engine ``generation.backend`` names
+(``algorithms.engines.generation``: ``hf`` or ``vllm``), refreshed by refit after every step.
 
 Sampling is seeded per call (``seed``), so a step's rollouts depend only on the weights and the
 seed, never on what ran before; that is what makes the data-plane and legacy runs, and a resumed
@@ -22,41 +23,25 @@ class GeneratorWorker:
     """
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
-        from algorithms.models import build_model
-        from algorithms.tasks import CharTokenizer
+        from algorithms.engines.generation import build_engine
 
         self.cfg = cfg
         torch.set_num_threads(int(cfg["trainer"]["num_threads"]))
-        self.device = torch.device("cuda" if cfg["generation"]["device"] == "cuda" else "cpu")
-        self.tokenizer = CharTokenizer()
-        self.model = build_model(cfg["policy"]["model"], vocab_size=self.tokenizer.vocab_size).to(self.device)
-        self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.weight_version = -1  # no refit received yet
-        self._group: Any = None
-        self._receiver: Any = None
+        self.engine = build_engine(cfg)
 
     def ready(self) -> bool:
         return True
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int = 1) -> None:
         """Join the refit group as a receiver (collective with policy rank 0)."""
-        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-        from nemo_dataplane.refit.packed import RefitReceiver
-
         rcfg = self.cfg["refit"]
-        self._group = StatelessProcessGroup(
-            host, port, rank, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit"
-        )
-        self._receiver = RefitReceiver(self._group, self.model.named_parameters, src=0)
-        self._receiver.prepare_refit_info()
+        self.engine.init_refit(host, port, world_size, rank, backend=rcfg["backend"], timeout_s=rcfg["timeout_s"])
 
     def receive_weights(self) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``."""
         t0 = time.perf_counter()
-        self.weight_version = int(self._receiver.receive_weights())
-        return self.weight_version, time.perf_counter() - t0
+        version = self.engine.receive_weights()
+        return version, time.perf_counter() - t0
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, seed: int, *, temperature: float | None = None
@@ -64,20 +49,17 @@ class GeneratorWorker:
         """``len(prompt_ids) * n`` responses (group-major), the log-prob of each sampled token
         under the sampling distribution, and the weight version that drew them (one version per
         call: a refit is only ever installed between calls)."""
-        from algorithms.models import generate
+        from algorithms.engines.generation import SamplingSpec
 
         g = self.cfg["generation"]
-        gen = torch.Generator().manual_seed(int(seed))
-        tokens, logprobs = generate(
-            self.model, prompt_ids, n, int(g["max_new_tokens"]),
-            float(g["temperature"] if temperature is None else temperature), gen,
-            self.tokenizer.eos_id, self.tokenizer.pad_id, return_logprobs=True,
+        spec = SamplingSpec(
+            max_new_tokens=int(g["max_new_tokens"]),
+            temperature=float(g["temperature"] if temperature is None else temperature),
+            top_p=float(g.get("top_p", 1.0)),
+            seed=int(seed),
         )
-        return tokens, logprobs, self.weight_version
+        out = self.engine.generate(prompt_ids, n, spec)
+        return out.tokens, out.logprobs, out.version
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            try:
-                self._group.destroy()
-            except Exception:  # noqa: BLE001 - shutting down
-                pass
+        self.engine.shutdown()

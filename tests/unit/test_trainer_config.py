@@ -57,6 +57,12 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("refit.backend=nccl", "refit.backend=nccl"),  # needs cuda devices
         ("debug.fail_in=train", "debug.fail_at_step"),
         ("policy.model.path=/nonexistent/model", "policy.model.hf_config=null"),  # both given
+        ("generation.backend=sglang", "generation.backend"),
+        ("generation.top_p=0", "generation.top_p"),
+        ("generation.top_p=0.9", "generation.backend=vllm"),  # the hf sampler has no top-p
+        ("generation.vllm.kv_cache_memory_bytes=0", "generation.vllm.kv_cache_memory_bytes"),
+        ("generation.vllm.dtype=int8", "generation.vllm.dtype"),
+        ("generation.vllm.multiproc=true", "generation.vllm.multiproc"),
     ],
 )
 def test_bad_values_name_the_dotted_key(override: str, needle: str) -> None:
@@ -79,6 +85,14 @@ def test_malformed_override_is_rejected() -> None:
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_vllm_backend_settings_load() -> None:
+    cfg = load_config(YAML, ["generation.backend=vllm", "generation.top_p=0.9", "generation.vllm.multiprocessing=true",
+                             "generation.vllm.kv_cache_memory_bytes=1048576"])
+    assert cfg.generation.backend == "vllm" and cfg.generation.top_p == 0.9
+    assert cfg.generation.vllm.multiprocessing is True and cfg.generation.vllm.kv_cache_memory_bytes == 1 << 20
+    assert load_config(YAML).generation.backend == "hf", "hf stays the default"
 
 
 def test_dict_round_trip_is_lossless() -> None:

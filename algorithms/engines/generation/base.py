@@ -1,0 +1,153 @@
+"""The contract every generation engine keeps, and the bookkeeping they share.
+
+An engine samples ``n`` responses per token-id prompt and returns, with each response, the
+log-prob of every sampled token under the distribution it was drawn from (the behaviour
+log-probs). It takes weights from the trainer as a receiver on a ``StatelessProcessGroup``
+(``init_refit`` once, ``receive_weights`` per refit) and reports the weight version that drew
+every batch.
+
+One version per batch: ``generate`` and ``receive_weights`` exclude each other (one lock), so a
+refit is only ever installed between two generations and a batch is labelled with the version
+that produced all of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec"]
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample one batch. ``temperature == 0``: greedy; ``top_p == 1``: the full distribution."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """``len(prompts) * n`` responses, group-major (prompt ``i``'s at ``[i * n, (i + 1) * n)``), the
+    log-prob of each sampled token (same lengths), and the weight version that drew them all
+    (``-1`` before the first refit: the initial weights)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    version: int
+
+
+class GenerationEngine(ABC):
+    """Base of the engines; subclasses implement ``_generate``, ``_init_refit``,
+    ``_receive_weights`` and ``_shutdown``."""
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version = -1
+        self._refit_ready = False
+        self._closed = False
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the last refit installed (``-1``: none yet)."""
+        return self._version
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, spec: SamplingSpec) -> Rollouts:
+        """Sample ``n`` responses per prompt. A response ends with the EOS token when the model
+        emitted it, else it has exactly ``spec.max_new_tokens`` tokens. Seeded: the same weights,
+        prompts and ``spec`` give the same tokens on one machine."""
+        self._check_open()
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
+        if not prompts:
+            return Rollouts([], [], self._version)
+        with self._lock:
+            version = self._version
+            tokens, logprobs = self._generate(prompts, n, spec)
+        if len(tokens) != len(prompts) * n or len(logprobs) != len(tokens):
+            raise RuntimeError(
+                f"{self.name} engine returned {len(tokens)} responses / {len(logprobs)} log-prob rows for "
+                f"{len(prompts)} prompts x n={n}")
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            if len(t) != len(lp) or len(t) > spec.max_new_tokens:
+                raise RuntimeError(
+                    f"{self.name} engine: response {i} has {len(t)} tokens and {len(lp)} log-probs "
+                    f"(max_new_tokens={spec.max_new_tokens})")
+        return Rollouts(tokens, logprobs, version)
+
+    def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, *, backend: str = "gloo",
+                   timeout_s: float = 300.0) -> None:
+        """Join the refit group at ``host:port`` as receiver ``rank`` (the trainer's rank 0 sends)
+        and agree on the layout (collective with the sender's ``prepare_refit_info``). A name,
+        shape or dtype mismatch raises ``RefitMismatchError`` naming the parameter(s)."""
+        self._check_open()
+        with self._lock:
+            self._refit_ready = False
+            self._init_refit(host, int(port), int(world_size), int(rank), backend, float(timeout_s))
+            self._refit_ready = True
+
+    def receive_weights(self) -> int:
+        """Receive and install one refit (collective with the sender's ``send_weights``); returns
+        its version, which labels every later generation."""
+        self._check_open()
+        if not self._refit_ready:
+            raise RuntimeError(f"{self.name} engine: receive_weights() before init_refit()")
+        with self._lock:
+            self._version = int(self._receive_weights())
+            return self._version
+
+    def shutdown(self) -> None:
+        """Leave the refit group and stop the engine (idempotent; best effort after a failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    def __enter__(self) -> GenerationEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} engine is shut down")
+
+    @abstractmethod
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+        """Tokens and per-token log-probs, group-major."""
+
+    @abstractmethod
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
+        """Create the receiver and run its ``prepare_refit_info``."""
+
+    @abstractmethod
+    def _receive_weights(self) -> int:
+        """Receive one refit, install it, return its version."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Release the group and the engine."""

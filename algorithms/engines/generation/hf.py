@@ -1,0 +1,79 @@
+"""The Hugging Face engine: the policy's architecture in the generator process, sampled token by
+token with a KV cache (``algorithms.models.generate``); refits land in its parameters in place.
+
+Sampling draws from one ``torch.Generator`` seeded per call, so a batch depends only on the
+weights and the seed: the data-plane and legacy runs, and a resumed run, sample the same tokens.
+Only the full distribution is sampled (``top_p`` must be 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
+
+__all__ = ["HFEngine"]
+
+
+class HFEngine(GenerationEngine):
+    """Args: ``model_cfg`` (``policy.model``), ``device``, the tokenizer's ``vocab_size``,
+    ``eos_id`` and ``pad_id``."""
+
+    name = "hf"
+
+    def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
+                 pad_id: int) -> None:
+        from algorithms.models import build_model
+
+        super().__init__()
+        self.device = torch.device("cuda" if device == "cuda" else "cpu")
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._group: Any = None
+        self._receiver: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> HFEngine:
+        from algorithms.tasks import CharTokenizer
+
+        tok = CharTokenizer()
+        return cls(cfg["policy"]["model"], device=cfg["generation"]["device"], vocab_size=tok.vocab_size,
+                   eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+        from algorithms.models import generate
+
+        if spec.top_p != 1.0:
+            raise ValueError(f"the hf generation backend samples the full distribution; top_p={spec.top_p} "
+                             "needs generation.backend=vllm")
+        gen = torch.Generator().manual_seed(int(spec.seed))
+        tokens, logprobs = generate(self.model, prompts, n, spec.max_new_tokens, spec.temperature, gen,
+                                    self.eos_id, self.pad_id, return_logprobs=True)
+        return tokens, logprobs
+
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
+        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+        from nemo_dataplane.refit.packed import RefitReceiver
+
+        self._group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
+                                            group_name="refit")
+        self._receiver = RefitReceiver(self._group, self.model.named_parameters, src=0)
+        self._receiver.prepare_refit_info()
+
+    def _receive_weights(self) -> int:
+        return int(self._receiver.receive_weights())
+
+    def _shutdown(self) -> None:
+        if self._group is not None:
+            try:
+                self._group.destroy()
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+            self._group = self._receiver = None

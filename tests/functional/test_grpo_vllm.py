@@ -76,12 +76,13 @@ class Run:
         return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
-def _start(out: Path, *overrides: str) -> Run:
+def _start(out: Path, *overrides: str, module: str = "grpo_sync") -> Run:
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": str(REPO), MARKER: marker}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(CONFIG), *VLLM,
+    config = CONFIG.with_name("grpo_async_tiny.yaml") if module == "grpo_async" else CONFIG
+    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *VLLM,
            f"logging.output_dir={out}", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: Ctrl-C reaches the run only
@@ -124,7 +125,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     learn = _start(root / "learn", "trainer.steps=30", "trainer.val_every=10", "task.val_size=16")
     fail = _start(root / "fail", *SMALL, "trainer.steps=4", "trainer.val_every=0", "debug.fail_at_step=1",
                   "debug.fail_in=train", "debug.fail_rank=1")
-    ctrl_c = _start(root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0")
+    # The async trainer drives the same engine: it trains steps with vLLM rollouts, then gets Ctrl-C.
+    ctrl_c = _start(root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
     try:
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline and ctrl_c.proc.poll() is None and len(ctrl_c.rows) < 2:
@@ -168,11 +170,13 @@ def test_a_failing_step_stops_the_vllm_run_with_no_process_left(runs: dict[str, 
     _assert_no_orphans(run)
 
 
-def test_ctrl_c_stops_the_vllm_run_with_no_process_left(runs: dict[str, Run]) -> None:
+def test_ctrl_c_stops_the_async_vllm_run_with_no_process_left(runs: dict[str, Run]) -> None:
     run = runs["ctrl_c"]
     assert len(run.rows) >= 2, run.explain()
     assert run.proc.returncode == 130, run.explain()
     assert run.summary["status"].startswith("interrupted")
+    assert all(r["staleness_max"] <= 1 and r["loss"] is not None for r in run.rows), "async steps trained on vLLM rollouts"
+    assert run.summary["keys_outstanding_at_exit"] == 0
     # Driver, Ray's own processes and the worker actors (the generator holds the vLLM engine).
     assert run.seen >= 5, f"the marker reached only {run.seen} processes of the running trainer"
     _assert_no_orphans(run)

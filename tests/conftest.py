@@ -5,6 +5,8 @@
 * ``tq_client``: a bootstrapped :class:`TransferQueueClient` on that cluster, under
   TransferQueue's default controller name so ``transfer_queue.init()`` in an actor attaches to
   the same store. Tests must use their own partition ids and clear them.
+* ``ray_store_client``: a bootstrapped :class:`RayStoreClient` (the ``ray`` backend) on that
+  cluster, under its default index name so workers attach with ``bootstrap=False``.
 * ``memory_client``: a fresh :class:`InMemoryClient` per test.
 * ``store``: ``(client, partition_id)``, parametrized over the in-memory store and ``tq_client``,
   with a fresh partition (named after the test module) that is cleared afterwards.
@@ -61,6 +63,17 @@ def tq_client(ray_session: Any) -> Iterator[Any]:
         TransferQueueConfig(num_storage_units=1, bootstrap_timeout_s=60, op_timeout_s=60),
         bootstrap=True,
     )
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_store_client(ray_session: Any) -> Iterator[Any]:
+    """A Ray object-store backend (metadata actor under its default name) shared by the session."""
+    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.config import RayStoreConfig
+
+    client = RayStoreClient(RayStoreConfig(bootstrap_timeout_s=60, op_timeout_s=60), bootstrap=True)
     yield client
     client.close()
 

@@ -37,43 +37,61 @@ def _columns(batch: TensorDict, what: str) -> dict[str, _Column]:
 
 def _rows(columns: Mapping[str, _Column], index: list[int], *, copy: bool) -> TensorDict:
     """Rows ``index`` of every column (see :func:`take_rows`)."""
-    run = _is_run(index)
-    out = {name: _take(t, offsets, index, run, copy) for name, (t, offsets) in columns.items()}
+    start = _run_start(index)
+    out = {name: _take(t, offsets, index, start, copy) for name, (t, offsets) in columns.items()}
     return TensorDict(out, batch_size=[len(index)])
 
 
-def _is_run(index: list[int]) -> bool:
-    return bool(index) and index[-1] - index[0] == len(index) - 1 and index == list(range(index[0], index[0] + len(index)))
+def _run_start(index: Sequence[int] | torch.Tensor) -> int | None:
+    """The first row when ``index`` is a contiguous ascending run, else ``None``."""
+    n = len(index)
+    if n == 0:
+        return None
+    if isinstance(index, range):
+        return index.start if index.step == 1 else None
+    if isinstance(index, torch.Tensor):
+        first = int(index[0])
+        if int(index[-1]) - first != n - 1:
+            return None
+        return first if n == 1 or bool((index.diff() == 1).all()) else None
+    first = int(index[0])
+    if int(index[-1]) - first != n - 1:
+        return None
+    return first if list(index) == list(range(first, first + n)) else None
 
 
-def _take(t: torch.Tensor, offsets: torch.Tensor | None, index: list[int], run: bool, copy: bool) -> torch.Tensor:
+def _take(
+    t: torch.Tensor, offsets: torch.Tensor | None, index: Sequence[int] | torch.Tensor, start: int | None, copy: bool
+) -> torch.Tensor:
     """A contiguous ascending run is sliced (a view of the source, or a clone with ``copy``);
     anything else is gathered (always a fresh tensor)."""
+    n = len(index)
     if offsets is None:
-        if run:
-            part = t[index[0] : index[0] + len(index)]
+        if start is not None:
+            part = t[start : start + n]
             return part.clone() if copy else part
         return t.index_select(0, _index(index, t.device))
-    if run:
-        a, b = index[0], index[0] + len(index)
-        off = offsets[a : b + 1] - offsets[a]
-        values = t[int(offsets[a]) : int(offsets[b])]
+    if start is not None:
+        off = offsets[start : start + n + 1] - offsets[start]
+        values = t[int(offsets[start]) : int(offsets[start + n])]
         return torch.nested.nested_tensor_from_jagged(values.clone() if copy else values, offsets=off)
-    if not index:
+    if n == 0:
         return torch.nested.nested_tensor_from_jagged(t[:0], offsets=torch.zeros(1, dtype=offsets.dtype))
     return _gather_jagged(t, offsets, _index(index, offsets.device))
 
 
-def take_rows(values: torch.Tensor, offsets: torch.Tensor | None, index: Sequence[int], *, copy: bool) -> torch.Tensor:
+def take_rows(
+    values: torch.Tensor, offsets: torch.Tensor | None, index: Sequence[int] | torch.Tensor, *, copy: bool
+) -> torch.Tensor:
     """Rows ``index`` of one stored column: dense ``values`` (``offsets is None``, row ``i`` is
     ``values[i]``) or the flat values of a jagged column (row ``i`` is
     ``values[offsets[i]:offsets[i + 1]]``, returned as a jagged nested tensor).
 
-    A contiguous ascending run of rows is a view of ``values`` unless ``copy``; any other index
-    gathers into a fresh tensor in one vectorized call (no per-row Python work).
+    A contiguous ascending run of rows (e.g. a ``range``) is a view of ``values`` unless
+    ``copy``; any other index (a sequence or an int64 tensor) gathers into a fresh tensor in one
+    vectorized call (no per-row Python work).
     """
-    idx = [int(i) for i in index]
-    return _take(values, offsets, idx, _is_run(idx), copy)
+    return _take(values, offsets, index, _run_start(index), copy)
 
 
 def concat_rows(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -118,8 +136,10 @@ def concat_rows(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(torch.cat(values, 0), offsets=offsets)
 
 
-def _index(index: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(index, dtype=torch.int64, device=device)
+def _index(index: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(index, torch.Tensor):
+        return index.to(device=device, dtype=torch.int64)
+    return torch.tensor(list(index), dtype=torch.int64, device=device)
 
 
 def _gather_jagged(values: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Ray object-store backend: :class:`DataPlaneClient` over Ray's shared-memory object store.
 
-Where the bytes go: each put writes every field as one object (a "chunk": the field's rows of
-that put, dense ``[B, ...]`` or jagged values + offsets) with ``ray.put`` *from the putting
-process*, one copy into shared memory. A named metadata actor
+Where the bytes go: each put writes its fields as (at most two) objects ("chunks": the bulk
+fields, and the narrow per-sample columns; each field as its rows of that put, dense
+``[B, ...]`` or jagged values + offsets) with ``ray.put`` *from the putting process*, one copy
+into shared memory. A named metadata actor
 (:class:`~.ray_store_actors.StoreIndex`) maps ``(partition, key, field)`` to ``(chunk, row)``
 and holds the chunks' refs, tags, partitions and claims, never tensors. A reader asks it where
 its rows are and resolves the refs itself: on the same node that maps the writer's memory, across
@@ -47,7 +48,7 @@ from nemo_dataplane.client import (
     check_tags,
     resolve_get_target,
 )
-from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields
+from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields, tensor_nbytes
 from nemo_dataplane.config import DataPlaneConfig, RayStoreConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import concat_rows, take_rows
@@ -60,9 +61,6 @@ Bootstrap = bool | Literal["auto"]
 # Chunks come back as read-only numpy views of shared memory; torch warns once per process when
 # it wraps one. Wrapping is deliberate here (a copy follows unless zero_copy_reads was asked for).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-
-# Reads with more runs than this gather per chunk in one vectorized call instead of slicing runs.
-_MAX_SLICED_RUNS = 8
 
 
 class RayStoreClient(DataPlaneClient):
@@ -285,17 +283,16 @@ class RayStoreClient(DataPlaneClient):
             raise ValueError("kv_batch_put needs fields or tags (got neither)")
         self._check_commits(wait=False)
         txn = uuid.uuid4().hex
-        specs = [(name, is_jagged(t)) for name, t in columns.items()]
         # The index locks the keys and merges tags while this process writes the chunks.
-        begun = self._index.begin.remote(txn, pid, keys, tag_list, specs)
+        begun = self._index.begin.remote(txn, pid, keys, tag_list, list(columns))
         try:
-            refs = [ray.put(_encode(t.detach())) for t in columns.values()]
+            bundles = [(list(group), ray.put({n: _encode(group[n].detach()) for n in group})) for group in _bundles(columns)]
         except BaseException:
             self._index.abort.remote(txn)
             raise
         # Not awaited: anyone who touches these keys waits for it at the index (see
         # ray_store_actors); a refusal surfaces at the next put or flush().
-        committed = self._index.commit.remote(txn, refs, self._writer, self._node)
+        committed = self._index.commit.remote(txn, bundles, self._writer, self._node)
         with self._lock:
             self._commits[committed] = f"put of {len(keys)} key(s) to {pid!r} (e.g. {keys[0]!r})"
         _, merged, common = self._call("kv_batch_put", pid, len(keys), begun)
@@ -327,7 +324,7 @@ class RayStoreClient(DataPlaneClient):
                 f"rows of partition {pid!r} were lost: the process that put them died before the store owned them "
                 f"(data_plane.ray_store.adopt_objects={self.cfg.adopt_objects}): {type(e).__name__}"
             ) from None
-        chunks = {c: _decode(o) for c, o in zip(cids, objs)}
+        chunks = dict(zip(cids, objs))
         copy = not self.cfg.zero_copy_reads
         columns = {name: _assemble(name, where[name], chunks, copy) for name in names}
         return make_batch(columns, len(keys))
@@ -385,13 +382,27 @@ class RayStoreClient(DataPlaneClient):
 
 
 # ---------------------------------------------------------------- chunks
-# A chunk on the wire: (dtype name, values shape, values as flat uint8 numpy, int64 offsets or
+# A put writes at most two objects: its per-sample columns (<= NARROW_BYTES per row: rewards,
+# lengths, advantages) and its bulk, so a reader of columns never pulls the bulk across nodes,
+# and a put costs at most two object-store round trips (each costs more than a memcpy of MBs).
+NARROW_BYTES = 64
+SPLIT_ABOVE_BYTES = 1 << 20  # smaller puts stay one object: a second one would cost more than it saves
+
+# A field on the wire: (dtype name, values shape, values as flat uint8 numpy, int64 offsets or
 # None). numpy, not torch, so Ray writes and maps the buffers out of band (one copy in, none
-# out) and the keeper that re-creates chunks needs no torch.
-Chunk = tuple[str, tuple[int, ...], np.ndarray, "np.ndarray | None"]
+# out) and the keeper that re-creates chunks needs no torch. An object holds {field: Encoded}.
+Encoded = tuple[str, tuple[int, ...], np.ndarray, "np.ndarray | None"]
 
 
-def _encode(t: torch.Tensor) -> Chunk:
+def _bundles(columns: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    if sum(tensor_nbytes(t) for t in columns.values()) <= SPLIT_ABOVE_BYTES:
+        return [dict(columns)] if columns else []
+    narrow = {n: t for n, t in columns.items() if tensor_nbytes(t) <= NARROW_BYTES * t.size(0)}
+    bulk = {n: t for n, t in columns.items() if n not in narrow}
+    return [g for g in (bulk, narrow) if g]
+
+
+def _encode(t: torch.Tensor) -> Encoded:
     offsets = None
     if is_jagged(t):
         values, off = t.values(), t.offsets()
@@ -404,39 +415,33 @@ def _encode(t: torch.Tensor) -> Chunk:
     return (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy(), offsets)
 
 
-def _decode(chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
-    dtype, shape, buf, offsets = chunk
+def _decode(field: Encoded) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dtype, shape, buf, offsets = field
     values = torch.from_numpy(buf).view(getattr(torch, dtype)).view(shape)
     return values, None if offsets is None else torch.from_numpy(offsets)
 
 
-def _assemble(
-    name: str, runs: list[list[int]], chunks: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]], copy: bool
-) -> torch.Tensor:
-    """One field's rows in key order from ``runs`` of ``(chunk, first row, count)``."""
-    if len(runs) == 1:
-        cid, start, n = runs[0]
-        values, offsets = chunks[cid]
-        return take_rows(values, offsets, range(start, start + n), copy=copy)
-    if len(runs) <= _MAX_SLICED_RUNS:
-        return concat_rows(
-            name, [take_rows(*chunks[cid], range(start, start + n), copy=False) for cid, start, n in runs]
-        )
-    # Many short runs (a shuffled read): one gather per chunk, then one permutation.
-    order: dict[int, tuple[list[int], list[int]]] = {}
-    out = 0
-    for cid, start, n in runs:
-        positions, targets = order.setdefault(cid, ([], []))
-        positions.extend(range(start, start + n))
-        targets.extend(range(out, out + n))
-        out += n
-    if len(order) == 1:
-        ((cid, (positions, _)),) = order.items()
-        return take_rows(*chunks[cid], positions, copy=True)
-    parts = [take_rows(*chunks[cid], positions, copy=False) for cid, (positions, _) in order.items()]
+def _assemble(name: str, where: tuple[Any, ...], objs: Mapping[int, dict[str, Encoded]], copy: bool) -> torch.Tensor:
+    """One field's rows in key order, from the index's ``where`` (see ``StoreIndex.resolve``)."""
+    if where[0] == "runs":
+        runs = where[1]
+        if len(runs) == 1:
+            cid, start, n = runs[0]
+            return take_rows(*_decode(objs[cid][name]), range(start, start + n), copy=copy)
+        parts = [take_rows(*_decode(objs[cid][name]), range(start, start + n), copy=False) for cid, start, n in runs]
+        return concat_rows(name, parts)
+    # Scattered rows (a shuffled read): one gather per chunk, then one permutation.
+    cids, rows = torch.from_numpy(where[1]), torch.from_numpy(where[2])
+    ids = torch.unique(cids)
+    if ids.numel() == 1:
+        return take_rows(*_decode(objs[int(ids[0])][name]), rows, copy=True)
+    parts, targets = [], []
+    for cid in ids.tolist():
+        sel = torch.nonzero(cids == cid).flatten()
+        parts.append(take_rows(*_decode(objs[cid][name]), rows[sel], copy=False))
+        targets.append(sel)
     merged = concat_rows(name, parts)
-    targets = torch.tensor([t for _, ts in order.values() for t in ts], dtype=torch.int64)
-    perm = torch.argsort(targets).tolist()
+    perm = torch.argsort(torch.cat(targets))
     if getattr(merged, "is_nested", False):
         return take_rows(merged.values(), merged.offsets(), perm, copy=False)
     return take_rows(merged, None, perm, copy=False)

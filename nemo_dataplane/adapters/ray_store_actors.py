@@ -1,7 +1,7 @@
 """The actors behind the Ray object-store backend (:mod:`nemo_dataplane.adapters.ray_store`).
 
 * :class:`StoreIndex`, the named metadata actor: partitions -> keys -> tags and, per field, the
-  object (a "chunk": one field of one put) and row that holds the key's value. It holds object
+  object (a "chunk": fields of one put) and row that holds the key's value. It holds object
   refs, never tensors, and is the single place where puts become visible, claims are taken and
   objects are freed.
 * :class:`Keeper`, one per node: re-creates a writer's chunk as the return value of a call that
@@ -12,13 +12,17 @@ This module imports neither torch nor the client on purpose: both actors start i
 worker, and importing torch there would add seconds to the store's start-up. Chunks travel as
 numpy arrays (Ray hands those over out of band, straight from shared memory).
 
-Put protocol (two messages, one round trip on the writer's critical path): ``begin`` validates
-against the current rows, locks the keys and returns the merged tags and fields; the writer
+Rows are kept as columns (a partition's keys in insertion order, and per field numpy arrays of
+chunk id and row position), so a put or a read of thousands of keys costs one dict lookup per
+key and a few vector operations, not Python objects per row and field.
+
+Put protocol (two messages, one round trip on the writer's critical path): ``begin`` checks
+the keys against the current rows, locks them and returns the merged tags and fields; the writer
 ``ray.put``s its chunks meanwhile, then sends ``commit`` without waiting for its reply. Every
 reader, lister, clearer or claimer that touches a locked key (or, for partition-wide ops, a
-partition with a pending put) waits for the commit, so a put that returned is visible to every
-process. Actor tasks from one caller start in submission order, so a writer's own later ops
-always run after its commit.
+partition with a put in flight) waits for the commit, so a put that returned is visible to every
+process. Ray does not promise that an async actor starts one caller's tasks in submission
+order, so ``commit`` (or ``abort``) may arrive before its ``begin``; it then waits for it.
 """
 
 from __future__ import annotations
@@ -29,48 +33,134 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 # Errors cross the actor boundary as ("error", kind, message) replies rather than raised
 # exceptions: a raised one costs a traceback per call and arrives wrapped in RayTaskError.
 Reply = tuple[Any, ...]
 
+# A read whose rows form more runs than this gets per-row arrays instead of a list of runs.
+MAX_RUNS = 8
+
 
 def _error(kind: str, message: str) -> Reply:
     return ("error", kind, message)
 
 
-class _Row:
-    __slots__ = ("cells", "seq", "tags")
-
-    def __init__(self, seq: int) -> None:
-        self.tags: dict[str, Any] = {}
-        self.cells: dict[str, tuple[int, int]] = {}  # field -> (chunk id, row position in the chunk)
-        self.seq = seq  # row identity for claims: a key cleared and put again is a new row
-
-
 class _Chunk:
-    __slots__ = ("adopted", "adopting", "jagged", "ref", "users", "writer")
+    __slots__ = ("adopted", "adopting", "ref", "users", "writer")
 
-    def __init__(self, ref: Any, jagged: bool, users: int, writer: str) -> None:
+    def __init__(self, ref: Any, users: int, writer: str) -> None:
         self.ref = ref  # the writer's object until a keeper's copy (owned by the index) replaces it
-        self.jagged = jagged
-        self.users = users  # rows whose cell points here; the chunk is dropped (freed) at 0
+        self.users = users  # (row, field) cells pointing here; dropped (freed) at 0
         self.writer = writer
         self.adopting = False
         self.adopted = False
 
 
+def _grow(a: np.ndarray, cap: int, fill: Any) -> np.ndarray:
+    out = np.full(cap, fill, dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+class _Part:
+    """One partition's rows. Slot = row, in insertion order; a cleared row's slot stays empty
+    until the partition is compacted."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.keys: list[str | None] = []
+        self.tags: list[dict[str, Any] | None] = []
+        self.cap = 0
+        self.live = np.zeros(0, dtype=bool)
+        self.cid: dict[str, np.ndarray] = {}  # field -> chunk id per slot (-1: not stored)
+        self.pos: dict[str, np.ndarray] = {}  # field -> row within that chunk
+        self.claimed: dict[str, np.ndarray] = {}  # task -> claimed per slot
+        self.nlive = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+    def _reserve(self, n: int) -> None:
+        if n <= self.cap:
+            return
+        cap = max(n, 2 * self.cap, 64)
+        self.live = _grow(self.live, cap, False)
+        for f in self.cid:
+            self.cid[f] = _grow(self.cid[f], cap, -1)
+            self.pos[f] = _grow(self.pos[f], cap, 0)
+        for t in self.claimed:
+            self.claimed[t] = _grow(self.claimed[t], cap, False)
+        self.cap = cap
+
+    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        get = self.index.get
+        return np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+
+    def append(self, keys: list[str], tags: list[dict[str, Any]]) -> np.ndarray:
+        start = self.n
+        self._reserve(start + len(keys))
+        self.index.update(zip(keys, range(start, start + len(keys))))
+        self.keys.extend(keys)
+        self.tags.extend(tags)
+        self.live[start : start + len(keys)] = True
+        self.nlive += len(keys)
+        return np.arange(start, start + len(keys), dtype=np.int64)
+
+    def field(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        if name not in self.cid:
+            self.cid[name] = np.full(self.cap, -1, dtype=np.int64)
+            self.pos[name] = np.zeros(self.cap, dtype=np.int64)
+        return self.cid[name], self.pos[name]
+
+    def task(self, task: str) -> np.ndarray:
+        if task not in self.claimed:
+            self.claimed[task] = np.zeros(self.cap, dtype=bool)
+        return self.claimed[task]
+
+    def produced(self, fields: Sequence[str]) -> np.ndarray:
+        """Per slot (up to ``n``): live and every field in ``fields`` stored."""
+        ok = self.live[: self.n].copy()
+        for f in fields:
+            c = self.cid.get(f)
+            if c is None:
+                return np.zeros(self.n, dtype=bool)
+            ok &= c[: self.n] >= 0
+        return ok
+
+    def common_fields(self, slots: np.ndarray) -> list[str]:
+        """Fields stored for every slot in ``slots``, in the order they first reached the partition."""
+        if slots.size == 0:
+            return []
+        return [f for f, c in self.cid.items() if bool((c[slots] >= 0).all())]
+
+    def compact(self) -> None:
+        keep = np.flatnonzero(self.live[: self.n])
+        self.keys = [self.keys[i] for i in keep]  # type: ignore[misc]
+        self.tags = [self.tags[i] for i in keep]
+        self.index = {k: i for i, k in enumerate(self.keys)}  # type: ignore[misc]
+        cap = max(len(keep), 64)
+        self.live = _grow(np.ones(len(keep), dtype=bool), cap, False)
+        for f in list(self.cid):
+            self.cid[f] = _grow(self.cid[f][keep], cap, -1)
+            self.pos[f] = _grow(self.pos[f][keep], cap, 0)
+        for t in list(self.claimed):
+            self.claimed[t] = _grow(self.claimed[t][keep], cap, False)
+        self.cap = cap
+
+
 class _Txn:
-    __slots__ = ("created", "done", "fields", "keys", "pid", "ready", "tags")
+    __slots__ = ("done", "fields", "keys", "keyset", "pid", "tags")
 
     def __init__(self, pid: str, keys: list[str]) -> None:
         self.pid = pid
         self.keys = keys
+        self.keyset = frozenset(keys)
         self.tags: list[dict[str, Any]] = []
-        self.fields: list[tuple[str, bool]] = []
-        self.created: list[bool] = []
-        self.ready = asyncio.get_running_loop().create_future()  # begin finished (True) or failed (False)
+        self.fields: list[str] = []
         self.done = asyncio.Event()  # committed or aborted: the keys are free again
 
 
@@ -97,16 +187,14 @@ class StoreIndex:
     """
 
     def __init__(self, lock_timeout_s: float, adopt: bool) -> None:
-        self._parts: dict[str, dict[str, _Row]] = {}
+        self._parts: dict[str, _Part] = {}
         self._chunks: dict[int, _Chunk] = {}
-        self._txns: dict[str, _Txn] = {}
-        self._locks: dict[tuple[str, str], _Txn] = {}
+        self._txns: dict[str, _Txn] = {}  # puts between begin and commit
+        self._begun: dict[str, asyncio.Future] = {}  # put id -> its begin's outcome (a _Txn or None)
         self._pending: dict[str, set[_Txn]] = {}  # partition -> puts between begin and commit
-        self._claims: dict[tuple[str, str], set[int]] = {}  # (partition, task) -> claimed row seqs
         self._changed: dict[str, asyncio.Condition] = {}  # partition -> notified on commit / clear
         self._keepers: dict[str, Any] = {}
         self._adoptions: dict[str, set[asyncio.Task]] = {}  # writer -> adoptions in flight
-        self._seq = itertools.count()
         self._chunk_ids = itertools.count()
         self._lock_timeout_s = float(lock_timeout_s)
         self._adopt = bool(adopt)
@@ -116,127 +204,159 @@ class StoreIndex:
 
     # ----------------------------------------------------------------- locks
     async def _wait_free(self, pid: str, keys: Sequence[str] | None) -> None:
-        """Wait until no put in flight holds ``keys`` (``None``: any key of ``pid``).
+        """Wait until no put in flight holds any of ``keys`` (``None``: any key of ``pid``).
 
         A put still pending after ``lock_timeout_s`` is presumed dead (its writer never sent the
         commit) and aborted, so its keys are never left locked.
         """
-        while True:
+        while self._pending.get(pid):
             if keys is None:
-                txn = next(iter(self._pending.get(pid, ())), None)
+                txn = next(iter(self._pending[pid]))
             else:
-                txn = next((t for k in keys if (t := self._locks.get((pid, k))) is not None), None)
-            if txn is None:
-                return
+                txn = next((t for t in self._pending[pid] if not t.keyset.isdisjoint(keys)), None)
+                if txn is None:
+                    return
             try:
                 await asyncio.wait_for(txn.done.wait(), self._lock_timeout_s)
             except asyncio.TimeoutError:
                 self._release(txn)
 
     def _release(self, txn: _Txn) -> None:
-        for k in txn.keys:
-            if self._locks.get((txn.pid, k)) is txn:
-                del self._locks[(txn.pid, k)]
         pending = self._pending.get(txn.pid)
         if pending is not None:
             pending.discard(txn)
             if not pending:
                 del self._pending[txn.pid]
-        for tid, t in list(self._txns.items()):
-            if t is txn:
-                del self._txns[tid]
-        if not txn.ready.done():
-            txn.ready.set_result(False)
+        for tid in [tid for tid, t in self._txns.items() if t is txn]:
+            del self._txns[tid]
         txn.done.set()
+
+    def _outcome(self, txn_id: str) -> asyncio.Future:
+        """The future of put ``txn_id``'s begin, made by whichever of its messages comes first."""
+        fut = self._begun.get(txn_id)
+        if fut is None:
+            fut = self._begun[txn_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _await_begin(self, txn_id: str) -> _Txn | None:
+        fut = self._outcome(txn_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self._lock_timeout_s)
+        except asyncio.TimeoutError:
+            if not fut.done():
+                fut.set_result(None)  # a begin arriving later finds the put abandoned
+            return None
+        finally:
+            self._begun.pop(txn_id, None)
 
     # ------------------------------------------------------------------- put
     async def begin(
-        self,
-        txn_id: str,
-        pid: str,
-        keys: list[str],
-        tags: list[dict[str, Any]] | None,
-        fields: list[tuple[str, bool]],
+        self, txn_id: str, pid: str, keys: list[str], tags: list[dict[str, Any]] | None, fields: list[str]
     ) -> Reply:
         """Lock ``keys`` and return ``("ok", merged tags per key, fields stored on every key)``."""
+        fut = self._outcome(txn_id)
+        if fut.done():  # aborted (or given up on) before this message arrived
+            self._begun.pop(txn_id, None)
+            return _error("DataPlaneError", f"put {txn_id} was aborted before it began")
         txn = _Txn(pid, keys)
-        self._txns[txn_id] = txn  # before any await: the writer's commit, started next, finds it
         try:
             await self._wait_free(pid, keys)
+            reply = self._prepare(txn, tags, fields)
         except BaseException:
-            self._txns.pop(txn_id, None)
-            txn.ready.set_result(False)
+            if not fut.done():
+                fut.set_result(None)
             raise
-        part = self._parts.get(pid, {})
-        new_names = [name for name, _ in fields]
-        merged, names_per_row = [], []
-        for i, k in enumerate(keys):
-            row = part.get(k)
-            t = dict(row.tags) if row is not None else {}
-            if tags is not None:
-                t.update(tags[i])
-            merged.append(t)
-            old = list(row.cells) if row is not None else []
-            names_per_row.append(old + [n for n in new_names if n not in old])
-            txn.created.append(row is None)
-        common = names_per_row[0]
-        for names in names_per_row[1:]:
-            present = set(names)
-            common = [n for n in common if n in present]
-        txn.tags, txn.fields = merged, list(fields)
-        for k in keys:
-            self._locks[(pid, k)] = txn
+        if fut.done():  # given up on while waiting for the keys
+            return _error("DataPlaneError", f"put {txn_id} was aborted while waiting for its keys")
+        self._txns[txn_id] = txn
         self._pending.setdefault(pid, set()).add(txn)
-        txn.ready.set_result(True)
+        fut.set_result(txn)
+        return reply
+
+    def _prepare(self, txn: _Txn, tags: list[dict[str, Any]] | None, fields: list[str]) -> Reply:
+        keys = txn.keys
+        part = self._parts.get(txn.pid)
+        slots = part.lookup(keys) if part is not None else np.full(len(keys), -1, dtype=np.int64)
+        old = slots >= 0
+        if not old.any():
+            merged = [dict(t) for t in tags] if tags is not None else [{} for _ in keys]
+            common = list(fields)
+        else:
+            assert part is not None
+            merged = [dict(part.tags[s]) if s >= 0 else {} for s in slots.tolist()]  # type: ignore[arg-type]
+            if tags is not None:
+                for m, t in zip(merged, tags):
+                    m.update(t)
+            new = set(fields)
+            existing = slots[old]
+            common = [f for f, c in part.cid.items() if f in new or (old.all() and bool((c[existing] >= 0).all()))]
+            common += [f for f in fields if f not in part.cid]
+        txn.tags, txn.fields = merged, list(fields)
         return ("ok", merged, common)
 
-    async def commit(self, txn_id: str, refs: list[Any], writer: str, node_id: str | None) -> Reply:
-        """Apply the put ``begin`` prepared: ``refs[i]`` holds field ``i``'s rows in key order."""
-        txn = self._txns.get(txn_id)
-        if txn is None:
-            return _error("DataPlaneError", f"put {txn_id} is unknown or was aborted (its begin failed or timed out)")
+    async def commit(self, txn_id: str, bundles: list[tuple[list[str], Any]], writer: str, node_id: str | None) -> Reply:
+        """Apply the put ``begin`` prepared: each bundle's object holds those fields' rows in key order."""
+        txn = await self._await_begin(txn_id)
+        if txn is None or self._txns.get(txn_id) is not txn:
+            return _error("DataPlaneError", f"put {txn_id} was aborted: its begin failed or its keys stayed locked")
         try:
-            ok = await asyncio.wait_for(asyncio.shield(txn.ready), self._lock_timeout_s)
-        except asyncio.TimeoutError:
-            ok = False
-        if not ok or self._txns.get(txn_id) is not txn:
-            return _error("DataPlaneError", f"put {txn_id} was aborted before its commit arrived")
-        pid, keys = txn.pid, txn.keys
-        part = self._parts.setdefault(pid, {})
-        cids = []
-        for (_, jagged), ref in zip(txn.fields, refs):
-            cid = next(self._chunk_ids)
-            self._chunks[cid] = _Chunk(ref, jagged, len(keys), writer)
-            cids.append(cid)
-        for i, k in enumerate(keys):
-            row = part.get(k)
-            if row is None:
-                row = part[k] = _Row(next(self._seq))
-            row.tags = txn.tags[i]
-            for (name, _), cid in zip(txn.fields, cids):
-                old = row.cells.get(name)
-                row.cells[name] = (cid, i)
-                if old is not None:
-                    self._unuse(old[0])
-        del self._txns[txn_id]
-        self._release(txn)
-        await self._notify(pid)
+            cids = self._apply(txn, bundles, writer)
+        finally:
+            self._release(txn)
+        await self._notify(txn.pid)
         if self._adopt and node_id is not None:
             for cid in cids:
                 self._start_adoption(cid, node_id)
         return ("ok",)
 
+    def _apply(self, txn: _Txn, bundles: list[tuple[list[str], Any]], writer: str) -> list[int]:
+        keys, n = txn.keys, len(txn.keys)
+        part = self._parts.setdefault(txn.pid, _Part())
+        slots = part.lookup(keys)  # again: a compaction may have renumbered slots since begin
+        new = slots < 0
+        if new.all():
+            slots = part.append(keys, txn.tags)
+        else:
+            idx = slots.tolist()
+            for i in np.flatnonzero(~new).tolist():
+                part.tags[idx[i]] = txn.tags[i]
+            if new.any():
+                fresh = np.flatnonzero(new).tolist()
+                slots[new] = part.append([keys[i] for i in fresh], [txn.tags[i] for i in fresh])
+        rows = np.arange(n, dtype=np.int64)
+        cids = []
+        for names, ref in bundles:
+            cid = next(self._chunk_ids)
+            self._chunks[cid] = _Chunk(ref, n * len(names), writer)
+            cids.append(cid)
+            for name in names:
+                c, p = part.field(name)
+                self._unuse(c[slots])
+                c[slots] = cid
+                p[slots] = rows
+        return cids
+
     async def abort(self, txn_id: str) -> None:
         """Drop a put whose chunks could not be written (nothing of it was applied)."""
-        txn = self._txns.get(txn_id)
+        fut = self._outcome(txn_id)
+        if not fut.done():
+            fut.set_result(None)  # its begin, still waiting or yet to arrive, gives up
+            return
+        self._begun.pop(txn_id, None)
+        txn = fut.result()
         if txn is not None:
             self._release(txn)
 
-    def _unuse(self, cid: int) -> None:
-        chunk = self._chunks[cid]
-        chunk.users -= 1
-        if chunk.users == 0:
-            del self._chunks[cid]  # the last ref held here: Ray frees the object
+    def _unuse(self, cids: np.ndarray) -> None:
+        cids = cids[cids >= 0]
+        if cids.size == 0:
+            return
+        ids, counts = np.unique(cids, return_counts=True)
+        for cid, k in zip(ids.tolist(), counts.tolist()):
+            chunk = self._chunks[cid]
+            chunk.users -= k
+            if chunk.users == 0:
+                del self._chunks[cid]  # the last ref held here: Ray frees the object
 
     async def _notify(self, pid: str) -> None:
         cond = self._changed.get(pid)
@@ -252,10 +372,7 @@ class StoreIndex:
 
             handle = (
                 ray.remote(Keeper)
-                .options(
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=True),
-                )
+                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=True))
                 .remote()
             )
             self._keepers[node_id] = handle
@@ -294,54 +411,57 @@ class StoreIndex:
         return sum(1 for c in self._chunks.values() if c.writer == writer and not c.adopted)
 
     # ------------------------------------------------------------------- get
-    async def resolve(self, pid: str, keys: list[str], fields: list[str]) -> Reply:
-        """Where each field of ``keys`` lives: ``("ok", {field: runs}, {chunk: ref})``.
+    def _slots(self, pid: str, keys: list[str]) -> tuple[_Part | None, np.ndarray, list[str]]:
+        part = self._parts.get(pid)
+        if part is None:
+            return None, np.zeros(0, dtype=np.int64), list(keys)
+        slots = part.lookup(keys)
+        missing = [keys[i] for i in np.flatnonzero(slots < 0).tolist()]
+        return part, slots, missing
 
-        ``runs`` is a list of ``(chunk id, first row, count)`` covering the keys in order, so a
-        read of whole puts in order is a handful of slices.
+    async def resolve(self, pid: str, keys: list[str], fields: list[str]) -> Reply:
+        """Where each field of ``keys`` lives: ``("ok", {field: where}, {chunk: ref})``.
+
+        ``where`` is ``("runs", [(chunk, first row, count), ...])`` covering the keys in order
+        (a read of whole puts in order is a few slices), or ``("rows", chunks, rows)`` (two
+        int64 arrays, one entry per key) when the rows are scattered.
         """
         await self._wait_free(pid, keys)
-        part = self._parts.get(pid, {})
-        rows = []
-        missing = []
-        for k in keys:
-            row = part.get(k)
-            if row is None:
-                missing.append(k)
-            else:
-                rows.append(row)
+        part, slots, missing = self._slots(pid, keys)
         if missing:
             return _error("KeyError", f"{len(missing)} key(s) not in partition {pid!r}: {missing[:10]}")
+        assert part is not None
         out: dict[str, Any] = {}
-        refs: dict[int, Any] = {}
+        used: set[int] = set()
         for name in fields:
-            lacking = [k for k, r in zip(keys, rows) if name not in r.cells]
-            if lacking:
+            c = part.cid[name][slots] if name in part.cid else np.full(len(keys), -1, dtype=np.int64)
+            lacking = np.flatnonzero(c < 0)
+            if lacking.size:
+                some = [keys[i] for i in lacking[:5].tolist()]
                 return _error(
                     "KeyError",
-                    f"field {name!r} is not stored for {len(lacking)} key(s) in partition {pid!r}, e.g. {lacking[:5]}",
+                    f"field {name!r} is not stored for {lacking.size} key(s) in partition {pid!r}, e.g. {some}",
                 )
-            runs: list[list[int]] = []
-            last_cid, last_pos = -1, -2
-            for r in rows:
-                cid, pos = r.cells[name]
-                if cid == last_cid and pos == last_pos + 1:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([cid, pos, 1])
-                last_cid, last_pos = cid, pos
-            for cid, _, _ in runs:
-                if cid not in refs:
-                    refs[cid] = self._chunks[cid].ref
-            out[name] = runs
-        return ("ok", out, refs)
+            p = part.pos[name][slots]
+            starts = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (p[1:] != p[:-1] + 1)])
+            if starts.size <= MAX_RUNS:
+                counts = np.diff(np.r_[starts, len(keys)])
+                out[name] = ("runs", list(zip(c[starts].tolist(), p[starts].tolist(), counts.tolist())))
+                used.update(c[starts].tolist())
+            else:
+                out[name] = ("rows", c, p)
+                used.update(np.unique(c).tolist())
+        return ("ok", out, {cid: self._chunks[cid].ref for cid in used})
 
     # ----------------------------------------------------------- list / clear
     async def list(self, pid: str) -> Reply:
         await self._wait_free(pid, None)
-        part = self._parts.get(pid, {})
-        rows = list(part.values())
-        return ("ok", list(part), [r.tags for r in rows], _common_fields(rows))
+        part = self._parts.get(pid)
+        if part is None:
+            return ("ok", [], [], [])
+        slots = np.flatnonzero(part.live[: part.n])
+        idx = slots.tolist()
+        return ("ok", [part.keys[i] for i in idx], [part.tags[i] for i in idx], part.common_fields(slots))
 
     async def clear(self, pid: str, keys: list[str] | None) -> Reply:
         await self._wait_free(pid, keys)
@@ -349,96 +469,83 @@ class StoreIndex:
         if part is None:
             return ("ok",)
         if keys is None:
-            gone = list(part.values())
-            del self._parts[pid]
-            for (p, task) in [c for c in self._claims if c[0] == pid]:
-                del self._claims[(p, task)]
+            slots = np.flatnonzero(part.live[: part.n])
         else:
-            gone = [row for k in keys if (row := part.pop(k, None)) is not None]
-            if not part:
-                del self._parts[pid]
-        for row in gone:
-            for cid, _ in row.cells.values():
-                self._unuse(cid)
-        if keys is not None and gone:
-            seqs = {row.seq for row in gone}
-            for ck, claimed in self._claims.items():
-                if ck[0] == pid:
-                    claimed.difference_update(seqs)
+            slots = part.lookup(keys)
+            slots = slots[slots >= 0]
+        for c in part.cid.values():
+            self._unuse(c[slots])
+            c[slots] = -1
+        for claimed in part.claimed.values():
+            claimed[slots] = False
+        part.live[slots] = False
+        for s in slots.tolist():
+            del part.index[part.keys[s]]  # type: ignore[arg-type]
+            part.keys[s] = None
+            part.tags[s] = None
+        part.nlive -= slots.size
+        if part.nlive == 0:
+            del self._parts[pid]
+        elif part.n - part.nlive > max(1024, part.nlive) and not self._pending.get(pid):
+            part.compact()
         await self._notify(pid)
         return ("ok",)
 
     async def partitions(self) -> list[str]:
-        return [p for p, part in self._parts.items() if part]
+        return [p for p, part in self._parts.items() if part.nlive]
 
     # ---------------------------------------------------------------- claims
-    def _claimable(self, pid: str, task: str, fields: list[str]) -> tuple[list[str], list[_Row]]:
-        part = self._parts.get(pid, {})
-        claimed = self._claims.get((pid, task), set())
-        keys, rows = [], []
-        for k, row in part.items():
-            if row.seq not in claimed and (pid, k) not in self._locks and all(f in row.cells for f in fields):
-                keys.append(k)
-                rows.append(row)
-        return keys, rows
-
     async def claim(self, pid: str, task: str, fields: list[str], batch_size: int, timeout_s: float) -> Reply:
         """Claim up to ``batch_size`` produced rows for ``task`` (see ``DataPlaneClient.kv_claim``)."""
         deadline = time.monotonic() + timeout_s
         cond = self._changed.setdefault(pid, asyncio.Condition())
         async with cond:
             while True:
-                keys, rows = self._claimable(pid, task, fields)
+                part = self._parts.get(pid)
+                ready = np.zeros(0, dtype=np.int64)
+                if part is not None:
+                    ready = np.flatnonzero(part.produced(fields) & ~part.task(task)[: part.n])
                 left = deadline - time.monotonic()
-                if len(keys) >= batch_size or left <= 0:
+                if ready.size >= batch_size or left <= 0:
                     break
                 try:
                     await asyncio.wait_for(cond.wait(), left)
                 except asyncio.TimeoutError:
                     pass
-        keys, rows = keys[:batch_size], rows[:batch_size]
-        if rows:
-            self._claims.setdefault((pid, task), set()).update(r.seq for r in rows)
-        return ("ok", keys, [r.tags for r in rows], _common_fields(rows) if rows else list(fields))
+        if part is None or ready.size == 0:
+            return ("ok", [], [], list(fields))
+        take = ready[:batch_size]
+        part.task(task)[take] = True
+        idx = take.tolist()
+        return ("ok", [part.keys[i] for i in idx], [part.tags[i] for i in idx], part.common_fields(take))
 
     async def mark_consumed(self, pid: str, task: str, keys: list[str]) -> Reply:
         await self._wait_free(pid, keys)
-        part = self._parts.get(pid, {})
-        seqs = [part[k].seq for k in keys if k in part]
-        if seqs:
-            self._claims.setdefault((pid, task), set()).update(seqs)
+        part = self._parts.get(pid)
+        if part is not None:
+            slots = part.lookup(keys)
+            part.task(task)[slots[slots >= 0]] = True
         return ("ok",)
 
     async def claim_status(self, pid: str, task: str, fields: list[str]) -> Reply:
         await self._wait_free(pid, None)
-        part = self._parts.get(pid, {})
-        claimed = self._claims.get((pid, task), set())
-        rows = len(part)
-        produced = sum(1 for r in part.values() if all(f in r.cells for f in fields))
-        n_claimed = sum(1 for r in part.values() if r.seq in claimed)
-        claimable = sum(1 for r in part.values() if r.seq not in claimed and all(f in r.cells for f in fields))
-        return ("ok", rows, produced, n_claimed, claimable)
+        part = self._parts.get(pid)
+        if part is None:
+            return ("ok", 0, 0, 0, 0)
+        produced = part.produced(fields)
+        claimed = part.task(task)[: part.n] & part.live[: part.n]
+        return ("ok", part.nlive, int(produced.sum()), int(claimed.sum()), int((produced & ~claimed).sum()))
 
     # ----------------------------------------------------------------- stats
     async def stats(self) -> dict[str, int]:
         """Counts for tests and the benchmark (rows, chunks, how many chunks the index owns)."""
         chunks = list(self._chunks.values())
         return {
-            "partitions": sum(1 for p in self._parts.values() if p),
-            "rows": sum(len(p) for p in self._parts.values()),
+            "partitions": sum(1 for p in self._parts.values() if p.nlive),
+            "rows": sum(p.nlive for p in self._parts.values()),
             "chunks": len(chunks),
             "adopting": sum(1 for c in chunks if c.adopting),
             "writer_owned": sum(1 for c in chunks if not c.adopted),
             "pending_puts": len(self._txns),
             "keepers": len(self._keepers),
         }
-
-
-def _common_fields(rows: Sequence[_Row]) -> list[str]:
-    """Fields stored on every row, in the first row's order (the reference client's rule)."""
-    if not rows:
-        return []
-    common = list(rows[0].cells)
-    for r in rows[1:]:
-        common = [f for f in common if f in r.cells]
-    return common

@@ -133,13 +133,15 @@ class DataPlaneClient(ABC):
         A row is claimable when every field in ``fields`` is stored for it and ``task`` has not
         claimed it (nor marked it consumed). Waits until ``batch_size`` rows are claimable or
         ``timeout_s`` passes, then claims what is claimable (``batch_size`` at most, oldest
-        first): at the deadline that may be fewer rows, or none (an empty meta). ``timeout_s=0``
-        claims what is ready without waiting. The claim is atomic: concurrent claimers of one
-        task never receive the same row. A key cleared and put again is a new row.
+        first, i.e. in insertion order of the keys): at the deadline that may be fewer rows, or
+        none (an empty meta). ``timeout_s=0`` claims what is ready without waiting. The claim is
+        atomic: concurrent claimers of one task never receive the same row. A key cleared and
+        put again is a new row (the newest); upserting a claimed key leaves it claimed. Claiming
+        from an unknown partition does not create it.
 
         Returns:
-            A meta of the claimed keys in production order, their tags, ``partition_id`` set and
-            ``fields`` naming (at least) ``fields``.
+            A meta of the claimed keys in that order, their tags as of the claim,
+            ``partition_id`` set and ``fields`` naming (at least) ``fields``.
 
         Raises:
             ValueError: empty ``task`` or ``fields``, ``batch_size < 1``, negative ``timeout_s``.
@@ -275,10 +277,16 @@ def check_select_fields(select_fields: Any) -> list[str]:
     return names
 
 
-def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) -> tuple[str, list[str], int, float]:
-    """Validate :meth:`DataPlaneClient.kv_claim`'s arguments (same words for every backend)."""
+def check_task(task: Any) -> str:
+    """Return ``task`` if it is a non-empty str, else raise ``ValueError`` (claims' task name)."""
     if not isinstance(task, str) or not task:
         raise ValueError(f"task must be a non-empty str, got {task!r}")
+    return task
+
+
+def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) -> tuple[str, list[str], int, float]:
+    """Validate :meth:`DataPlaneClient.kv_claim`'s arguments (same words for every backend)."""
+    check_task(task)
     names = check_select_fields(fields)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -4,6 +4,15 @@
 :class:`OpEvent` per call (errors are recorded, then re-raised unchanged). It keeps
 ``bytes_outstanding`` (payload bytes this client put and has not cleared) and its peak, so a
 trainer can check that a step left nothing behind.
+
+Two views of what is left in the store:
+
+* :meth:`ObservedClient.snapshot` - keys and bytes this wrapper put and has not cleared, by
+  partition. No store access; blind to what other clients (workers, other processes) wrote or
+  cleared.
+* :meth:`ObservedClient.store_snapshot` - every key in the store, by partition, listed through
+  ``kv_partitions`` + ``kv_list`` (one event, op ``store_snapshot``). Sees every writer; costs
+  one listing per partition; needs a backend with ``kv_partitions``.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from nemo_dataplane.client import DataPlaneClient, Fields
+from nemo_dataplane.client import ClaimStatus, DataPlaneClient, Fields
 from nemo_dataplane.codec import batch_nbytes, normalize_fields, tensor_nbytes
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -38,6 +47,14 @@ class OpEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Outstanding:
+    """Keys and payload bytes one partition holds (as far as the wrapper's accounting knows)."""
+
+    keys: int
+    bytes: int
 
 
 class ObservedClient(DataPlaneClient):
@@ -144,6 +161,54 @@ class ObservedClient(DataPlaneClient):
             tally.n_keys = len(meta)
             return meta
 
+    def kv_claim(
+        self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
+    ) -> KVBatchMeta:
+        with self._recording("kv_claim", partition_id, 0) as tally:
+            meta = self.inner.kv_claim(partition_id, task, fields, batch_size, timeout_s)
+            tally.n_keys = len(meta)
+            return meta
+
+    def kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
+        keys = list(keys)
+        with self._recording("kv_mark_consumed", partition_id, len(keys)):
+            self.inner.kv_mark_consumed(keys, partition_id, task)
+
+    def kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
+        with self._recording("kv_claim_status", partition_id, 0) as tally:
+            status = self.inner.kv_claim_status(partition_id, task, fields)
+            tally.n_keys = status.rows
+            return status
+
+    def kv_partitions(self) -> list[str]:
+        with self._recording("kv_partitions", None, 0):
+            return self.inner.kv_partitions()
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot(self) -> dict[str, Outstanding]:
+        """Keys and bytes this wrapper put and has not cleared, by partition (its own
+        accounting, no store access: what other clients wrote or cleared is not in it)."""
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            for (pid, _), held in self._held.items():
+                acc = out.setdefault(pid, [0, 0])
+                acc[0] += 1
+                acc[1] += sum(held.values())
+        return {pid: Outstanding(keys=k, bytes=b) for pid, (k, b) in out.items()}
+
+    def store_snapshot(self) -> dict[str, tuple[str, ...]]:
+        """Every key in the whole store, by partition (``kv_partitions`` then ``kv_list`` of
+        each), whoever wrote it: what a driver checks for leaks at the end of a step.
+
+        Not atomic across partitions. Raises ``ClaimsNotSupported`` from a backend without
+        ``kv_partitions``.
+        """
+        with self._recording("store_snapshot", None, 0) as tally:
+            listing = {pid: self.inner.kv_list(pid).keys for pid in self.inner.kv_partitions()}
+            listing = {pid: keys for pid, keys in listing.items() if keys}  # cleared meanwhile
+            tally.n_keys = sum(len(k) for k in listing.values())
+            return listing
+
     # ---------------------------------------------------------------- async
     async def async_kv_batch_put(
         self,
@@ -181,6 +246,29 @@ class ObservedClient(DataPlaneClient):
             meta = await self.inner.async_kv_list(partition_id)
             tally.n_keys = len(meta)
             return meta
+
+    async def async_kv_claim(
+        self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
+    ) -> KVBatchMeta:
+        with self._recording("kv_claim", partition_id, 0) as tally:
+            meta = await self.inner.async_kv_claim(partition_id, task, fields, batch_size, timeout_s)
+            tally.n_keys = len(meta)
+            return meta
+
+    async def async_kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
+        keys = list(keys)
+        with self._recording("kv_mark_consumed", partition_id, len(keys)):
+            await self.inner.async_kv_mark_consumed(keys, partition_id, task)
+
+    async def async_kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
+        with self._recording("kv_claim_status", partition_id, 0) as tally:
+            status = await self.inner.async_kv_claim_status(partition_id, task, fields)
+            tally.n_keys = status.rows
+            return status
+
+    async def async_kv_partitions(self) -> list[str]:
+        with self._recording("kv_partitions", None, 0):
+            return await self.inner.async_kv_partitions()
 
     def close(self) -> None:
         self.inner.close()

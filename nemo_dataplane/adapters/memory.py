@@ -3,11 +3,17 @@
 It keeps rows in Python dicts behind one lock. It is what unit tests run against and what
 every other adapter is compared with by the conformance suite; it is not shared across
 processes (use the TransferQueue adapter for that).
+
+Claims: per ``(partition, task)`` a set of claimed keys, under the same lock. A waiting
+``kv_claim`` sleeps on a condition of that lock that every put notifies. Clearing a key drops it
+from every claimed set (so a key cleared and put again is a new, claimable row); upserting a
+claimed key leaves it claimed.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +22,15 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.client import (
+    ClaimStatus,
     DataPlaneClient,
     Fields,
+    check_claim_args,
     check_keys,
     check_partition,
     check_select_fields,
     check_tags,
+    check_task,
     resolve_get_target,
 )
 from nemo_dataplane.codec import is_jagged, join_rows, make_batch, normalize_fields, split_rows
@@ -40,7 +49,10 @@ class InMemoryClient(DataPlaneClient):
 
     def __init__(self) -> None:
         self._partitions: dict[str, dict[str, _Row]] = {}
+        # partition -> task -> keys claimed (or marked consumed), only keys still stored
+        self._claims: dict[str, dict[str, set[str]]] = {}
         self._lock = threading.Lock()
+        self._stored = threading.Condition(self._lock)  # notified by every put and by close
         self._closed = False
 
     def _check_open(self) -> None:
@@ -73,6 +85,7 @@ class InMemoryClient(DataPlaneClient):
                     row.tags.update(tag_list[i])
                 for name, (rows, jagged) in per_field_rows.items():
                     row.values[name] = (rows[i], jagged)
+            self._stored.notify_all()
             out_rows = [part[k] for k in keys]
             return KVBatchMeta(
                 keys=keys,
@@ -120,17 +133,22 @@ class InMemoryClient(DataPlaneClient):
     def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         self._check_open()
         partition_id = check_partition(partition_id)
+        key_list = None if keys is None else check_keys(keys, allow_empty=True)
         with self._lock:
-            if keys is None:
+            if key_list is None:
                 self._partitions.pop(partition_id, None)
+                self._claims.pop(partition_id, None)
                 return
             part = self._partitions.get(partition_id)
             if part is None:
                 return
-            for k in check_keys(keys, allow_empty=True):
+            for k in key_list:
                 part.pop(k, None)
+            for claimed in self._claims.get(partition_id, {}).values():
+                claimed.difference_update(key_list)
             if not part:
                 del self._partitions[partition_id]
+                self._claims.pop(partition_id, None)
 
     def kv_list(self, partition_id: str) -> KVBatchMeta:
         self._check_open()
@@ -145,15 +163,87 @@ class InMemoryClient(DataPlaneClient):
                 fields=_common_fields(rows),
             )
 
-    def partitions(self) -> list[str]:
-        """Names of the partitions holding at least one key (for tests and debugging)."""
+    # ------------------------------------------------------------ claims
+    def _claimable(self, partition_id: str, task: str, names: list[str], limit: int) -> list[str]:
+        """Up to ``limit`` keys, oldest first, with every field in ``names`` and not claimed by
+        ``task`` (caller holds the lock)."""
+        claimed = self._claims.get(partition_id, {}).get(task, set())
+        out: list[str] = []
+        for key, row in self._partitions.get(partition_id, {}).items():
+            if key not in claimed and all(n in row.values for n in names):
+                out.append(key)
+                if len(out) == limit:
+                    break
+        return out
+
+    def kv_claim(
+        self,
+        partition_id: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout_s: float,
+    ) -> KVBatchMeta:
+        self._check_open()
+        task, names, batch_size, timeout_s = check_claim_args(task, fields, batch_size, timeout_s)
+        partition_id = check_partition(partition_id)
+        deadline = time.monotonic() + timeout_s
+        with self._stored:
+            while True:
+                self._check_open()
+                ready = self._claimable(partition_id, task, names, batch_size)
+                left = deadline - time.monotonic()
+                if len(ready) >= batch_size or left <= 0:
+                    break
+                self._stored.wait(left)
+            if not ready:
+                return KVBatchMeta(keys=[], tags=[], partition_id=partition_id, fields=names)
+            self._claims.setdefault(partition_id, {}).setdefault(task, set()).update(ready)
+            rows = [self._partitions[partition_id][k] for k in ready]
+            return KVBatchMeta(
+                keys=ready, tags=[r.tags for r in rows], partition_id=partition_id, fields=_common_fields(rows)
+            )
+
+    def kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
+        self._check_open()
+        key_list = check_keys(keys, allow_empty=True)
+        partition_id = check_partition(partition_id)
+        task = check_task(task)
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            present = [k for k in key_list if part is not None and k in part]
+            if present:
+                self._claims.setdefault(partition_id, {}).setdefault(task, set()).update(present)
+
+    def kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
+        self._check_open()
+        partition_id = check_partition(partition_id)
+        task = check_task(task)
+        names = check_select_fields(fields)
+        with self._lock:
+            part = self._partitions.get(partition_id, {})
+            claimed = self._claims.get(partition_id, {}).get(task, set())
+            produced = [k for k, r in part.items() if all(n in r.values for n in names)]
+            return ClaimStatus(
+                partition_id=partition_id,
+                task=task,
+                rows=len(part),
+                produced=len(produced),
+                claimed=len(claimed),
+                claimable=sum(1 for k in produced if k not in claimed),
+            )
+
+    def kv_partitions(self) -> list[str]:
+        self._check_open()
         with self._lock:
             return [p for p, rows in self._partitions.items() if rows]
 
     def close(self) -> None:
         with self._lock:
             self._partitions.clear()
+            self._claims.clear()
             self._closed = True
+            self._stored.notify_all()  # waiting claimers wake up and see the client closed
 
 
 def _common_fields(rows: Sequence[_Row]) -> list[str]:

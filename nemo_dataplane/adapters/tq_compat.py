@@ -34,6 +34,23 @@ the behaviours below, each seen on a 2-CPU machine:
    field there, and hand that back through the Ray object store. Read-only: writes keep going
    through TransferQueue's ZMQ protocol, so the unit's own threads never race a foreign writer.
    Stores whose units cannot be found by name (created by ``tq.init()``) use :func:`get_rows`.
+8. Claims (task-mediated consumption) use TransferQueue's own bookkeeping: a ``fetch`` GET_META
+   scans production/consumption, samples and marks consumed in one controller request, so
+   concurrent claimers never share a row. But (a) with ``polling_mode=False`` (TQ's default) a
+   fetch that finds too few rows sleeps 5 s *inside the controller's only request thread* and
+   then errors, stalling every other client; (b) fetch needs ``batch_size`` ready rows, so it
+   cannot take "what is there" at a deadline; (c) the sampler orders by global index, which TQ
+   reuses across partitions after clears, not by production; (d) there is no request that marks
+   chosen rows consumed. -> :func:`create_controller` starts the controller with
+   ``polling_mode=True`` and :class:`ClaimSampler`, which takes up to ``nd_take`` keyed rows in
+   key-insertion order once ``nd_min`` are ready, or marks exactly ``nd_mark_keys``
+   (:func:`claim_rows`, :func:`mark_rows`). Stores made elsewhere (``tq.init()``) lack both:
+   :func:`claims_unsupported` says why.
+9. A fetch returns global indexes, not keys, and ``kv_retrieve_keys`` raises when a partition
+   vanished meanwhile -> :func:`keys_of` maps indexes to keys, ``None`` for rows cleared since.
+10. TransferQueue's own ``put`` marks rows produced before it writes their tags, so a claimer can
+   see a row without its tags -> :func:`put_rows` only writes rows; the adapter calls
+   :func:`mark_produced` after the tags are stored.
 """
 
 from __future__ import annotations
@@ -63,13 +80,21 @@ from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleSt
 from transfer_queue.utils.zmq_utils import ZMQRequestType
 
 __all__ = [
+    "LAYOUT_TAG",
     "BatchMeta",
+    "ClaimSampler",
     "StorageKeyNotFoundError",
     "base_config",
+    "claim_rows",
+    "claims_unsupported",
     "create_controller",
     "create_storage_units",
     "get_rows",
+    "keys_of",
     "make_client",
+    "mark_produced",
+    "mark_rows",
+    "public_tags",
     "preserve_torch_threads",
     "put_rows",
     "quiet_logs",
@@ -81,6 +106,14 @@ __all__ = [
 ]
 
 BACKEND = "SimpleStorage"
+# Reserved per-key tag recording how each field was put (quirk 4); never shown to callers.
+LAYOUT_TAG = "__nd_layout__"
+
+
+def public_tags(custom_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A key's tags without the adapter's reserved :data:`LAYOUT_TAG`."""
+    return {k: v for k, v in custom_meta.items() if k != LAYOUT_TAG}
+
 
 # Environment for the actors we create: no per-op thread warnings (quirk 3 inside the storage
 # unit, where TQ_NUM_THREADS=8 > cores triggers a warning per request) and, when quiet, no logs.
@@ -124,17 +157,21 @@ def base_config(num_storage_units: int) -> DictConfig:
     conf = OmegaConf.merge(conf, OmegaConf.load(resources.files("transfer_queue") / "config.yaml"))
     conf.backend.storage_backend = BACKEND
     conf.backend[BACKEND].num_data_storage_units = int(num_storage_units)
+    # What create_controller starts, recorded so attaching clients know claims work (quirk 8).
+    conf.controller.sampler = CLAIM_SAMPLER
+    conf.controller.polling_mode = True
     return conf
 
 
 def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -> Any:
-    """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1)."""
+    """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
+    mode with :class:`ClaimSampler` (quirk 8)."""
     return TransferQueueController.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
         num_cpus=num_cpus,
         runtime_env={"env_vars": actor_env(quiet)},
-    ).remote(sampler=SequentialSampler(), polling_mode=False)
+    ).remote(sampler=ClaimSampler(), polling_mode=True)
 
 
 def create_storage_units(
@@ -244,11 +281,13 @@ async def put_rows(
     meta: BatchMeta,
     columns: Mapping[str, torch.Tensor],
     jagged: set[str],
-) -> None:
-    """Write ``columns`` (row ``i`` -> ``meta.global_indexes[i]``) and mark them produced.
+) -> dict[str, dict[str, Any]]:
+    """Write ``columns`` (row ``i`` -> ``meta.global_indexes[i]``) to the storage units.
 
     Equivalent to ``client.async_put`` minus its thread juggling (quirk 3) and per-row frames for
-    jagged fields (quirk 5); the controller gets the same field schema TransferQueue would record.
+    jagged fields (quirk 5). The rows are not yet produced: pass the returned field schema (the
+    one TransferQueue would record) to :func:`mark_produced` once the keys' tags are stored
+    (quirk 10).
     """
     sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
     n = meta.size
@@ -274,7 +313,13 @@ async def put_rows(
     for name in jagged:
         t = columns[name]
         schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
-    # Schema rows must follow meta.global_indexes order, which is the column order here.
+    return schema
+
+
+async def mark_produced(client: AsyncTransferQueueClient, meta: BatchMeta, schema: dict[str, dict[str, Any]]) -> None:
+    """Tell the controller ``meta``'s rows now hold the fields of ``schema`` (from :func:`put_rows`)."""
+    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    # Schema rows must follow meta.global_indexes order, which is the column order of the put.
     await sm.notify_data_update(meta.partition_ids[0], meta.global_indexes, schema)
 
 
@@ -455,6 +500,110 @@ async def read_columns(
         positions = torch.tensor([p for _, g in groups for p in g.batch_positions], dtype=torch.int64)
         out[f] = _permute(merged, torch.argsort(positions))
     return out
+
+
+# ------------------------------------------------------------------ claims
+CLAIM_SAMPLER = "nemo_dataplane.adapters.tq_compat.ClaimSampler"
+
+
+class ClaimSampler(SequentialSampler):
+    """Runs inside the controller (quirk 8); TransferQueue's own fetches get SequentialSampler's
+    behaviour unchanged. Our requests pass, through ``sampling_config``:
+
+    * ``nd_take`` / ``nd_min``: claim up to ``nd_take`` ready rows that have a key, oldest key
+      first, if at least ``nd_min`` are ready, else none (keyless rows, written by TQ's non-KV
+      API, are never claimed);
+    * ``nd_mark_keys``: mark exactly those keys consumed (the ones not consumed yet).
+
+    The controller marks whatever this returns as consumed by the task, within the same request.
+    """
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        *args: Any,
+        partition: Any = None,
+        nd_take: int | None = None,
+        nd_min: int = 1,
+        nd_mark_keys: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        if partition is None or (nd_take is None and nd_mark_keys is None):
+            return super().sample(ready_indexes, batch_size, *args, partition=partition, **kwargs)
+        ready = set(ready_indexes)
+        if nd_mark_keys is not None:
+            mapping = partition.keys_mapping
+            picked = [gi for gi in (mapping.get(k) for k in nd_mark_keys) if gi is not None and gi in ready]
+            return picked, picked
+        # keys_mapping is a dict: insertion order of keys, and a key cleared and put again is
+        # re-inserted at the end, so this is production order regardless of index reuse.
+        picked: list[int] = []
+        for gi in partition.keys_mapping.values():
+            if gi in ready:
+                picked.append(gi)
+                if len(picked) >= nd_take:
+                    break
+        if len(picked) < max(nd_min, 1):
+            return [], []
+        return picked, picked
+
+
+def claims_unsupported(conf: DictConfig) -> str | None:
+    """Why claims cannot run on the store described by ``conf`` (``None``: they can)."""
+    ctrl = conf.get("controller", {}) or {}
+    sampler, polling = ctrl.get("sampler"), ctrl.get("polling_mode")
+    if sampler == CLAIM_SAMPLER and polling is True:
+        return None
+    return (
+        f"this TransferQueue controller was not started by nemo_dataplane (sampler={sampler!r}, "
+        f"polling_mode={polling!r}; e.g. by transfer_queue.init()); claims need polling_mode=True and "
+        f"{CLAIM_SAMPLER}: create the store with TransferQueueClient(bootstrap=True or 'auto')"
+    )
+
+
+async def claim_rows(
+    client: AsyncTransferQueueClient, partition_id: str, task: str, fields: list[str], take: int, min_rows: int
+) -> BatchMeta:
+    """Claim up to ``take`` produced, unclaimed rows for ``task`` if ``min_rows`` are ready: one
+    fetch request, so the controller picks and marks them atomically. Empty when too few."""
+    return await client.async_get_meta(
+        data_fields=fields,
+        batch_size=min_rows,  # the controller's own gate (polling mode: empty below it)
+        partition_id=partition_id,
+        mode="fetch",
+        task_name=task,
+        sampling_config={"nd_take": take, "nd_min": min_rows},
+    )
+
+
+async def mark_rows(client: AsyncTransferQueueClient, partition_id: str, task: str, keys: list[str]) -> int:
+    """Mark ``keys`` consumed by ``task`` (absent or already consumed ones are skipped); returns
+    how many were marked. No fields asked: every unconsumed row passes the controller's scan."""
+    meta = await client.async_get_meta(
+        data_fields=[],
+        batch_size=1,
+        partition_id=partition_id,
+        mode="fetch",
+        task_name=task,
+        sampling_config={"nd_mark_keys": list(keys)},
+    )
+    return meta.size
+
+
+@with_controller_socket
+async def keys_of(
+    client: AsyncTransferQueueClient, partition_id: str, global_indexes: list[int], socket: Any = None
+) -> list[str | None]:
+    """The key of each global index, ``None`` where the row was cleared meanwhile (quirk 9)."""
+    response = await client._request_controller(
+        socket=socket,
+        request_type=ZMQRequestType.KV_RETRIEVE_KEYS,
+        response_type=ZMQRequestType.KV_RETRIEVE_KEYS_RESPONSE,
+        body={"global_indexes": list(global_indexes), "partition_id": partition_id},
+    )
+    keys = response.body.get("keys") or []
+    return list(keys) if len(keys) == len(global_indexes) else [None] * len(global_indexes)
 
 
 def unit_handles(conf: DictConfig, namespace: str) -> dict[str, Any]:

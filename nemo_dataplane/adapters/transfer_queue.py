@@ -19,6 +19,9 @@ one contiguous buffer per field through the Ray object store instead of Transfer
 frame per row; stores whose units we cannot address (made by ``tq.init()``) fall back to the
 per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.tq_compat`.
 
+Claims (``kv_claim`` and friends) ride on TransferQueue's own production/consumption
+bookkeeping; see :mod:`.tq_claims`.
+
 Why not ``transfer_queue.init()/kv_*``: those keep the client, controller and storage handles
 in module globals that go stale after ``ray.shutdown()`` (a second ``init`` in the same process
 then fails), and ``transfer_queue.close()`` from *any* process kills the shared controller.
@@ -41,8 +44,8 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.adapters.tq_claims import TransferQueueClaims
 from nemo_dataplane.client import (
-    DataPlaneClient,
     DataPlaneError,
     Fields,
     add_error_note,
@@ -56,7 +59,7 @@ from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 
-LAYOUT_TAG = "__nd_layout__"
+LAYOUT_TAG = compat.LAYOUT_TAG
 DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
 DEFAULT_NAMESPACE = "transfer_queue"
 
@@ -72,7 +75,7 @@ def auto_storage_units(free_cpus: float) -> int:
     return max(1, min(8, int(free_cpus) // 2))
 
 
-class TransferQueueClient(DataPlaneClient):
+class TransferQueueClient(TransferQueueClaims):
     """:class:`DataPlaneClient` backed by a TransferQueue controller and SimpleStorage units.
 
     Args:
@@ -112,6 +115,7 @@ class TransferQueueClient(DataPlaneClient):
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}
         self._tq: Any = None
+        self._claims_unsupported: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         if self.cfg.quiet:
@@ -124,6 +128,7 @@ class TransferQueueClient(DataPlaneClient):
                 # Bulk reads need the units' actor handles; stores made by tq.init() have none
                 # we can find, and are read through TransferQueue's per-row protocol instead.
                 self._units = compat.unit_handles(conf, self.namespace)
+                self._claims_unsupported = compat.claims_unsupported(conf)
                 self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
             except BaseException:
                 self._teardown()
@@ -299,34 +304,37 @@ class TransferQueueClient(DataPlaneClient):
             raise DataPlaneError("TransferQueueClient is closed")
 
     # ----------------------------------------------------------- op plumbing
-    async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
-        try:
-            return await asyncio.wait_for(coro, self.cfg.op_timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(
-                f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within "
-                f"op_timeout_s={self.cfg.op_timeout_s}s"
-            ) from None
+    def _timeout_error(self, op: str, partition_id: str, n_keys: int, limit_s: float | None) -> TimeoutError:
+        limit = f"op_timeout_s={self.cfg.op_timeout_s}s" if limit_s is None else f"{limit_s:g}s"
+        return TimeoutError(
+            f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within {limit}"
+        )
 
-    def _run(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
+    async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None) -> T:
+        try:
+            return await asyncio.wait_for(coro, self.cfg.op_timeout_s if limit_s is None else limit_s)
+        except asyncio.TimeoutError:
+            raise self._timeout_error(op, partition_id, n_keys, limit_s) from None
+
+    def _run(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None) -> T:
+        """Run ``coro`` on the client's loop, bounded by ``op_timeout_s`` (or ``limit_s``)."""
         self._check_open()
         assert self._loop is not None
         with compat.preserve_torch_threads():
-            fut = asyncio.run_coroutine_threadsafe(self._bounded(op, partition_id, n_keys, coro), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(self._bounded(op, partition_id, n_keys, coro, limit_s), self._loop)
             try:
                 # The op bounds itself; the grace covers scheduling onto a busy loop.
-                return fut.result(timeout=self.cfg.op_timeout_s + 5)
+                return fut.result(timeout=(self.cfg.op_timeout_s if limit_s is None else limit_s) + 5)
             except concurrent.futures.TimeoutError:
                 fut.cancel()
-                raise TimeoutError(
-                    f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within "
-                    f"op_timeout_s={self.cfg.op_timeout_s}s"
-                ) from None
+                raise self._timeout_error(op, partition_id, n_keys, limit_s) from None
 
-    async def _run_async(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T]) -> T:
+    async def _run_async(
+        self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None
+    ) -> T:
         self._check_open()
         with compat.preserve_torch_threads():
-            return await self._bounded(op, partition_id, n_keys, coro)
+            return await self._bounded(op, partition_id, n_keys, coro, limit_s)
 
     async def _retrieve(self, keys: list[str], partition_id: str, create: bool) -> Any:
         return await self._tq.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=create)
@@ -389,6 +397,9 @@ class TransferQueueClient(DataPlaneClient):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
+            if columns:
+                # Only now, with tags stored, may a claimer see the rows as produced (quirk 10).
+                await compat.mark_produced(self._tq, bm, results[1])
         except BaseException as error:
             if fresh:
                 # Bounded like any op; a failed clean-up is noted on the put's own error, which
@@ -552,8 +563,7 @@ def _field_order(fields: list[str], first_key_meta: Mapping[str, Any]) -> list[s
     return [f for f in layout if f in common] + [f for f in fields if f not in layout]
 
 
-def _public_tags(custom_meta: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in custom_meta.items() if k != LAYOUT_TAG}
+_public_tags = compat.public_tags
 
 
 def _assemble(name: str, col: compat.Column, layouts: list[str | None]) -> torch.Tensor:

@@ -20,6 +20,10 @@ A backend passes when every test here passes against it. In your own test file::
 Every test works in its own partition (the ``pid`` fixture) and clears it afterwards, so a
 shared, long-lived store is fine. The in-memory reference client is the executable spec: this
 suite checks that a backend behaves like it, not how it stores data.
+
+The claim tests (``kv_claim`` and friends) come from
+:class:`~nemo_dataplane.testing.claim_conformance.ClaimConformance`, a base of the suite; a
+backend without claims sets ``supports_claims = False`` on its test class.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from tensordict import TensorDict
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.codec import SUPPORTED_DTYPES, is_jagged
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.testing.claim_conformance import ClaimConformance
 
 __all__ = ["DataPlaneConformance", "assert_same_field", "jagged", "random_field"]
 
@@ -107,7 +112,7 @@ def _from_wire(data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ the suite
-class DataPlaneConformance:
+class DataPlaneConformance(ClaimConformance):
     """Contract tests for a :class:`DataPlaneClient`; subclass and provide ``client``."""
 
     @pytest.fixture
@@ -367,6 +372,33 @@ class DataPlaneConformance:
                 for actor in (writer, reader):
                     ray.kill(actor)
 
+    def test_claimers_in_several_processes_never_share_a_row(self, client: DataPlaneClient, pid: str) -> None:
+        cfg = self.remote_config()
+        if cfg is None or not self.supports_claims:
+            pytest.skip("no store shared between processes, or no claims")
+        import ray
+
+        if not ray.is_initialized():
+            pytest.skip("needs a running Ray cluster (ray_session fixture)")
+        peers = [_Peer.remote(dict(cfg)) for _ in range(2)]
+        try:
+            ray.get([p.ping.remote() for p in peers], timeout=120)  # both attached before racing
+            n = 60
+            client.kv_batch_put(_keys(n), pid, {"x": torch.arange(n)})
+            remote = [p.claim_all.remote(pid, "t", ["x"], 2) for p in peers]
+            local: list[str] = []
+            while got := client.kv_claim(pid, "t", ["x"], 2, 0).keys:
+                local.extend(got)
+            per_process = [local, *ray.get(remote, timeout=120)]
+            everything = [k for keys in per_process for k in keys]
+            assert len(everything) == len(set(everything)) == n, "a row went to two processes, or was lost"
+        finally:
+            try:
+                ray.get([p.close.remote() for p in peers], timeout=30)
+            finally:
+                for p in peers:
+                    ray.kill(p)
+
 
 def _peer_cls() -> Any:
     import ray
@@ -385,6 +417,16 @@ def _peer_cls() -> Any:
 
         def get(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
             return _to_wire(self.client.kv_batch_get(meta, fields))
+
+        def ping(self) -> bool:
+            return True
+
+        def claim_all(self, pid: str, task: str, fields: list[str], batch_size: int) -> list[str]:
+            """Claim until a claim comes back empty; the keys this process got."""
+            mine: list[str] = []
+            while got := self.client.kv_claim(pid, task, fields, batch_size, 0).keys:
+                mine.extend(got)
+            return mine
 
         def close(self) -> None:
             self.client.close()

@@ -3,6 +3,7 @@
 ``TestMemoryConformance`` pins the reference semantics; ``TestTransferQueueConformance`` holds
 the real TransferQueue on local Ray (the session ``tq_client``) and ``TestRayStoreConformance``
 the Ray object-store backend (the session ``ray_store_client``) to the same tests.
+``TestByKeyOnlyConformance`` runs a backend that opts out of claims (``supports_claims = False``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ class TestMemoryConformance(DataPlaneConformance):
     @pytest.fixture
     def client(self) -> Iterator[DataPlaneClient]:
         c = InMemoryClient()
+        yield c
+        c.close()
+
+
+class _ByKeyOnly(InMemoryClient):
+    """The reference store with the ABC's claim defaults back: a backend without claims."""
+
+    kv_claim = DataPlaneClient.kv_claim  # type: ignore[assignment]
+    kv_mark_consumed = DataPlaneClient.kv_mark_consumed  # type: ignore[assignment]
+    kv_claim_status = DataPlaneClient.kv_claim_status  # type: ignore[assignment]
+    kv_partitions = DataPlaneClient.kv_partitions  # type: ignore[assignment]
+
+
+class TestByKeyOnlyConformance(DataPlaneConformance):
+    supports_claims = False
+
+    @pytest.fixture
+    def client(self) -> Iterator[DataPlaneClient]:
+        c = _ByKeyOnly()
         yield c
         c.close()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.observability import ObservedClient, OpEvent
+from nemo_dataplane.observability import ObservedClient, OpEvent, Outstanding
 from nemo_dataplane.testing.conformance import jagged
 
 
@@ -79,3 +79,57 @@ def test_async_twins_are_observed_too() -> None:
     asyncio.run(run())
     assert sorted(e.op for e in events) == ["kv_batch_get", "kv_batch_put", "kv_batch_put", "kv_clear", "kv_list"]
     assert c.bytes_outstanding == 16 and c.peak_bytes_outstanding == 32
+
+
+def test_claim_ops_are_forwarded_and_recorded() -> None:
+    c, events = _observed()
+    c.kv_batch_put(["a", "b", "c"], "p", {"x": torch.zeros(3)})
+    meta = c.kv_claim("p", "t", ["x"], 2, 0)
+    c.kv_mark_consumed(["c", "ghost"], "p", "t")
+    status = c.kv_claim_status("p", "t", ["x"])
+    parts = c.kv_partitions()
+    with pytest.raises(ValueError, match="task"):
+        c.kv_claim("p", "", ["x"], 1, 0)
+    assert meta.keys == ("a", "b") and parts == ["p"]
+    assert (status.rows, status.claimed, status.claimable) == (3, 3, 0)
+    got = [(e.op, e.partition_id, e.n_keys, e.status) for e in events[1:]]
+    assert got == [
+        ("kv_claim", "p", 2, "ok"),
+        ("kv_mark_consumed", "p", 2, "ok"),
+        ("kv_claim_status", "p", 3, "ok"),
+        ("kv_partitions", None, 0, "ok"),
+        ("kv_claim", "p", 0, "error"),
+    ]
+
+
+def test_async_claim_twins_are_observed() -> None:
+    c, events = _observed()
+
+    async def run() -> tuple[int, int]:
+        await c.async_kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2)})
+        m1, m2 = await asyncio.gather(c.async_kv_claim("p", "t", ["x"], 1, 0), c.async_kv_claim("p", "t", ["x"], 1, 0))
+        await c.async_kv_mark_consumed(["a"], "p", "u")
+        status = await c.async_kv_claim_status("p", "u", ["x"])
+        assert await c.async_kv_partitions() == ["p"]
+        return len(set(m1.keys) | set(m2.keys)), status.claimed
+
+    assert asyncio.run(run()) == (2, 1)
+    assert [e.op for e in events].count("kv_claim") == 2
+    assert {"kv_mark_consumed", "kv_claim_status", "kv_partitions"} <= {e.op for e in events}
+
+
+def test_snapshot_is_own_accounting_and_store_snapshot_sees_every_writer() -> None:
+    inner = InMemoryClient()
+    events: list[OpEvent] = []
+    c = ObservedClient(inner, events.append)
+    c.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 4)})  # 2 x 16 bytes
+    c.kv_batch_put(["t"], "q", None, tags=[{"only": "tags"}])  # a key without bytes still counts
+    inner.kv_batch_put(["w"], "r", {"x": torch.zeros(1)})  # a writer not going through the wrapper
+    assert c.snapshot() == {"p": Outstanding(keys=2, bytes=32), "q": Outstanding(keys=1, bytes=0)}
+    assert c.store_snapshot() == {"p": ("a", "b"), "q": ("t",), "r": ("w",)}
+    assert events[-1].op == "store_snapshot" and events[-1].n_keys == 4
+    c.kv_clear(["a"], "p")
+    c.kv_clear(None, "q")
+    inner.kv_clear(["b"], "p")  # cleared behind the wrapper's back: only the store view knows
+    assert c.snapshot() == {"p": Outstanding(keys=1, bytes=16)}
+    assert c.store_snapshot() == {"r": ("w",)}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import torch
 
 from nemo_dataplane.adapters import tq_compat
 from nemo_dataplane.adapters.transfer_queue import LAYOUT_TAG, TransferQueueClient, auto_storage_units
-from nemo_dataplane.client import DataPlaneError
+from nemo_dataplane.client import ClaimsNotSupported, ClaimStatus, DataPlaneError
 from nemo_dataplane.config import TransferQueueConfig
 from nemo_dataplane.testing.conformance import assert_same_field, jagged
 
@@ -339,6 +340,10 @@ def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: Tr
         assert out["score"].tolist() == [1.5, 0.5]  # scalar rows: dense
         assert out["tok"].is_nested and [r.tolist() for r in out["tok"].unbind()] == [[3, 4, 5], [0, 1, 2]]
         assert tq_client.kv_list(pid).tags[-1] == {"src": "raw"}
+        # TransferQueue's own puts count as produced for claims, ours too.
+        claimed = tq_client.kv_claim(pid, "t", ["score"], 2, 5)
+        assert claimed.keys == ("x", "y") and claimed.tags == ({"src": "raw"}, {"src": "raw"})
+        assert tq_client.kv_claim(pid, "t", ["ids", "r"], 5, 0).keys == ("a", "b", "c")
     finally:
         ray.kill(raw)
 
@@ -356,3 +361,62 @@ def test_per_row_fallback_reads_the_same_as_bulk_reads(
     rows = tq_client.kv_batch_get(meta.reorder([2, 0, 3, 1]), list(fields))
     for name in fields:
         assert_same_field(name, rows[name], bulk[name])
+
+
+# ------------------------------------------------------------------ claims
+def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quirk 10: rows become produced only once their tags are stored, so a claimer waiting on
+    them never gets a row without the tags it was put with, however slow the tag write is."""
+    real_set_tags = tq_compat.set_tags
+
+    async def slow_set_tags(*args: Any, **kwargs: Any) -> None:
+        await asyncio.sleep(0.5)
+        await real_set_tags(*args, **kwargs)
+
+    monkeypatch.setattr(tq_compat, "set_tags", slow_set_tags)
+    put = threading.Thread(
+        target=tq_client.kv_batch_put, args=(["a", "b"], pid, {"x": torch.zeros(2)}, [{"g": 0}, {"g": 1}])
+    )
+    put.start()
+    meta = tq_client.kv_claim(pid, "t", ["x"], 2, 10)
+    put.join(30)
+    assert meta.keys == ("a", "b") and meta.tags == ({"g": 0}, {"g": 1})
+
+
+def test_claims_need_a_store_started_by_this_adapter(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store made by tq.init() runs SequentialSampler without polling (quirk 8): a claim there
+    could stall the controller, so claims refuse, naming why; status and listing still work."""
+    assert tq_compat.claims_unsupported(tq_compat.base_config(1)) is None
+    foreign = tq_compat.base_config(1)
+    foreign.controller.sampler, foreign.controller.polling_mode = "SequentialSampler", False
+    reason = tq_compat.claims_unsupported(foreign)
+    assert reason is not None and "polling_mode=False" in reason and "SequentialSampler" in reason
+    tq_client.kv_batch_put(["a"], pid, {"x": torch.zeros(1)})
+    monkeypatch.setattr(tq_client, "_claims_unsupported", reason)
+    with pytest.raises(ClaimsNotSupported, match="polling_mode=False"):
+        tq_client.kv_claim(pid, "t", ["x"], 1, 0)
+    with pytest.raises(ClaimsNotSupported):
+        tq_client.kv_mark_consumed(["a"], pid, "t")
+    assert tq_client.kv_claim_status(pid, "t", ["x"]) == ClaimStatus(pid, "t", 1, 1, 0, 1)
+    assert pid in tq_client.kv_partitions()
+
+
+def test_a_claim_is_bounded_by_its_timeout_plus_op_timeout(pid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim request the controller never answers ends as a TimeoutError naming the limit."""
+    impatient = TransferQueueClient(TransferQueueConfig(op_timeout_s=0.2), bootstrap=False)
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(tq_compat, "claim_rows", stalled)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"kv_claim on partition '{pid}' \(4 keys\).*within 0\.5s"):
+            impatient.kv_claim(pid, "t", ["x"], 4, 0.3)
+        assert time.monotonic() - t0 < 5.5
+    finally:
+        impatient.close()

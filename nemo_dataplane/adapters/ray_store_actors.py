@@ -492,12 +492,15 @@ class StoreIndex:
         return ("ok",)
 
     async def partitions(self) -> list[str]:
+        for pid in list(self._pending):
+            await self._wait_free(pid, None)
         return [p for p, part in self._parts.items() if part.nlive]
 
     # ---------------------------------------------------------------- claims
     async def claim(self, pid: str, task: str, fields: list[str], batch_size: int, timeout_s: float) -> Reply:
         """Claim up to ``batch_size`` produced rows for ``task`` (see ``DataPlaneClient.kv_claim``)."""
         deadline = time.monotonic() + timeout_s
+        await self._wait_free(pid, None)  # puts that returned to their writers count as produced
         cond = self._changed.setdefault(pid, asyncio.Condition())
         async with cond:
             while True:

@@ -239,15 +239,17 @@ class TransferQueueClient(TransferQueueClaims):
                     f"{what} (other actors may hold CPUs); {hint}"
                 ) from None
 
+        # Controller and units start at once: each is a fresh worker importing TransferQueue
+        # (seconds each), and none needs another to construct.
         self._controller = compat.create_controller(
             self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet
         )
         self.owns_store = True
         conf = compat.base_config(n_units)
-        conf.controller.zmq_info = wait_info(self._controller, "the controller")
         self._storage = compat.create_storage_units(
             conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet
         )
+        conf.controller.zmq_info = wait_info(self._controller, "the controller")
         conf.backend[compat.BACKEND].zmq_info = {
             name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
         }

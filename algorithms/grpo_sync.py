@@ -47,6 +47,13 @@ def data_plane_modules_loaded(modules: Sequence[str]) -> list[str]:
     return sorted(m for m in modules if any(m == d or m.startswith(d + ".") for d in DATA_PLANE_MODULES))
 
 
+def _node_id(actor: Any) -> str:
+    """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
     """Train and held-out prompt records: a JSONL file (``task.dataset``; held-out = the last
     ``task.val_size`` records unless ``task.val_dataset``) or the built-in task from its seed."""
@@ -134,6 +141,9 @@ class Trainer:
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
+        names = [f"policy{r}" for r in range(dp)] + ["generator", "collector"]
+        nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
+        self.worker_nodes = dict(zip(names, nodes))
         # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
         # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
         (train_at,) = gather([policy[0].host_rendezvous.remote("train", dp)], timeout, "train group rendezvous")
@@ -221,6 +231,7 @@ class Trainer:
                        cfg.trainer.startup_timeout_s, "checkpoint load")
             self._refit(start)  # the generator starts from exactly the policy's weights
             summary["policy_params"] = self.policy_params
+            summary["worker_nodes"] = self.worker_nodes
             summary["prompts"] = {"train": len(train), "val": len(val)}
             code = self._loop(start, prompts, val)
             status = "finished"

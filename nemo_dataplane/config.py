@@ -11,6 +11,7 @@ YAML shape (all keys optional)::
       transfer_queue:
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
+        storage_placement: pack   # pack: Ray places the units | per_node: one unit on every node
         storage_unit_num_cpus: 0.5
         controller_num_cpus: 0.5
         bootstrap_timeout_s: 60   # how long creating/attaching may take before a clear error
@@ -48,6 +49,7 @@ class TransferQueueConfig:
 
     ray_address: str | None = None
     num_storage_units: int | None = None
+    storage_placement: Literal["pack", "per_node"] = "pack"
     storage_unit_num_cpus: float = 0.5
     controller_num_cpus: float = 0.5
     bootstrap_timeout_s: float = 60.0
@@ -57,6 +59,10 @@ class TransferQueueConfig:
     def __post_init__(self) -> None:
         if self.num_storage_units is not None and self.num_storage_units < 1:
             raise ValueError(f"data_plane.transfer_queue.num_storage_units must be >= 1, got {self.num_storage_units}")
+        if self.storage_placement not in ("pack", "per_node"):
+            raise ValueError(
+                f"data_plane.transfer_queue.storage_placement must be 'pack' or 'per_node', got {self.storage_placement!r}"
+            )
         for name in ("storage_unit_num_cpus", "controller_num_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data_plane.transfer_queue.{name} must be >= 0, got {getattr(self, name)}")

@@ -175,19 +175,31 @@ def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -
 
 
 def create_storage_units(
-    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool
+    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool,
+    node_ids: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``."""
+    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
+
+    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     unit_conf = dict(OmegaConf.to_container(conf.backend[BACKEND], resolve=True))  # type: ignore[arg-type]
     unit_conf["_run_id"] = os.urandom(8).hex()
     handles: dict[str, Any] = {}
     for rank in range(int(unit_conf["num_data_storage_units"])):
         name = f"{name_prefix}.StorageUnit#{rank}"
+        where = (
+            {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[rank % len(node_ids)], soft=False)}
+            if node_ids
+            else {}
+        )
         handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,
             runtime_env={"env_vars": actor_env(quiet)},
+            **where,
         ).remote(config=unit_conf)
     return handles
 

@@ -216,7 +216,12 @@ class TransferQueueClient(TransferQueueClaims):
     def _create(self) -> Any:
         cfg = self.cfg
         free = float(ray.available_resources().get("CPU", 0.0))
-        n_units = cfg.num_storage_units or auto_storage_units(free)
+        nodes = None
+        if cfg.storage_placement == "per_node":
+            # One unit per node (num_storage_units, if set, round-robin over them): rows a reader
+            # finds on its own node's unit come through shared memory, the rest node to node.
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        n_units = cfg.num_storage_units or (len(nodes) if nodes else auto_storage_units(free))
         need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
         what = (
             f"TransferQueue needs {need:g} CPUs for its controller ({cfg.controller_num_cpus:g}) and "
@@ -247,7 +252,7 @@ class TransferQueueClient(TransferQueueClaims):
         self.owns_store = True
         conf = compat.base_config(n_units)
         self._storage = compat.create_storage_units(
-            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet
+            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes
         )
         conf.controller.zmq_info = wait_info(self._controller, "the controller")
         conf.backend[compat.BACKEND].zmq_info = {

@@ -30,11 +30,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import ray
 import torch
 from tensordict import TensorDict
 
+from nemo_dataplane.adapters.chunks import assemble, bundles, decode, encode
 from nemo_dataplane.adapters.ray_store_actors import StoreIndex
 from nemo_dataplane.client import (
     ClaimStatus,
@@ -48,19 +48,14 @@ from nemo_dataplane.client import (
     check_tags,
     resolve_get_target,
 )
-from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields, tensor_nbytes
+from nemo_dataplane.codec import make_batch, normalize_fields
 from nemo_dataplane.config import DataPlaneConfig, RayStoreConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
-from nemo_dataplane.rows import concat_rows, take_rows
 
 DEFAULT_ACTOR = "nemo_dataplane.RayStoreIndex"
 DEFAULT_NAMESPACE = "nemo_dataplane"
 
 Bootstrap = bool | Literal["auto"]
-
-# Chunks come back as read-only numpy views of shared memory; torch warns once per process when
-# it wraps one. Wrapping is deliberate here (a copy follows unless zero_copy_reads was asked for).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 class RayStoreClient(DataPlaneClient):
@@ -286,13 +281,13 @@ class RayStoreClient(DataPlaneClient):
         # The index locks the keys and merges tags while this process writes the chunks.
         begun = self._index.begin.remote(txn, pid, keys, tag_list, list(columns))
         try:
-            bundles = [(list(group), ray.put({n: _encode(group[n].detach()) for n in group})) for group in _bundles(columns)]
+            chunks = [(list(group), ray.put({n: encode(group[n].detach()) for n in group})) for group in bundles(columns)]
         except BaseException:
             self._index.abort.remote(txn)
             raise
         # Not awaited: anyone who touches these keys waits for it at the index (see
         # ray_store_actors); a refusal surfaces at the next put or flush().
-        committed = self._index.commit.remote(txn, bundles, self._writer, self._node)
+        committed = self._index.commit.remote(txn, chunks, self._writer, self._node)
         with self._lock:
             self._commits[committed] = f"put of {len(keys)} key(s) to {pid!r} (e.g. {keys[0]!r})"
         _, merged, common = self._call("kv_batch_put", pid, len(keys), begun)
@@ -326,7 +321,7 @@ class RayStoreClient(DataPlaneClient):
             ) from None
         chunks = dict(zip(cids, objs))
         copy = not self.cfg.zero_copy_reads
-        columns = {name: _assemble(name, where[name], chunks, copy) for name in names}
+        columns = {name: assemble(name, where[name], lambda cid, f: decode(chunks[cid][f]), copy) for name in names}
         return make_batch(columns, len(keys))
 
     # ----------------------------------------------------------- clear / list
@@ -379,69 +374,3 @@ class RayStoreClient(DataPlaneClient):
     def kv_partitions(self) -> list[str]:
         self._check_open()
         return list(self._call("kv_partitions", "*", 0, self._index.partitions.remote()))
-
-
-# ---------------------------------------------------------------- chunks
-# A put writes at most two objects: its per-sample columns (<= NARROW_BYTES per row: rewards,
-# lengths, advantages) and its bulk, so a reader of columns never pulls the bulk across nodes,
-# and a put costs at most two object-store round trips (each costs more than a memcpy of MBs).
-NARROW_BYTES = 64
-SPLIT_ABOVE_BYTES = 1 << 20  # smaller puts stay one object: a second one would cost more than it saves
-
-# A field on the wire: (dtype name, values shape, values as flat uint8 numpy, int64 offsets or
-# None). numpy, not torch, so Ray writes and maps the buffers out of band (one copy in, none
-# out) and the keeper that re-creates chunks needs no torch. An object holds {field: Encoded}.
-Encoded = tuple[str, tuple[int, ...], np.ndarray, "np.ndarray | None"]
-
-
-def _bundles(columns: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    if sum(tensor_nbytes(t) for t in columns.values()) <= SPLIT_ABOVE_BYTES:
-        return [dict(columns)] if columns else []
-    narrow = {n: t for n, t in columns.items() if tensor_nbytes(t) <= NARROW_BYTES * t.size(0)}
-    bulk = {n: t for n, t in columns.items() if n not in narrow}
-    return [g for g in (bulk, narrow) if g]
-
-
-def _encode(t: torch.Tensor) -> Encoded:
-    offsets = None
-    if is_jagged(t):
-        values, off = t.values(), t.offsets()
-        start, stop = int(off[0]), int(off[-1])
-        if start or stop != values.shape[0]:  # a view into a larger buffer: ship only its rows
-            values, off = values[start:stop], off - start
-        offsets = off.to(torch.int64).contiguous().numpy()
-        t = values
-    t = t.contiguous()
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy(), offsets)
-
-
-def _decode(field: Encoded) -> tuple[torch.Tensor, torch.Tensor | None]:
-    dtype, shape, buf, offsets = field
-    values = torch.from_numpy(buf).view(getattr(torch, dtype)).view(shape)
-    return values, None if offsets is None else torch.from_numpy(offsets)
-
-
-def _assemble(name: str, where: tuple[Any, ...], objs: Mapping[int, dict[str, Encoded]], copy: bool) -> torch.Tensor:
-    """One field's rows in key order, from the index's ``where`` (see ``StoreIndex.resolve``)."""
-    if where[0] == "runs":
-        runs = where[1]
-        if len(runs) == 1:
-            cid, start, n = runs[0]
-            return take_rows(*_decode(objs[cid][name]), range(start, start + n), copy=copy)
-        parts = [take_rows(*_decode(objs[cid][name]), range(start, start + n), copy=False) for cid, start, n in runs]
-        return concat_rows(name, parts)
-    # Scattered rows (a shuffled read): one gather per chunk, then one permutation.
-    cids, rows = torch.from_numpy(where[1]), torch.from_numpy(where[2])
-    ids = torch.unique(cids)
-    if ids.numel() == 1:
-        return take_rows(*_decode(objs[int(ids[0])][name]), rows, copy=True)
-    parts, targets = [], []
-    for cid in ids.tolist():
-        sel = torch.nonzero(cids == cid).flatten()
-        parts.append(take_rows(*_decode(objs[cid][name]), rows[sel], copy=False))
-        targets.append(sel)
-    merged = concat_rows(name, parts)
-    perm = torch.argsort(torch.cat(targets))
-    if getattr(merged, "is_nested", False):
-        return take_rows(merged.values(), merged.offsets(), perm, copy=False)
-    return take_rows(merged, None, perm, copy=False)

@@ -36,12 +36,11 @@ from typing import Any
 import numpy as np
 import ray
 
+from nemo_dataplane.adapters.locate import where_of
+
 # Errors cross the actor boundary as ("error", kind, message) replies rather than raised
 # exceptions: a raised one costs a traceback per call and arrives wrapped in RayTaskError.
 Reply = tuple[Any, ...]
-
-# A read whose rows form more runs than this gets per-row arrays instead of a list of runs.
-MAX_RUNS = 8
 
 
 def _error(kind: str, message: str) -> Reply:
@@ -422,9 +421,7 @@ class StoreIndex:
     async def resolve(self, pid: str, keys: list[str], fields: list[str]) -> Reply:
         """Where each field of ``keys`` lives: ``("ok", {field: where}, {chunk: ref})``.
 
-        ``where`` is ``("runs", [(chunk, first row, count), ...])`` covering the keys in order
-        (a read of whole puts in order is a few slices), or ``("rows", chunks, rows)`` (two
-        int64 arrays, one entry per key) when the rows are scattered.
+        ``where`` is :func:`~nemo_dataplane.adapters.locate.where_of`'s compact form.
         """
         await self._wait_free(pid, keys)
         part, slots, missing = self._slots(pid, keys)
@@ -443,14 +440,8 @@ class StoreIndex:
                     f"field {name!r} is not stored for {lacking.size} key(s) in partition {pid!r}, e.g. {some}",
                 )
             p = part.pos[name][slots]
-            starts = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (p[1:] != p[:-1] + 1)])
-            if starts.size <= MAX_RUNS:
-                counts = np.diff(np.r_[starts, len(keys)])
-                out[name] = ("runs", list(zip(c[starts].tolist(), p[starts].tolist(), counts.tolist())))
-                used.update(c[starts].tolist())
-            else:
-                out[name] = ("rows", c, p)
-                used.update(np.unique(c).tolist())
+            out[name] = where_of(c, p)
+            used.update(np.unique(c).tolist())
         return ("ok", out, {cid: self._chunks[cid].ref for cid in used})
 
     # ----------------------------------------------------------- list / clear

@@ -61,12 +61,14 @@ import logging
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -78,6 +80,10 @@ from transfer_queue.sampler import SequentialSampler
 from transfer_queue.storage import SimpleStorageUnit, StorageKeyNotFoundError
 from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
 from transfer_queue.utils.zmq_utils import ZMQRequestType
+
+from nemo_dataplane.adapters.chunks import assemble, decode, encode, rows_of
+from nemo_dataplane.adapters.locate import where_of
+from nemo_dataplane.rows import take_rows
 
 __all__ = [
     "LAYOUT_TAG",
@@ -288,26 +294,44 @@ def _jagged_schema(t_dtype: torch.dtype, lengths: torch.Tensor, trailing: tuple[
     }
 
 
+def field_schema(n: int, columns: Mapping[str, torch.Tensor], jagged: set[str]) -> dict[str, dict[str, Any]]:
+    """The field schema TransferQueue's own put records for ``columns`` (``n`` rows)."""
+    dense = {k: v for k, v in columns.items() if k not in jagged}
+    schema: dict[str, dict[str, Any]] = {}
+    if dense:
+        schema.update(extract_field_schema(TensorDict(dense, batch_size=[n])))
+    for name in jagged:
+        t = columns[name]
+        schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
+    return schema
+
+
 async def put_rows(
     client: AsyncTransferQueueClient,
     meta: BatchMeta,
     columns: Mapping[str, torch.Tensor],
     jagged: set[str],
+    units: Mapping[str, Any] | None = None,
+    chunk: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Write ``columns`` (row ``i`` -> ``meta.global_indexes[i]``) to the storage units.
 
-    Equivalent to ``client.async_put`` minus its thread juggling (quirk 3) and per-row frames for
-    jagged fields (quirk 5). The rows are not yet produced: pass the returned field schema (the
-    one TransferQueue would record) to :func:`mark_produced` once the keys' tags are stored
-    (quirk 10).
+    With ``units`` (unit id -> actor handle, see :func:`unit_handles`) rows go through Ray's
+    object store (quirk 11): one ``ray.put`` per unit's rows (or ``chunk``, from
+    :func:`put_chunk`, shared by units on this node), which the unit maps and stores as one
+    view per row. Otherwise TransferQueue's ZMQ protocol, equivalent to ``client.async_put`` minus
+    its thread juggling (quirk 3) and per-row frames for jagged fields (quirk 5).
+
+    The rows are not yet produced: pass the returned field schema (the one TransferQueue would
+    record) to :func:`mark_produced` once the keys' tags are stored (quirk 10).
     """
     sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
     n = meta.size
     routing = sm._group_by_hash(meta.global_indexes)
+    if units and all(su in units for su in routing):
+        await _write_through_objects(units, routing, n, columns, chunk)
+        return field_schema(n, columns, jagged)
     dense = {k: v for k, v in columns.items() if k not in jagged}
-    schema: dict[str, dict[str, Any]] = {}
-    if dense:
-        schema.update(extract_field_schema(TensorDict(dense, batch_size=[n])))
     tasks = []
     for su_id, group in routing.items():
         pos = group.batch_positions
@@ -322,10 +346,84 @@ async def put_rows(
             sm._put_to_single_storage_unit(group.global_indexes, data, target_storage_unit=su_id, data_parser=parser)
         )
     await asyncio.gather(*tasks)
-    for name in jagged:
-        t = columns[name]
-        schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
-    return schema
+    return field_schema(n, columns, jagged)
+
+
+# ----------------------------------------------------- object-store data path (quirk 11)
+# A unit's rows are views of a Ray object the writer put (mapped from shared memory in the
+# unit's process: the writer's one copy is the only one). TransferQueue's own clients read them
+# through the unit as usual. _SOURCES remembers, inside each unit process, which object and
+# row every such view came from, so our reads can map the object themselves instead of having
+# the unit stack and re-send the rows. An entry dies with its row (a weakref callback), and the
+# object with the last row that references it.
+_SOURCES: dict[int, tuple[weakref.ref, Any, int]] = {}  # id(row tensor) -> (ref to it, object ref, row)
+UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (always local or one transfer)
+
+
+def _forget(key: int, dead: weakref.ref) -> None:
+    entry = _SOURCES.get(key)
+    if entry is not None and entry[0] is dead:
+        del _SOURCES[key]
+
+
+def put_chunk(columns: Mapping[str, torch.Tensor]) -> Any:
+    """``ray.put`` of ``columns`` as one chunk (see :mod:`.chunks`): the writer's only copy."""
+    return ray.put({name: encode(t) for name, t in columns.items()})
+
+
+def _unit_write(unit: Any, global_indexes: list[int], positions: list[int] | None, chunk: list[Any]) -> None:
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): map ``chunk[0]`` and store rows
+    ``positions`` (all, in order, for ``None``) of every field as one view each.
+
+    ``storage_data.put_data`` is what the unit's own PUT handler calls; it is a series of
+    single dict stores, each atomic under the GIL, like the handler's own.
+    """
+    ref = chunk[0]
+    data = ray.get(ref, timeout=UNIT_GET_TIMEOUT_S)
+    field_rows: dict[str, list[torch.Tensor]] = {}
+    for name, enc in data.items():
+        rows = rows_of(decode(enc))
+        index = list(range(len(rows))) if positions is None else positions
+        if positions is not None:
+            rows = [rows[i] for i in positions]
+        for row, i in zip(rows, index):
+            key = id(row)
+            _SOURCES[key] = (weakref.ref(row, functools.partial(_forget, key)), ref, i)
+        field_rows[name] = rows
+    unit.storage_data.put_data(field_rows, global_indexes)
+
+
+def unit_nodes(units: Mapping[str, Any], timeout_s: float) -> dict[str, str]:
+    """Unit id -> the Ray node it runs on."""
+    ids = list(units)
+    nodes = ray.get([units[u].__ray_call__.remote(_node_of) for u in ids], timeout=timeout_s)
+    return dict(zip(ids, nodes))
+
+
+def _node_of(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+async def _write_through_objects(
+    units: Mapping[str, Any], routing: Mapping[str, Any], n: int, columns: Mapping[str, torch.Tensor], chunk: Any
+) -> None:
+    calls = []
+    for su, group in routing.items():
+        positions = group.batch_positions
+        whole = len(positions) == n and positions == list(range(n))
+        if chunk is not None:
+            calls.append(units[su].__ray_call__.remote(_unit_write, group.global_indexes, None if whole else positions, [chunk]))
+            continue
+        # A unit elsewhere gets only its own rows (one gather here instead of a whole transfer).
+        part = {name: _take_positions(t, positions) for name, t in columns.items()} if not whole else columns
+        calls.append(units[su].__ray_call__.remote(_unit_write, group.global_indexes, None, [put_chunk(part)]))
+    await asyncio.gather(*calls)
+
+
+def _take_positions(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    if t.is_nested:
+        return take_rows(t.values(), t.offsets(), positions, copy=False)
+    return take_rows(t, None, positions, copy=False)
 
 
 async def mark_produced(client: AsyncTransferQueueClient, meta: BatchMeta, schema: dict[str, dict[str, Any]]) -> None:
@@ -425,17 +523,24 @@ def column_from_rows(rows: Sequence[torch.Tensor]) -> Column:
         raise ValueError(f"rows cannot form one tensor (shapes {[tuple(r.shape) for r in rows[:5]]})") from None
 
 
-def _unit_read(unit: Any, global_indexes: list[int], fields: list[str]) -> dict[str, Any] | None:
-    """Runs inside a SimpleStorageUnit (``__ray_call__``): one contiguous buffer per field.
+def _unit_read(unit: Any, global_indexes: list[int], fields: list[str], stack: bool = False) -> dict[str, Any] | None:
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): where each field's rows are.
 
     Uses the unit's own ``storage_data.get_data`` (what its ZMQ GET handler calls, SSD offload
-    included). Returns raw bytes as numpy so Ray hands them over out-of-band, or ``None`` when a
-    field holds something other than tensors of one trailing shape (the caller then falls back).
+    included). Per field: ``("chunks", object refs, chunk per row, row per row)`` when every row
+    is a view we stored (quirk 11; nothing is copied here), else (or with ``stack``)
+    ``("stack", bytes, dtype, shape, lengths)``: the rows stacked into one buffer, raw bytes as
+    numpy so Ray hands them over out of band. ``None`` when a field holds something other than
+    tensors of one trailing shape (the caller then falls back to TransferQueue's protocol).
     """
     data = unit.storage_data.get_data(fields, global_indexes)
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields:
         rows = data[f]
+        located = None if stack else _locate(rows)
+        if located is not None:
+            out[f] = ("chunks", *located)
+            continue
         if not all(isinstance(r, torch.Tensor) for r in rows):
             return None
         first = rows[0].shape
@@ -448,12 +553,29 @@ def _unit_read(unit: Any, global_indexes: list[int], fields: list[str]) -> dict[
             except RuntimeError:
                 return None
             lengths = [r.shape[0] for r in rows]
-        out[f] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
+        out[f] = ("stack", t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
     return out
 
 
+def _locate(rows: Sequence[Any]) -> tuple[list[Any], np.ndarray, np.ndarray] | None:
+    refs: list[Any] = []
+    index: dict[int, int] = {}
+    chunks = np.empty(len(rows), dtype=np.int64)
+    positions = np.empty(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        entry = _SOURCES.get(id(row))
+        if entry is None or entry[0]() is not row:
+            return None
+        c = index.get(id(entry[1]))
+        if c is None:
+            c = index[id(entry[1])] = len(refs)
+            refs.append(entry[1])
+        chunks[i], positions[i] = c, entry[2]
+    return refs, chunks, positions
+
+
 def _decode_unit_column(raw: Any) -> Column:
-    buf, dtype, shape, lengths = raw
+    _, buf, dtype, shape, lengths = raw
     # Ray maps the reply read-only from its object store: one copy makes it ours.
     data = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
     values = data.view(getattr(torch, dtype)).view(shape)
@@ -473,9 +595,13 @@ def _permute(col: Column, order: torch.Tensor) -> Column:
 
 async def read_columns(
     client: AsyncTransferQueueClient, units: Mapping[str, Any], meta: BatchMeta, fields: Sequence[str]
-) -> dict[str, Column] | None:
-    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order, as one :class:`Column`.
+) -> dict[str, Column | torch.Tensor] | None:
+    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order.
 
+    A field whose rows are all views we stored (quirk 11) comes back as the finished tensor, in
+    the layout it was put with: this process maps the writers' objects and copies the rows out
+    once. Any other field comes back as a :class:`Column` the units stacked (rows written by
+    TransferQueue's own clients, or objects whose writer died: the unit still holds the rows).
     ``units`` maps storage-unit id (TransferQueue's routing key) to its actor handle. Returns
     ``None`` when some unit holds data it cannot stack (then use :func:`get_rows`).
 
@@ -486,15 +612,63 @@ async def read_columns(
     groups = list(sm._group_by_hash(meta.global_indexes).items())
     if any(su not in units for su, _ in groups):
         return None
-    refs = [units[su].__ray_call__.remote(_unit_read, g.global_indexes, list(fields)) for su, g in groups]
+    replies = await _unit_reads(units, groups, list(fields), stack=False)
+    if replies is None:
+        return None
+    out: dict[str, Column | torch.Tensor] = {}
+    direct = [f for f in fields if all(r[f][0] == "chunks" for r in replies)]
+    if direct:
+        try:
+            out.update(await _assemble_from_objects(direct, groups, replies, meta.size))
+        except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+            direct = []  # a writer died: its rows live on in the units, read them from there
+    rest = [f for f in fields if f not in out]
+    if rest:
+        if direct or any(r[f][0] == "chunks" for r in replies for f in rest):
+            replies = await _unit_reads(units, groups, rest, stack=True)
+            if replies is None:
+                return None
+        out.update(_merge_stacked(rest, groups, replies))
+    return out
+
+
+async def _unit_reads(units: Mapping[str, Any], groups: list[Any], fields: list[str], stack: bool) -> list[Any] | None:
+    refs = [units[su].__ray_call__.remote(_unit_read, g.global_indexes, fields, stack) for su, g in groups]
     try:
         replies = await asyncio.gather(*refs)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e, KeyError) or isinstance(getattr(e, "cause", None), KeyError):
             raise StorageKeyNotFoundError(str(getattr(e, "cause", e))) from None
         raise
-    if any(r is None for r in replies):
-        return None
+    return None if any(r is None for r in replies) else replies
+
+
+async def _assemble_from_objects(
+    fields: list[str], groups: list[Any], replies: list[Any], n: int
+) -> dict[str, torch.Tensor]:
+    refs: list[Any] = []
+    index: dict[bytes, int] = {}
+    located = {f: (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)) for f in fields}
+    for (_, group), reply in zip(groups, replies):
+        at = np.asarray(group.batch_positions, dtype=np.int64)
+        for f in fields:
+            _, unit_refs, chunks, rows = reply[f]
+            remap = np.empty(len(unit_refs), dtype=np.int64)
+            for j, r in enumerate(unit_refs):
+                key = r.binary()
+                if key not in index:  # units on one node may share one chunk
+                    index[key] = len(refs)
+                    refs.append(r)
+                remap[j] = index[key]
+            located[f][0][at] = remap[chunks]
+            located[f][1][at] = rows
+    objs = await asyncio.gather(*refs)
+    return {
+        f: assemble(f, where_of(*located[f]), lambda c, name: decode(objs[c][name]), copy=True) for f in fields
+    }
+
+
+def _merge_stacked(fields: list[str], groups: list[Any], replies: list[Any]) -> dict[str, Column]:
     out: dict[str, Column] = {}
     for f in fields:
         cols = [_decode_unit_column(r[f]) for r in replies]

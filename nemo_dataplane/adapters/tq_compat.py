@@ -56,6 +56,7 @@ the behaviours below, each seen on a 2-CPU machine:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import operator
@@ -352,18 +353,47 @@ async def put_rows(
 # ----------------------------------------------------- object-store data path (quirk 11)
 # A unit's rows are views of a Ray object the writer put (mapped from shared memory in the
 # unit's process: the writer's one copy is the only one). TransferQueue's own clients read them
-# through the unit as usual. _SOURCES remembers, inside each unit process, which object and
-# row every such view came from, so our reads can map the object themselves instead of having
-# the unit stack and re-send the rows. An entry dies with its row (a weakref callback), and the
-# object with the last row that references it.
-_SOURCES: dict[int, tuple[weakref.ref, Any, int]] = {}  # id(row tensor) -> (ref to it, object ref, row)
-UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (always local or one transfer)
+# through the unit as usual. Inside each unit process, _CHUNKS records the address range of
+# every field buffer mapped this way, so our reads can tell from a row's address which object
+# and row it is and map the object themselves instead of having the unit stack and re-send the
+# rows; no per-row bookkeeping. A record is dropped when its buffer is freed, i.e. when the last
+# row viewing it is gone (TransferQueue cleared or replaced them all).
+UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (local, or one transfer)
 
 
-def _forget(key: int, dead: weakref.ref) -> None:
-    entry = _SOURCES.get(key)
-    if entry is not None and entry[0] is dead:
-        del _SOURCES[key]
+@dataclass(eq=False)
+class _Mapped:
+    ref: Any  # the writer's object (held: it stays readable while rows view it)
+    start: int  # address of the field's values
+    end: int
+    row_bytes: int  # dense: bytes per row
+    token_bytes: int  # jagged: bytes per element of dim 0
+    offsets: np.ndarray | None  # jagged: element offsets of the rows
+
+
+_CHUNKS: list[tuple[int, _Mapped]] = []  # sorted by start address
+_CHUNKS_LOCK = threading.Lock()  # writes run on the actor thread, frees on whichever drops a row
+
+
+def _register(ref: Any, values: torch.Tensor, offsets: torch.Tensor | None, buf: np.ndarray) -> None:
+    item = values.element_size()
+    per_row = item
+    for d in values.shape[1:]:
+        per_row *= d
+    start = values.data_ptr()
+    m = _Mapped(ref, start, start + values.numel() * item, per_row, per_row,
+                None if offsets is None else offsets.numpy().astype(np.int64))
+    with _CHUNKS_LOCK:
+        bisect.insort(_CHUNKS, (start, m), key=operator.itemgetter(0))
+    weakref.finalize(buf, _unregister, m)
+
+
+def _unregister(m: _Mapped) -> None:
+    with _CHUNKS_LOCK:
+        for i, (_, other) in enumerate(_CHUNKS):
+            if other is m:
+                del _CHUNKS[i]
+                break
 
 
 def put_chunk(columns: Mapping[str, torch.Tensor]) -> Any:
@@ -382,14 +412,11 @@ def _unit_write(unit: Any, global_indexes: list[int], positions: list[int] | Non
     data = ray.get(ref, timeout=UNIT_GET_TIMEOUT_S)
     field_rows: dict[str, list[torch.Tensor]] = {}
     for name, enc in data.items():
-        rows = rows_of(decode(enc))
-        index = list(range(len(rows))) if positions is None else positions
-        if positions is not None:
-            rows = [rows[i] for i in positions]
-        for row, i in zip(rows, index):
-            key = id(row)
-            _SOURCES[key] = (weakref.ref(row, functools.partial(_forget, key)), ref, i)
-        field_rows[name] = rows
+        values, offsets = decode(enc)
+        if values.numel():
+            _register(ref, values, offsets, enc[2])
+        rows = rows_of((values, offsets))
+        field_rows[name] = rows if positions is None else [rows[i] for i in positions]
     unit.storage_data.put_data(field_rows, global_indexes)
 
 
@@ -558,19 +585,42 @@ def _unit_read(unit: Any, global_indexes: list[int], fields: list[str], stack: b
 
 
 def _locate(rows: Sequence[Any]) -> tuple[list[Any], np.ndarray, np.ndarray] | None:
-    refs: list[Any] = []
-    index: dict[int, int] = {}
+    """``(object refs, chunk per row, row per row)`` when every row is a view we stored."""
+    if not all(isinstance(r, torch.Tensor) for r in rows):
+        return None
+    with _CHUNKS_LOCK:
+        table = list(_CHUNKS)
+    if not table:
+        return None
+    ptrs = np.fromiter((r.data_ptr() for r in rows), dtype=np.int64, count=len(rows))
+    starts = np.array([s for s, _ in table], dtype=np.int64)
+    which = np.searchsorted(starts, ptrs, side="right") - 1
+    if (which < 0).any():
+        return None
+    used = np.unique(which)
+    refs = []
     chunks = np.empty(len(rows), dtype=np.int64)
     positions = np.empty(len(rows), dtype=np.int64)
-    for i, row in enumerate(rows):
-        entry = _SOURCES.get(id(row))
-        if entry is None or entry[0]() is not row:
+    for c, w in enumerate(used.tolist()):
+        m = table[w][1]
+        sel = np.flatnonzero(which == w)
+        rel = ptrs[sel] - m.start
+        if (ptrs[sel] > m.end).any():
             return None
-        c = index.get(id(entry[1]))
-        if c is None:
-            c = index[id(entry[1])] = len(refs)
-            refs.append(entry[1])
-        chunks[i], positions[i] = c, entry[2]
+        if m.offsets is None:
+            pos = rel // m.row_bytes if m.row_bytes else np.zeros(len(sel), dtype=np.int64)
+        else:
+            elem = rel // m.token_bytes if m.token_bytes else np.zeros(len(sel), dtype=np.int64)
+            lengths = np.fromiter((rows[i].shape[0] for i in sel.tolist()), dtype=np.int64, count=len(sel))
+            # An empty row shares its address with the next row: any empty row there reads the same.
+            pos = np.where(
+                lengths > 0,
+                np.searchsorted(m.offsets, elem, side="right") - 1,
+                np.searchsorted(m.offsets, elem, side="left"),
+            )
+            pos = np.minimum(pos, len(m.offsets) - 2)
+        refs.append(m.ref)
+        chunks[sel], positions[sel] = c, pos
     return refs, chunks, positions
 
 

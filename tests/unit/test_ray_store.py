@@ -5,7 +5,6 @@ test_conformance.py (``TestRayStoreConformance``)."""
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 import uuid
@@ -98,27 +97,19 @@ def test_upserts_share_chunks_until_the_last_row_lets_go() -> None:
 
 
 # ------------------------------------------------------------------ lifetime
-def _plasma_mib() -> int:
-    import ray
-    from ray._private.internal_api import memory_summary
-
-    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
-    return int(re.search(r"Plasma memory usage (\d+) MiB", text).group(1))  # type: ignore[union-attr]
-
-
-def test_clear_frees_the_objects(ray_store_client: RayStoreClient, pid: str) -> None:
-    before = _plasma_mib()
+def test_clear_frees_the_objects(ray_store_client: RayStoreClient, pid: str, plasma_mib: Any) -> None:
+    before = plasma_mib()
     big = {"x": torch.arange(4 * 1024 * 1024, dtype=torch.int64).view(64, -1)}  # 32 MiB
     meta = ray_store_client.kv_batch_put([f"k{i}" for i in range(64)], pid, big)
     assert ray_store_client.flush() == 0  # adopted: the writer's copy is gone, the store's is held
-    held = _plasma_mib()
+    held = plasma_mib()
     assert held >= before + 30, (before, held)
     assert torch.equal(ray_store_client.kv_batch_get(meta, ["x"])["x"], big["x"])
     ray_store_client.kv_clear(None, pid)
     deadline = time.monotonic() + 10
-    while _plasma_mib() > before + 2 and time.monotonic() < deadline:
+    while plasma_mib() > before + 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _plasma_mib() <= before + 2
+    assert plasma_mib() <= before + 2
 
 
 def _writer_cls() -> Any:

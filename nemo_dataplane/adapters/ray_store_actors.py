@@ -12,9 +12,8 @@ This module imports neither torch nor the client on purpose: both actors start i
 worker, and importing torch there would add seconds to the store's start-up. Chunks travel as
 numpy arrays (Ray hands those over out of band, straight from shared memory).
 
-Rows are kept as columns (a partition's keys in insertion order, and per field numpy arrays of
-chunk id and row position), so a put or a read of thousands of keys costs one dict lookup per
-key and a few vector operations, not Python objects per row and field.
+Rows are kept as columns (:class:`~.ray_store_table.Partition`), so a put or a read of
+thousands of keys costs one dict lookup per key and a few vector operations.
 
 Put protocol (two messages, one round trip on the writer's critical path): ``begin`` checks
 the keys against the current rows, locks them and returns the merged tags and fields; the writer
@@ -37,6 +36,7 @@ import numpy as np
 import ray
 
 from nemo_dataplane.adapters.locate import where_of
+from nemo_dataplane.adapters.ray_store_table import Partition
 
 # Errors cross the actor boundary as ("error", kind, message) replies rather than raised
 # exceptions: a raised one costs a traceback per call and arrives wrapped in RayTaskError.
@@ -56,99 +56,6 @@ class _Chunk:
         self.writer = writer
         self.adopting = False
         self.adopted = False
-
-
-def _grow(a: np.ndarray, cap: int, fill: Any) -> np.ndarray:
-    out = np.full(cap, fill, dtype=a.dtype)
-    out[: a.shape[0]] = a
-    return out
-
-
-class _Part:
-    """One partition's rows. Slot = row, in insertion order; a cleared row's slot stays empty
-    until the partition is compacted."""
-
-    def __init__(self) -> None:
-        self.index: dict[str, int] = {}
-        self.keys: list[str | None] = []
-        self.tags: list[dict[str, Any] | None] = []
-        self.cap = 0
-        self.live = np.zeros(0, dtype=bool)
-        self.cid: dict[str, np.ndarray] = {}  # field -> chunk id per slot (-1: not stored)
-        self.pos: dict[str, np.ndarray] = {}  # field -> row within that chunk
-        self.claimed: dict[str, np.ndarray] = {}  # task -> claimed per slot
-        self.nlive = 0
-
-    @property
-    def n(self) -> int:
-        return len(self.keys)
-
-    def _reserve(self, n: int) -> None:
-        if n <= self.cap:
-            return
-        cap = max(n, 2 * self.cap, 64)
-        self.live = _grow(self.live, cap, False)
-        for f in self.cid:
-            self.cid[f] = _grow(self.cid[f], cap, -1)
-            self.pos[f] = _grow(self.pos[f], cap, 0)
-        for t in self.claimed:
-            self.claimed[t] = _grow(self.claimed[t], cap, False)
-        self.cap = cap
-
-    def lookup(self, keys: Sequence[str]) -> np.ndarray:
-        get = self.index.get
-        return np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
-
-    def append(self, keys: list[str], tags: list[dict[str, Any]]) -> np.ndarray:
-        start = self.n
-        self._reserve(start + len(keys))
-        self.index.update(zip(keys, range(start, start + len(keys))))
-        self.keys.extend(keys)
-        self.tags.extend(tags)
-        self.live[start : start + len(keys)] = True
-        self.nlive += len(keys)
-        return np.arange(start, start + len(keys), dtype=np.int64)
-
-    def field(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        if name not in self.cid:
-            self.cid[name] = np.full(self.cap, -1, dtype=np.int64)
-            self.pos[name] = np.zeros(self.cap, dtype=np.int64)
-        return self.cid[name], self.pos[name]
-
-    def task(self, task: str) -> np.ndarray:
-        if task not in self.claimed:
-            self.claimed[task] = np.zeros(self.cap, dtype=bool)
-        return self.claimed[task]
-
-    def produced(self, fields: Sequence[str]) -> np.ndarray:
-        """Per slot (up to ``n``): live and every field in ``fields`` stored."""
-        ok = self.live[: self.n].copy()
-        for f in fields:
-            c = self.cid.get(f)
-            if c is None:
-                return np.zeros(self.n, dtype=bool)
-            ok &= c[: self.n] >= 0
-        return ok
-
-    def common_fields(self, slots: np.ndarray) -> list[str]:
-        """Fields stored for every slot in ``slots``, in the order they first reached the partition."""
-        if slots.size == 0:
-            return []
-        return [f for f, c in self.cid.items() if bool((c[slots] >= 0).all())]
-
-    def compact(self) -> None:
-        keep = np.flatnonzero(self.live[: self.n])
-        self.keys = [self.keys[i] for i in keep]  # type: ignore[misc]
-        self.tags = [self.tags[i] for i in keep]
-        self.index = {k: i for i, k in enumerate(self.keys)}  # type: ignore[misc]
-        cap = max(len(keep), 64)
-        self.live = _grow(np.ones(len(keep), dtype=bool), cap, False)
-        for f in list(self.cid):
-            self.cid[f] = _grow(self.cid[f][keep], cap, -1)
-            self.pos[f] = _grow(self.pos[f][keep], cap, 0)
-        for t in list(self.claimed):
-            self.claimed[t] = _grow(self.claimed[t][keep], cap, False)
-        self.cap = cap
 
 
 class _Txn:
@@ -186,7 +93,7 @@ class StoreIndex:
     """
 
     def __init__(self, lock_timeout_s: float, adopt: bool) -> None:
-        self._parts: dict[str, _Part] = {}
+        self._parts: dict[str, Partition] = {}
         self._chunks: dict[int, _Chunk] = {}
         self._txns: dict[str, _Txn] = {}  # puts between begin and commit
         self._begun: dict[str, asyncio.Future] = {}  # put id -> its begin's outcome (a _Txn or None)
@@ -310,7 +217,7 @@ class StoreIndex:
 
     def _apply(self, txn: _Txn, bundles: list[tuple[list[str], Any]], writer: str) -> list[int]:
         keys, n = txn.keys, len(txn.keys)
-        part = self._parts.setdefault(txn.pid, _Part())
+        part = self._parts.setdefault(txn.pid, Partition())
         slots = part.lookup(keys)  # again: a compaction may have renumbered slots since begin
         new = slots < 0
         if new.all():
@@ -329,10 +236,7 @@ class StoreIndex:
             self._chunks[cid] = _Chunk(ref, n * len(names), writer)
             cids.append(cid)
             for name in names:
-                c, p = part.field(name)
-                self._unuse(c[slots])
-                c[slots] = cid
-                p[slots] = rows
+                self._unuse(part.set_cells(name, slots, cid, rows))
         return cids
 
     async def abort(self, txn_id: str) -> None:
@@ -410,7 +314,7 @@ class StoreIndex:
         return sum(1 for c in self._chunks.values() if c.writer == writer and not c.adopted)
 
     # ------------------------------------------------------------------- get
-    def _slots(self, pid: str, keys: list[str]) -> tuple[_Part | None, np.ndarray, list[str]]:
+    def _slots(self, pid: str, keys: list[str]) -> tuple[Partition | None, np.ndarray, list[str]]:
         part = self._parts.get(pid)
         if part is None:
             return None, np.zeros(0, dtype=np.int64), list(keys)
@@ -464,17 +368,8 @@ class StoreIndex:
         else:
             slots = part.lookup(keys)
             slots = slots[slots >= 0]
-        for c in part.cid.values():
-            self._unuse(c[slots])
-            c[slots] = -1
-        for claimed in part.claimed.values():
-            claimed[slots] = False
-        part.live[slots] = False
-        for s in slots.tolist():
-            del part.index[part.keys[s]]  # type: ignore[arg-type]
-            part.keys[s] = None
-            part.tags[s] = None
-        part.nlive -= slots.size
+        for released in part.remove(slots):
+            self._unuse(released)
         if part.nlive == 0:
             del self._parts[pid]
         elif part.n - part.nlive > max(1024, part.nlive) and not self._pending.get(pid):

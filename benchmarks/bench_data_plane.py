@@ -34,6 +34,8 @@ Also measured:
 * start-up after Ray: a fresh interpreter that has torch and a running Ray imports the backend
   and creates its store (``bootstrap=True``), then does a first put + get; for both backends.
 
+What bounds each method, with the measurements: ``docs/data-flow.md``.
+
 Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``.
 Prints the tables and writes ``benchmarks/results/bench_data_plane.json``.
 """

@@ -157,8 +157,8 @@ class RefitConfig:
 
     backend: Literal["gloo", "nccl"] = "gloo"
     bucket_bytes: int = 8 << 20
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port
+    host: str = "127.0.0.1"  # used only with a fixed port
+    port: int = 0  # 0: policy rank 0 hosts the rendezvous on its node's address and a port it binds
     timeout_s: float = 300.0
 
 

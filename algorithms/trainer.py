@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import time
 import traceback
@@ -52,10 +51,11 @@ def data_plane_modules_loaded(modules: Sequence[str]) -> list[str]:
     return sorted(m for m in modules if any(m == d or m.startswith(d + ".") for d in DATA_PLANE_MODULES))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _node_id(actor: Any) -> str:
+    """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
@@ -150,12 +150,9 @@ class Trainer:
                             "PYTHONPATH": pythonpath}}
         dp = cfg.trainer.dp_size
         policy_gpus = (1.0 / dp) if cfg.policy.device == "cuda" else 0
-        master = ("127.0.0.1", _free_port())
         policy_cls = ray.remote(PolicyWorker)
         policy = [
-            policy_cls.options(num_cpus=cpus, num_gpus=policy_gpus, runtime_env=env, name=None).remote(
-                r, dp, plain, master[0], master[1]
-            )
+            policy_cls.options(num_cpus=cpus, num_gpus=policy_gpus, runtime_env=env, name=None).remote(r, dp, plain)
             for r in range(dp)
         ]
         generator = ray.remote(GeneratorWorker).options(
@@ -174,12 +171,25 @@ class Trainer:
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
+        names = [f"policy{r}" for r in range(dp)] + ["generator"] + [
+            f"collector{i}" if i else "collector" for i in range(len(collectors))
+        ]
+        nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
+        self.summary["worker_nodes"] = dict(zip(names, nodes))
+        # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
+        # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
+        (train_at,) = gather([policy[0].host_rendezvous.remote("train", dp)], timeout, "train group rendezvous")
+        gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
         if cfg.data_plane.enabled:
             dp_cfg = cfg.data_plane.to_dict()
             gather([a.attach_data_plane.remote(dp_cfg) for a in (*policy, *collectors)], timeout, "data-plane attach")
-        port = cfg.refit.port or _free_port()
+        if cfg.refit.port:
+            host, port = cfg.refit.host, cfg.refit.port
+        else:
+            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", 2)], timeout, "refit group rendezvous")
+            host, port = refit_at
         gather(
-            [policy[0].init_refit.remote(cfg.refit.host, port, 2), generator.init_refit.remote(cfg.refit.host, port, 2)],
+            [policy[0].init_refit.remote(host, port, 2), generator.init_refit.remote(host, port, 2)],
             timeout,
             "refit group set-up",
         )

@@ -1,50 +1,43 @@
-"""Put+get throughput of one rollout batch: data-plane adapters vs a Ray object-store hand-off.
+"""Put+get throughput of one rollout batch: the data-plane backends vs a Ray object-store hand-off.
 
 Batch (rollout-shaped): ``input_ids`` int64 and ``logprobs`` float32, 1024 tokens per sample on
 average, either dense ``[B, 1024]`` or jagged (lengths 512..1536, same mean), plus one float32
-reward per sample; B = 256, then 4x (1024).
+reward per sample; B = 256, 1024, 4096 (3, 12.6, 50 MB).
 
 What one timed transfer is (median of ``--repeats`` after one warm-up; MB/s = payload / total):
 
 * ``memcpy``: one ``clone()`` of every field in this process (the ceiling: one copy).
 * ``memory``: ``InMemoryClient`` put + get in this process.
-* ``ray``: driver ``ray.put(batch)`` -> a reader actor's method receives the ref (Ray resolves
-  it there) and touches every tensor; run twice, without and with
-  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`` (read at Ray start, so that variant runs in a
-  subprocess with its own cluster).
-* ``tq_adapter``: driver ``TransferQueueClient.kv_batch_put`` -> the reader actor's attached
-  adapter ``kv_batch_get(meta, fields)``.
-* ``tq_raw``: driver ``transfer_queue.kv_batch_put`` -> reader actor ``transfer_queue.kv_batch_get``
-  (TransferQueue's own client on the same store, what the adapter improves on).
+* ``ray``: driver ``ray.put``s each reader's shard -> each reader actor's method receives its ref
+  (Ray resolves it there) and touches every tensor; run twice, without and with
+  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`` (``ray_zero_copy``; read at Ray start, so that
+  variant runs in a subprocess with its own cluster). Zero-copy readers get views of shared
+  memory; default readers get private copies.
+* ``ray_store``: driver ``RayStoreClient.kv_batch_put`` (``data_plane.backend: ray``, default
+  config: rows adopted by the store, private copies on read) -> each reader's attached client
+  ``kv_batch_get`` of its shard. ``ray_store_zc_reads``: the same with
+  ``ray_store.zero_copy_reads`` (reads share memory like ``ray_zero_copy``).
+* ``tq_adapter``: driver ``TransferQueueClient.kv_batch_put`` -> readers' attached adapters.
+* ``tq_raw``: TransferQueue's own ``kv_batch_put`` / ``kv_batch_get`` on the same store.
 
-Every reader call returns only a byte count, so no result travels back. Put and get are timed
-separately; the total is their sum. The table reports each method's MB/s (median put + median
-get) and its ratio to the ``ray`` hand-off (default serialization) of the same batch, measured in
-the same run, plus the same for the fastest repeat ("best"), which is less sensitive to other
-load on a small shared machine (the 1-minute load average is printed and saved).
+With R readers (``--readers``, default 1 2 4) every reader reads a disjoint 1/R of the rows at
+the same time (DP ranks); the get time is until the last one finished. Every reader call returns
+only a byte count, so no result travels back. Put and get are timed separately; the total is
+their sum. Ratios are taken against both Ray baselines of the same batch and reader count,
+measured in the same run; "best" uses the fastest repeat, which is less sensitive to other load
+on a small shared machine (the 1-minute load average is printed and saved).
 
-Where the adapter's time goes, and what limits it (measured on a 2-core machine):
+Also measured:
 
-* Raw TransferQueue reads are bound by per-row work, not bytes: a get reply is one ZMQ frame per
-  row per field (3073 frames for 1024 samples x 3 fields), each encoded in the storage unit and
-  decoded in the reader (~30 ms each way for 1024 samples on a loaded 2-core box), then re-packed
-  into nested tensors.
-  The adapter instead asks each storage unit for one stacked buffer per field through the Ray
-  object store (tq_compat.read_columns), which made reads 1.6-3.5x faster; jagged writes go as one
-  buffer per storage unit and are cut into rows inside the unit.
-* What is left is structural. The batch crosses a third process (the storage unit) on both put
-  and get, so it is copied ~4 times (serialize/ZMQ into the unit; stack + object store + the
-  reader's private copy out) against 2 for a Ray hand-off, and every put needs 3 sequential
-  round trips (controller key lookup, storage write, controller notify; tags go in parallel) and
-  every get 2 (controller lookup, storage read) on top of the reader's own actor call. At 256
-  samples those fixed hops dominate; they also suffer most from other load on a small machine.
-* What would remove the limit: a TransferQueue storage value that is a slice of one shared-memory
-  (object-store) buffer per field and put, so the reader maps what the writer wrote (one copy,
-  like RAY_ENABLE_ZERO_COPY_TORCH_TENSORS), and a controller call that allocates indexes and
-  records production in one round trip.
+* tiny-batch latency: put + get of 8 rows by each method next to a plain Ray actor call (the
+  floor of any hand-off to another process);
+* start-up after Ray: a fresh interpreter that has torch and a running Ray imports the backend
+  and creates its store (``bootstrap=True``), then does a first put + get; for both backends.
 
-Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024]``.
-Prints a table and writes ``benchmarks/results/bench_data_plane.json``.
+What bounds each method, with the measurements: ``docs/data-flow.md``.
+
+Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``.
+Prints the tables and writes ``benchmarks/results/bench_data_plane.json``.
 """
 
 from __future__ import annotations
@@ -58,6 +51,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +64,14 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from nemo_dataplane.codec import batch_nbytes, is_jagged  # noqa: E402
+from nemo_dataplane.rows import select_rows  # noqa: E402
 
 FIELDS = ["input_ids", "logprobs", "reward"]
-RAY_TIMEOUT_S = 300  # bound on every wait for the reader actor
+RAY_TIMEOUT_S = 300  # bound on every wait for a reader actor
 TOKENS = 1024
+TINY_ROWS = 8
+ORDER = ["memcpy", "memory", "ray", "ray_zero_copy", "ray_store", "ray_store_zc_reads", "tq_raw", "tq_adapter"]
+STORE_ACTOR = "bench.RayStoreIndex"
 
 
 def make_batch(b: int, layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -97,7 +95,7 @@ def make_batch(b: int, layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def to_wire(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def to_wire(batch: Any) -> dict[str, Any]:
     """What a Ray hand-off ships: jagged as (values, offsets)."""
     return {k: (v.values(), v.offsets()) if is_jagged(v) else v for k, v in batch.items()}
 
@@ -113,49 +111,47 @@ def touch(obj: Any) -> int:
 
 
 class Reader:
-    """The consuming process: a rank that receives or fetches the batch."""
+    """The consuming process: a DP rank that receives or fetches its shard."""
 
-    def __init__(self, with_tq: bool) -> None:
+    def __init__(self, backends: list[str]) -> None:
         torch.set_num_threads(1)
-        self.client = None
-        if with_tq:
+        self.clients: dict[str, Any] = {}
+        if "tq" in backends:
             from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
             from nemo_dataplane.config import TransferQueueConfig
 
-            self.client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=False)
+            self.clients["tq_adapter"] = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=False)
             import transfer_queue as tq
 
             tq.init()  # attaches to the same controller; never tq.close() here (it would kill it)
             self.tq = tq
+        if "ray_store" in backends:
+            from nemo_dataplane.adapters.ray_store import RayStoreClient
+            from nemo_dataplane.config import RayStoreConfig
 
-    def ready(self) -> bool:
+            for method, zc in (("ray_store", False), ("ray_store_zc_reads", True)):
+                self.clients[method] = RayStoreClient(
+                    RayStoreConfig(op_timeout_s=120, zero_copy_reads=zc), bootstrap=False, actor_name=STORE_ACTOR
+                )
+
+    def ping(self) -> bool:
         return True
 
     def ray_handoff(self, batch: dict[str, Any]) -> int:
         return touch(batch)
 
-    def adapter_get(self, meta: Any, fields: list[str]) -> int:
-        return touch(self.client.kv_batch_get(meta, fields))
+    def store_get(self, method: str, meta: Any, fields: list[str]) -> int:
+        return touch(self.clients[method].kv_batch_get(meta, fields))
 
     def raw_get(self, keys: list[str], pid: str, fields: list[str]) -> int:
         return touch(self.tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        for c in self.clients.values():
+            c.close()
 
 
-def timed(fn: Any, repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def timed_pair(put: Any, get: Any, cleanup: Any, repeats: int) -> tuple[float, float, float]:
+def timed_pair(put: Callable[[], Any], get: Callable[[Any], Any], cleanup: Callable[[Any], Any], repeats: int) -> tuple[float, float, float]:
     """Median put and get seconds and the fastest put+get; ``put`` returns what ``get`` needs."""
     puts, gets = [], []
     for i in range(repeats + 1):
@@ -171,36 +167,81 @@ def timed_pair(put: Any, get: Any, cleanup: Any, repeats: int) -> tuple[float, f
     return statistics.median(puts), statistics.median(gets), min(p + g for p, g in zip(puts, gets))
 
 
-def bench_ray(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-    reader = ray.remote(num_cpus=0)(Reader).remote(False)
+def latency(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), min(ts)
+
+
+def _readers(n: int, backends: list[str]) -> list[Any]:
+    actors = [ray.remote(num_cpus=0)(Reader).remote(backends) for _ in range(n)]
+    ray.get([a.ping.remote() for a in actors], timeout=RAY_TIMEOUT_S)
+    return actors
+
+
+def _close(actors: list[Any]) -> None:
+    try:
+        ray.get([a.close.remote() for a in actors], timeout=60)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _gather(refs: list[Any]) -> list[Any]:
+    return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+
+def _row(method: str, b: int, layout: str, readers: int, nbytes: int, put: float, get: float, best: float) -> dict[str, Any]:
+    return {"method": method, "batch": b, "layout": layout, "readers": readers, "bytes": nbytes,
+            "put_s": put, "get_s": get, "best_s": best}
+
+
+def bench_ray(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The Ray hand-off: one ``ray.put`` per reader's shard, each reader resolves its ref."""
+    actors = _readers(max(readers), [])
     rows = []
     try:
-        ray.get(reader.ready.remote(), timeout=RAY_TIMEOUT_S)
         for b in sizes:
             for layout in ("dense", "jagged"):
                 batch = make_batch(b, layout)
-                wire = to_wire(batch)
                 nbytes = batch_nbytes(batch)
-                put, get, best = timed_pair(
-                    lambda: ray.put(wire),
-                    lambda ref: ray.get(reader.ray_handoff.remote(ref), timeout=RAY_TIMEOUT_S),
-                    lambda ref: None,
-                    repeats,
-                )
-                rows.append({"batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
+                td = TensorDict(batch, batch_size=[b])
+                for r in readers:
+                    shards = [to_wire(select_rows(td, range(i * b // r, (i + 1) * b // r))) for i in range(r)]
+                    put, get, best = timed_pair(
+                        lambda: [ray.put(s) for s in shards],
+                        lambda refs: _gather([a.ray_handoff.remote(ref) for a, ref in zip(actors, refs)]),
+                        lambda refs: None,
+                        repeats,
+                    )
+                    rows.append(_row("ray", b, layout, r, nbytes, put, get, best))
+        tiny = to_wire(make_batch(TINY_ROWS, "dense"))
+        reader = actors[0]
+        lat = {
+            "ray_actor_call": latency(lambda: ray.get(reader.ping.remote(), timeout=RAY_TIMEOUT_S), repeats * 4),
+            "ray": latency(lambda: ray.get(reader.ray_handoff.remote(ray.put(tiny)), timeout=RAY_TIMEOUT_S), repeats * 4),
+        }
     finally:
-        ray.kill(reader)
-    return rows
+        _close(actors)
+    return rows, lat
 
 
-def ray_zero_copy_subprocess(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+def ray_zero_copy_subprocess(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     env = {**os.environ, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, __file__, "--ray-only", "--repeats", str(repeats), "--sizes", *map(str, sizes)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, __file__, "--ray-only", "--repeats", str(repeats), "--sizes", *map(str, sizes),
+           "--readers", *map(str, readers)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"zero-copy run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    rows, lat = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in rows:
+        r["method"] = "ray_zero_copy"
+    return rows, {"ray_zero_copy": lat["ray"]}
 
 
 def bench_local(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -213,8 +254,8 @@ def bench_local(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
             batch = make_batch(b, layout)
             nbytes = batch_nbytes(batch)
             flat = [v.values() if is_jagged(v) else v for v in batch.values()]
-            copies = timed(lambda: [t.clone() for t in flat], repeats)
-            rows.append({"method": "memcpy", "batch": b, "layout": layout, "bytes": nbytes, "put_s": statistics.median(copies), "get_s": 0.0, "best_s": min(copies)})
+            copy, _ = latency(lambda: [t.clone() for t in flat], repeats)
+            rows.append(_row("memcpy", b, layout, 1, nbytes, copy, 0.0, copy))
             keys = [f"k{i}" for i in range(b)]
             put, get, best = timed_pair(
                 lambda: mem.kv_batch_put(keys, "p", batch),
@@ -222,116 +263,250 @@ def bench_local(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
                 lambda meta: mem.kv_clear(None, "p"),
                 repeats,
             )
-            rows.append({"method": "memory", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
+            rows.append(_row("memory", b, layout, 1, nbytes, put, get, best))
     return rows
 
 
-def bench_tq(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+def _bench_store(
+    method: str, client: Any, actors: list[Any], sizes: list[int], readers: list[int], repeats: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for b in sizes:
+        keys = [f"k{i}" for i in range(b)]
+        for layout in ("dense", "jagged"):
+            batch = make_batch(b, layout)
+            nbytes = batch_nbytes(batch)
+            for r in readers:
+                pid = f"bench-{uuid.uuid4().hex[:6]}"
+                put, get, best = timed_pair(
+                    lambda: client.kv_batch_put(keys, pid, batch),
+                    lambda meta: _gather(
+                        [a.store_get.remote(method, m, FIELDS) for a, m in zip(actors, meta.chunk(r))]
+                    ),
+                    lambda meta: client.kv_clear(None, pid),
+                    repeats,
+                )
+                rows.append(_row(method, b, layout, r, nbytes, put, get, best))
+    return rows
+
+
+def _tiny_store(method: str, client: Any, reader: Any, repeats: int) -> tuple[float, float]:
+    tiny = make_batch(TINY_ROWS, "dense")
+    keys = [f"t{i}" for i in range(TINY_ROWS)]
+    pid = f"tiny-{uuid.uuid4().hex[:6]}"
+
+    def once() -> None:
+        meta = client.kv_batch_put(keys, pid, tiny)
+        ray.get(reader.store_get.remote(method, meta, FIELDS), timeout=RAY_TIMEOUT_S)
+
+    try:
+        return latency(once, repeats * 4)
+    finally:
+        client.kv_clear(None, pid)
+
+
+def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.config import RayStoreConfig
+
+    client = RayStoreClient(RayStoreConfig(op_timeout_s=120), bootstrap=True, actor_name=STORE_ACTOR)
+    actors: list[Any] = []
+    try:
+        actors = _readers(max(readers), ["ray_store"])
+        rows = _bench_store("ray_store", client, actors, sizes, readers, repeats)
+        rows += _bench_store("ray_store_zc_reads", client, actors, sizes, [1], repeats)
+        lat = {"ray_store": _tiny_store("ray_store", client, actors[0], repeats)}
+        client.flush()
+        stats = client.stats()
+    finally:
+        try:
+            if actors:
+                _close(actors)
+        finally:
+            client.close()
+    return rows, {**lat, "ray_store_stats_at_end": stats}
+
+
+def bench_tq(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=True)
-    reader = None
-    rows = []
+    actors: list[Any] = []
     try:
         import transfer_queue as tq
 
         tq.init()  # the driver's raw TQ client attaches to the adapter's store
-        reader = ray.remote(num_cpus=0)(Reader).remote(True)
-        ray.get(reader.ready.remote(), timeout=RAY_TIMEOUT_S)
+        actors = _readers(max(readers), ["tq"])
+        rows = _bench_store("tq_adapter", client, actors, sizes, readers, repeats)
         for b in sizes:
             keys = [f"k{i}" for i in range(b)]
             for layout in ("dense", "jagged"):
                 batch = make_batch(b, layout)
-                nbytes = batch_nbytes(batch)
+                td = TensorDict(batch, batch_size=[b])
                 pid = f"bench-{uuid.uuid4().hex[:6]}"
                 put, get, best = timed_pair(
-                    lambda: client.kv_batch_put(keys, pid, batch),
-                    lambda meta: ray.get(reader.adapter_get.remote(meta, FIELDS), timeout=RAY_TIMEOUT_S),
-                    lambda meta: client.kv_clear(None, pid),
-                    repeats,
-                )
-                rows.append({"method": "tq_adapter", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
-                td = TensorDict(batch, batch_size=[b])
-                put, get, best = timed_pair(
                     lambda: tq.kv_batch_put(keys=keys, partition_id=pid, fields=td),
-                    lambda _: ray.get(reader.raw_get.remote(keys, pid, FIELDS), timeout=RAY_TIMEOUT_S),
+                    lambda _: ray.get(actors[0].raw_get.remote(keys, pid, FIELDS), timeout=RAY_TIMEOUT_S),
                     lambda _: client.kv_clear(None, pid),
                     repeats,
                 )
-                rows.append({"method": "tq_raw", "batch": b, "layout": layout, "bytes": nbytes, "put_s": put, "get_s": get, "best_s": best})
+                rows.append(_row("tq_raw", b, layout, 1, batch_nbytes(batch), put, get, best))
+        lat = {"tq_adapter": _tiny_store("tq_adapter", client, actors[0], repeats)}
     finally:
         try:
-            if reader is not None:
-                try:
-                    ray.get(reader.close.remote(), timeout=30)
-                finally:
-                    ray.kill(reader)
+            if actors:
+                _close(actors)
         finally:
             client.close()
-    return rows
+    return rows, lat
+
+
+# ------------------------------------------------------------------ start-up
+STARTUP = r"""
+import json, os, sys, time
+import torch, ray                                   # a trainer's driver has these already
+sys.path.insert(0, sys.argv[2])
+t = time.perf_counter()
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray_s = time.perf_counter() - t
+t0 = time.perf_counter()
+if sys.argv[1] == "ray":
+    from nemo_dataplane.adapters.ray_store import RayStoreClient as C
+else:
+    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient as C
+t1 = time.perf_counter()
+client = C(None, bootstrap=True)
+t2 = time.perf_counter()
+x = {"x": torch.arange(8 * 16).view(8, 16)}
+meta = client.kv_batch_put([f"k{i}" for i in range(8)], "p", x)
+assert torch.equal(client.kv_batch_get(meta, ["x"])["x"], x["x"])
+t3 = time.perf_counter()
+client.close()
+ray.shutdown()
+print(json.dumps({"ray_init_s": ray_s, "import_s": t1 - t0, "create_s": t2 - t1, "store_up_s": t2 - t0,
+                  "first_put_get_s": t3 - t2}))
+"""
+
+
+def startup(backend: str) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", STARTUP, backend, str(REPO)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"start-up run of {backend} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ report
+# The issue's table (one run, before this work): tq_adapter / ray_zero_copy MB/s.
+BEFORE_VS_ZC = {"256/dense": 0.33, "256/jagged": 0.25, "1024/dense": 0.25, "1024/jagged": 0.20}
+
+
+def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any], sizes: list[int], readers: list[int]) -> dict[str, Any]:
+    for r in rows:
+        r["total_s"] = r["put_s"] + r["get_s"]
+        r["mb_s"] = r["bytes"] / 1e6 / r["total_s"]
+        r["best_mb_s"] = r["bytes"] / 1e6 / r["best_s"]
+    base = {(r["method"], r["batch"], r["layout"], r["readers"]): r for r in rows if r["method"] in ("ray", "ray_zero_copy")}
+    for r in rows:
+        k = (r["batch"], r["layout"], r["readers"])
+        for m, col in (("ray", "vs_ray"), ("ray_zero_copy", "vs_zc")):
+            b = base[(m, *k)]
+            r[col] = r["mb_s"] / b["mb_s"]
+            r[f"best_{col}"] = r["best_mb_s"] / b["best_mb_s"]
+    rows.sort(key=lambda r: (r["readers"], r["batch"], r["layout"], ORDER.index(r["method"])))
+
+    header = (f"{'rd':>2} {'batch':>5} {'layout':>6} {'method':>18} {'MB':>6} {'put ms':>7} {'get ms':>7} {'MB/s':>6}"
+              f" {'vs ray':>6} {'vs zc':>6} {'best MB/s':>9} {'best vs zc':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['readers']:>2} {r['batch']:>5} {r['layout']:>6} {r['method']:>18} {r['bytes'] / 1e6:>6.1f} "
+              f"{r['put_s'] * 1e3:>7.1f} {r['get_s'] * 1e3:>7.1f} {r['mb_s']:>6.0f} {r['vs_ray']:>6.2f} {r['vs_zc']:>6.2f}"
+              f" {r['best_mb_s']:>9.0f} {r['best_vs_zc']:>10.2f}")
+
+    def ratio(method: str, b: int, lay: str, rd: int, col: str) -> float | None:
+        hit = [r[col] for r in rows if (r["method"], r["batch"], r["layout"], r["readers"]) == (method, b, lay, rd)]
+        return hit[0] if hit else None
+
+    targets: dict[str, Any] = {}
+    for rd in readers:
+        for b in sizes:
+            for lay in ("dense", "jagged"):
+                k = f"{b}/{lay}/r{rd}"
+                targets[k] = {
+                    "ray_store_vs_zc": ratio("ray_store", b, lay, rd, "vs_zc"),
+                    "ray_store_zc_reads_vs_zc": ratio("ray_store_zc_reads", b, lay, rd, "vs_zc"),
+                    "tq_adapter_vs_ray": ratio("tq_adapter", b, lay, rd, "vs_ray"),
+                    "tq_adapter_vs_zc": ratio("tq_adapter", b, lay, rd, "vs_zc"),
+                }
+                before = BEFORE_VS_ZC.get(f"{b}/{lay}")
+                if before is not None and rd == 1:
+                    targets[k]["tq_adapter_vs_zc_needed_for_half_gap"] = 1 - (1 - before) / 2
+    print("\nTargets (readers=1): ray_store >= 0.9x zero-copy at >= 1024; tq_adapter >= 1.0x ray and gap to zero-copy halved")
+    for k, v in targets.items():
+        if k.endswith("/r1"):
+            print(f"  {k:>16}: " + ", ".join(f"{n}={x:.2f}" for n, x in v.items() if x is not None))
+    print("\nTiny batch (8 rows dense) put + get latency, median / best ms:")
+    for name, v in lat.items():
+        if isinstance(v, (list, tuple)):
+            print(f"  {name:>18}: {v[0] * 1e3:7.2f} / {v[1] * 1e3:7.2f}")
+    print("\nStore start-up after Ray (import + create; torch and Ray already loaded), s:")
+    for name, v in start.items():
+        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
+              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}")
+    return targets
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tq", "ray_store", "startup"])
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    lat: dict[str, Any] = {}
     try:
         if args.ray_only:  # the zero-copy child: print its rows as one JSON line
-            print(json.dumps(bench_ray(args.sizes, args.repeats)))
+            print(json.dumps(bench_ray(args.sizes, args.readers, args.repeats)))
             return
         t_start = time.perf_counter()
         load_start = os.getloadavg()
         rows = bench_local(args.sizes, args.repeats)
-        rows += [{"method": "ray", **r} for r in bench_ray(args.sizes, args.repeats)]
-        rows += bench_tq(args.sizes, args.repeats)
+        r, lt = bench_ray(args.sizes, args.readers, args.repeats)
+        rows += r
+        lat.update(lt)
+        if "ray_store" not in args.skip:
+            r, lt = bench_ray_store(args.sizes, args.readers, args.repeats)
+            rows += r
+            lat.update(lt)
+        if "tq" not in args.skip:
+            r, lt = bench_tq(args.sizes, args.readers, args.repeats)
+            rows += r
+            lat.update(lt)
     finally:
         ray.shutdown()
-    rows += [{"method": "ray_zero_copy", **r} for r in ray_zero_copy_subprocess(args.sizes, args.repeats)]
-    for r in rows:
-        r["total_s"] = r["put_s"] + r["get_s"]
-        r["mb_s"] = r["bytes"] / 1e6 / r["total_s"]
-        r["best_mb_s"] = r["bytes"] / 1e6 / r["best_s"]
-    ray_mb = {(r["batch"], r["layout"]): r["mb_s"] for r in rows if r["method"] == "ray"}
-    ray_best = {(r["batch"], r["layout"]): r["best_mb_s"] for r in rows if r["method"] == "ray"}
-    for r in rows:
-        r["vs_ray"] = r["mb_s"] / ray_mb[(r["batch"], r["layout"])]
-        r["best_vs_ray"] = r["best_mb_s"] / ray_best[(r["batch"], r["layout"])]
-    order = ["memcpy", "memory", "ray", "ray_zero_copy", "tq_raw", "tq_adapter"]
-    rows.sort(key=lambda r: (r["batch"], r["layout"], order.index(r["method"])))
-
-    header = (
-        f"{'batch':>5} {'layout':>6} {'method':>13} {'MB':>7} {'put ms':>8} {'get ms':>8} {'MB/s':>8} {'vs ray':>7}"
-        f" {'best MB/s':>10} {'best vs ray':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['batch']:>5} {r['layout']:>6} {r['method']:>13} {r['bytes'] / 1e6:>7.2f} {r['put_s'] * 1e3:>8.1f} "
-            f"{r['get_s'] * 1e3:>8.1f} {r['mb_s']:>8.0f} {r['vs_ray']:>7.2f} {r['best_mb_s']:>10.0f} {r['best_vs_ray']:>11.2f}"
-        )
-    ratios = {
-        f"{b}/{lay}": {
-            m: next(r["vs_ray"] for r in rows if (r["batch"], r["layout"], r["method"]) == (b, lay, m))
-            for m in ("tq_adapter", "tq_raw")
-        }
-        for b in args.sizes
-        for lay in ("dense", "jagged")
-    }
-    print("\nTQ adapter / Ray hand-off (MB/s ratio):", {k: round(v["tq_adapter"], 2) for k, v in ratios.items()})
-    print("TQ adapter / raw TQ:", {k: round(v["tq_adapter"] / v["tq_raw"], 2) for k, v in ratios.items()})
+    r, lt = ray_zero_copy_subprocess(args.sizes, args.readers, args.repeats)
+    rows += r
+    lat.update(lt)
+    start = {}
+    if "startup" not in args.skip:
+        start = {"ray": startup("ray"), "transfer_queue": startup("transfer_queue")}
+    targets = report(rows, lat, start, args.sizes, args.readers)
     out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
                 "rows": rows,
-                "ratios_vs_ray": ratios,
+                "targets": targets,
+                "tiny_latency_s": lat,
+                "startup_s": start,
                 "repeats": args.repeats,
                 "loadavg_1min_start_end": [load_start[0], os.getloadavg()[0]],
                 "wall_s": time.perf_counter() - t_start,

@@ -4,18 +4,25 @@ YAML shape (all keys optional)::
 
     data_plane:
       enabled: false              # trainers: move batches through the store (true) or Ray (false)
-      backend: transfer_queue     # transfer_queue | memory | "pkg.module:MyClient"
+      backend: transfer_queue     # transfer_queue | ray | memory | "pkg.module:MyClient"
       backend_kwargs: {}          # passed to a custom backend's constructor
       fetch_policy: auto          # independent | leader_broadcast | auto
       column_max_bytes_per_sample: 64   # driver column I/O refuses wider fields
       transfer_queue:
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
+        storage_placement: pack   # pack: Ray places the units | per_node: one unit on every node
         storage_unit_num_cpus: 0.5
         controller_num_cpus: 0.5
         bootstrap_timeout_s: 60   # how long creating/attaching may take before a clear error
         op_timeout_s: 300         # bound on any single put/get/clear/list
         quiet: true               # silence TransferQueue's per-op log lines
+      ray_store:                  # backend: ray (tensors in Ray's object store, a metadata actor)
+        ray_address: null         # null: join a running Ray if one is up, else start a local one
+        adopt_objects: true       # rows outlive the process that put them (one background copy)
+        zero_copy_reads: false    # true: whole-put reads are read-only views of shared memory
+        bootstrap_timeout_s: 60
+        op_timeout_s: 300
       observability:
         enabled: false            # wrap the client to record every op
       packing:
@@ -40,6 +47,7 @@ class ConfigError(ValueError):
     """A config key is unknown, mistyped or invalid; the message names its dotted path."""
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
+BUILTIN_BACKENDS: tuple[str, ...] = ("transfer_queue", "ray", "memory")
 PackingMode = Literal["none", "sequence", "dynamic"]
 
 
@@ -49,6 +57,7 @@ class TransferQueueConfig:
 
     ray_address: str | None = None
     num_storage_units: int | None = None
+    storage_placement: Literal["pack", "per_node"] = "pack"
     storage_unit_num_cpus: float = 0.5
     controller_num_cpus: float = 0.5
     bootstrap_timeout_s: float = 60.0
@@ -58,12 +67,43 @@ class TransferQueueConfig:
     def __post_init__(self) -> None:
         if self.num_storage_units is not None and self.num_storage_units < 1:
             raise ValueError(f"data_plane.transfer_queue.num_storage_units must be >= 1, got {self.num_storage_units}")
+        if self.storage_placement not in ("pack", "per_node"):
+            raise ValueError(
+                f"data_plane.transfer_queue.storage_placement must be 'pack' or 'per_node', got {self.storage_placement!r}"
+            )
         for name in ("storage_unit_num_cpus", "controller_num_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data_plane.transfer_queue.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("bootstrap_timeout_s", "op_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data_plane.transfer_queue.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RayStoreConfig:
+    """How the Ray object-store backend finds or creates its metadata actor, and its trade-offs.
+
+    * ``adopt_objects``: every put's objects are copied once, off the put's path, by a keeper
+      actor on the writer's node into objects owned by the store, so rows survive the process
+      that put them. ``false`` skips that copy: rows then die with their writer.
+    * ``zero_copy_reads``: a read of whole runs of one put returns tensors that *share* Ray's
+      object-store memory (like ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``): writing into them in
+      place corrupts the stored rows for every reader. ``false`` returns private copies.
+    """
+
+    ray_address: str | None = None
+    adopt_objects: bool = True
+    zero_copy_reads: bool = False
+    index_num_cpus: float = 0.0
+    bootstrap_timeout_s: float = 60.0
+    op_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.index_num_cpus < 0:
+            raise ValueError(f"data_plane.ray_store.index_num_cpus must be >= 0, got {self.index_num_cpus}")
+        for name in ("bootstrap_timeout_s", "op_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data_plane.ray_store.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -116,12 +156,18 @@ class DataPlaneConfig:
     fetch_policy: FetchPolicy = "auto"
     column_max_bytes_per_sample: int = 64
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     packing: PackingConfig = field(default_factory=_default_packing)
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"data_plane.backend must be a non-empty str, got {self.backend!r}")
+        if self.backend not in BUILTIN_BACKENDS and ":" not in self.backend:
+            raise ValueError(
+                f"data_plane.backend={self.backend!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
+                "nor a 'pkg.module:ClassName' path"
+            )
         if self.fetch_policy not in get_args(FetchPolicy):
             raise ValueError(
                 f"data_plane.fetch_policy must be one of {get_args(FetchPolicy)}, got {self.fetch_policy!r}"
@@ -149,6 +195,7 @@ class DataPlaneConfig:
 
 _SECTIONS: dict[str, type] = {
     "transfer_queue": TransferQueueConfig,
+    "ray_store": RayStoreConfig,
     "observability": ObservabilityConfig,
     "packing": PackingConfig,
 }

@@ -56,6 +56,18 @@ def _values_equal(a: Any, b: Any) -> bool:
         return False
 
 
+# Tag values of these types are immutable: a shallow copy of a dict holding only them is as
+# private as a deep copy, at a fraction of the cost (deepcopy dominated metas of 4096 keys).
+_ATOMIC = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _copy_tag(tag: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(tag)
+    if all(type(v) in _ATOMIC for v in out.values()):
+        return out
+    return copy.deepcopy(out)
+
+
 @dataclass(frozen=True)
 class KVBatchMeta:
     """Keys of one batch in one partition, with per-key tags and batch-level info.
@@ -80,9 +92,11 @@ class KVBatchMeta:
     def __post_init__(self) -> None:
         keys = tuple(self.keys)
         tags = tuple(self.tags) if self.tags is not None else ()
-        for i, key in enumerate(keys):
-            if not isinstance(key, str):
-                raise ValueError(f"KVBatchMeta.keys[{i}] must be a str, got {type(key).__name__}: {key!r}")
+        # Fast checks first (one C-level pass each); the loops below only name the culprit.
+        if not all(type(k) is str for k in keys):
+            for i, key in enumerate(keys):
+                if not isinstance(key, str):
+                    raise ValueError(f"KVBatchMeta.keys[{i}] must be a str, got {type(key).__name__}: {key!r}")
         if len(tags) != len(keys):
             raise ValueError(
                 f"KVBatchMeta: keys and tags must have same length (one tag dict per key): got {len(tags)} tags for {len(keys)} keys"
@@ -90,9 +104,8 @@ class KVBatchMeta:
         for i, tag in enumerate(tags):
             if not isinstance(tag, Mapping):
                 raise ValueError(f"KVBatchMeta.tags[{i}] (key {keys[i]!r}) must be a dict, got {type(tag).__name__}")
-        dups = _duplicates(keys)
-        if dups:
-            raise ValueError(f"KVBatchMeta.keys: Got duplicated keys {dups[:10]}")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"KVBatchMeta.keys: Got duplicated keys {_duplicates(keys)[:10]}")
         fields = None if self.fields is None else tuple(self.fields)
         if fields is not None:
             dup_fields = _duplicates(fields)
@@ -101,7 +114,7 @@ class KVBatchMeta:
         if self.partition_id is not None and not isinstance(self.partition_id, str):
             raise ValueError(f"KVBatchMeta.partition_id must be a str or None, got {self.partition_id!r}")
         object.__setattr__(self, "keys", keys)
-        object.__setattr__(self, "tags", tuple(copy.deepcopy(dict(t)) for t in tags))
+        object.__setattr__(self, "tags", tuple(map(_copy_tag, tags)))
         object.__setattr__(self, "fields", fields)
         object.__setattr__(self, "extra_info", copy.deepcopy(self.extra_info))
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-__all__ = ["select_rows", "split_microbatches"]
+__all__ = ["concat_rows", "select_rows", "split_microbatches", "take_rows"]
 
 
 # Jagged fields are taken apart into (values, offsets) once per call: every NJT accessor and
@@ -36,29 +36,110 @@ def _columns(batch: TensorDict, what: str) -> dict[str, _Column]:
 
 
 def _rows(columns: Mapping[str, _Column], index: list[int], *, copy: bool) -> TensorDict:
-    """Rows ``index`` of every column. A contiguous ascending run is sliced (views of the source,
-    or clones with ``copy``); anything else is gathered (always fresh tensors)."""
-    run = bool(index) and index == list(range(index[0], index[0] + len(index)))
-    out: dict[str, torch.Tensor] = {}
-    for name, (t, offsets) in columns.items():
-        if offsets is None:
-            if run:
-                part = t[index[0] : index[0] + len(index)]
-                out[name] = part.clone() if copy else part
-            else:
-                out[name] = t.index_select(0, _index(index, t.device))
-        elif run:
-            a, b = index[0], index[0] + len(index)
-            off = offsets[a : b + 1] - offsets[a]
-            values = t[int(offsets[a]) : int(offsets[b])]
-            out[name] = torch.nested.nested_tensor_from_jagged(values.clone() if copy else values, offsets=off)
-        else:
-            out[name] = _gather_jagged(t, offsets, _index(index, offsets.device))
+    """Rows ``index`` of every column (see :func:`take_rows`)."""
+    start = _run_start(index)
+    out = {name: _take(t, offsets, index, start, copy) for name, (t, offsets) in columns.items()}
     return TensorDict(out, batch_size=[len(index)])
 
 
-def _index(index: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(index, dtype=torch.int64, device=device)
+def _run_start(index: Sequence[int] | torch.Tensor) -> int | None:
+    """The first row when ``index`` is a contiguous ascending run, else ``None``."""
+    n = len(index)
+    if n == 0:
+        return None
+    if isinstance(index, range):
+        return index.start if index.step == 1 else None
+    if isinstance(index, torch.Tensor):
+        first = int(index[0])
+        if int(index[-1]) - first != n - 1:
+            return None
+        return first if n == 1 or bool((index.diff() == 1).all()) else None
+    first = int(index[0])
+    if int(index[-1]) - first != n - 1:
+        return None
+    return first if list(index) == list(range(first, first + n)) else None
+
+
+def _take(
+    t: torch.Tensor, offsets: torch.Tensor | None, index: Sequence[int] | torch.Tensor, start: int | None, copy: bool
+) -> torch.Tensor:
+    """A contiguous ascending run is sliced (a view of the source, or a clone with ``copy``);
+    anything else is gathered (always a fresh tensor)."""
+    n = len(index)
+    if offsets is None:
+        if start is not None:
+            part = t[start : start + n]
+            return part.clone() if copy else part
+        return t.index_select(0, _index(index, t.device))
+    if start is not None:
+        off = offsets[start : start + n + 1] - offsets[start]
+        values = t[int(offsets[start]) : int(offsets[start + n])]
+        return torch.nested.nested_tensor_from_jagged(values.clone() if copy else values, offsets=off)
+    if n == 0:
+        return torch.nested.nested_tensor_from_jagged(t[:0], offsets=torch.zeros(1, dtype=offsets.dtype))
+    return _gather_jagged(t, offsets, _index(index, offsets.device))
+
+
+def take_rows(
+    values: torch.Tensor, offsets: torch.Tensor | None, index: Sequence[int] | torch.Tensor, *, copy: bool
+) -> torch.Tensor:
+    """Rows ``index`` of one stored column: dense ``values`` (``offsets is None``, row ``i`` is
+    ``values[i]``) or the flat values of a jagged column (row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``, returned as a jagged nested tensor).
+
+    A contiguous ascending run of rows (e.g. a ``range``) is a view of ``values`` unless
+    ``copy``; any other index (a sequence or an int64 tensor) gathers into a fresh tensor in one
+    vectorized call (no per-row Python work).
+    """
+    return _take(values, offsets, index, _run_start(index), copy)
+
+
+def concat_rows(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Blocks of rows of one field, joined along dim 0 into one new tensor.
+
+    The result is jagged when any block is (a dense block's rows then become jagged rows of
+    length ``shape[1]``), else dense.
+
+    Raises:
+        TypeError: blocks disagree in dtype (names the field).
+        ValueError: dense blocks disagree in row shape, or jagged blocks in per-token shape.
+    """
+    if not parts:
+        raise ValueError(f"field {name!r}: no rows to join")
+    dtypes = {p.dtype for p in parts}
+    if len(dtypes) > 1:
+        raise TypeError(f"field {name!r}: rows were stored with different dtypes {sorted(map(str, dtypes))}")
+    if not any(getattr(p, "is_nested", False) for p in parts):
+        shapes = {tuple(p.shape[1:]) for p in parts}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"field {name!r}: rows have different shapes {sorted(shapes)[:5]}; put it as a jagged nested tensor"
+            )
+        return torch.cat(list(parts), 0)
+    values, lengths = [], []
+    for p in parts:
+        if getattr(p, "is_nested", False):
+            off = p.offsets()
+            values.append(p.values()[int(off[0]) : int(off[-1])])
+            lengths.append(off.diff())
+        else:
+            if p.dim() < 2:
+                raise ValueError(f"field {name!r}: scalar rows cannot join jagged rows")
+            values.append(p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]))
+            lengths.append(torch.full((p.shape[0],), p.shape[1], dtype=torch.int64))
+    trailing = {tuple(v.shape[1:]) for v in values}
+    if len(trailing) > 1:
+        raise ValueError(f"field {name!r}: jagged rows disagree in per-token shape {sorted(trailing)[:5]}")
+    all_lengths = torch.cat(lengths)
+    offsets = torch.zeros(all_lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(all_lengths, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(torch.cat(values, 0), offsets=offsets)
+
+
+def _index(index: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(index, torch.Tensor):
+        return index.to(device=device, dtype=torch.int64)
+    return torch.tensor(list(index), dtype=torch.int64, device=device)
 
 
 def _gather_jagged(values: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,9 @@
 * ``tq_client``: a bootstrapped :class:`TransferQueueClient` on that cluster, under
   TransferQueue's default controller name so ``transfer_queue.init()`` in an actor attaches to
   the same store. Tests must use their own partition ids and clear them.
+* ``ray_store_client``: a bootstrapped :class:`RayStoreClient` (the ``ray`` backend) on that
+  cluster, under its default index name so workers attach with ``bootstrap=False``.
+* ``plasma_mib``: a function returning the MiB of Ray's object store in use.
 * ``memory_client``: a fresh :class:`InMemoryClient` per test.
 * ``store``: ``(client, partition_id)``, parametrized over the in-memory store and ``tq_client``,
   with a fresh partition (named after the test module) that is cleared afterwards.
@@ -63,6 +66,31 @@ def tq_client(ray_session: Any) -> Iterator[Any]:
     )
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_store_client(ray_session: Any) -> Iterator[Any]:
+    """A Ray object-store backend (metadata actor under its default name) shared by the session."""
+    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.config import RayStoreConfig
+
+    client = RayStoreClient(RayStoreConfig(bootstrap_timeout_s=60, op_timeout_s=60), bootstrap=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def plasma_mib(ray_session: Any) -> Any:
+    """``plasma_mib()``: MiB of Ray's object store in use across the cluster (Ray's own stats)."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    def used() -> int:
+        text = memory_summary(ray_session.get_runtime_context().gcs_address, stats_only=True)
+        return int(re.search(r"Plasma memory usage (\d+) MiB", text).group(1))  # type: ignore[union-attr]
+
+    return used
 
 
 @pytest.fixture

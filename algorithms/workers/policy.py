@@ -57,16 +57,16 @@ def model_inputs(mb: TensorDict, pad_id: int, device: torch.device) -> tuple[tor
 
 
 class PolicyWorker:
-    """One DP rank. Construct through Ray (``ray.remote(PolicyWorker)``); all ranks must be
-    created together, since the constructor joins the gradient all-reduce group.
+    """One DP rank. Construct through Ray (``ray.remote(PolicyWorker)``), then form the gradient
+    all-reduce group: rank 0's :meth:`host_rendezvous` ``("train", world_size)`` gives the address
+    every rank passes to :meth:`join_train_group` (collective).
 
     Args:
         rank, world_size: this DP rank and the DP size.
         cfg: ``TrainerConfig.to_dict()``.
-        master_addr, master_port: rendezvous of the all-reduce group.
     """
 
-    def __init__(self, rank: int, world_size: int, cfg: Mapping[str, Any], master_addr: str, master_port: int) -> None:
+    def __init__(self, rank: int, world_size: int, cfg: Mapping[str, Any]) -> None:
         from algorithms.models import build_model
         from algorithms.tasks import CharTokenizer
 
@@ -87,17 +87,9 @@ class PolicyWorker:
         self.temperature = float(cfg["generation"]["temperature"]) or 1.0
         self.grpo = cfg["grpo"]
         self.debug = cfg["debug"]
-        dist.init_process_group(
-            backend=pcfg["dist_backend"],
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
         self.backend = str(pcfg.get("backend", "torch"))
         self._mc_shape: Any = None
-        if self.backend == "megatron":
-            self._use_megatron(int(pcfg.get("tensor_parallel_size", 1)))
+        self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
         self._fetcher: Any = None
         self._refit_group: Any = None
         self._sender: Any = None
@@ -155,6 +147,34 @@ class PolicyWorker:
         """Rank and parameter count, once constructed (the driver waits on it, bounded)."""
         return {"rank": self.rank, "params": sum(p.numel() for p in self.model.parameters())}
 
+    def host_rendezvous(self, group: str, world_size: int) -> tuple[str, int]:
+        """Host the rendezvous store of ``group`` (rank 0 of it): listen on this node's address,
+        on a port the OS picks while binding it (no other process can take it in between).
+
+        Returns:
+            ``(address, port)`` for the group's other members.
+        """
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        store = dist.TCPStore(
+            address, 0, world_size, True, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False
+        )
+        self._stores[group] = store
+        return address, int(store.port)
+
+    def join_train_group(self, address: str, port: int) -> None:
+        """Join the gradient all-reduce group at rank 0's rendezvous (collective over all ranks)."""
+        timeout = timedelta(seconds=self.timeout_s)
+        store = self._stores.get("train") or dist.TCPStore(address, port, self.world_size, False, timeout=timeout)
+        self._stores["train"] = store  # the group keeps using it
+        dist.init_process_group(
+            backend=self.cfg["policy"]["dist_backend"], store=store, rank=self.rank, world_size=self.world_size,
+            timeout=timeout,
+        )
+        if self.backend == "megatron":  # Megatron's parallel state is built over this group
+            self._use_megatron(int(self.cfg["policy"].get("tensor_parallel_size", 1)))
+
     def attach_data_plane(self, data_plane_cfg: Mapping[str, Any]) -> None:
         """Attach to the driver's store (data-plane path only; the legacy path never calls this)."""
         from nemo_dataplane.factory import build_data_plane_client
@@ -174,7 +194,8 @@ class PolicyWorker:
 
         rcfg = self.cfg["refit"]
         self._refit_group = StatelessProcessGroup(
-            host, port, 0, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit"
+            host, port, 0, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit",
+            store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )
         self._sender = RefitSender(self._refit_group, self._named_for_refit, bucket_bytes=rcfg["bucket_bytes"])
         self._sender.prepare_refit_info()

@@ -1,19 +1,26 @@
 """Store adapters behind :class:`nemo_dataplane.DataPlaneClient`.
 
-``InMemoryClient`` (in-process reference) is always importable. ``TransferQueueClient`` needs
-``transferqueue`` and Ray, so it is imported on first access.
+Every adapter is imported on first access (PEP 562), so importing one adapter module, or the
+torch-free actors of the Ray backend inside a fresh Ray worker, loads nothing else:
+``InMemoryClient`` (in-process reference), ``TransferQueueClient`` (needs ``transferqueue`` and
+Ray), ``RayStoreClient`` (needs Ray).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nemo_dataplane.adapters.memory import InMemoryClient
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nemo_dataplane.adapters.memory import InMemoryClient
+    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
 
-__all__ = ["InMemoryClient", "TransferQueueClient"]
+__all__ = ["InMemoryClient", "RayStoreClient", "TransferQueueClient"]
+
+_WHERE = {"InMemoryClient": "memory", "TransferQueueClient": "transfer_queue", "RayStoreClient": "ray_store"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TransferQueueClient":
-        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    if name in _WHERE:
+        import importlib
 
-        return TransferQueueClient
+        return getattr(importlib.import_module(f"nemo_dataplane.adapters.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'nemo_dataplane.adapters' has no attribute {name!r}")

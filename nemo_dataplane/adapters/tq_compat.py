@@ -56,17 +56,20 @@ the behaviours below, each seen on a 2-CPU machine:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -78,6 +81,10 @@ from transfer_queue.sampler import SequentialSampler
 from transfer_queue.storage import SimpleStorageUnit, StorageKeyNotFoundError
 from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
 from transfer_queue.utils.zmq_utils import ZMQRequestType
+
+from nemo_dataplane.adapters.chunks import assemble, decode, encode, rows_of
+from nemo_dataplane.adapters.locate import where_of
+from nemo_dataplane.rows import take_rows
 
 __all__ = [
     "LAYOUT_TAG",
@@ -175,19 +182,31 @@ def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -
 
 
 def create_storage_units(
-    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool
+    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool,
+    node_ids: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``."""
+    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
+
+    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     unit_conf = dict(OmegaConf.to_container(conf.backend[BACKEND], resolve=True))  # type: ignore[arg-type]
     unit_conf["_run_id"] = os.urandom(8).hex()
     handles: dict[str, Any] = {}
     for rank in range(int(unit_conf["num_data_storage_units"])):
         name = f"{name_prefix}.StorageUnit#{rank}"
+        where = (
+            {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[rank % len(node_ids)], soft=False)}
+            if node_ids
+            else {}
+        )
         handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,
             runtime_env={"env_vars": actor_env(quiet)},
+            **where,
         ).remote(config=unit_conf)
     return handles
 
@@ -276,26 +295,44 @@ def _jagged_schema(t_dtype: torch.dtype, lengths: torch.Tensor, trailing: tuple[
     }
 
 
+def field_schema(n: int, columns: Mapping[str, torch.Tensor], jagged: set[str]) -> dict[str, dict[str, Any]]:
+    """The field schema TransferQueue's own put records for ``columns`` (``n`` rows)."""
+    dense = {k: v for k, v in columns.items() if k not in jagged}
+    schema: dict[str, dict[str, Any]] = {}
+    if dense:
+        schema.update(extract_field_schema(TensorDict(dense, batch_size=[n])))
+    for name in jagged:
+        t = columns[name]
+        schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
+    return schema
+
+
 async def put_rows(
     client: AsyncTransferQueueClient,
     meta: BatchMeta,
     columns: Mapping[str, torch.Tensor],
     jagged: set[str],
+    units: Mapping[str, Any] | None = None,
+    chunk: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Write ``columns`` (row ``i`` -> ``meta.global_indexes[i]``) to the storage units.
 
-    Equivalent to ``client.async_put`` minus its thread juggling (quirk 3) and per-row frames for
-    jagged fields (quirk 5). The rows are not yet produced: pass the returned field schema (the
-    one TransferQueue would record) to :func:`mark_produced` once the keys' tags are stored
-    (quirk 10).
+    With ``units`` (unit id -> actor handle, see :func:`unit_handles`) rows go through Ray's
+    object store (quirk 11): one ``ray.put`` per unit's rows (or ``chunk``, from
+    :func:`put_chunk`, shared by units on this node), which the unit maps and stores as one
+    view per row. Otherwise TransferQueue's ZMQ protocol, equivalent to ``client.async_put`` minus
+    its thread juggling (quirk 3) and per-row frames for jagged fields (quirk 5).
+
+    The rows are not yet produced: pass the returned field schema (the one TransferQueue would
+    record) to :func:`mark_produced` once the keys' tags are stored (quirk 10).
     """
     sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
     n = meta.size
     routing = sm._group_by_hash(meta.global_indexes)
+    if units and all(su in units for su in routing):
+        await _write_through_objects(units, routing, n, columns, chunk)
+        return field_schema(n, columns, jagged)
     dense = {k: v for k, v in columns.items() if k not in jagged}
-    schema: dict[str, dict[str, Any]] = {}
-    if dense:
-        schema.update(extract_field_schema(TensorDict(dense, batch_size=[n])))
     tasks = []
     for su_id, group in routing.items():
         pos = group.batch_positions
@@ -310,10 +347,110 @@ async def put_rows(
             sm._put_to_single_storage_unit(group.global_indexes, data, target_storage_unit=su_id, data_parser=parser)
         )
     await asyncio.gather(*tasks)
-    for name in jagged:
-        t = columns[name]
-        schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
-    return schema
+    return field_schema(n, columns, jagged)
+
+
+# ----------------------------------------------------- object-store data path (quirk 11)
+# A unit's rows are views of a Ray object the writer put (mapped from shared memory in the
+# unit's process: the writer's one copy is the only one). TransferQueue's own clients read them
+# through the unit as usual. Inside each unit process, _CHUNKS records the address range of
+# every field buffer mapped this way, so our reads can tell from a row's address which object
+# and row it is and map the object themselves instead of having the unit stack and re-send the
+# rows; no per-row bookkeeping. A record is dropped when its buffer is freed, i.e. when the last
+# row viewing it is gone (TransferQueue cleared or replaced them all).
+UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (local, or one transfer)
+
+
+@dataclass(eq=False)
+class _Mapped:
+    ref: Any  # the writer's object (held: it stays readable while rows view it)
+    start: int  # address of the field's values
+    end: int
+    row_bytes: int  # dense: bytes per row
+    token_bytes: int  # jagged: bytes per element of dim 0
+    offsets: np.ndarray | None  # jagged: element offsets of the rows
+
+
+_CHUNKS: list[tuple[int, _Mapped]] = []  # sorted by start address
+_CHUNKS_LOCK = threading.Lock()  # writes run on the actor thread, frees on whichever drops a row
+
+
+def _register(ref: Any, values: torch.Tensor, offsets: torch.Tensor | None, buf: np.ndarray) -> None:
+    item = values.element_size()
+    per_row = item
+    for d in values.shape[1:]:
+        per_row *= d
+    start = values.data_ptr()
+    m = _Mapped(ref, start, start + values.numel() * item, per_row, per_row,
+                None if offsets is None else offsets.numpy().astype(np.int64))
+    with _CHUNKS_LOCK:
+        bisect.insort(_CHUNKS, (start, m), key=operator.itemgetter(0))
+    weakref.finalize(buf, _unregister, m)
+
+
+def _unregister(m: _Mapped) -> None:
+    with _CHUNKS_LOCK:
+        for i, (_, other) in enumerate(_CHUNKS):
+            if other is m:
+                del _CHUNKS[i]
+                break
+
+
+def put_chunk(columns: Mapping[str, torch.Tensor]) -> Any:
+    """``ray.put`` of ``columns`` as one chunk (see :mod:`.chunks`): the writer's only copy."""
+    return ray.put({name: encode(t) for name, t in columns.items()})
+
+
+def _unit_write(unit: Any, global_indexes: list[int], positions: list[int] | None, chunk: list[Any]) -> None:
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): map ``chunk[0]`` and store rows
+    ``positions`` (all, in order, for ``None``) of every field as one view each.
+
+    ``storage_data.put_data`` is what the unit's own PUT handler calls; it is a series of
+    single dict stores, each atomic under the GIL, like the handler's own.
+    """
+    ref = chunk[0]
+    data = ray.get(ref, timeout=UNIT_GET_TIMEOUT_S)
+    field_rows: dict[str, list[torch.Tensor]] = {}
+    for name, enc in data.items():
+        values, offsets = decode(enc)
+        if values.numel():
+            _register(ref, values, offsets, enc[2])
+        rows = rows_of((values, offsets))
+        field_rows[name] = rows if positions is None else [rows[i] for i in positions]
+    unit.storage_data.put_data(field_rows, global_indexes)
+
+
+def unit_nodes(units: Mapping[str, Any], timeout_s: float) -> dict[str, str]:
+    """Unit id -> the Ray node it runs on."""
+    ids = list(units)
+    nodes = ray.get([units[u].__ray_call__.remote(_node_of) for u in ids], timeout=timeout_s)
+    return dict(zip(ids, nodes))
+
+
+def _node_of(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+async def _write_through_objects(
+    units: Mapping[str, Any], routing: Mapping[str, Any], n: int, columns: Mapping[str, torch.Tensor], chunk: Any
+) -> None:
+    calls = []
+    for su, group in routing.items():
+        positions = group.batch_positions
+        whole = len(positions) == n and positions == list(range(n))
+        if chunk is not None:
+            calls.append(units[su].__ray_call__.remote(_unit_write, group.global_indexes, None if whole else positions, [chunk]))
+            continue
+        # A unit elsewhere gets only its own rows (one gather here instead of a whole transfer).
+        part = {name: _take_positions(t, positions) for name, t in columns.items()} if not whole else columns
+        calls.append(units[su].__ray_call__.remote(_unit_write, group.global_indexes, None, [put_chunk(part)]))
+    await asyncio.gather(*calls)
+
+
+def _take_positions(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    if t.is_nested:
+        return take_rows(t.values(), t.offsets(), positions, copy=False)
+    return take_rows(t, None, positions, copy=False)
 
 
 async def mark_produced(client: AsyncTransferQueueClient, meta: BatchMeta, schema: dict[str, dict[str, Any]]) -> None:
@@ -413,17 +550,24 @@ def column_from_rows(rows: Sequence[torch.Tensor]) -> Column:
         raise ValueError(f"rows cannot form one tensor (shapes {[tuple(r.shape) for r in rows[:5]]})") from None
 
 
-def _unit_read(unit: Any, global_indexes: list[int], fields: list[str]) -> dict[str, Any] | None:
-    """Runs inside a SimpleStorageUnit (``__ray_call__``): one contiguous buffer per field.
+def _unit_read(unit: Any, global_indexes: list[int], fields: list[str], stack: bool = False) -> dict[str, Any] | None:
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): where each field's rows are.
 
     Uses the unit's own ``storage_data.get_data`` (what its ZMQ GET handler calls, SSD offload
-    included). Returns raw bytes as numpy so Ray hands them over out-of-band, or ``None`` when a
-    field holds something other than tensors of one trailing shape (the caller then falls back).
+    included). Per field: ``("chunks", object refs, chunk per row, row per row)`` when every row
+    is a view we stored (quirk 11; nothing is copied here), else (or with ``stack``)
+    ``("stack", bytes, dtype, shape, lengths)``: the rows stacked into one buffer, raw bytes as
+    numpy so Ray hands them over out of band. ``None`` when a field holds something other than
+    tensors of one trailing shape (the caller then falls back to TransferQueue's protocol).
     """
     data = unit.storage_data.get_data(fields, global_indexes)
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields:
         rows = data[f]
+        located = None if stack else _locate(rows)
+        if located is not None:
+            out[f] = ("chunks", *located)
+            continue
         if not all(isinstance(r, torch.Tensor) for r in rows):
             return None
         first = rows[0].shape
@@ -436,12 +580,52 @@ def _unit_read(unit: Any, global_indexes: list[int], fields: list[str]) -> dict[
             except RuntimeError:
                 return None
             lengths = [r.shape[0] for r in rows]
-        out[f] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
+        out[f] = ("stack", t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
     return out
 
 
+def _locate(rows: Sequence[Any]) -> tuple[list[Any], np.ndarray, np.ndarray] | None:
+    """``(object refs, chunk per row, row per row)`` when every row is a view we stored."""
+    if not all(isinstance(r, torch.Tensor) for r in rows):
+        return None
+    with _CHUNKS_LOCK:
+        table = list(_CHUNKS)
+    if not table:
+        return None
+    ptrs = np.fromiter((r.data_ptr() for r in rows), dtype=np.int64, count=len(rows))
+    starts = np.array([s for s, _ in table], dtype=np.int64)
+    which = np.searchsorted(starts, ptrs, side="right") - 1
+    if (which < 0).any():
+        return None
+    used = np.unique(which)
+    refs = []
+    chunks = np.empty(len(rows), dtype=np.int64)
+    positions = np.empty(len(rows), dtype=np.int64)
+    for c, w in enumerate(used.tolist()):
+        m = table[w][1]
+        sel = np.flatnonzero(which == w)
+        rel = ptrs[sel] - m.start
+        if (ptrs[sel] > m.end).any():
+            return None
+        if m.offsets is None:
+            pos = rel // m.row_bytes if m.row_bytes else np.zeros(len(sel), dtype=np.int64)
+        else:
+            elem = rel // m.token_bytes if m.token_bytes else np.zeros(len(sel), dtype=np.int64)
+            lengths = np.fromiter((rows[i].shape[0] for i in sel.tolist()), dtype=np.int64, count=len(sel))
+            # An empty row shares its address with the next row: any empty row there reads the same.
+            pos = np.where(
+                lengths > 0,
+                np.searchsorted(m.offsets, elem, side="right") - 1,
+                np.searchsorted(m.offsets, elem, side="left"),
+            )
+            pos = np.minimum(pos, len(m.offsets) - 2)
+        refs.append(m.ref)
+        chunks[sel], positions[sel] = c, pos
+    return refs, chunks, positions
+
+
 def _decode_unit_column(raw: Any) -> Column:
-    buf, dtype, shape, lengths = raw
+    _, buf, dtype, shape, lengths = raw
     # Ray maps the reply read-only from its object store: one copy makes it ours.
     data = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
     values = data.view(getattr(torch, dtype)).view(shape)
@@ -461,9 +645,13 @@ def _permute(col: Column, order: torch.Tensor) -> Column:
 
 async def read_columns(
     client: AsyncTransferQueueClient, units: Mapping[str, Any], meta: BatchMeta, fields: Sequence[str]
-) -> dict[str, Column] | None:
-    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order, as one :class:`Column`.
+) -> dict[str, Column | torch.Tensor] | None:
+    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order.
 
+    A field whose rows are all views we stored (quirk 11) comes back as the finished tensor, in
+    the layout it was put with: this process maps the writers' objects and copies the rows out
+    once. Any other field comes back as a :class:`Column` the units stacked (rows written by
+    TransferQueue's own clients, or objects whose writer died: the unit still holds the rows).
     ``units`` maps storage-unit id (TransferQueue's routing key) to its actor handle. Returns
     ``None`` when some unit holds data it cannot stack (then use :func:`get_rows`).
 
@@ -474,15 +662,63 @@ async def read_columns(
     groups = list(sm._group_by_hash(meta.global_indexes).items())
     if any(su not in units for su, _ in groups):
         return None
-    refs = [units[su].__ray_call__.remote(_unit_read, g.global_indexes, list(fields)) for su, g in groups]
+    replies = await _unit_reads(units, groups, list(fields), stack=False)
+    if replies is None:
+        return None
+    out: dict[str, Column | torch.Tensor] = {}
+    direct = [f for f in fields if all(r[f][0] == "chunks" for r in replies)]
+    if direct:
+        try:
+            out.update(await _assemble_from_objects(direct, groups, replies, meta.size))
+        except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+            direct = []  # a writer died: its rows live on in the units, read them from there
+    rest = [f for f in fields if f not in out]
+    if rest:
+        if direct or any(r[f][0] == "chunks" for r in replies for f in rest):
+            replies = await _unit_reads(units, groups, rest, stack=True)
+            if replies is None:
+                return None
+        out.update(_merge_stacked(rest, groups, replies))
+    return out
+
+
+async def _unit_reads(units: Mapping[str, Any], groups: list[Any], fields: list[str], stack: bool) -> list[Any] | None:
+    refs = [units[su].__ray_call__.remote(_unit_read, g.global_indexes, fields, stack) for su, g in groups]
     try:
         replies = await asyncio.gather(*refs)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e, KeyError) or isinstance(getattr(e, "cause", None), KeyError):
             raise StorageKeyNotFoundError(str(getattr(e, "cause", e))) from None
         raise
-    if any(r is None for r in replies):
-        return None
+    return None if any(r is None for r in replies) else replies
+
+
+async def _assemble_from_objects(
+    fields: list[str], groups: list[Any], replies: list[Any], n: int
+) -> dict[str, torch.Tensor]:
+    refs: list[Any] = []
+    index: dict[bytes, int] = {}
+    located = {f: (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)) for f in fields}
+    for (_, group), reply in zip(groups, replies):
+        at = np.asarray(group.batch_positions, dtype=np.int64)
+        for f in fields:
+            _, unit_refs, chunks, rows = reply[f]
+            remap = np.empty(len(unit_refs), dtype=np.int64)
+            for j, r in enumerate(unit_refs):
+                key = r.binary()
+                if key not in index:  # units on one node may share one chunk
+                    index[key] = len(refs)
+                    refs.append(r)
+                remap[j] = index[key]
+            located[f][0][at] = remap[chunks]
+            located[f][1][at] = rows
+    objs = await asyncio.gather(*refs)
+    return {
+        f: assemble(f, where_of(*located[f]), lambda c, name: decode(objs[c][name]), copy=True) for f in fields
+    }
+
+
+def _merge_stacked(fields: list[str], groups: list[Any], replies: list[Any]) -> dict[str, Column]:
     out: dict[str, Column] = {}
     for f in fields:
         cols = [_decode_unit_column(r[f]) for r in replies]

@@ -114,6 +114,7 @@ class TransferQueueClient(TransferQueueClaims):
         self._controller: Any = None
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}
+        self._local_units = False
         self._tq: Any = None
         self._claims_unsupported: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -128,6 +129,11 @@ class TransferQueueClient(TransferQueueClaims):
                 # Bulk reads need the units' actor handles; stores made by tq.init() have none
                 # we can find, and are read through TransferQueue's per-row protocol instead.
                 self._units = compat.unit_handles(conf, self.namespace)
+                if self._units:
+                    here = ray.get_runtime_context().get_node_id()
+                    nodes = compat.unit_nodes(self._units, self.cfg.bootstrap_timeout_s)
+                    # Units all on this node map one shared chunk per put; else each gets its rows.
+                    self._local_units = all(node == here for node in nodes.values())
                 self._claims_unsupported = compat.claims_unsupported(conf)
                 self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
             except BaseException:
@@ -216,7 +222,12 @@ class TransferQueueClient(TransferQueueClaims):
     def _create(self) -> Any:
         cfg = self.cfg
         free = float(ray.available_resources().get("CPU", 0.0))
-        n_units = cfg.num_storage_units or auto_storage_units(free)
+        nodes = None
+        if cfg.storage_placement == "per_node":
+            # One unit per node (num_storage_units, if set, round-robin over them): rows a reader
+            # finds on its own node's unit come through shared memory, the rest node to node.
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        n_units = cfg.num_storage_units or (len(nodes) if nodes else auto_storage_units(free))
         need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
         what = (
             f"TransferQueue needs {need:g} CPUs for its controller ({cfg.controller_num_cpus:g}) and "
@@ -239,15 +250,17 @@ class TransferQueueClient(TransferQueueClaims):
                     f"{what} (other actors may hold CPUs); {hint}"
                 ) from None
 
+        # Controller and units start at once: each is a fresh worker importing TransferQueue
+        # (seconds each), and none needs another to construct.
         self._controller = compat.create_controller(
             self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet
         )
         self.owns_store = True
         conf = compat.base_config(n_units)
-        conf.controller.zmq_info = wait_info(self._controller, "the controller")
         self._storage = compat.create_storage_units(
-            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet
+            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes
         )
+        conf.controller.zmq_info = wait_info(self._controller, "the controller")
         conf.backend[compat.BACKEND].zmq_info = {
             name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
         }
@@ -364,7 +377,13 @@ class TransferQueueClient(TransferQueueClaims):
         columns: dict[str, torch.Tensor],
         tag_list: list[dict[str, Any]] | None,
     ) -> KVBatchMeta:
-        bm = await self._retrieve(keys, partition_id, create=True)
+        if columns and self._local_units:
+            # The one copy of the rows into shared memory overlaps the controller's key lookup.
+            bm, chunk = await asyncio.gather(
+                self._retrieve(keys, partition_id, create=True), asyncio.to_thread(compat.put_chunk, columns)
+            )
+        else:
+            bm, chunk = await self._retrieve(keys, partition_id, create=True), None
         if bm.size != len(keys):
             raise DataPlaneError(
                 f"TransferQueue returned {bm.size} slots for {len(keys)} keys in partition {partition_id!r}"
@@ -391,7 +410,7 @@ class TransferQueueClient(TransferQueueClaims):
             jobs = [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
             if columns:
                 jagged = {k for k, v in layout.items() if v == "jagged"}
-                jobs.append(compat.put_rows(self._tq, bm, columns, jagged))
+                jobs.append(compat.put_rows(self._tq, bm, columns, jagged, self._units, chunk))
             # Wait for both before judging: cleanup must not race a tag write still in flight.
             results = await asyncio.gather(*jobs, return_exceptions=True)
             for r in results:
@@ -480,8 +499,9 @@ class TransferQueueClient(TransferQueueClaims):
         except compat.StorageKeyNotFoundError as e:
             raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
         columns = {
-            name: _assemble(name, cols[name], [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
-            for name in names
+            name: col if isinstance(col, torch.Tensor)  # already in the layout it was put with
+            else _assemble(name, col, [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
+            for name, col in ((n, cols[n]) for n in names)
         }
         return make_batch(columns, len(keys))
 

@@ -1,7 +1,8 @@
 """The client contract (nemo_dataplane.testing.conformance) run against every built-in adapter.
 
 ``TestMemoryConformance`` pins the reference semantics; ``TestTransferQueueConformance`` holds
-the real TransferQueue on local Ray (the session ``tq_client``) to the same tests.
+the real TransferQueue on local Ray (the session ``tq_client``) and ``TestRayStoreConformance``
+the Ray object-store backend (the session ``ray_store_client``) to the same tests.
 ``TestByKeyOnlyConformance`` runs a backend that opts out of claims (``supports_claims = False``).
 """
 
@@ -52,3 +53,13 @@ class TestTransferQueueConformance(DataPlaneConformance):
     def remote_config(self) -> Mapping[str, Any] | None:
         # Workers attach (bootstrap=False) to the session store under its default name.
         return {"backend": "transfer_queue", "transfer_queue": {"bootstrap_timeout_s": 60, "op_timeout_s": 60}}
+
+
+class TestRayStoreConformance(DataPlaneConformance):
+    @pytest.fixture
+    def client(self, ray_store_client: DataPlaneClient) -> DataPlaneClient:
+        return ray_store_client
+
+    def remote_config(self) -> Mapping[str, Any] | None:
+        # Workers attach (bootstrap=False) to the session's index under its default name.
+        return {"backend": "ray", "ray_store": {"bootstrap_timeout_s": 60, "op_timeout_s": 60}}

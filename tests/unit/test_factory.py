@@ -70,7 +70,7 @@ def test_custom_backend_by_path_uses_from_config(fake_module: str) -> None:
 
 
 def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
-    with pytest.raises(ValueError, match=r"data_plane.backend='redis' is neither a built-in backend \['memory', 'transfer_queue'\]"):
+    with pytest.raises(ValueError, match=r"data_plane.backend='redis' is neither a built-in backend \['memory', 'ray', 'transfer_queue'\]"):
         resolve_backend("redis")
     with pytest.raises(ValueError, match="is not a nemo_dataplane.DataPlaneClient subclass"):
         resolve_backend(f"{fake_module}:NotAClient")

@@ -44,6 +44,13 @@ def test_meta_is_frozen_and_owns_its_dicts() -> None:
     with pytest.raises(AttributeError):
         m.keys = ("b",)  # type: ignore[misc]
     assert isinstance(m.keys, tuple) and isinstance(m.tags, tuple)
+    # tag values that are containers are copied deeply (scalars-only tags take a shallow path)
+    nested = [{"spans": [1, 2], "n": 3}, {"n": 4}]
+    m2 = KVBatchMeta(keys=["a", "b"], tags=nested)
+    nested[0]["spans"].append(3)
+    nested[1]["n"] = 0
+    assert m2.tags == ({"spans": [1, 2], "n": 3}, {"n": 4})
+    assert m2.subset([0]).tags[0]["spans"] is not m2.tags[0]["spans"]
 
 
 # ---------------------------------------------------------------- transforms

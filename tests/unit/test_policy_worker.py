@@ -40,7 +40,8 @@ def worker():
         "data_plane.packing.micro_batch_size=null", "grpo.epochs=1", "generation.temperature=0.8",
         "grpo.kl_coef=0.1",
     ])
-    w = PolicyWorker(0, 1, cfg.to_dict(), "127.0.0.1", _port())
+    w = PolicyWorker(0, 1, cfg.to_dict())
+    w.join_train_group("127.0.0.1", _port())
     yield w, cfg
     w.shutdown()
     assert not dist.is_initialized()

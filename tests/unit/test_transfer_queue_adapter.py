@@ -363,6 +363,56 @@ def test_per_row_fallback_reads_the_same_as_bulk_reads(
         assert_same_field(name, rows[name], bulk[name])
 
 
+def test_rows_travel_as_one_object_the_units_map_and_outlive_their_writer(
+    tq_client: TransferQueueClient, pid: str, plasma_mib: Any
+) -> None:
+    """The writer's one copy into shared memory is the only one: storage units hold views of it
+    and reads map it (quirk 11). When the writer dies the units still hold the rows, and reads
+    (ours and TransferQueue's own) fall back to the units' stacked copies."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def __init__(self) -> None:
+            self.client = TransferQueueClient(TransferQueueConfig(op_timeout_s=60), bootstrap=False)
+
+        def put(self, pid: str) -> Any:
+            return self.client.kv_batch_put([f"k{i}" for i in range(64)], pid, _big())
+
+    before = plasma_mib()
+    writer = Writer.remote()
+    try:
+        meta = ray.get(writer.put.remote(pid), timeout=120)
+        held = plasma_mib()
+        assert before + 30 <= held <= before + 40, (before, held)  # 32 MiB, once
+        order = list(range(63, -1, -2)) + list(range(0, 64, 2))  # odd rows descending, then even
+        want = {n: _pick(t, order) for n, t in _big().items()}
+        for name, t in tq_client.kv_batch_get(meta.reorder(order), ["x", "ids"]).items():
+            assert_same_field(name, t, want[name])
+        ray.kill(writer)
+        time.sleep(1)
+        for name, t in tq_client.kv_batch_get(meta.reorder(order), ["x", "ids"]).items():
+            assert_same_field(name, t, want[name])
+    finally:
+        ray.kill(writer)
+    tq_client.kv_clear(None, pid)
+    deadline = time.monotonic() + 15
+    while plasma_mib() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert plasma_mib() <= before + 2  # the units dropped their views: the object is gone
+
+
+def _big() -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(4 * 1024 * 1024, dtype=torch.int64).view(64, -1), "ids": jagged([i % 7 for i in range(64)], seed=5)}
+
+
+def _pick(t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    if t.is_nested:
+        rows = t.unbind()
+        return torch.nested.as_nested_tensor([rows[i] for i in order], layout=torch.jagged)
+    return t[order]
+
+
 # ------------------------------------------------------------------ claims
 def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch

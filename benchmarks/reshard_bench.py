@@ -156,7 +156,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             row["correct"] = correct()
             row["received"] = getattr(ep, "bytes_moved", None)
         elif getattr(ep, "_push", None) is not None:
-            row["copies"] = "cudaMemcpy2DAsync" if ep._push.raw else f"torch copy_ ({ep._push.raw_error})"
+            row["copies"] = ep._push.copies_used
             row["phases"] = ep._push.phases()  # the last timed refit's copies, split by kind
         ctl.store.set(f"bench/{name}/row/{rank}", json.dumps(row).encode())
         if rank == 0:
@@ -188,6 +188,16 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     name = f"reshard ({transport})"
     timed(name, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
           {} if sender else tensors, lambda: _checksum(tensors) == expected)
+    if cuda and ep.transport == "ipc":
+        # The same refit with every non-contiguous piece as one cudaMemcpy2DAsync (the
+        # previous way), for comparison in the same run.
+        if sender:
+            ep._push.pitched = "memcpy2d"
+        old = f"reshard ({transport}, pitched as cudaMemcpy2DAsync)"
+        timed(old, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
+              {} if sender else tensors, lambda: _checksum(tensors) == expected)
+        if rank == 0:
+            out["rows"][old]["transport"] = ep.transport
     if rank == 0:
         out["rows"][name]["transport"] = ep.transport
         out["plan"] = {"pieces": len(plan.pieces), "plan_ms": plan.plan_seconds * 1e3,

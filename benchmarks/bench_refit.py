@@ -476,7 +476,7 @@ def main() -> None:
         args.params = 2e9 if args.device == "cuda" else (20e6 if args.reshard else 50e6)
     if args.matrix:
         args.iters = min(args.iters, 6)
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
+    if args.device == "cuda" and torch.cuda.device_count() < (1 if args.reshard else 2):
         sys.exit("--device cuda needs 2 GPUs; use --device cpu --params 50e6")
     if args.reshard:
         import reshard_bench

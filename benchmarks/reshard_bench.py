@@ -62,6 +62,14 @@ SCENARIOS: dict[str, tuple[int, int, tuple[int, ...]]] = {
 }
 
 
+def _placed(sc: tuple[int, int, tuple[int, ...]]) -> tuple[int, int, tuple[int, ...]]:
+    """A scenario with its ranks on the GPUs there are (all on GPU 0 on a one-GPU machine)."""
+    tp_train, tp_gen, gpus = sc
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        gpus = tuple(0 for _ in gpus)
+    return tp_train, tp_gen, gpus
+
+
 def layouts(shapes: list[tuple[str, tuple[int, ...]]], tp_train: int, tp_gen: int) -> tuple[Layout, Layout]:
     params = {n: (s, torch.bfloat16) for n, s in shapes}
     src = build_layout(Mesh.of(range(tp_train), tp=tp_train), params)
@@ -104,7 +112,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, scenario: str, queue:
 def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     from bench_refit import llama_shapes
 
-    tp_train, tp_gen, gpus = SCENARIOS[scenario]
+    tp_train, tp_gen, gpus = _placed(SCENARIOS[scenario])
     world = tp_train + tp_gen
     cuda = args.device == "cuda"
     if cuda:
@@ -156,7 +164,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             row["correct"] = correct()
             row["received"] = getattr(ep, "bytes_moved", None)
         elif getattr(ep, "_push", None) is not None:
-            row["copies"] = "cudaMemcpy2DAsync" if ep._push.raw else f"torch copy_ ({ep._push.raw_error})"
+            row["copies"] = ep._push.copies_used
             row["phases"] = ep._push.phases()  # the last timed refit's copies, split by kind
         ctl.store.set(f"bench/{name}/row/{rank}", json.dumps(row).encode())
         if rank == 0:
@@ -188,6 +196,16 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     name = f"reshard ({transport})"
     timed(name, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
           {} if sender else tensors, lambda: _checksum(tensors) == expected)
+    if cuda and ep.transport == "ipc":
+        # The same refit with every non-contiguous piece as one cudaMemcpy2DAsync (the
+        # previous way), for comparison in the same run.
+        if sender:
+            ep._push.pitched = "memcpy2d"
+        old = f"reshard ({transport}, pitched as cudaMemcpy2DAsync)"
+        timed(old, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
+              {} if sender else tensors, lambda: _checksum(tensors) == expected)
+        if rank == 0:
+            out["rows"][old]["transport"] = ep.transport
     if rank == 0:
         out["rows"][name]["transport"] = ep.transport
         out["plan"] = {"pieces": len(plan.pieces), "plan_ms": plan.plan_seconds * 1e3,
@@ -308,13 +326,13 @@ def ceilings(nbytes_cross: int, nbytes_local: int, device: str, iters: int) -> d
         ts = []
         for i in range(iters + 2):
             if device == "cuda":
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+                for g in range(min(2, torch.cuda.device_count())):
+                    torch.cuda.synchronize(g)
             t0 = time.perf_counter()
             fn()
             if device == "cuda":
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+                for g in range(min(2, torch.cuda.device_count())):
+                    torch.cuda.synchronize(g)
             if i >= 2:
                 ts.append(time.perf_counter() - t0)
         return statistics.median(ts) * 1e3
@@ -330,10 +348,11 @@ def ceilings(nbytes_cross: int, nbytes_local: int, device: str, iters: int) -> d
         d0 = torch.empty(nbytes_cross, dtype=torch.uint8, device="cuda:0")
         out["peer_copy_ms"] = timeit(lambda: d0.copy_(s1, non_blocking=True))
     if nbytes_local:
-        per_gpu = nbytes_local if nbytes_cross else nbytes_local // 2
+        one = torch.cuda.device_count() < 2
+        per_gpu = nbytes_local if nbytes_cross or one else nbytes_local // 2
         l0 = torch.empty(per_gpu, dtype=torch.uint8, device="cuda:0")
         m0 = torch.empty_like(l0)
-        l1 = torch.empty(per_gpu, dtype=torch.uint8, device="cuda:1")
+        l1 = torch.empty(0 if one else per_gpu, dtype=torch.uint8, device="cuda:1" if not one else "cuda:0")
         m1 = torch.empty_like(l1)
         side = torch.cuda.Stream(0)
 
@@ -344,7 +363,7 @@ def ceilings(nbytes_cross: int, nbytes_local: int, device: str, iters: int) -> d
                 d0.copy_(s1, non_blocking=True)
             else:  # the within-GPU halves, on both GPUs at once
                 m0.copy_(l0, non_blocking=True)
-                with torch.cuda.device(1):
+                with torch.cuda.device(m1.device):
                     m1.copy_(l1, non_blocking=True)
 
         out["with_local_copies_ms"] = timeit(both)
@@ -404,7 +423,10 @@ def main(args: argparse.Namespace) -> None:
                                "nbytes": nbytes, "plan": pt, "scenarios": {}}
     if args.device == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(0)
-    for scenario, (tp_train, tp_gen, gpus) in SCENARIOS.items():
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print("ONE GPU: every rank on GPU 0 (nothing crosses NVLink; the ceiling is the within-GPU copy "
+              "of all bytes)", flush=True)
+    for scenario, (tp_train, tp_gen, gpus) in ((k, _placed(v)) for k, v in SCENARIOS.items()):
         src, dst = layouts(shapes, tp_train, tp_gen)
         plan = _reshard.plan_reshard(src, dst, bucket_bytes=args.bucket_bytes)  # bytes only: any options do
         cross = sum(p.nbytes for p in plan.pieces if gpus[p.src] != gpus[p.dst])

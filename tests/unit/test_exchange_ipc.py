@@ -52,3 +52,15 @@ def test_pitched_copies_edge_cases() -> None:
     assert x.item() == 5.0
     with pytest.raises(ValueError, match="pitched_copies"):
         pitched_copies(torch.zeros(2), torch.zeros(3))
+
+
+def test_widened_views_copy_the_same_bits() -> None:
+    from nemo_dataplane.refit.transports.exchange_ipc import _widened
+    src = torch.randn(6, 16).to(torch.bfloat16)
+    dst = torch.zeros(6, 32, dtype=torch.bfloat16)
+    d, s = _widened(dst[:, 8:24], src)  # a column block: 32 bytes per row, 8-byte aligned
+    assert d.dtype == torch.int64 and s.dtype == torch.int64
+    d.copy_(s)
+    assert torch.equal(dst[:, 8:24], src) and not dst[:, :8].any() and not dst[:, 24:].any()
+    d, s = _widened(dst[:, 1:3], src[:, :2])  # 4 bytes at an odd element offset: no wider view
+    assert d.dtype == torch.bfloat16

@@ -3,10 +3,13 @@
 Every receiver exports its local tensors once (``ipc.PushTargets``: a non-contiguous one as a
 slot of a staging buffer, copied into it after each refit). Every sender opens the exports of
 the receivers it has pieces for and, at each refit, writes each piece straight from its own
-tensor into the receiver's memory: one ``cudaMemcpy2DAsync`` per piece (a column block of a
-row-major tensor is a pitched 2D copy; a row block a 1D one), on a copy stream of its GPU, so
-the copy engines move the bytes (NVLink to another GPU, or within the same GPU) and no bulk
-data touches the group. Pieces are the plan's entries (``reshard.py``); messages and buckets do
+tensor into the receiver's memory: the pieces contiguous on both sides (row blocks, whole
+shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of its GPU, the
+others (column blocks of row-parallel weights) as torch strided copy kernels on a second
+stream, so both run at once (NVLink to another GPU, or within the same GPU) and no bulk data
+touches the group. ``NEMO_DATAPLANE_RESHARD_PITCHED=memcpy2d`` sends every piece as one
+``cudaMemcpy2DAsync`` instead (a column block as a pitched 2D copy), the earlier way, kept for
+comparison. Pieces are the plan's entries (``reshard.py``); messages and buckets do
 not matter here.
 
 The group carries only host-side control (works on gloo, so several processes may share a
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -72,6 +76,19 @@ def pitched_copies(dst: torch.Tensor, src: torch.Tensor) -> list[Copy] | None:
     return out
 
 
+def _widened(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, src) viewed as the widest integer type both allow (same bits), so a strided copy
+    kernel moves 8 bytes per element instead of 2."""
+    for wide in (torch.int64, torch.int32):
+        if wide.itemsize <= dst.element_size():
+            break
+        try:
+            return dst.view(wide), src.view(wide)
+        except RuntimeError:
+            continue
+    return dst, src
+
+
 class IpcPush:
     """One rank's part of the IPC push: a receiver's exported targets, or a sender's opened
     views of its receivers and its copies (planned once per placement of its tensors)."""
@@ -90,6 +107,13 @@ class IpcPush:
         self._key: list | None = None
         self._copies: list[Copy] = []
         self._slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._runs: list = []
+        self._copier = _ipc.PeerCopier()
+        # How non-contiguous pieces are copied: see issue().
+        self.pitched = os.environ.get("NEMO_DATAPLANE_RESHARD_PITCHED", "kernel")
+        if self.pitched not in ("kernel", "memcpy2d"):
+            raise ValueError(f"NEMO_DATAPLANE_RESHARD_PITCHED={self.pitched!r}: expected 'kernel' or 'memcpy2d'")
+        self._stream2: torch.cuda.Stream | None = None
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._rt = _ipc._cudart()
@@ -99,6 +123,7 @@ class IpcPush:
         # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
         self.timing = False
         self._events: list[torch.cuda.Event] = []
+        self._mid: torch.cuda.Event | None = None
 
     # -- setup
 
@@ -117,10 +142,12 @@ class IpcPush:
             _ipc.probe(views, self.device)
             self.views[r] = {n: v for n, v in zip(peer_names[r], views) if v is not None}
         self._stream = torch.cuda.Stream(self.device)
+        self._stream2 = torch.cuda.Stream(self.device)
 
     def close(self) -> None:
         had = bool(self.views) or self.targets is not None
         self.views, self.targets, self._sources, self._copies, self._slow = {}, None, [], [], []
+        self._runs = []
         self._gather = ([], [])
         self._key = None
         if had:
@@ -137,15 +164,17 @@ class IpcPush:
     @property
     def bytes_issued(self) -> int:
         """Sender: bytes its copies write per refit."""
-        return sum(w * h for _, _, _, _, w, h in self._copies) + sum(
-            d.numel() * d.element_size() for d, _ in self._slow)
+        return (sum(w * h for _, _, _, _, w, h in self._copies)
+                + sum(r[2] for r in self._runs)
+                + sum(d.numel() * d.element_size() for d, _ in self._slow))
 
     def _plan(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        key = [(t.data_ptr(), t.stride()) for t in tensors.values()]
+        key = [(t.data_ptr(), t.stride()) for t in tensors.values()] + [self.pitched]
         if key == self._key:
             return
         copies: list[Copy] = []
         slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        flat: list[tuple[torch.Tensor, torch.Tensor]] = []
         gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for r in self.peers:
             dst_views = self.views[r]
@@ -153,8 +182,14 @@ class IpcPush:
                 for e in m.entries:
                     src = tensors[e.src_local][tuple(slice(a, b) for a, b in e.src_region)]
                     dst = dst_views[e.dst_local][tuple(slice(a, b) for a, b in e.dst_region)]
-                    ops = pitched_copies(dst, src) if self.raw else None
-                    if ops is None and self.raw:
+                    if self.pitched == "kernel" or not self.raw:
+                        if dst.is_contiguous() and src.is_contiguous():
+                            flat.append((dst, src))
+                        else:
+                            slow.append(_widened(dst, src))
+                        continue
+                    ops = pitched_copies(dst, src)
+                    if ops is None:
                         # A source strided in its innermost dim: gathered into a contiguous
                         # scratch on our GPU first (allocated on the copy stream, which uses it).
                         with torch.cuda.stream(self._stream):
@@ -166,73 +201,110 @@ class IpcPush:
                         slow.append((dst, src))
                     else:
                         copies += ops
+        runs, rest = self._copier.plan([d for d, _ in flat], [x for _, x in flat])
         # Contiguous copies first, then the pitched ones (order is free: no two write the same
         # bytes), so timing can tell their rates apart.
         copies.sort(key=lambda c: c[5] > 1)
-        self._key, self._copies, self._slow, self._gather = key, copies, slow, gather
+        self._key, self._copies, self._slow, self._gather = key, copies, rest + slow, gather
+        self._runs = runs
         self._sources = list(tensors.values())  # what the copies read stays alive
 
     def issue(self, tensors: Mapping[str, torch.Tensor]) -> torch.cuda.Event:
-        """Sender: enqueue every copy on the copy stream (after the current stream); returns an
-        event recorded after them, and orders the current stream after them."""
+        """Sender: enqueue every copy (after the current stream); returns an event recorded
+        after them, and orders the current stream after them.
+
+        ``pitched="kernel"`` (default): contiguous pieces go out as batched copy-engine copies
+        on the copy stream, the others (column blocks of row-parallel weights) as torch strided
+        copy kernels on a second stream, so both run at once; ``"memcpy2d"``: one
+        ``cudaMemcpy2DAsync`` per piece on the copy stream (the earlier way, suspected slow for
+        column blocks of short rows; kept for comparison)."""
         assert self._stream is not None
         self._plan(tensors)
         cur = torch.cuda.current_stream(self.device)
-        s = self._stream
+        s, s2 = self._stream, self._stream2
         s.wait_stream(cur)  # read the weights after whatever wrote them
+        marks: list[torch.cuda.Event] = []
+        self._mid = None
+        if self.timing:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            marks[0].record(s)
+        if self._runs:
+            self._copier.issue(self._runs, [], s, [s])
+            if not self._copier.raw:  # bindings refused: copy_ from now on (re-copying is harmless)
+                self.raw, self.raw_error = False, self._copier.raw_error
         if self._copies:
             try:
                 if self._gather[0]:
                     with torch.cuda.stream(s):
                         copy_all(*self._gather)
-                self._raw(s)
+                self._raw(s, marks)
             except Exception as e:  # bindings refused: torch copies from now on (re-copying is harmless)
                 self.raw = False
                 self._key = None
                 self._plan(tensors)
                 self.raw_error = str(e)
+        if marks:
+            marks[1].record(s)
         if self._slow:
-            with torch.cuda.stream(s):
+            s2.wait_stream(cur)
+            if marks:
+                marks[2].record(s2)
+            with torch.cuda.stream(s2):
                 for d, x in self._slow:
                     d.copy_(x, non_blocking=True)
+            if marks:
+                marks[3].record(s2)
+            s.wait_stream(s2)
+        elif marks:
+            marks[2].record(s)
+            marks[3].record(s)
+        self._events = marks
         ev = torch.cuda.Event()
         ev.record(s)
         cur.wait_stream(s)  # later writes to the weights wait for the copies reading them
         return ev
 
-    def _raw(self, stream: torch.cuda.Stream) -> None:
+    def _raw(self, stream: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
         rt = self._rt
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
         handle = int(stream.cuda_stream)
         ok = rt.cudaError_t.cudaSuccess
-        marks = []
-        if self.timing:
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            marks[0].record(stream)
-        pitched = False
+        mid = None
         with torch.cuda.device(self.device):
             for dp, dpitch, sp, spitch, width, height in self._copies:
-                if marks and height > 1 and not pitched:
-                    marks[1].record(stream)
-                    pitched = True
+                if marks and height > 1 and mid is None:
+                    mid = torch.cuda.Event(enable_timing=True)
+                    mid.record(stream)
                 (err,) = rt.cudaMemcpy2DAsync(dp, dpitch, sp, spitch, width, height, kind, handle)
                 if err != ok:
                     raise RuntimeError(f"cudaMemcpy2DAsync: {err}")
-        if marks:
-            if not pitched:
-                marks[1].record(stream)
-            marks[2].record(stream)
-        self._events = marks
+        if marks and mid is None:
+            mid = torch.cuda.Event(enable_timing=True)
+            mid.record(stream)
+        self._mid = mid
+
+    @property
+    def copies_used(self) -> str:
+        """How the last refit's pieces went out (for reports)."""
+        if not self.raw:
+            return f"torch copy_ ({self.raw_error})"
+        if self.pitched == "memcpy2d":
+            return "cudaMemcpy2DAsync"
+        return f"contiguous: {self._copier.mode}, pitched: torch strided kernels"
 
     def phases(self) -> dict[str, float]:
         """After a refit with ``timing`` (and its copies done): bytes and GPU milliseconds of the
-        contiguous and of the pitched copies."""
-        if len(self._events) != 3:
+        contiguous copies (copy stream) and of the pitched ones (kernels on the second stream,
+        or 2D copies on the copy stream with ``pitched="memcpy2d"``)."""
+        if len(self._events) != 4:
             return {}
-        e0, e1, e2 = self._events
-        flat = sum(w for _, _, _, _, w, h in self._copies if h == 1)
+        e0, e1, e2, e3 = self._events
+        flat = sum(r[2] for r in self._runs) + sum(w for _, _, _, _, w, h in self._copies if h == 1)
+        if self._copies and self._mid is not None:  # 2D copies: all on the copy stream, split at `mid`
+            return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(self._mid),
+                    "pitched_bytes": self.bytes_issued - flat, "pitched_ms": self._mid.elapsed_time(e1)}
         return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(e1),
-                "pitched_bytes": self.bytes_issued - flat, "pitched_ms": e1.elapsed_time(e2)}
+                "pitched_bytes": self.bytes_issued - flat, "pitched_ms": e2.elapsed_time(e3)}
 
     def scatter(self) -> None:
         """Receiver: staged values into its non-contiguous tensors, on the current stream."""

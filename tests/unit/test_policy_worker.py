@@ -10,7 +10,6 @@ no attention mask, no micro-batches) and a per-token loop of the loss formula.
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,6 @@ from nemo_dataplane.driver.preshard import driver_balanced_preshards
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny.yaml"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def worker():
     cfg = load_config(CONFIG, [
@@ -41,7 +34,7 @@ def worker():
         "grpo.kl_coef=0.1",
     ])
     w = PolicyWorker(0, 1, cfg.to_dict())
-    w.join_train_group("127.0.0.1", _port())
+    w.join_train_group(*w.host_rendezvous("train", 1))
     yield w, cfg
     w.shutdown()
     assert not dist.is_initialized()

@@ -318,6 +318,11 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
+    if cfg.refit.backend == "gloo" and "cuda" in (cfg.policy.device, cfg.generation.device):
+        # The gloo group moves CPU tensors only; both ends hand it their parameters in place.
+        key = "policy.device" if cfg.policy.device == "cuda" else "generation.device"
+        raise ConfigError(f"refit.backend=gloo moves CPU tensors but {key}=cuda: use refit.backend=nccl with "
+                          "both devices on cuda, or both on cpu")
     _positive(cfg.policy.tensor_parallel_size, "policy.tensor_parallel_size")
     if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
         raise ConfigError(
@@ -380,6 +385,10 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
             raise ConfigError(f"{key}=cuda but this machine has no CUDA device (and ray.address is unset)")
     if cfg.refit.backend == "nccl" and cuda_devices < 1:
         raise ConfigError("refit.backend=nccl needs CUDA devices; this machine has none")
+    if cfg.policy.device == cfg.generation.device == "cuda" and cuda_devices < 2:
+        # Policy ranks share one GPU; the generator asks Ray for a whole other one.
+        raise ConfigError(f"policy.device=cuda and generation.device=cuda need 2 CUDA devices (the policy "
+                          f"ranks share one, the generator takes another); this machine has {cuda_devices}")
 
 
 # --------------------------------------------------------------------------- loading

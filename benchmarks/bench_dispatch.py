@@ -118,7 +118,8 @@ def bench_overhead(ranks: int, calls: int) -> dict[str, Any]:
 
 
 def run_trainer(config: str, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", config, *overrides, f"logging.output_dir={out_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -158,13 +159,17 @@ def main() -> int:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Workers of a local cluster inherit this environment. A runtime_env PYTHONPATH would replace
+    # the driver's instead (on a machine whose packages come from PYTHONPATH, the workers could
+    # then not import Ray itself and never start).
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    os.environ["OMP_NUM_THREADS"] = "1"
     ray.init(address="local", num_cpus=max(args.ranks) + 2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+             log_to_driver=False)
     try:
         overhead = [bench_overhead(n, args.calls) for n in args.ranks]
     finally:
         ray.shutdown()
-    step = None if args.no_step else bench_step(args.config, args.steps, args.overrides, args.timeout)
 
     print(f"dispatch overhead, no-op ranks, median of {args.calls} calls ({os.cpu_count()} CPUs, {platform.node()})")
     print(f"{'ranks':>5} {'actors us':>10} {'graph us':>10} {'graph/actors':>12} {'actors us/rank':>14} "
@@ -173,6 +178,7 @@ def main() -> int:
         print(f"{o['ranks']:>5} {o['actors_us']:>10.0f} {o['compiled_graph_us']:>10.0f} {o['ratio']:>12.2f} "
               f"{o['actors_per_rank_us']:>14.0f} {o['compiled_graph_per_rank_us']:>13.0f} "
               f"{o['idle_cpu_pct_actors']:>16.1f} {o['idle_cpu_pct_graph']:>15.1f}")
+    step = None if args.no_step else bench_step(args.config, args.steps, args.overrides, args.timeout)
     if step is not None:
         print(f"\nwhole step, sync trainer, {args.config} {' '.join(args.overrides)}, median over steps 2..{args.steps - 1}")
         print(f"{'dispatch':>15} {'step_s':>8} " + " ".join(f"{p:>9}" for p in PHASES))

@@ -183,7 +183,7 @@ def main() -> int:
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     results: list[dict[str, Any]] = []
     for size in args.sizes.split(","):
         for eng in args.engines.split(","):

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(module: str, config: str, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(REPO / "examples" / "configs" / config),
            *overrides, f"logging.output_dir={out_dir}"]

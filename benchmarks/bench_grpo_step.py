@@ -34,7 +34,7 @@ PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "release", 
 
 
 def run_once(config: Path, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(config), *overrides,
            f"logging.output_dir={out_dir}"]

@@ -146,7 +146,8 @@ def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
 
 
 def test_megatron_backend_accepted_on_cuda() -> None:
-    cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl"])
+    cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl",
+                             "generation.device=cuda", "refit.backend=nccl"])
     assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == 1
 
 
@@ -186,8 +187,15 @@ def test_cuda_layout_on_a_machine_without_cuda_is_refused_for_a_local_cluster() 
     check_devices(gpu, cuda_devices=2)  # fits
     check_devices(load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
                                      "ray.address=10.0.0.1:6379"]), cuda_devices=0)  # remote: not ours to see
-    with pytest.raises(ConfigError, match=r"generation.device=cuda"):
-        check_devices(load_config(YAML, ["generation.device=cuda"]), cuda_devices=0)
+    with pytest.raises(ConfigError, match=r"need 2 CUDA devices .* this machine has 1"):
+        check_devices(gpu, cuda_devices=1)
+
+
+def test_a_gloo_refit_with_a_cuda_end_is_refused_at_load_naming_the_device_key() -> None:
+    with pytest.raises(ConfigError, match=r"refit.backend=gloo moves CPU tensors but generation.device=cuda"):
+        load_config(YAML, ["generation.device=cuda"])
+    with pytest.raises(ConfigError, match=r"refit.backend=gloo moves CPU tensors but policy.device=cuda"):
+        load_config(YAML, ["policy.device=cuda", "refit.backend=gloo"])
 
 
 def test_the_cli_refuses_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -208,6 +208,9 @@ class RolloutBuffer:
         """One claim round: new rows into the assembler, complete groups into ``ready``."""
         if self.client is not None:
             need = max(1, (self.G - len(self.ready)) * self.n - len(self.assembler))
+            # A claim waits for all it asks for; under backpressure at most this many rows can
+            # be written and unclaimed, so asking for more would always wait out the timeout.
+            need = min(need, self.cfg.async_.inflight_groups(self.G) * self.n)
             meta = self.client.kv_claim("rollouts", TRAINER_TASK, list(ROLLOUT_FIELDS), need, timeout_s)
             for i, key in enumerate(meta.keys):
                 tag = meta.tags[i]

@@ -132,10 +132,12 @@ class Trainer:
                     ray.shutdown()
             self._ray_started = True
 
-    def _start_workers(self, num_collectors: int = 1) -> None:
+    def _launch_workers(self, num_collectors: int = 1) -> None:
+        """Create the worker actors without waiting for them: their processes start (and import
+        torch) while the driver brings the store up. :meth:`_connect_workers` waits for them."""
         import ray
 
-        from algorithms.step import Workers, gather
+        from algorithms.step import Workers
         from algorithms.workers.collector import RolloutCollector
         from algorithms.workers.generator import GeneratorWorker
         from algorithms.workers.policy import PolicyWorker
@@ -168,6 +170,15 @@ class Trainer:
 
         dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile)
         self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch)
+
+    def _connect_workers(self) -> None:
+        """Wait for the launched workers, then form the train group, attach the store and form the
+        refit group (each bounded by ``trainer.startup_timeout_s``, naming the phase that failed)."""
+        from algorithms.step import gather
+
+        cfg = self.cfg
+        policy, generator, collectors = self.workers.policy, self.workers.generator, self.workers.collectors
+        dp = len(policy)
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
@@ -254,13 +265,16 @@ class Trainer:
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())
+            self._launch_workers(self._num_collectors())
             if cfg.data_plane.enabled:
                 from nemo_dataplane.factory import build_data_plane_client
 
                 self.client = build_data_plane_client(cfg.data_plane, bootstrap=True)
             marks.append(time.perf_counter())
-            self._start_workers(self._num_collectors())
+            self._connect_workers()
             marks.append(time.perf_counter())
+            # The store comes up while the workers' processes start: "workers" is what is left of
+            # their start-up once the store is up.
             summary["startup_s"] = {
                 "ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2],
             }

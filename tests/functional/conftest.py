@@ -28,6 +28,8 @@ TINY: tuple[str, ...] = (
     "trainer.val_every=8",
     "trainer.step_timeout_s=120",
     "trainer.startup_timeout_s=240",
+    # The store comes up while the workers start, next to other runs on 2 cores: room beyond 60 s.
+    "data_plane.transfer_queue.bootstrap_timeout_s=180",
     "task.val_size=16",
     "checkpoint.every=0",
     "logging.progress=false",

@@ -1,10 +1,12 @@
 """End-to-end runs of ``python -m algorithms.grpo_async`` (each in its own subprocess).
 
-One concurrent batch serves most checks (the CI machine has 2 cores): the default async config on
-the store (learning, bounds, checkpoints), the same on the in-memory baseline (legacy), a
-small run whose put of one group fails half-way with two concurrent collectors, and a small
-run with tight backpressure. Then a run SIGKILLed at a random step and resumed, a failing and an
-interrupted run, and a soak of several hundred tiny steps.
+Every trainer run costs ~30 s of a 2-core CI machine, so two concurrent waves serve most checks:
+the default async config on the store (learning, bounds, checkpoints) and a small run on the
+in-memory baseline (legacy, whose compiled graph is made to fail its compile); then a small run whose put of one group fails half-way with two
+concurrent collectors (dispatched through the compiled graph), a soak of a couple of hundred
+tiny steps under tight backpressure, and a run whose policy rank raises. Then a run SIGKILLed
+at a random step and resumed, and an interrupted run. Longer soaks with faults:
+``benchmarks/soak.py``.
 """
 
 from __future__ import annotations
@@ -48,22 +50,32 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("grpo_async_runs")
 
 
+SOAK_STEPS = 200
+
+
 @pytest.fixture(scope="module")
 def batch_runs(run_trainers_concurrently, runs_dir: Path):
-    # Two at a time: four Ray clusters starting at once can time out on a loaded 2-core machine.
+    # At most three at a time: more Ray clusters starting at once can time out on 2 cores.
     runs = run_trainers_concurrently([
         (runs_dir / "dp", ("checkpoint.every=4", "logging.plot=true"), "grpo_async"),
-        (runs_dir / "legacy", ("data_plane.enabled=false",), "grpo_async"),
+        # The graph's compile is made to fail: one warning, then actor calls.
+        (runs_dir / "legacy", (*SMALL_ASYNC, "data_plane.enabled=false", "trainer.steps=8", "trainer.val_every=0",
+                               "trainer.dispatch=compiled_graph", "debug.fail_dispatch_compile=true"), "grpo_async"),
     ], timeout=900)
     runs += run_trainers_concurrently([
         (runs_dir / "putfail", (*SMALL_ASYNC, "debug.fail_in=put", "debug.fail_at_group=5", "async.num_collectors=2",
-                                "trainer.steps=10", "trainer.val_every=0"), "grpo_async"),
-        (runs_dir / "pressure", (*SMALL_ASYNC, "async.max_staleness=4", "async.max_inflight_groups=2",
-                                 "trainer.steps=10", "trainer.val_every=0"), "grpo_async"),
+                                "trainer.steps=10", "trainer.val_every=0", "trainer.dispatch=compiled_graph"),
+         "grpo_async"),
+        # Tight backpressure over a couple of hundred tiny steps: the soak.
+        (runs_dir / "soak", (*SMALL_ASYNC, "async.max_staleness=2", "async.max_inflight_groups=2",
+                             f"trainer.steps={SOAK_STEPS}", "trainer.val_every=0", "generation.max_new_tokens=2",
+                             "trainer.dp_size=1", "logging.quiet=true"), "grpo_async"),
+        (runs_dir / "fail", (*SMALL_ASYNC, "debug.fail_in=train", "debug.fail_at_step=2", "debug.fail_rank=1",
+                             "trainer.val_every=0"), "grpo_async"),
     ], timeout=900)
-    for r in runs:
+    for r in runs[:4]:
         assert r.returncode == 0, r.explain()
-    return dict(zip(("dp", "legacy", "putfail", "pressure"), runs))
+    return dict(zip(("dp", "legacy", "putfail", "soak", "fail"), runs))
 
 
 def test_async_learns_within_the_lag_bound(batch_runs) -> None:
@@ -86,7 +98,7 @@ def test_async_learns_within_the_lag_bound(batch_runs) -> None:
 
 
 def test_store_memory_is_bounded_every_step_and_empty_at_exit(batch_runs) -> None:
-    for name in ("dp", "putfail", "pressure"):
+    for name in ("dp", "putfail", "soak"):
         run = batch_runs[name]
         bound = _bound(run)
         assert all(0 <= r["keys_outstanding"] <= bound for r in run.rows), (name, bound)
@@ -94,13 +106,16 @@ def test_store_memory_is_bounded_every_step_and_empty_at_exit(batch_runs) -> Non
     assert max(r["keys_outstanding"] for r in batch_runs["dp"].rows) > 0, "rollouts wait in the store between steps"
 
 
-def test_backpressure_stops_the_collector_at_max_inflight_groups(batch_runs) -> None:
-    run = batch_runs["pressure"]
+def test_backpressure_bounds_a_soak_of_hundreds_of_tiny_steps(batch_runs) -> None:
+    run = batch_runs["soak"]
     n = 4
+    assert len(run.rows) == SOAK_STEPS
     # Written-and-unclaimed groups never exceed 2, plus at most the one batch being trained.
     assert _bound(run) == (2 + 4) * n
     assert all(r["keys_outstanding"] <= (2 + 4) * n for r in run.rows)
     assert sum(r["collector_idle_s"] for r in run.rows) > 0, "the collector waited on backpressure"
+    assert max(r["staleness_max"] for r in run.rows) <= 2
+    assert run.summary["keys_outstanding_at_exit"] == 0
     _assert_lossless(run)
 
 
@@ -113,6 +128,9 @@ def test_a_failed_put_is_rolled_back_and_regenerated_with_concurrent_collectors(
     assert len(groups) == len(set(groups)), "two collectors, one claim: no group consumed twice"
     assert all(r["samples"] == 4 * 4 for r in run.rows), "every batch is whole groups"
     _assert_lossless(run)
+    # The async trainer's per-step calls ran through the compiled graph after step 0's warm-up.
+    d = run.summary["dispatch"]
+    assert d["mode"] == "compiled_graph" and d["fallback"] is None and d["graph_calls"] == 2 * 9, d
 
 
 def test_async_on_the_in_memory_baseline_never_loads_the_data_plane(batch_runs) -> None:
@@ -121,6 +139,14 @@ def test_async_on_the_in_memory_baseline_never_loads_the_data_plane(batch_runs) 
     assert run.summary["workers_data_plane_modules"] == {"policy0": [], "policy1": [], "collector": []}
     assert all(r["dp_bytes"] == 0 and r["staleness_max"] <= 1 for r in run.rows)
     _assert_lossless(run)
+
+
+def test_a_failed_compile_falls_back_to_actor_calls_with_one_warning(batch_runs) -> None:
+    run = batch_runs["legacy"]
+    assert [r["step"] for r in run.rows] == list(range(8)) and all(r["loss"] is not None for r in run.rows)
+    assert run.stderr.count("dispatch: the compiled graph cannot serve") == 1, run.explain()
+    d = run.summary["dispatch"]
+    assert d["graph_calls"] == 0 and d["compile_s"] is None and "debug.fail_dispatch_compile" in d["fallback"]
 
 
 def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
@@ -144,10 +170,9 @@ def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
 
 
 def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
-    trainer_command, signal_trainer, run_trainer, runs_dir: Path
+    trainer_command, signal_trainer, batch_runs, runs_dir: Path
 ) -> None:
-    fail = run_trainer(runs_dir / "fail", *SMALL_ASYNC, "debug.fail_in=train", "debug.fail_at_step=2",
-                       "debug.fail_rank=1", "trainer.val_every=0", module="grpo_async")
+    fail = batch_runs["fail"]
     assert fail.returncode == 1, fail.explain()
     assert "injected failure at step 2 on policy rank 1" in fail.stderr
     assert "Traceback" in fail.stderr, "the error keeps its traceback"
@@ -159,18 +184,3 @@ def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
     assert code == 130, stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted") and summary["keys_outstanding_at_exit"] == 0
-
-
-def test_soak_hundreds_of_tiny_steps_stay_within_the_memory_bound(run_trainer, runs_dir: Path) -> None:
-    steps = 300
-    run = run_trainer(
-        runs_dir / "soak", *SMALL_ASYNC, f"trainer.steps={steps}", "trainer.val_every=0", "generation.max_new_tokens=2",
-        "trainer.dp_size=1", "async.max_staleness=2", "logging.quiet=true", module="grpo_async", timeout=900,
-    )
-    assert run.returncode == 0, run.explain()
-    assert len(run.rows) == steps
-    bound = _bound(run)
-    assert max(r["keys_outstanding"] for r in run.rows) <= bound
-    assert max(r["staleness_max"] for r in run.rows) <= 2
-    assert run.summary["keys_outstanding_at_exit"] == 0
-    _assert_lossless(run)

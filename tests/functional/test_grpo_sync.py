@@ -1,11 +1,16 @@
 """End-to-end runs of ``python -m algorithms.grpo_sync`` (each in its own subprocess).
 
-Four runs serve every check (the CI machine has 2 cores, so runs are shared across tests):
+Every trainer run costs ~30 s of a 2-core CI machine, so each run serves several checks, the
+compiled-graph dispatch (``trainer.dispatch``, algorithms/dispatch.py) included:
 
-* ``dp_run``: the default learning config, data plane on, 16 steps, checkpoint every 8 steps;
-* ``legacy_run``: the same config with ``data_plane.enabled=false``;
-* a run resumed from ``dp_run``'s step-8 checkpoint;
-* small-batch runs whose policy rank raises mid-step, or that get Ctrl-C.
+* ``dp_run``: the default learning config, data plane on, actor calls, 16 steps, checkpoint every 8;
+* ``legacy_run``: the same config with ``data_plane.enabled=false`` and the compiled graph (each
+  rank's input is its shard's ``ObjectRef``): bitwise equal to ``dp_run``;
+* a run resumed from ``dp_run``'s step-8 checkpoint, with the compiled graph on the data plane:
+  bitwise equal to ``dp_run``'s tail;
+* small runs whose policy rank raises mid-step through the graph, or that get Ctrl-C.
+
+The forced compile failure (one warning, then actor calls) is in test_grpo_async.py.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def paired_runs(run_trainers_concurrently, runs_dir: Path):
     dp, legacy = run_trainers_concurrently([
         (runs_dir / "dp", ("data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
                            "logging.tensorboard=true")),
-        (runs_dir / "legacy", ("data_plane.enabled=false",)),
+        (runs_dir / "legacy", ("data_plane.enabled=false", "trainer.dispatch=compiled_graph")),
     ])
     assert dp.returncode == 0, dp.explain()
     assert legacy.returncode == 0, legacy.explain()
@@ -51,6 +56,14 @@ def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> N
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "reward"):
         assert [r[key] for r in dp] == [r[key] for r in legacy], key
     assert all(r["loss"] is not None for r in dp)
+
+
+def test_the_compiled_graph_served_every_step_after_the_warm_up(dp_run, legacy_run) -> None:
+    # With the equality above: shard refs through the graph give the actor calls' losses.
+    d = legacy_run.summary["dispatch"]
+    assert d == {**d, "mode": "compiled_graph", "graph_calls": 2 * 15, "fallback": None}
+    assert d["compile_s"] > 0
+    assert dp_run.summary["dispatch"] == {"mode": "actors"}
 
 
 def test_every_step_leaves_zero_keys_and_moves_data_through_the_store(dp_run, legacy_run) -> None:
@@ -97,12 +110,16 @@ def test_metrics_file_has_the_documented_columns(dp_run) -> None:
 def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_dir: Path) -> None:
     ckpt = runs_dir / "dp" / "checkpoints" / "step_000008"
     assert (ckpt / "COMPLETE").exists()
-    resumed = run_trainer(runs_dir / "resumed", "data_plane.enabled=true", f"checkpoint.resume={ckpt}")
+    resumed = run_trainer(runs_dir / "resumed", "data_plane.enabled=true", f"checkpoint.resume={ckpt}",
+                          "trainer.dispatch=compiled_graph")
     assert resumed.returncode == 0, resumed.explain()
     tail = [r for r in dp_run.rows if r["step"] >= 8]
     assert [r["step"] for r in resumed.rows] == list(range(8, 16))
-    for key in ("loss", "reward", "grad_norm", "kl"):
+    # Steps 9-15 ran through the compiled graph on the data plane (metas as its inputs).
+    for key in ("loss", "pg_loss", "reward", "grad_norm", "kl", "entropy"):
         assert [r[key] for r in resumed.rows] == [r[key] for r in tail], key
+    assert resumed.summary["dispatch"]["graph_calls"] == 2 * 7 and resumed.summary["dispatch"]["fallback"] is None
+    assert resumed.summary["keys_outstanding_at_exit"] == 0
 
 
 def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_trainer, runs_dir: Path) -> None:
@@ -127,10 +144,14 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
         runs_dir / "fail", "data_plane.enabled=true", "debug.fail_at_step=1", "debug.fail_in=train",
         "debug.fail_rank=1", f"policy.model.path={byo / 'model'}", "policy.model.hf_config=null",
         f"task.dataset={byo / 'prompts.jsonl'}", "task.val_size=4", "task.reward_fn=byo_reward:score",
-        small=True, env={"PYTHONPATH": str(byo)},
+        "trainer.dispatch=compiled_graph", small=True, env={"PYTHONPATH": str(byo)},
     )
     assert run.returncode == 1, run.explain()
     assert "injected failure at step 1 on policy rank 1" in run.stderr, run.explain()
+    # The rank's error came through the compiled graph unchanged: the step's error, not a fallback.
+    assert "step 1 train: InjectedFailure" in run.stderr, run.explain()
+    assert run.summary["dispatch"]["fallback"] is None and run.summary["dispatch"]["graph_calls"] >= 1
+    assert "dispatch: the compiled graph cannot serve" not in run.stderr
     summary = run.summary
     assert summary["status"] == "failed"
     assert summary["keys_outstanding_at_exit"] == 0

@@ -205,3 +205,36 @@ def test_failed_writes_are_requeued_and_a_stopped_collector_fails_the_step_with_
     pool.error = "collector 0: RuntimeError: generator died"
     with pytest.raises(StepError, match="generator died"):
         buf.next_batch(step=0)
+
+
+def test_under_tight_backpressure_a_claim_never_waits_for_rows_that_cannot_be_written() -> None:
+    """``max_inflight_groups=1``: a writer that (like the collector) puts the next group only once
+    the last one is claimed. A claim asking for the whole batch would wait out ``claim_poll_s``
+    on every round; asking for what can be in flight, the batch comes as soon as it is written."""
+    import threading
+    import time
+
+    from algorithms.step import ROLLOUT_FIELDS, TRAINER_TASK
+
+    client = InMemoryClient()
+    pool = _Pool()
+    poll_s = 4.0  # below the 5 s step timeout: the unfixed claim still returns, just late
+    cfg = _cfg(max_staleness=0, max_inflight_groups=1, groups_per_generation=1, claim_poll_s=poll_s)
+    buf = RolloutBuffer(cfg, pool, client, _ledger())
+    buf.top_up()
+    jobs = list(pool.jobs)
+
+    def write_under_backpressure() -> None:
+        for i, job in enumerate(jobs):
+            while client.kv_claim_status(ROLLOUTS, TRAINER_TASK, list(ROLLOUT_FIELDS)).claimed < i * N:
+                time.sleep(0.01)
+            _put_group(client, job, version=0)
+
+    writer = threading.Thread(target=write_under_backpressure, daemon=True)
+    t0 = time.monotonic()
+    writer.start()
+    batch = buf.next_batch(step=0)
+    elapsed = time.monotonic() - t0
+    writer.join(5)
+    assert sorted(batch.group_ids) == sorted(j.group_id for j in jobs)
+    assert elapsed < poll_s / 2, f"a claim waited out its {poll_s}s poll ({elapsed:.1f}s)"

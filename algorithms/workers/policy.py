@@ -395,14 +395,16 @@ class PolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         """Every rank loads the same model/optimizer state and its own RNG state."""
+        from algorithms.checkpoint import load_trusted
+
         d = Path(path)
-        state = torch.load(d / "policy.pt", map_location=self.device, weights_only=False)
+        state = load_trusted(d / "policy.pt", map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.ref_model.load_state_dict(state["ref_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         rng_file = d / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_trusted(rng_file)
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

@@ -155,6 +155,8 @@ class DataPlaneConfig:
     backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
     fetch_policy: FetchPolicy = "auto"
     column_max_bytes_per_sample: int = 64
+    # Per-row digests recorded at put, checked at get (nemo_dataplane.integrity); off: no cost.
+    verify_integrity: bool = False
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -7,6 +7,10 @@ A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) ho
 * ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states
   and the config it was written under;
 * ``COMPLETE`` — written last: a directory without it (a crash mid-save) is never resumed from.
+
+Every file is read with ``torch.load(..., weights_only=True)`` (:func:`load_trusted`): tensors,
+plain containers and numbers, plus the classes in :data:`SAFE_GLOBALS` (the prompt records a
+driver state holds). A checkpoint naming any other Python object is refused, not executed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,29 @@ from typing import Any
 import torch
 
 MARKER = "COMPLETE"
+
+
+def _safe_globals() -> list[Any]:
+    from algorithms.tasks import PromptRecord
+
+    return [PromptRecord]
+
+
+def load_trusted(path: str | Path, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)`` allowing only :func:`_safe_globals`' classes.
+
+    Raises:
+        pickle.UnpicklingError: the file names another global (an arbitrary object); the
+            message names the file.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"refusing to load checkpoint file {str(path)!r}: it holds objects "
+                                     f"other than tensors, containers and {_safe_globals()} ({e})") from e
 
 
 def step_dir(root: str | Path, steps_done: int) -> Path:
@@ -73,7 +100,7 @@ def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
 
 def load_driver_state(d: Path) -> dict[str, Any]:
     """Read ``driver.pt`` and restore the driver's RNG states; returns the state dict."""
-    state = torch.load(d / "driver.pt", weights_only=False)
+    state = load_trusted(d / "driver.pt")
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return state

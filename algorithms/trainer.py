@@ -148,8 +148,12 @@ class Trainer:
         # Workers see the driver's import path, so a custom task.reward_fn module that the driver
         # can import, the collector can too.
         pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
+        # The job secret that authenticates rendezvous-store records travels through Ray, never
+        # through a store (docs/reliability.md, "Trust boundary").
+        from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
+
         env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
-                            "PYTHONPATH": pythonpath}}
+                            "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
         dp = cfg.trainer.dp_size
         policy_gpus = (1.0 / dp) if cfg.policy.device == "cuda" else 0
         policy_cls = ray.remote(PolicyWorker)
@@ -189,7 +193,9 @@ class Trainer:
         self.summary["worker_nodes"] = dict(zip(names, nodes))
         # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
         # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
-        (train_at,) = gather([policy[0].host_rendezvous.remote("train", dp)], timeout, "train group rendezvous")
+        # Every worker on one node: the stores listen on loopback only.
+        local = len(set(nodes)) == 1
+        (train_at,) = gather([policy[0].host_rendezvous.remote("train", dp, local)], timeout, "train group rendezvous")
         gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
         if cfg.data_plane.enabled:
             dp_cfg = cfg.data_plane.to_dict()
@@ -197,7 +203,8 @@ class Trainer:
         if cfg.refit.port:
             host, port = cfg.refit.host, cfg.refit.port
         else:
-            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", 2)], timeout, "refit group rendezvous")
+            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", 2, local)], timeout,
+                               "refit group rendezvous")
             host, port = refit_at
         gather(
             [policy[0].init_refit.remote(host, port, 2), generator.init_refit.remote(host, port, 2)],

@@ -8,7 +8,13 @@ Public names are re-exported here; everything else is imported from its layer's 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nemo_dataplane.client import ClaimsNotSupported, ClaimStatus, DataPlaneClient, DataPlaneError
+    from nemo_dataplane.client import (
+        ClaimsNotSupported,
+        ClaimStatus,
+        DataIntegrityError,
+        DataPlaneClient,
+        DataPlaneError,
+    )
     from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
     from nemo_dataplane.factory import build_data_plane_client
     from nemo_dataplane.meta import KVBatchMeta
@@ -20,6 +26,7 @@ _WHERE = {
     "ClaimsNotSupported": "client",
     "DataPlaneClient": "client",
     "DataPlaneError": "client",
+    "DataIntegrityError": "client",
     "DataPlaneConfig": "config",
     "PackingConfig": "config",
     "TransferQueueConfig": "config",
@@ -31,6 +38,7 @@ __all__ = [
     "ClaimStatus",
     "ClaimsNotSupported",
     "DataPlaneClient",
+    "DataIntegrityError",
     "DataPlaneConfig",
     "DataPlaneError",
     "KVBatchMeta",

@@ -29,6 +29,11 @@ class DataPlaneError(RuntimeError):
     """A store could not be reached, bootstrapped or used (not a caller mistake)."""
 
 
+class DataIntegrityError(DataPlaneError):
+    """A fetched row's bytes differ from the digest recorded when it was put
+    (``data_plane.verify_integrity``); the message names the key and the field."""
+
+
 class ClaimsNotSupported(NotImplementedError):
     """The backend implements the by-key contract but not task-mediated claims."""
 

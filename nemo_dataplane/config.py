@@ -155,6 +155,8 @@ class DataPlaneConfig:
     backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
     fetch_policy: FetchPolicy = "auto"
     column_max_bytes_per_sample: int = 64
+    # Per-row digests recorded at put, checked at get (nemo_dataplane.integrity); off: no cost.
+    verify_integrity: bool = False
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
@@ -284,10 +286,26 @@ def config_key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
+def _over_default(cls: type, name: str, value: Any) -> Any:
+    """``value`` (a section's mapping) over the field's default instance, per top-level key."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        default = None if f.default is dataclasses.MISSING else f.default
+    if not isinstance(value, Mapping) or not dataclasses.is_dataclass(default):
+        return value
+    base = {config_key(g): getattr(default, g.name) for g in dataclasses.fields(default)}
+    return {**base, **value}
+
+
 def build_config(cls: type[T], data: Any, path: str) -> T:
     """Build the frozen dataclass ``cls`` from a plain mapping, driven by its type hints.
 
-    Nested dataclass fields recurse; a field's YAML key is ``metadata["key"]`` or its name.
+    Nested dataclass fields recurse; a field's YAML key is ``metadata["key"]`` or its name. A
+    partial mapping for a nested section is merged key by key over that field's own default
+    (its ``default``/``default_factory``, e.g. packing's ``micro_batch_size=4``), not over the
+    section class's bare defaults.
 
     Raises:
         ConfigError: an unknown key, a value of the wrong type, or the section's own
@@ -310,7 +328,7 @@ def build_config(cls: type[T], data: Any, path: str) -> T:
         key = f"{path}.{yaml_key}" if path else yaml_key
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = value if isinstance(value, tp) else build_config(tp, value, key)
+            kwargs[name] = value if isinstance(value, tp) else build_config(tp, _over_default(cls, name, value), key)
         else:
             kwargs[name] = _coerce(value, tp, key)
     try:

@@ -77,6 +77,9 @@ def build_data_plane_client(
             ``True`` always creates; ``False`` only attaches (worker processes) and fails clearly
             when there is nothing to attach to.
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
+
+    The client is wrapped in :class:`ObservedClient` when ``observability.enabled`` or
+    ``verify_integrity`` (per-row digests checked at get) is set.
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
@@ -87,6 +90,7 @@ def build_data_plane_client(
         client = from_config(cfg, bootstrap=bootstrap)
     else:
         client = cls(**dict(cfg.backend_kwargs))
-    if cfg.observability.enabled:
-        client = ObservedClient(client, on_event)
+    if cfg.observability.enabled or cfg.verify_integrity:
+        client = ObservedClient(client, on_event if cfg.observability.enabled else None,
+                                verify_integrity=cfg.verify_integrity)
     return client

@@ -13,6 +13,13 @@ Two views of what is left in the store:
 * :meth:`ObservedClient.store_snapshot` - every key in the store, by partition, listed through
   ``kv_partitions`` + ``kv_list`` (one event, op ``store_snapshot``). Sees every writer; costs
   one listing per partition; needs a backend with ``kv_partitions``.
+
+With ``verify_integrity`` (``data_plane.verify_integrity``) the wrapper also records a digest
+per row and field at every put and checks the fields of every get against them
+(:mod:`nemo_dataplane.integrity`): a mismatch raises :class:`DataIntegrityError` naming key and
+field. A get checks the digests its meta carries; when a meta lacks one or disagrees (it
+predates a later put of that field) or only keys were given, the current tags are read once
+with ``kv_list`` before judging, so a stale meta never raises a false alarm.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from nemo_dataplane.client import ClaimStatus, DataPlaneClient, Fields
+from nemo_dataplane.client import ClaimStatus, DataIntegrityError, DataPlaneClient, Fields
 from nemo_dataplane.codec import batch_nbytes, normalize_fields, tensor_nbytes
+from nemo_dataplane.integrity import mismatches, with_digests
 from nemo_dataplane.meta import KVBatchMeta
 
 
@@ -60,8 +68,10 @@ class Outstanding:
 class ObservedClient(DataPlaneClient):
     """Records ``{op, partition_id, n_keys, n_bytes, wall_ms, status}`` for every call."""
 
-    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None) -> None:
+    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None, *,
+                 verify_integrity: bool = False) -> None:
         self.inner = inner
+        self.verify_integrity = verify_integrity
         self._on_event = on_event
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], dict[str, int]] = {}
@@ -106,6 +116,52 @@ class ObservedClient(DataPlaneClient):
                 if held:
                     self.bytes_outstanding -= sum(held.values())
 
+    # ------------------------------------------------------------- integrity
+    def _sealed_tags(self, keys: Sequence[str], fields: Fields | None,
+                     tags: Sequence[Mapping[str, Any]] | None) -> Sequence[Mapping[str, Any]] | None:
+        if not self.verify_integrity or fields is None:
+            return tags
+        return with_digests(normalize_fields(fields, len(keys)), tags, len(keys))
+
+    @staticmethod
+    def _target(meta_or_keys: KVBatchMeta | Sequence[str], pid: str | None) -> tuple[list[str], Any, str | None]:
+        if isinstance(meta_or_keys, KVBatchMeta):
+            return list(meta_or_keys.keys), list(meta_or_keys.tags), meta_or_keys.partition_id or pid
+        return list(meta_or_keys), None, pid
+
+    @staticmethod
+    def _judge(out: TensorDict, keys: list[str], tags: Any, fields: Sequence[str], pid: str | None,
+               fresh: KVBatchMeta | None) -> bool:
+        """True when every row checks out; raises on a mismatch against fresh tags; False when
+        the caller's tags do not settle it (fetch fresh ones and call again)."""
+        if fresh is not None:
+            by_key = dict(zip(fresh.keys, fresh.tags))
+            tags = [by_key.get(k, {}) for k in keys]
+        if tags is None:
+            return False
+        bad = mismatches(out, keys, tags, fields)
+        if not bad:
+            return True
+        if fresh is None:
+            return False
+        key, name, why = bad[0]
+        more = f" (and {len(bad) - 1} more row/field pairs)" if len(bad) > 1 else ""
+        raise DataIntegrityError(
+            f"integrity check failed in partition {pid!r}: key {key!r}, field {name!r}: {why}{more}"
+        )
+
+    def _verify(self, out: TensorDict, meta_or_keys: KVBatchMeta | Sequence[str], fields: Sequence[str],
+                pid: str | None) -> None:
+        keys, tags, pid = self._target(meta_or_keys, pid)
+        if not self._judge(out, keys, tags, fields, pid, None):
+            self._judge(out, keys, tags, fields, pid, self.inner.kv_list(pid))  # type: ignore[arg-type]
+
+    async def _async_verify(self, out: TensorDict, meta_or_keys: KVBatchMeta | Sequence[str],
+                            fields: Sequence[str], pid: str | None) -> None:
+        keys, tags, pid = self._target(meta_or_keys, pid)
+        if not self._judge(out, keys, tags, fields, pid, None):
+            self._judge(out, keys, tags, fields, pid, await self.inner.async_kv_list(pid))  # type: ignore[arg-type]
+
     @staticmethod
     def _get_target(meta_or_keys: KVBatchMeta | Sequence[str], pid: str | None) -> tuple[int, str | None]:
         if isinstance(meta_or_keys, KVBatchMeta):
@@ -133,7 +189,7 @@ class ObservedClient(DataPlaneClient):
     ) -> KVBatchMeta:
         keys = list(keys)
         with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
-            meta = self.inner.kv_batch_put(keys, partition_id, fields, tags)
+            meta = self.inner.kv_batch_put(keys, partition_id, fields, self._sealed_tags(keys, fields, tags))
             self._account_put(keys, partition_id, fields)
             return meta
 
@@ -147,6 +203,8 @@ class ObservedClient(DataPlaneClient):
         with self._recording("kv_batch_get", pid, n_keys) as tally:
             out = self.inner.kv_batch_get(meta_or_keys, select_fields, partition_id)
             tally.n_bytes = batch_nbytes(out)
+            if self.verify_integrity:
+                self._verify(out, meta_or_keys, select_fields, partition_id)
             return out
 
     def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
@@ -219,7 +277,8 @@ class ObservedClient(DataPlaneClient):
     ) -> KVBatchMeta:
         keys = list(keys)
         with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
-            meta = await self.inner.async_kv_batch_put(keys, partition_id, fields, tags)
+            meta = await self.inner.async_kv_batch_put(keys, partition_id, fields,
+                                                       self._sealed_tags(keys, fields, tags))
             self._account_put(keys, partition_id, fields)
             return meta
 
@@ -233,6 +292,8 @@ class ObservedClient(DataPlaneClient):
         with self._recording("kv_batch_get", pid, n_keys) as tally:
             out = await self.inner.async_kv_batch_get(meta_or_keys, select_fields, partition_id)
             tally.n_bytes = batch_nbytes(out)
+            if self.verify_integrity:
+                await self._async_verify(out, meta_or_keys, select_fields, partition_id)
             return out
 
     async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:

@@ -147,26 +147,34 @@ class PolicyWorker:
         """Rank and parameter count, once constructed (the driver waits on it, bounded)."""
         return {"rank": self.rank, "params": sum(p.numel() for p in self.model.parameters())}
 
-    def host_rendezvous(self, group: str, world_size: int) -> tuple[str, int]:
-        """Host the rendezvous store of ``group`` (rank 0 of it): listen on this node's address,
-        on a port the OS picks while binding it (no other process can take it in between).
+    def host_rendezvous(self, group: str, world_size: int, loopback: bool = False) -> tuple[str, int]:
+        """Host the rendezvous store of ``group`` (rank 0 of it): listen on this node's address
+        only (``127.0.0.1`` when ``loopback``, for runs whose workers all share this node), on a
+        port the OS picks while binding it (no other process can take it in between).
 
         Returns:
             ``(address, port)`` for the group's other members.
         """
         import ray
 
-        address = ray.util.get_node_ip_address()
-        store = dist.TCPStore(
-            address, 0, world_size, True, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False
-        )
+        from nemo_dataplane.distributed.auth import host_tcp_store
+
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        store = host_tcp_store(address, 0, world_size, timedelta(seconds=self.timeout_s))
         self._stores[group] = store
         return address, int(store.port)
 
     def join_train_group(self, address: str, port: int) -> None:
-        """Join the gradient all-reduce group at rank 0's rendezvous (collective over all ranks)."""
+        """Join the gradient all-reduce group at rank 0's rendezvous (collective over all ranks).
+
+        Its records are authenticated with the job secret (``$NEMO_DATAPLANE_SECRET``, set by the
+        trainer through Ray), so a process outside the job cannot forge them."""
+        from nemo_dataplane.distributed.auth import authenticated, is_loopback, job_secret
+
         timeout = timedelta(seconds=self.timeout_s)
         store = self._stores.get("train") or dist.TCPStore(address, port, self.world_size, False, timeout=timeout)
+        store = authenticated(store, job_secret(), where=f"policy train group at {address}:{port}",
+                              loopback=is_loopback(address))
         self._stores["train"] = store  # the group keeps using it
         dist.init_process_group(
             backend=self.cfg["policy"]["dist_backend"], store=store, rank=self.rank, world_size=self.world_size,
@@ -387,14 +395,16 @@ class PolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         """Every rank loads the same model/optimizer state and its own RNG state."""
+        from algorithms.checkpoint import load_trusted
+
         d = Path(path)
-        state = torch.load(d / "policy.pt", map_location=self.device, weights_only=False)
+        state = load_trusted(d / "policy.pt", map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.ref_model.load_state_dict(state["ref_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         rng_file = d / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_trusted(rng_file)
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

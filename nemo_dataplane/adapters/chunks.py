@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nemo_dataplane.codec import is_jagged, tensor_nbytes
+from nemo_dataplane.dtypes import check_lengths, view_bytes
 from nemo_dataplane.rows import concat_rows, take_rows
 
 __all__ = ["Encoded", "assemble", "bundles", "decode", "encode", "rows_of"]
@@ -66,8 +67,13 @@ def encode(t: torch.Tensor) -> Encoded:
 def decode(field: Encoded) -> Column:
     """Views of an :data:`Encoded` (read-only memory when it came from Ray: do not write)."""
     dtype, shape, buf, offsets = field
-    values = torch.from_numpy(buf).view(getattr(torch, dtype)).view(shape)
-    return values, None if offsets is None else torch.from_numpy(offsets)
+    values = view_bytes(torch.from_numpy(buf), dtype, shape, "chunk field")
+    if offsets is None:
+        return values, None
+    check_lengths(np.diff(offsets), values.shape[0] if values.dim() else -1, "chunk field offsets")
+    if len(offsets) and int(offsets[0]) != 0:
+        raise ValueError(f"chunk field offsets: must start at 0, got {int(offsets[0])}")
+    return values, torch.from_numpy(offsets)
 
 
 def rows_of(column: Column) -> list[torch.Tensor]:

@@ -11,6 +11,11 @@ none); a refit group joins ranks of both without touching either. Ranks meet thr
 
 Every key lives under ``spg/<group_name>/`` so several groups can share one store, and any
 number of groups can live in one process. Every host-side wait is bounded by ``timeout``.
+
+Rank 0's store listens on ``host`` only (loopback stays loopback, see
+:func:`~nemo_dataplane.distributed.auth.host_tcp_store`); with a job secret every record is
+authenticated (:class:`~nemo_dataplane.distributed.auth.AuthStore`), see ``docs/reliability.md``
+("Trust boundary").
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.dtypes import DTYPES
+
 __all__ = [
     "StatelessGroupError",
     "StatelessGroupTimeout",
@@ -37,15 +45,8 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 # Float8 formats have no native NCCL/gloo type in every release we support; their bytes
-# travel as uint8. ``getattr`` because older torch builds lack some of them.
-FP8_DTYPES: frozenset[torch.dtype] = frozenset(
-    d
-    for d in (
-        getattr(torch, n, None)
-        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    )
-    if d is not None
-)
+# travel as uint8. The table holds only those this torch build has.
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(d for n, d in DTYPES.items() if n.startswith("float8_"))
 
 # What each backend carries natively; anything else (fp8, int16, complex, ...) goes as bytes.
 _NATIVE_DTYPES: dict[str, frozenset[torch.dtype]] = {
@@ -250,6 +251,12 @@ class StatelessProcessGroup:
             at ``host:port``.
         nccl_config: fields of ``nccl.core.NCCLConfig`` (e.g. ``{"min_ctas": 32}``) for the
             communicator; ignored for gloo.
+        secret: the job's secret (default: ``$NEMO_DATAPLANE_SECRET``). With one, every record
+            this group (gloo's rendezvous included) writes or reads is HMAC-authenticated and a
+            forged one raises ``StoreAuthError`` naming its key; every rank needs the same one.
+            Without one, records are unauthenticated: accepted silently when ``host`` is a
+            loopback address (only this host can reach the store), with a
+            ``StoreSecurityWarning`` otherwise.
     """
 
     def __init__(
@@ -265,6 +272,7 @@ class StatelessProcessGroup:
         group_name: str = "default",
         store: dist.Store | None = None,
         nccl_config: dict[str, Any] | None = None,
+        secret: bytes | str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -305,7 +313,10 @@ class StatelessProcessGroup:
 
         t0 = time.monotonic()
         self._owns_store = store is None
-        self.store: dist.Store = store if store is not None else self._connect_store()
+        self.store: dist.Store = authenticated(
+            store if store is not None else self._connect_store(), job_secret(secret),
+            where=f"StatelessProcessGroup {group_name!r} at {self.store_address}", loopback=is_loopback(host),
+        )
         self._rendezvous()
         if backend == "nccl":
             self._init_nccl()
@@ -331,8 +342,7 @@ class StatelessProcessGroup:
         td = datetime.timedelta(seconds=self.timeout)
         if self.rank == 0:
             try:
-                return dist.TCPStore(self.host, self.port, self.world_size, True, timeout=td,
-                                     wait_for_workers=False)
+                return host_tcp_store(self.host, self.port, self.world_size, td)
             except Exception as e:
                 raise self._error(StatelessGroupError,
                                   f"rank 0 could not host the rendezvous store: {e}") from e

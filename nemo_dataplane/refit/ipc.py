@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
 
 __all__ = ["PeerCopier", "PushSource", "PushTargets", "export_tensors", "host_record", "ipc_problems",
@@ -117,12 +118,33 @@ def _dec(v: Any) -> Any:
         if "type" in v:
             return _TYPES[v["type"]]
         if "dtype" in v:
-            return getattr(torch, v["dtype"])
+            return dtype_from_name(v["dtype"], "CUDA IPC handle record dtype")
         if "b64" in v:
             return base64.b64decode(v["b64"])
         if "seq" in v:
             return tuple(_dec(x) for x in v["seq"])
     return v
+
+
+def _check_view(kw: dict[str, Any]) -> None:
+    """Refuse a handle record whose view (size, stride, offset, dtype) reaches outside the
+    storage it names; the error names the field."""
+    where = "CUDA IPC handle record"
+    for name in ("tensor_size", "tensor_stride", "tensor_offset", "dtype", "storage_size_bytes"):
+        if name not in kw:
+            raise ValueError(f"{where}: missing field {name!r}")
+    size = check_shape(kw["tensor_size"], f"{where} tensor_size")
+    stride = check_shape(kw["tensor_stride"], f"{where} tensor_stride")
+    if len(stride) != len(size):
+        raise ValueError(f"{where} tensor_stride: {len(stride)} dims for a {len(size)}-dim tensor_size")
+    if not isinstance(kw["dtype"], torch.dtype):
+        raise ValueError(f"{where} dtype: {kw['dtype']!r} is not a dtype")
+    last = 0 if 0 in size else sum((n - 1) * s for n, s in zip(size, stride)) + 1
+    item = kw["dtype"].itemsize
+    offset = kw["tensor_offset"]
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{where} tensor_offset: must be a non-negative int, got {offset!r}")
+    check_span(offset * item, last * item if last else 0, int(kw["storage_size_bytes"]), f"{where} tensor view")
 
 
 def _rebuild_params() -> list[str]:
@@ -162,8 +184,8 @@ def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
         kw = {n: _dec(v) for n, v in item.items()}
         kw["storage_device"] = dev
         kw["requires_grad"] = False
-        if "tensor_size" in kw:
-            kw["tensor_size"] = torch.Size(kw["tensor_size"])
+        _check_view(kw)
+        kw["tensor_size"] = torch.Size(kw["tensor_size"])
         with torch.cuda.device(dev):
             out.append(rebuild_cuda_tensor(**kw))
     return out

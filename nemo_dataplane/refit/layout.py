@@ -30,6 +30,8 @@ from functools import cached_property
 
 import torch
 
+from nemo_dataplane.dtypes import check_shape, dtype_from_name
+
 __all__ = [
     "DEFAULT_FUSIONS",
     "DEFAULT_RULES",
@@ -183,17 +185,8 @@ class LocalTensor:
         return n
 
 
-_ITEMSIZE: dict[str, int] = {}
-
-
 def _itemsize(dtype: str) -> int:
-    n = _ITEMSIZE.get(dtype)
-    if n is None:
-        dt = getattr(torch, dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise LayoutError(f"unknown dtype {dtype!r}")
-        n = _ITEMSIZE[dtype] = dt.itemsize
-    return n
+    return dtype_from_name(dtype, "layout", LayoutError).itemsize
 
 
 def chunk(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
@@ -274,8 +267,9 @@ class Layout:
             mesh = Mesh(tuple(m["dims"]), tuple(int(s) for s in m["sizes"]), tuple(int(r) for r in m["ranks"]))
             params = {}
             for n, p in d["params"].items():
-                params[n] = ParamLayout(tuple(int(s) for s in p["shape"]), str(p["dtype"]),
-                                        tuple(parse_placement(x) for x in p["placements"]), p.get("rule"))
+                dtype_from_name(p["dtype"], f"layout param {n!r} dtype", LayoutError)
+                params[n] = ParamLayout(check_shape(p["shape"], f"layout param {n!r} shape", LayoutError),
+                                        p["dtype"], tuple(parse_placement(x) for x in p["placements"]), p.get("rule"))
             fused = {n: Fused(int(f["dim"]), tuple(f["parts"])) for n, f in d.get("fused", {}).items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise LayoutError(f"malformed layout: missing or wrong field {e}") from e

@@ -22,6 +22,8 @@ from typing import Union
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.dtypes import check_shape, dtype_name
+from nemo_dataplane.dtypes import dtype_from_name as _dtype_from_name
 from nemo_dataplane.refit.plan import DEFAULT_GROUP_BYTES, Bucket, Direct, build_plan, group_directs
 
 __all__ = [
@@ -70,15 +72,10 @@ class RefitMismatchError(RefitError):
     """Sender and receiver layouts differ; raised on every rank before any bulk transfer."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise RefitError(f"unknown dtype {name!r} in refit metadata (torch {torch.__version__})")
-    return dt
+def dtype_from_name(name: str, field: str = "refit metadata") -> torch.dtype:
+    """The dtype of the shared table (``nemo_dataplane.dtypes.DTYPES``); ``RefitError`` naming
+    ``field`` for any other name."""
+    return _dtype_from_name(name, field, RefitError)
 
 
 @dataclass(frozen=True)
@@ -132,9 +129,28 @@ class RefitInfo:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RefitInfo:
-        d = json.loads(data)
-        tensors = tuple(TensorSpec(n, tuple(s), dt) for n, s, dt in d.pop("tensors"))
-        return cls(tensors=tensors, **d)
+        """Decode and validate (dtype from the fixed table, shapes of non-negative ints, sizes).
+
+        Raises:
+            RefitError: a malformed or out-of-range field (message names it).
+        """
+        try:
+            d = json.loads(data)
+            tensors = []
+            for i, (n, s, dt) in enumerate(d.pop("tensors")):
+                where = f"refit info tensors[{i}] ({n!r})"
+                dtype_from_name(dt, f"{where} dtype")
+                tensors.append(TensorSpec(str(n), check_shape(s, f"{where} shape", RefitError), dt))
+            info = cls(tensors=tuple(tensors), **d)
+        except RefitError:
+            raise
+        except (TypeError, ValueError, KeyError) as e:
+            raise RefitError(f"malformed refit info: {type(e).__name__}: {e}") from e
+        for name in ("bucket_bytes", "direct_bytes", "src", "group_bytes", "protocol"):
+            v = getattr(info, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RefitError(f"refit info {name}: must be a non-negative int, got {v!r}")
+        return info
 
     def fingerprint(self) -> int:
         """A 31-bit checksum of the metadata; travels in every refit header."""

@@ -171,7 +171,7 @@ def test_driver_balanced_preshards_any_lengths_any_dp(lens: list[int], dp: int, 
 
 
 # ------------------------------------------------------------------ config loading
-BASE = ["policy.model.arch=gpt2", "policy.model.hf_config={n_layer: 1}", "data_plane.packing.micro_batch_size=4"]
+BASE = ["policy.model.arch=gpt2", "policy.model.hf_config={n_layer: 1}"]
 
 
 def _leaves(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
@@ -217,10 +217,28 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 
 
 def _base() -> dict[str, Any]:
-    # packing given whole: a partial packing section does not inherit the section default's
-    # micro_batch_size, so any packing key alone fails naming micro_batch_size (correctly).
-    return {"policy": {"model": {"arch": "gpt2", "hf_config": {"n_layer": 1}}},
-            "data_plane": {"packing": {"mode": "none", "micro_batch_size": 4}}}
+    return {"policy": {"model": {"arch": "gpt2", "hf_config": {"n_layer": 1}}}}
+
+
+@FAST
+@given(key=st.sampled_from(["mode", "max_tokens_per_microbatch", "micro_batch_size"]),
+       value=st.sampled_from(["none", "sequence", "dynamic", 1, 7, 4096]))
+def test_one_packing_key_keeps_the_other_section_defaults(key: str, value: Any) -> None:
+    """Regression (fuzz finding): a single ``data_plane.packing.*`` key used to replace the
+    section and drop its default ``micro_batch_size=4``; sections now merge per key."""
+    assume(isinstance(value, str) == (key == "mode"))
+    try:
+        packing = TrainerConfig.from_dict(_set(_base(), f"data_plane.packing.{key}", value)).data_plane.packing
+    except ConfigError as e:
+        # Only "sequence"/"dynamic" without a token budget is incomplete; the error names it.
+        assert key == "mode" and value != "none" and "max_tokens_per_microbatch" in str(e), str(e)
+        return
+    assert getattr(packing, key) == value
+    for other, default in (("mode", "none"), ("max_tokens_per_microbatch", None), ("micro_batch_size", 4)):
+        if other != key:
+            assert getattr(packing, other) == default, (other, packing)
+    cli = load_config(None, ["policy.model.arch=gpt2", f"data_plane.packing.{key}={value}"]).data_plane.packing
+    assert cli == packing  # the same through CLI overrides
 
 
 def test_base_config_is_valid() -> None:

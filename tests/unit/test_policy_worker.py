@@ -34,7 +34,7 @@ def worker():
         "grpo.kl_coef=0.1",
     ])
     w = PolicyWorker(0, 1, cfg.to_dict())
-    w.join_train_group(*w.host_rendezvous("train", 1))
+    w.join_train_group(*w.host_rendezvous("train", 1, loopback=True))
     yield w, cfg
     w.shutdown()
     assert not dist.is_initialized()

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.checkpoint import complete_checkpoints, mark_complete, resolve_resume, step_dir
+from algorithms.checkpoint import (
+    complete_checkpoints,
+    load_driver_state,
+    load_trusted,
+    mark_complete,
+    resolve_resume,
+    save_driver_state,
+    step_dir,
+)
+from algorithms.rollout_buffer import PromptLedger
+from algorithms.tasks import PromptIterator, make_task_dataset
 from algorithms.metrics import STEP_KEYS, MetricsLogger, payload_bytes, plot_metrics, summary_line
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -76,3 +86,43 @@ def test_checkpoint_resume_picks_the_newest_complete_one_and_prunes(tmp_path: Pa
     d8.mkdir()
     mark_complete(d8, 8, root=tmp_path, keep=2)
     assert complete_checkpoints(tmp_path) == [step_dir(tmp_path, 4), d8]
+
+
+class _Payload:
+    """What a hostile checkpoint would hold: unpickling it runs ``Path.touch(marker)``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_driver_state_with_a_ledger_round_trips_under_weights_only(tmp_path: Path) -> None:
+    records = make_task_dataset("digit_map", 0, 16)
+    ledger = PromptLedger(PromptIterator(records, 1, seed=3))
+    jobs = ledger.admit(3)
+    ledger.requeue(jobs[1].group_id)  # one retry, two in flight: records (dataclasses) in the state
+    torch.manual_seed(11)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(11)
+    save_driver_state(tmp_path, 5, ledger.state_dict(), {"grpo": {"n": 4}, "x": [1, 2.5, None]})
+    torch.rand(7)  # move the RNG on; the load must bring it back
+    state = load_driver_state(tmp_path)
+    assert state["step"] == 5 and state["config"] == {"grpo": {"n": 4}, "x": [1, 2.5, None]}
+    assert state["prompts"] == ledger.state_dict()
+    assert torch.equal(torch.rand(3), expected_draw)
+    resumed = PromptLedger(PromptIterator(records, 1, seed=3))
+    resumed.load_state_dict(state["prompts"])
+    assert [j.record for j in resumed.admit(4)] == [*(j.record for j in jobs), ledger.stream.next_batch()[0]]
+
+
+def test_a_checkpoint_holding_an_arbitrary_object_is_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+    for name in ("driver.pt", "policy.pt"):
+        torch.save({"step": 1, "prompts": {}, "evil": _Payload(marker)}, tmp_path / name)
+        with pytest.raises(pickle.UnpicklingError, match=f"refusing to load checkpoint file .*{name}"):
+            load_trusted(tmp_path / name)
+    with pytest.raises(pickle.UnpicklingError, match="driver.pt"):
+        load_driver_state(tmp_path)
+    assert not marker.exists(), "the payload ran"

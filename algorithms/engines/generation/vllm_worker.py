@@ -38,11 +38,13 @@ class RefitWorkerExtension:
         """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters),
         join the refit group and agree on the layout with the sender (collective)."""
         from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+        from nemo_dataplane.dtypes import check_shape, dtype_from_name
         from nemo_dataplane.refit.packed import RefitReceiver
 
         self.ndp_refit_close()
         device = torch.device(self.device) if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
-        staging = {name: torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+        staging = {name: torch.empty(check_shape(shape, f"param {name!r} shape"),
+                                     dtype=dtype_from_name(dtype, f"param {name!r} dtype"), device=device)
                    for name, shape, dtype in specs}
         group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
                                       device=device if backend == "nccl" else None, group_name="refit")

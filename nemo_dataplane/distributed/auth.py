@@ -1,0 +1,220 @@
+"""Rendezvous stores that bind only where asked and refuse records this job did not write.
+
+``torch.distributed.TCPStore`` hosted with ``is_master=True`` listens on every interface
+whatever host it is given, and serves anyone who connects. Two measures bound that:
+
+* :func:`host_tcp_store` binds the listening socket itself to exactly ``host`` (a loopback
+  address for single-node runs, the node's address for multi-node ones) and hands it to
+  TCPStore through ``master_listen_fd``, so nothing listens on other interfaces.
+* :class:`AuthStore` wraps any store so that every value is written as
+  ``HMAC-SHA256(secret, key, value) || value`` and checked on every read: a record forged or
+  altered by a process without the job's secret is refused with :class:`StoreAuthError` naming
+  the key. Counters (``add``) and key presence (``check``/``wait``) are not authenticated: a
+  forger can delay or fail a rendezvous (denial of service), never make a process use a value
+  it supplied.
+
+The secret is per job: the trainer makes one (:func:`new_job_secret`) and hands it to its
+processes through Ray (the ``NEMO_DATAPLANE_SECRET`` environment variable of the actors'
+``runtime_env``) or a constructor argument, never through the store. :func:`job_secret`
+resolves the argument, else that variable, else ``None`` (unauthenticated; see
+:func:`authenticated` for the warning this gives).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import socket
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "SECRET_ENV",
+    "AuthStore",
+    "StoreAuthError",
+    "StoreSecurityWarning",
+    "authenticated",
+    "host_tcp_store",
+    "is_loopback",
+    "job_secret",
+    "new_job_secret",
+]
+
+SECRET_ENV = "NEMO_DATAPLANE_SECRET"
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+class StoreAuthError(RuntimeError):
+    """A store record failed authentication: forged, tampered with, or written without this
+    job's secret. The message names the key."""
+
+
+class StoreSecurityWarning(UserWarning):
+    """A store reachable beyond this host is used without a job secret."""
+
+
+def new_job_secret() -> str:
+    """A fresh per-job secret (hex, 256 bits) to hand to every process of the job."""
+    return secrets.token_hex(32)
+
+
+def job_secret(secret: bytes | str | None = None) -> bytes | None:
+    """``secret`` as bytes, else the ``NEMO_DATAPLANE_SECRET`` environment variable, else ``None``.
+
+    Raises:
+        ValueError: the secret is empty.
+    """
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+        if secret is None:
+            return None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not raw:
+        raise ValueError(f"the store secret is empty (argument or ${SECRET_ENV})")
+    return raw
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class AuthStore(dist.Store):
+    """A ``torch.distributed.Store`` whose values carry an HMAC-SHA256 over key and value.
+
+    Usable wherever a store is (``PrefixStore``, ``ProcessGroupGloo``, ``init_process_group``):
+    every ``set``/``compare_set`` writes a tagged value, every ``get`` checks it. A record with a
+    missing or wrong tag raises :class:`StoreAuthError` naming the key. ``add``, ``check``,
+    ``wait``, ``delete_key`` and ``num_keys`` pass through unauthenticated (counters and presence
+    carry no data a process acts on beyond timing).
+    """
+
+    def __init__(self, inner: dist.Store, secret: bytes) -> None:
+        super().__init__()
+        if not secret:
+            raise ValueError("AuthStore needs a non-empty secret")
+        self.inner = inner
+        self._secret = bytes(secret)
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        k = key.encode()
+        msg = len(k).to_bytes(4, "big") + k + value
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()
+
+    def _seal(self, key: str, value: Any) -> bytes:
+        v = _as_bytes(value)
+        return self._tag(key, v) + v
+
+    def _open(self, key: str, raw: bytes) -> bytes:
+        raw = bytes(raw)
+        tag, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if len(raw) < _MAC_BYTES or not hmac.compare_digest(tag, self._tag(key, value)):
+            raise StoreAuthError(
+                f"store record {key!r} failed authentication: it was forged, tampered with, or written "
+                f"by a process without this job's secret (${SECRET_ENV}); refusing to use it"
+            )
+        return value
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.inner.get(key))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        # The tag is deterministic, so a sealed ``expected`` matches the stored record exactly;
+        # an empty ``expected`` means "key absent" to TCPStore and stays empty.
+        exp = self._seal(key, expected) if _as_bytes(expected) else b""
+        return self._open(key, self.inner.compare_set(key, exp, self._seal(key, desired)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self.inner.timeout
+
+
+def authenticated(store: dist.Store, secret: bytes | None, *, where: str, loopback: bool) -> dist.Store:
+    """``store`` wrapped in an :class:`AuthStore` when there is a secret.
+
+    Without one the store is returned as is (records unauthenticated). That is accepted
+    silently when the store is reachable on loopback only (``loopback``: the exposure is to
+    processes of this host), and with a :class:`StoreSecurityWarning` naming ``where`` otherwise.
+    """
+    if isinstance(store, AuthStore):
+        return store
+    if secret is not None:
+        return AuthStore(store, secret)
+    if not loopback:
+        warnings.warn(
+            f"{where}: no job secret (argument or ${SECRET_ENV}); records in a store reachable beyond "
+            "this host are not authenticated, so any process that reaches it can forge them",
+            StoreSecurityWarning,
+            stacklevel=3,
+        )
+    return store
+
+
+def host_tcp_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Host a ``TCPStore`` listening on ``host:port`` only (``port=0``: one the OS picks).
+
+    TCPStore alone binds every interface; here the socket is bound to ``host`` first and
+    handed over, so a store hosted on ``127.0.0.1`` cannot be reached from another machine.
+
+    Raises:
+        OSError: ``host`` does not resolve or ``host:port`` cannot be bound (message names it).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise OSError(f"cannot resolve rendezvous host {host!r}: {e}") from e
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from e
+    bound_port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the listening socket from here on
+    try:
+        return dist.TCPStore(host, bound_port, world_size, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=True)
+    except Exception:
+        os.close(fd)
+        raise

@@ -1,0 +1,167 @@
+"""Rendezvous stores: records authenticated with the job secret, listeners bound to their host.
+
+Real ``TCPStore``s and real gloo groups; the forger is a plain TCPStore client, as any process
+that reaches the port would be.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import socket
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nemo_dataplane.distributed.auth import (
+    SECRET_ENV,
+    AuthStore,
+    StoreAuthError,
+    StoreSecurityWarning,
+    host_tcp_store,
+    is_loopback,
+)
+from nemo_dataplane.distributed.stateless_group import StatelessGroupError, StatelessProcessGroup
+
+_spec = importlib.util.spec_from_file_location("_refit_procs", Path(__file__).with_name("_refit_procs.py"))
+P: Any = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(P)  # type: ignore[union-attr]
+
+TD = datetime.timedelta(seconds=10)
+
+
+def _client(port: int) -> dist.TCPStore:
+    """A process without the secret that reaches the store (no wrapper, raw records)."""
+    return dist.TCPStore(P.HOST, port, 1, False, timeout=TD)
+
+
+def _non_loopback_address() -> str | None:
+    """An address of this machine other than loopback (None if it has none)."""
+    found: list[str] = []
+    try:
+        found += [i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # no packet is sent: connect() on UDP only picks the outgoing interface
+            s.connect(("192.0.2.1", 9))
+            found.append(s.getsockname()[0])
+        except OSError:
+            pass
+    return next((a for a in found if not is_loopback(a) and a != "0.0.0.0"), None)
+
+
+def test_forged_and_tampered_records_are_refused_naming_the_key() -> None:
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10, group_name="refit", secret="job-1") as g:
+        forger = _client(port)
+        g.store.set("spg/refit/ok", b"genuine")
+        assert g.store.get("spg/refit/ok") == b"genuine"
+        # A record written without the secret (e.g. a forged refit layout).
+        forger.set("spg/refit/0/layout/dst", b'{"params": {}}')
+        with pytest.raises(StoreAuthError, match=r"'spg/refit/0/layout/dst' failed authentication"):
+            g.store.get("spg/refit/0/layout/dst")
+        # A genuine record with one byte changed.
+        raw = bytearray(forger.get("spg/refit/ok"))
+        raw[-1] ^= 1
+        forger.set("spg/refit/ok", bytes(raw))
+        with pytest.raises(StoreAuthError, match="spg/refit/ok"):
+            g.store.get("spg/refit/ok")
+        # A genuine record copied under another key (its tag covers the key).
+        g.store.set("spg/refit/a", b"v")
+        forger.set("spg/refit/b", forger.get("spg/refit/a"))
+        with pytest.raises(StoreAuthError, match="spg/refit/b"):
+            g.store.get("spg/refit/b")
+        # Written with another job's secret.
+        AuthStore(forger, b"job-2").set("spg/refit/c", b"v")
+        with pytest.raises(StoreAuthError, match="spg/refit/c"):
+            g.store.get("spg/refit/c")
+        # The group itself still works: its own gloo rendezvous went through the same wrapper.
+        t = torch.arange(4)
+        g.broadcast(t, 0)
+        g.barrier()
+
+
+def test_compare_set_round_trips_through_the_tag() -> None:
+    store = AuthStore(host_tcp_store(P.HOST, 0, 1, TD), b"s")
+    assert store.compare_set("k", b"", b"first") == b"first"
+    assert store.compare_set("k", b"first", b"second") == b"second"
+    assert store.compare_set("k", b"wrong", b"third") == b"second"
+    assert store.get("k") == b"second"
+
+
+def test_a_rank_with_another_secret_cannot_join() -> None:
+    port = P.free_port()
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, secret: str) -> None:
+        try:
+            StatelessProcessGroup(P.HOST, port, r, 2, "gloo", timeout=6, secret=secret).destroy()
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            errors[r] = e
+
+    t = threading.Thread(target=rank, args=(0, "job-1"))
+    t.start()
+    rank(1, "job-2")
+    t.join(30)
+    assert not t.is_alive()
+    # gloo's rendezvous reads the address record rank 0 wrote: rank 1 refuses it, naming the key.
+    assert isinstance(errors.get(1), (StoreAuthError, StatelessGroupError)), errors
+    assert "failed authentication" in str(errors[1]) and "spg/default/gloo" in str(errors[1])
+    assert 0 in errors  # rank 0 never sees a working peer: it fails within its timeout
+
+
+def test_the_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "from-env")
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10) as g:
+        assert isinstance(g.store, AuthStore)
+        g.store.set("x", b"1")
+        assert AuthStore(_client(port), b"from-env").get("x") == b"1"
+    monkeypatch.delenv(SECRET_ENV)
+    with StatelessProcessGroup(P.HOST, P.free_port(), 0, 1, "gloo", timeout=10) as g:
+        assert not isinstance(g.store, AuthStore)  # loopback, no secret: unauthenticated, silently
+
+
+def test_a_loopback_store_is_not_reachable_on_a_non_loopback_address() -> None:
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback address")
+    # Positive control: a plain TCPStore given the same loopback host listens everywhere.
+    plain = dist.TCPStore(P.HOST, 0, 1, True, timeout=TD, wait_for_workers=False)
+    socket.create_connection((addr, plain.port), timeout=2).close()
+    del plain
+    ours = host_tcp_store(P.HOST, 0, 1, TD)
+    socket.create_connection((P.HOST, ours.port), timeout=2).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((addr, ours.port), timeout=2)
+    # The same through a group hosted by rank 0 on loopback.
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10, secret="s"):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((addr, port), timeout=2)
+
+
+def test_no_secret_on_a_reachable_host_warns() -> None:
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback address")
+    with pytest.warns(StoreSecurityWarning, match="no job secret"):
+        StatelessProcessGroup(addr, P.free_port(), 0, 1, "gloo", timeout=10).destroy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StoreSecurityWarning)
+        StatelessProcessGroup(addr, P.free_port(), 0, 1, "gloo", timeout=10, secret="s").destroy()
+
+
+def test_hosting_on_a_taken_port_names_the_address() -> None:
+    with socket.socket() as s:
+        s.bind((P.HOST, 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"{P.HOST}:{port}"):
+            host_tcp_store(P.HOST, port, 1, TD)

@@ -265,12 +265,22 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
     generation mixes two versions.
 
     Raises:
-        StepError: a side failed, timed out, or the generator reports another version.
+        StepError: a side failed, timed out (a sender timeout names the generator, its only
+            peer), or the generator reports another version.
     """
     t0 = time.perf_counter()
     send = workers.policy[0].send_weights.remote(version)
-    recv = workers.generator.receive_weights.remote()
-    _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, f"refit of version {version}")
+    recv = workers.generator.receive_weights.remote(version)
+    what = f"refit of version {version}"
+    try:
+        _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, what,
+                             who=["policy rank 0 (refit sender)", "the generator (refit receiver)"])
+    except StepError as e:
+        if isinstance(e.__cause__, TimeoutError):
+            # The sender's group wait ran out: its one peer, the generator, never took part.
+            raise StepError(f"{what}: the generator (refit rank 1) never took part within refit.timeout_s="
+                            f"{cfg.refit.timeout_s:g}s: {e.__cause__}") from e
+        raise
     if got != version:
         raise StepError(f"refit: generator reports weight version {got}, expected {version}")
     return time.perf_counter() - t0

@@ -77,6 +77,10 @@ def build_data_plane_client(
             ``True`` always creates; ``False`` only attaches (worker processes) and fails clearly
             when there is nothing to attach to.
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
+
+    With ``data_plane.max_rows`` the client is wrapped in
+    :class:`~nemo_dataplane.capacity.CapacityGuard` (a put past the capacity raises
+    ``StoreFullError``), inside the observability wrapper so a refused put is recorded.
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
@@ -87,6 +91,10 @@ def build_data_plane_client(
         client = from_config(cfg, bootstrap=bootstrap)
     else:
         client = cls(**dict(cfg.backend_kwargs))
+    if cfg.max_rows is not None:
+        from nemo_dataplane.capacity import CapacityGuard
+
+        client = CapacityGuard(client, cfg.max_rows)
     if cfg.observability.enabled:
         client = ObservedClient(client, on_event)
     return client

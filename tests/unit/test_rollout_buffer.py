@@ -205,3 +205,19 @@ def test_failed_writes_are_requeued_and_a_stopped_collector_fails_the_step_with_
     pool.error = "collector 0: RuntimeError: generator died"
     with pytest.raises(StepError, match="generator died"):
         buf.next_batch(step=0)
+
+
+def test_a_resumed_ledger_regenerates_in_flight_prompts_under_their_group_ids() -> None:
+    """Same group id -> same sampling seed: a resume draws what the uninterrupted run drew."""
+    led = _ledger()
+    first = led.admit(4)
+    led.trained([first[0].group_id, first[1].group_id])
+    led.requeue(first[2].group_id)  # a failed write: retried under a new id, in either run
+    state = led.state_dict()
+    uninterrupted = led.admit(3)
+    resumed = _ledger()
+    resumed.load_state_dict(state)
+    again = resumed.admit(3)
+    assert [(j.handout, j.group_id) for j in again] == [(j.handout, j.group_id) for j in uninterrupted]
+    assert again[1].group_id == first[3].group_id  # the in-flight one kept its id
+    assert len({j.group_id for j in resumed.inflight.values()}) == len(resumed.inflight)

@@ -206,8 +206,8 @@ class DebugConfig:
     environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "generate", "logprobs", "train", "put", "generator", "refit", "store_controller",
-                     "store_unit"] | None = None
+    fail_in: Literal["collect", "generate", "logprobs", "train", "put", "reward", "generator", "refit",
+                     "store_controller", "store_unit"] | None = None
     fail_rank: int = 0
     fail_at_group: int | None = None
     fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
@@ -300,7 +300,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key}={val!r} is not a file")
     if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
-    if cfg.debug.fail_in in ("put", "generate"):
+    if cfg.debug.fail_in in ("put", "generate", "reward"):
         if cfg.debug.fail_at_group is None:
             raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs debug.fail_at_group")
     elif cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:

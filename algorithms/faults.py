@@ -9,6 +9,8 @@ Keys (see :class:`algorithms.config.DebugConfig`):
   ``logprobs`` / ``train`` (a policy rank), ``put`` (the async collector's write of group
   ``fail_at_group`` fails half-way; the collector's own code, it also tests the rollback),
   ``generate`` (an async collector, after generating group ``fail_at_group``, before its put),
+  ``reward`` (the collector's reward call for group ``fail_at_group`` raises: reported like a
+  user's raising reward function),
   ``generator`` (the generator actor, inside its generate call with weight version
   ``fail_at_step``), ``refit`` (the generator, on the refit that installs version
   ``fail_at_step``, before it joins the transfer: with ``fail_mode=hang`` the trainer's peer never

@@ -110,6 +110,7 @@ class AsyncTrainer(Trainer):
                 row = result.row
                 idle = buffer.collector_stats.get("idle_s", 0.0)
                 row["collector_idle_s"], idle_before = idle - idle_before, idle
+                row["collector_store_full_waits"] = int(buffer.collector_stats.get("store_full_waits", 0))  # cumulative
                 if row["keys_outstanding"] > bound:
                     raise RuntimeError(
                         f"step {step}: {row['keys_outstanding']} keys outstanding in the store exceed the bound "

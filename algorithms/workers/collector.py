@@ -88,11 +88,15 @@ class RolloutCollector:
             raise RuntimeError(f"collector {self.index}: the generator died or was lost mid-generation: "
                                f"{type(e).__name__}: {e}") from e
 
-    def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int) -> list[float]:
+    def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int,
+               groups: Sequence[int] | None = None) -> list[float]:
         out = []
         for i, resp in enumerate(responses):
             record = records[i // n]
             try:
+                # fail_in=reward: the reward call of group fail_at_group raises, as a user's function would
+                maybe_fail(self.cfg["debug"], "reward", group=groups[i // n] if groups else None,
+                           what=f"in the reward function of group {groups[i // n] if groups else '?'}")
                 value = self.reward_fn(record, self.tokenizer.decode(resp))
             except Exception as e:
                 raise RuntimeError(
@@ -113,7 +117,8 @@ class RolloutCollector:
         n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
         responses, logprobs, version = self._sample(prompts, n, seed, None)
-        rewards = torch.tensor(self._score([j.record for j in jobs], responses, n), dtype=torch.float32)
+        rewards = torch.tensor(self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]),
+                               dtype=torch.float32)
         rows, gen_lp, prompt_len = [], [], []
         for i, (resp, lps) in enumerate(zip(responses, logprobs)):
             p = prompts[i // n]

@@ -243,7 +243,8 @@ class RolloutBuffer:
                 if gid in self.ledger.inflight:
                     self.ledger.requeue(gid)
                     self.stats.requeued_failed += 1
-        self.collector_stats = {k: sum(float(p[k]) for p in polls) for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")}
+        self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls)
+                                for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")}
 
     def _drop(self, group: _Group) -> None:
         if self.client is not None:

@@ -276,10 +276,12 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, what,
                              who=["policy rank 0 (refit sender)", "the generator (refit receiver)"])
     except StepError as e:
-        if isinstance(e.__cause__, TimeoutError):
+        cause = e.__cause__
+        # gloo may report its own expiry first ("Application timeout caused pair closure").
+        if isinstance(cause, TimeoutError) or (cause is not None and "timeout" in str(cause).lower()):
             # The sender's group wait ran out: its one peer, the generator, never took part.
             raise StepError(f"{what}: the generator (refit rank 1) never took part within refit.timeout_s="
-                            f"{cfg.refit.timeout_s:g}s: {e.__cause__}") from e
+                            f"{cfg.refit.timeout_s:g}s: {cause}") from e
         raise
     if got != version:
         raise StepError(f"refit: generator reports weight version {got}, expected {version}")

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         at = done + rng.randint(args.min_gap, args.max_gap)
         keys, pattern = FAULTS[kind]
         # Group ids grow by G per step (plus a few retries): group-keyed faults land near step `at`.
-        overrides = tuple(k.format(step=at, group=at * G + rng.randrange(G)) for k in keys)
+        group = at * G + rng.randrange(G)
+        overrides = tuple(k.format(step=at, group=group) for k in keys)
         res = _segment(out, steps, args.ckpt_every, overrides, resume, args.segment_timeout)
         rows = _rows(out / "metrics.jsonl")
         resumed_to = _latest_step(out)

@@ -276,6 +276,14 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, what,
                              who=["policy rank 0 (refit sender)", "the generator (refit receiver)"])
     except StepError as e:
+        # The sender may see the broken pair before Ray reports the receiver dead: ask the receiver.
+        try:
+            ray.get(recv, timeout=2.0)
+        except ray.exceptions.RayActorError as dead:
+            raise StepError(f"{what}: the generator (refit receiver) died or was lost: {type(dead).__name__}: "
+                            f"{dead}") from dead
+        except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
+            pass
         cause = e.__cause__
         # gloo may report its own expiry first ("Application timeout caused pair closure").
         if isinstance(cause, TimeoutError) or (cause is not None and "timeout" in str(cause).lower()):

@@ -200,16 +200,18 @@ class AsyncConfig:
 class DebugConfig:
     """Fault injection for tests (:mod:`algorithms.faults`): the named phase fails on
     ``fail_at_step`` (``put``: the collector's write of group ``fail_at_group`` fails half-way,
-    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself;
+    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself, or with
+    ``fail_mode=hang`` by going silent (every point is listed in :mod:`algorithms.faults`);
     ``fail_dispatch_compile``: the compiled graph's compile raises as in an unsupported
     environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "generate", "logprobs", "train", "put"] | None = None
+    fail_in: Literal["collect", "generate", "logprobs", "train", "put", "reward", "generator", "refit",
+                     "store_controller", "store_unit"] | None = None
     fail_rank: int = 0
     fail_at_group: int | None = None
     fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
-    fail_mode: Literal["raise", "sigkill"] = "raise"
+    fail_mode: Literal["raise", "sigkill", "hang"] = "raise"
     fault_marker: str | None = None  # a file the hook writes the injection time to (chaos tests)
 
 
@@ -298,11 +300,16 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key}={val!r} is not a file")
     if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
         raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
-    if cfg.debug.fail_in in ("put", "generate"):
+    if cfg.debug.fail_in in ("put", "generate", "reward"):
         if cfg.debug.fail_at_group is None:
             raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs debug.fail_at_group")
     elif cfg.debug.fail_in is not None and cfg.debug.fail_at_step is None:
         raise ConfigError("debug.fail_in is set but debug.fail_at_step is not")
+    if cfg.debug.fail_in in ("store_controller", "store_unit") and not (
+        cfg.data_plane.enabled and cfg.data_plane.backend == "transfer_queue"
+    ):
+        raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs data_plane.enabled and backend=transfer_queue")
+    _check_max_rows(cfg)
     a = cfg.async_
     _positive(a.max_staleness, "async.max_staleness", allow_zero=True)
     _positive(a.groups_per_generation, "async.groups_per_generation")
@@ -346,6 +353,25 @@ def _cross_checks(cfg: TrainerConfig) -> None:
 # Built-in backends are known by name; importing transfer_queue (and Ray) just to validate a
 # config would slow every load, and its absence is reported by the factory with an install hint.
 _BUILTIN_BACKENDS = ("transfer_queue", "memory")
+
+
+def _check_max_rows(cfg: TrainerConfig) -> None:
+    """``data_plane.max_rows`` must hold one step's batch, or no step could ever be stored.
+    (``grpo_async`` needs a little more: :func:`async_min_rows`, checked by its trainer.)"""
+    cap = cfg.data_plane.max_rows
+    if cap is None or not cfg.data_plane.enabled:
+        return
+    batch = cfg.grpo.prompts_per_step * cfg.generation.n
+    if cap < batch:
+        raise ConfigError(f"data_plane.max_rows={cap} is below one step's batch (grpo.prompts_per_step * "
+                          f"generation.n = {batch} rows): no step could ever be stored")
+
+
+def async_min_rows(cfg: TrainerConfig) -> int:
+    """The least ``data_plane.max_rows`` the async trainer can progress with: while it holds
+    ``G - 1`` claimed groups and waits for one more, one collector's put of
+    ``async.groups_per_generation`` groups must still fit."""
+    return (cfg.grpo.prompts_per_step + cfg.async_.groups_per_generation - 1) * cfg.generation.n
 
 
 def _check_backend(backend: str) -> None:

@@ -8,10 +8,20 @@ Keys (see :class:`algorithms.config.DebugConfig`):
 * ``debug.fail_in``: the point to fail at: ``collect`` (the collector, after its put),
   ``logprobs`` / ``train`` (a policy rank), ``put`` (the async collector's write of group
   ``fail_at_group`` fails half-way; the collector's own code, it also tests the rollback),
-  ``generate`` (an async collector, after generating group ``fail_at_group``, before its put).
+  ``generate`` (an async collector, after generating group ``fail_at_group``, before its put),
+  ``reward`` (the collector's reward call for group ``fail_at_group`` raises: reported like a
+  user's raising reward function),
+  ``generator`` (the generator actor, inside its generate call with weight version
+  ``fail_at_step``), ``refit`` (the generator, on the refit that installs version
+  ``fail_at_step``, before it joins the transfer: with ``fail_mode=hang`` the trainer's peer never
+  arrives), ``store_controller`` / ``store_unit`` (the driver, at the start of step
+  ``fail_at_step``, ``ray.kill``s the TransferQueue controller / storage unit 0:
+  :func:`maybe_kill_store`).
 * ``debug.fail_at_step`` / ``debug.fail_rank`` / ``debug.fail_at_group``: where exactly.
-* ``debug.fail_mode``: ``raise`` (an :class:`InjectedFailure`) or ``sigkill`` (the process
-  SIGKILLs itself, as the OOM killer or a lost node would: no cleanup, no message).
+* ``debug.fail_mode``: ``raise`` (an :class:`InjectedFailure`), ``sigkill`` (the process
+  SIGKILLs itself, as the OOM killer or a lost node would: no cleanup, no message) or ``hang``
+  (the call sleeps, alive but silent, as a wedged or partitioned peer; for at most
+  :data:`HANG_S`, after which it raises; the trainer kills the actor long before).
 * ``debug.fault_marker``: a file the hook writes ``time.time()`` to just before it fails, so a
   test can measure the time from fault to error.
 
@@ -27,7 +37,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["InjectedFailure", "maybe_fail", "raising_reward"]
+__all__ = ["HANG_S", "STORE_ACTORS", "InjectedFailure", "maybe_fail", "maybe_kill_store", "raising_reward"]
+
+HANG_S = 3600.0  # fail_mode=hang: longest sleep (a bound, so the hook itself never waits forever)
+STORE_ACTORS = ("store_controller", "store_unit")  # fail_in points where the driver kills a store actor
 
 
 class InjectedFailure(RuntimeError):
@@ -48,13 +61,56 @@ def maybe_fail(debug: Mapping[str, Any], where: str, *, step: int | None = None,
         want = debug.get(key)
         if want is not None and value is not None and want != value:
             return
+    _mark(debug)
+    mode = debug.get("fail_mode", "raise")
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":
+        time.sleep(HANG_S)
+    raise InjectedFailure(f"debug.fail_in={where}: injected failure{' ' + what if what else ''}")
+
+
+def _mark(debug: Mapping[str, Any]) -> None:
     marker = debug.get("fault_marker")
     if marker:
         with open(marker, "w") as f:
             f.write(repr(time.time()))
-    if debug.get("fail_mode", "raise") == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFailure(f"debug.fail_in={where}: injected failure{' ' + what if what else ''}")
+
+
+def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[str, Any]) -> str | None:
+    """At ``debug.fail_at_step``, ``ray.kill`` the TransferQueue controller (``fail_in=store_controller``)
+    or its storage unit 0 (``store_unit``) of the store ``data_plane`` (the trainer's
+    ``data_plane`` section) names, as a crashed or lost store process would; returns the killed
+    actor's name (``None``: nothing asked here). The run then goes on and meets the dead store.
+
+    Raises:
+        ValueError: the backend is not ``transfer_queue`` (the only store with such actors here).
+    """
+    if not debug or debug.get("fail_in") not in STORE_ACTORS or debug.get("fail_at_step") != step:
+        return None
+    import ray
+
+    from nemo_dataplane.adapters.transfer_queue import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
+
+    if data_plane.get("backend", "transfer_queue") != "transfer_queue":
+        raise ValueError(f"debug.fail_in={debug['fail_in']} needs data_plane.backend=transfer_queue")
+    kwargs = data_plane.get("backend_kwargs") or {}
+    controller = kwargs.get("controller_name", DEFAULT_CONTROLLER)
+    # The adapter names its units "<controller>.StorageUnit#<rank>" (tests/unit/test_faults.py checks it).
+    name = controller if debug["fail_in"] == "store_controller" else f"{controller}.StorageUnit#0"
+    handle = ray.get_actor(name, namespace=kwargs.get("namespace", DEFAULT_NAMESPACE))
+    _mark(debug)
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 10.0  # ray.kill is asynchronous: return once the actor is gone
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            break
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    return name
 
 
 def raising_reward(record: Any, response_text: str) -> float:

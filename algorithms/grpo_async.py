@@ -39,8 +39,16 @@ class AsyncTrainer(Trainer):
     name = "grpo_async"
 
     def _init_data(self, train: list[Any]) -> None:
+        from algorithms.config import ConfigError, async_min_rows
         from algorithms.rollout_buffer import PromptLedger
         from algorithms.tasks import PromptIterator
+
+        cap, need = self.cfg.data_plane.max_rows, async_min_rows(self.cfg)
+        if self.cfg.data_plane.enabled and cap is not None and cap < need:
+            raise ConfigError(  # before Ray starts: this run could never make progress
+                f"data_plane.max_rows={cap} is below what grpo_async needs to progress, (grpo.prompts_per_step + "
+                f"async.groups_per_generation - 1) * generation.n = {need} rows"
+            )
 
         self.ledger = PromptLedger(PromptIterator(train, 1, self.cfg.trainer.seed))
 
@@ -63,6 +71,7 @@ class AsyncTrainer(Trainer):
         return path.open("a")
 
     def _loop(self, start: int, val: list[Any]) -> int:
+        from algorithms.faults import maybe_kill_store
         from algorithms.metrics import PhaseTimer
         from algorithms.rollout_buffer import CollectorPool, RolloutBuffer
         from algorithms.step import gather, train_on_batch
@@ -79,7 +88,9 @@ class AsyncTrainer(Trainer):
         buffer.top_up()
         idle_before = 0.0
         with self._trained_log(start) as trained_log:
+            debug, dp_cfg = cfg.to_dict()["debug"], cfg.data_plane.to_dict()
             for step in range(start, cfg.trainer.steps):
+                maybe_kill_store(debug, step, dp_cfg)  # fault hook (chaos tests); no-op otherwise
                 t0 = time.perf_counter()
                 timer = PhaseTimer()
                 with timer("wait"):
@@ -99,6 +110,7 @@ class AsyncTrainer(Trainer):
                 row = result.row
                 idle = buffer.collector_stats.get("idle_s", 0.0)
                 row["collector_idle_s"], idle_before = idle - idle_before, idle
+                row["collector_store_full_waits"] = int(buffer.collector_stats.get("store_full_waits", 0))  # cumulative
                 if row["keys_outstanding"] > bound:
                     raise RuntimeError(
                         f"step {step}: {row['keys_outstanding']} keys outstanding in the store exceed the bound "
@@ -108,6 +120,7 @@ class AsyncTrainer(Trainer):
         state = self.ledger.state_dict()
         self.summary["prompts_in_flight_at_exit"] = [h for h, _ in state["pending"]]
         self.summary["prompts_handed_out"] = state["next_handout"]
+        self.summary["collector_store_full_waits"] = int(buffer.collector_stats.get("store_full_waits", 0))
         return 0
 
 

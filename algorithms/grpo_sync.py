@@ -42,6 +42,7 @@ class SyncTrainer(Trainer):
     def _loop(self, start: int, val: list[Any]) -> int:
         import time
 
+        from algorithms.faults import maybe_kill_store
         from algorithms.metrics import PhaseTimer
         from algorithms.rollout_buffer import Job
         from algorithms.step import collect, train_on_batch
@@ -49,7 +50,9 @@ class SyncTrainer(Trainer):
         cfg = self.cfg
         G = cfg.grpo.prompts_per_step
         self._banner("")
+        debug, dp_cfg = cfg.to_dict()["debug"], cfg.data_plane.to_dict()
         for step in range(start, cfg.trainer.steps):
+            maybe_kill_store(debug, step, dp_cfg)  # fault hook (chaos tests); no-op otherwise
             t0 = time.perf_counter()
             timer = PhaseTimer()
             # Group ids (and with them the sampling seed) follow from the step: a resumed run and

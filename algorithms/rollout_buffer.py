@@ -51,6 +51,9 @@ class PromptLedger:
         self.inflight: dict[int, Job] = {}
         self.retry: collections.deque[tuple[int, Any]] = collections.deque()
         self.trained_handouts = 0
+        # handout -> group id it had in flight when the checkpoint was taken: a resumed run
+        # regenerates it under the same id (same sampling seed), as the uninterrupted run did.
+        self._resumed_ids: dict[int, int] = {}
 
     def admit(self, k: int) -> list[Job]:
         """Hand out ``k`` prompts: retries first (oldest first), then new ones from the stream."""
@@ -61,8 +64,11 @@ class PromptLedger:
             else:
                 handout, record = self.next_handout, self.stream.next_batch()[0]
                 self.next_handout += 1
-            job = Job(self.next_group_id, handout, record)
-            self.next_group_id += 1
+            gid = self._resumed_ids.pop(handout, None)
+            if gid is None:
+                gid = self.next_group_id
+                self.next_group_id += 1
+            job = Job(gid, handout, record)
             self.inflight[job.group_id] = job
             jobs.append(job)
         return jobs
@@ -79,11 +85,12 @@ class PromptLedger:
         return job
 
     def state_dict(self) -> dict[str, Any]:
-        """In-flight and retry prompts in handout order (they are regenerated first on resume),
-        the stream position and the id counters."""
+        """In-flight and retry prompts in handout order (they are regenerated first on resume,
+        in-flight ones under their group ids), the stream position and the id counters."""
         pending = sorted([(j.handout, j.record) for j in self.inflight.values()] + list(self.retry), key=lambda t: t[0])
         return {"stream": self.stream.state_dict(), "next_group_id": self.next_group_id,
-                "next_handout": self.next_handout, "pending": pending, "trained_handouts": self.trained_handouts}
+                "next_handout": self.next_handout, "pending": pending, "trained_handouts": self.trained_handouts,
+                "inflight_group_ids": {**self._resumed_ids, **{j.handout: j.group_id for j in self.inflight.values()}}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -92,6 +99,7 @@ class PromptLedger:
         self.trained_handouts = int(state.get("trained_handouts", 0))
         self.inflight = {}
         self.retry = collections.deque((int(h), r) for h, r in state["pending"])
+        self._resumed_ids = {int(h): int(g) for h, g in state.get("inflight_group_ids", {}).items()}
 
 
 def admissible(outstanding: int, groups_per_step: int, max_staleness: int) -> int:
@@ -238,7 +246,8 @@ class RolloutBuffer:
                 if gid in self.ledger.inflight:
                     self.ledger.requeue(gid)
                     self.stats.requeued_failed += 1
-        self.collector_stats = {k: sum(float(p[k]) for p in polls) for k in ("idle_s", "generate_s", "groups_written")}
+        self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls)
+                                for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")}
 
     def _drop(self, group: _Group) -> None:
         if self.client is not None:

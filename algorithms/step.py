@@ -265,12 +265,32 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
     generation mixes two versions.
 
     Raises:
-        StepError: a side failed, timed out, or the generator reports another version.
+        StepError: a side failed, timed out (a sender timeout names the generator, its only
+            peer), or the generator reports another version.
     """
     t0 = time.perf_counter()
     send = workers.policy[0].send_weights.remote(version)
-    recv = workers.generator.receive_weights.remote()
-    _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, f"refit of version {version}")
+    recv = workers.generator.receive_weights.remote(version)
+    what = f"refit of version {version}"
+    try:
+        _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, what,
+                             who=["policy rank 0 (refit sender)", "the generator (refit receiver)"])
+    except StepError as e:
+        # The sender may see the broken pair before Ray reports the receiver dead: ask the receiver.
+        try:
+            ray.get(recv, timeout=2.0)
+        except ray.exceptions.RayActorError as dead:
+            raise StepError(f"{what}: the generator (refit receiver) died or was lost: {type(dead).__name__}: "
+                            f"{dead}") from dead
+        except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
+            pass
+        cause = e.__cause__
+        # gloo may report its own expiry first ("Application timeout caused pair closure").
+        if isinstance(cause, TimeoutError) or (cause is not None and "timeout" in str(cause).lower()):
+            # The sender's group wait ran out: its one peer, the generator, never took part.
+            raise StepError(f"{what}: the generator (refit rank 1) never took part within refit.timeout_s="
+                            f"{cfg.refit.timeout_s:g}s: {cause}") from e
+        raise
     if got != version:
         raise StepError(f"refit: generator reports weight version {got}, expected {version}")
     return time.perf_counter() - t0

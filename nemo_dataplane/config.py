@@ -8,6 +8,7 @@ YAML shape (all keys optional)::
       backend_kwargs: {}          # passed to a custom backend's constructor
       fetch_policy: auto          # independent | leader_broadcast | auto
       column_max_bytes_per_sample: 64   # driver column I/O refuses wider fields
+      max_rows: null              # capacity: a put that would hold more keys in the store raises StoreFullError
       transfer_queue:
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
@@ -161,8 +162,13 @@ class DataPlaneConfig:
     ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     packing: PackingConfig = field(default_factory=_default_packing)
+    # Capacity in keys (rows), every partition together; None: unbounded. Enforced for every
+    # backend by nemo_dataplane.capacity.CapacityGuard (the factory wraps the client with it).
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"data_plane.max_rows must be >= 1 (or null: unbounded), got {self.max_rows}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"data_plane.backend must be a non-empty str, got {self.backend!r}")
         if self.backend not in BUILTIN_BACKENDS and ":" not in self.backend:

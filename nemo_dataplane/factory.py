@@ -78,8 +78,10 @@ def build_data_plane_client(
             when there is nothing to attach to.
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
 
-    The client is wrapped in :class:`ObservedClient` when ``observability.enabled`` or
-    ``verify_integrity`` (per-row digests checked at get) is set.
+    With ``data_plane.max_rows`` the client is wrapped in
+    :class:`~nemo_dataplane.capacity.CapacityGuard` (a put past the capacity raises
+    ``StoreFullError``); around that, in :class:`ObservedClient` when ``observability.enabled``
+    or ``verify_integrity`` (per-row digests checked at get) is set, so a refused put is recorded.
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
@@ -90,6 +92,10 @@ def build_data_plane_client(
         client = from_config(cfg, bootstrap=bootstrap)
     else:
         client = cls(**dict(cfg.backend_kwargs))
+    if cfg.max_rows is not None:
+        from nemo_dataplane.capacity import CapacityGuard
+
+        client = CapacityGuard(client, cfg.max_rows)
     if cfg.observability.enabled or cfg.verify_integrity:
         client = ObservedClient(client, on_event if cfg.observability.enabled else None,
                                 verify_integrity=cfg.verify_integrity)

@@ -11,7 +11,9 @@ Delivery: data plane, rows are put into the store under ``v{version}/g{group}/s{
 ``rollouts``), tagged ``seq_len``, ``prompt_len``, ``group``, ``weight_version``, ``reward`` and ``handout``;
 legacy, the rows wait in this actor's outbox until the driver ``take``s them through Ray.
 A put that fails is rolled back (its keys cleared) and its groups reported as failed, so the
-trainer never sees part of a group and the prompts are generated again.
+trainer never sees part of a group and the prompts are generated again. A put refused because the
+store is full (``data_plane.max_rows``) is backpressure in the async producer (it waits for room,
+bounded by ``trainer.step_timeout_s``) and an error in the sync ``collect``.
 
 Rollout fields: ``input_ids`` jagged int64 (``<bos>`` + prompt + response), ``prompt_len``,
 ``seq_len``, ``group_id``, ``weight_version`` int64, ``rewards`` float32, ``gen_logprobs``
@@ -66,7 +68,7 @@ class RolloutCollector:
         self._error: str | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._stats = {"idle_s": 0.0, "generate_s": 0.0, "groups_written": 0, "put_failures": 0}
+        self._stats = {"idle_s": 0.0, "generate_s": 0.0, "groups_written": 0, "put_failures": 0, "store_full_waits": 0}
 
     def ready(self) -> bool:
         return True
@@ -80,13 +82,21 @@ class RolloutCollector:
     # ------------------------------------------------------------------ generation
     def _sample(self, prompts: Sequence[Sequence[int]], n: int, seed: int, temperature: float | None) -> tuple[list, list, int]:
         ref = self.generator.generate.remote(list(prompts), n, seed, temperature=temperature)
-        return ray.get(ref, timeout=self.timeout_s)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"collector {self.index}: the generator died or was lost mid-generation: "
+                               f"{type(e).__name__}: {e}") from e
 
-    def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int) -> list[float]:
+    def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int,
+               groups: Sequence[int] | None = None) -> list[float]:
         out = []
         for i, resp in enumerate(responses):
             record = records[i // n]
             try:
+                # fail_in=reward: the reward call of group fail_at_group raises, as a user's function would
+                maybe_fail(self.cfg["debug"], "reward", group=groups[i // n] if groups else None,
+                           what=f"in the reward function of group {groups[i // n] if groups else '?'}")
                 value = self.reward_fn(record, self.tokenizer.decode(resp))
             except Exception as e:
                 raise RuntimeError(
@@ -107,7 +117,8 @@ class RolloutCollector:
         n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
         responses, logprobs, version = self._sample(prompts, n, seed, None)
-        rewards = torch.tensor(self._score([j.record for j in jobs], responses, n), dtype=torch.float32)
+        rewards = torch.tensor(self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]),
+                               dtype=torch.float32)
         rows, gen_lp, prompt_len = [], [], []
         for i, (resp, lps) in enumerate(zip(responses, logprobs)):
             p = prompts[i // n]
@@ -241,7 +252,7 @@ class RolloutCollector:
                                                  "rows": select_rows(batch, sl), "tags": tags[sl.start:sl.stop]})
                         self._cv.notify_all()
                 else:
-                    self._put(jobs, batch, tags, version, self._partition)
+                    self._put_when_room(jobs, batch, tags, version)
                 self._stats["groups_written"] += len(jobs)
                 consecutive_failures = 0
             except Exception as e:  # noqa: BLE001 - reported to the driver through stats()
@@ -252,6 +263,27 @@ class RolloutCollector:
                     if not isinstance(e, InjectedFailure) or consecutive_failures > 3:
                         self._error = f"collector {self.index}: {type(e).__name__}: {e}"
                         return
+
+    def _put_when_room(self, jobs: Sequence[Any], batch: TensorDict, tags: list[dict[str, Any]], version: int) -> None:
+        """Async put; a full store (``data_plane.max_rows``) is backpressure, not an error: wait for
+        the trainer to release rows (5 ms doubling to 200 ms, counted in ``store_full_waits`` and
+        idle seconds), for at most ``trainer.step_timeout_s``, then report the store full."""
+        from nemo_dataplane.capacity import StoreFullError
+
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.005
+        while True:
+            try:
+                self._put(jobs, batch, tags, version, self._partition)
+                return
+            except StoreFullError:
+                if self._stop or time.monotonic() + pause > deadline:
+                    raise
+                self._stats["store_full_waits"] += 1
+                t = time.perf_counter()
+                time.sleep(pause)
+                self._stats["idle_s"] += time.perf_counter() - t
+                pause = min(pause * 2, 0.2)
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         """Legacy: pop up to ``max_groups`` finished groups, waiting up to ``timeout_s`` for one."""

@@ -37,8 +37,12 @@ class GeneratorWorker:
         rcfg = self.cfg["refit"]
         self.engine.init_refit(host, port, world_size, rank, backend=rcfg["backend"], timeout_s=rcfg["timeout_s"])
 
-    def receive_weights(self) -> tuple[int, float]:
-        """Receive one refit (collective); returns ``(version, seconds)``."""
+    def receive_weights(self, version: int | None = None) -> tuple[int, float]:
+        """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the
+        trainer sends (only the fault hook reads it; the received header is what counts)."""
+        from algorithms.faults import maybe_fail
+
+        maybe_fail(self.cfg.get("debug") or {}, "refit", step=version, what=f"in the generator before refit {version}")
         t0 = time.perf_counter()
         version = self.engine.receive_weights()
         return version, time.perf_counter() - t0
@@ -59,6 +63,11 @@ class GeneratorWorker:
             seed=int(seed),
         )
         out = self.engine.generate(prompt_ids, n, spec)
+        from algorithms.faults import maybe_fail
+
+        # fail_in=generator: inside the call, its tokens drawn and not returned
+        maybe_fail(self.cfg.get("debug") or {}, "generator", step=out.version,
+                   what=f"in the generator generating with weight version {out.version}")
         return out.tokens, out.logprobs, out.version
 
     def shutdown(self) -> None:

@@ -65,6 +65,15 @@ DEFAULT_NAMESPACE = "transfer_queue"
 
 Bootstrap = bool | Literal["auto"]
 T = TypeVar("T")
+# An op still pending after this long checks that the store's actors are alive (every second):
+# a dead controller or storage unit fails the op within ~LIVENESS_EVERY_S + LIVENESS_PING_S,
+# naming the actor, instead of running into op_timeout_s.
+LIVENESS_EVERY_S = 1.0
+LIVENESS_PING_S = 2.0
+
+
+class StoreLostError(DataPlaneError):
+    """A TransferQueue controller or storage unit this client depends on died; the store is gone."""
 
 
 def auto_storage_units(free_cpus: float) -> int:
@@ -117,6 +126,8 @@ class TransferQueueClient(TransferQueueClaims):
         self._local_units = False
         self._tq: Any = None
         self._claims_unsupported: str | None = None
+        self._watched: list[tuple[str, Any]] = []  # (what, actor handle) checked while an op is slow
+        self._lost: str | None = None  # set once a watched actor is found dead: every op fails at once
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         if self.cfg.quiet:
@@ -135,6 +146,10 @@ class TransferQueueClient(TransferQueueClaims):
                     # Units all on this node map one shared chunk per put; else each gets its rows.
                     self._local_units = all(node == here for node in nodes.values())
                 self._claims_unsupported = compat.claims_unsupported(conf)
+                controller = self._controller or self._find_controller()
+                self._watched = [(f"TransferQueue controller {self.controller_name!r}", controller)] + [
+                    (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items()
+                ]
                 self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
             except BaseException:
                 self._teardown()
@@ -312,9 +327,26 @@ class TransferQueueClient(TransferQueueClaims):
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DataPlaneError("TransferQueueClient is closed")
+    def _check_open(self, coro: Any = None) -> None:
+        """Raise if closed or the store was lost; ``coro`` (the op not run) is closed first."""
+        if self._closed or self._lost is not None:
+            if coro is not None and hasattr(coro, "close"):
+                coro.close()
+            if self._closed:
+                raise DataPlaneError("TransferQueueClient is closed")
+            raise StoreLostError(f"the TransferQueue store is gone: {self._lost}")
+
+    async def _lost_actor(self) -> str | None:
+        """The first watched actor found dead (``None``: all alive, or too busy to tell)."""
+        if not self._watched:
+            return None
+        pings = {asyncio.wrap_future(h.__ray_ready__.remote().future()): what for what, h in self._watched if h}
+        done, _ = await asyncio.wait(pings, timeout=LIVENESS_PING_S)
+        for fut in done:
+            err = fut.exception()
+            if isinstance(err, ray.exceptions.RayActorError):
+                return f"{pings[fut]} died or was lost ({type(err).__name__})"
+        return None
 
     # ----------------------------------------------------------- op plumbing
     def _timeout_error(self, op: str, partition_id: str, n_keys: int, limit_s: float | None) -> TimeoutError:
@@ -324,14 +356,43 @@ class TransferQueueClient(TransferQueueClaims):
         )
 
     async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None) -> T:
+        """``coro`` within ``op_timeout_s`` (or ``limit_s``); while it is pending, every
+        ``LIVENESS_EVERY_S`` the store's actors are checked, and a dead one fails the op at once.
+
+        Raises:
+            TimeoutError: the limit passed. StoreLostError: the controller or a storage unit died.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.cfg.op_timeout_s if limit_s is None else limit_s)
+        task = asyncio.ensure_future(coro)
         try:
-            return await asyncio.wait_for(coro, self.cfg.op_timeout_s if limit_s is None else limit_s)
-        except asyncio.TimeoutError:
-            raise self._timeout_error(op, partition_id, n_keys, limit_s) from None
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise self._timeout_error(op, partition_id, n_keys, limit_s)
+                done, _ = await asyncio.wait({task}, timeout=min(LIVENESS_EVERY_S, left))
+                if done:
+                    if isinstance(task.exception(), ray.exceptions.RayActorError):  # a call to a dead unit
+                        err = task.exception()
+                        lost = await self._lost_actor() or f"a TransferQueue actor died or was lost ({err})"
+                        self._lost = lost
+                        raise StoreLostError(
+                            f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {lost}"
+                        ) from err
+                    return task.result()
+                lost = await self._lost_actor()
+                if lost is not None:
+                    self._lost = lost
+                    raise StoreLostError(
+                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) cannot finish: {lost}"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _run(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None) -> T:
         """Run ``coro`` on the client's loop, bounded by ``op_timeout_s`` (or ``limit_s``)."""
-        self._check_open()
+        self._check_open(coro)
         assert self._loop is not None
         with compat.preserve_torch_threads():
             fut = asyncio.run_coroutine_threadsafe(self._bounded(op, partition_id, n_keys, coro, limit_s), self._loop)
@@ -345,7 +406,7 @@ class TransferQueueClient(TransferQueueClaims):
     async def _run_async(
         self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None
     ) -> T:
-        self._check_open()
+        self._check_open(coro)
         with compat.preserve_torch_threads():
             return await self._bounded(op, partition_id, n_keys, coro, limit_s)
 

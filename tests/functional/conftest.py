@@ -196,3 +196,38 @@ def trainer_command():
 def small_overrides() -> tuple[str, ...]:
     """:data:`SMALL`, for tests that build their own job lists."""
     return SMALL
+
+
+# --------------------------------------------------------------------------- resume comparisons
+LOSS_KEYS: tuple[str, ...] = ("loss", "pg_loss", "kl", "reward", "grad_norm")
+
+
+def rows_by_step(run: TrainerRun, keys: tuple[str, ...] = LOSS_KEYS) -> dict[int, tuple[Any, ...]]:
+    """``{step: (row[key] for key in keys)}`` of a run's metrics (exact floats: a bitwise comparison)."""
+    return {int(r["step"]): tuple(r.get(k) for k in keys) for r in run.rows}
+
+
+def trained_groups(run: TrainerRun) -> dict[int, dict[str, Any]]:
+    """``{step: {"handouts", "groups", "versions"}}`` from an async run's ``trained_groups.jsonl``."""
+    path = run.out_dir / "trained_groups.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {int(r["step"]): {k: r[k] for k in ("handouts", "groups", "versions")} for r in rows}
+
+
+def assert_resumed_like_uninterrupted(resumed: TrainerRun, reference: TrainerRun, steps: range,
+                                      keys: tuple[str, ...] = LOSS_KEYS) -> None:
+    """The resumed run's rows at ``steps`` equal the uninterrupted run's, bitwise, key by key."""
+    got, ref = rows_by_step(resumed, keys), rows_by_step(reference, keys)
+    missing = [s for s in steps if s not in got or s not in ref]
+    assert not missing, f"steps {missing} missing (resumed has {sorted(got)}, reference {sorted(ref)})"
+    for s in steps:
+        assert got[s] == ref[s], f"step {s}: resumed {dict(zip(keys, got[s]))} != uninterrupted {dict(zip(keys, ref[s]))}"
+
+
+@pytest.fixture(scope="session")
+def resume_checks():
+    """The comparison helpers above, for modules that cannot import this conftest."""
+    import types
+
+    return types.SimpleNamespace(rows_by_step=rows_by_step, trained_groups=trained_groups, loss_keys=LOSS_KEYS,
+                                 assert_resumed_like_uninterrupted=assert_resumed_like_uninterrupted)

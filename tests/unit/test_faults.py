@@ -41,3 +41,25 @@ def test_sigkill_mode_kills_the_process_without_cleanup() -> None:
 def test_raising_reward_raises() -> None:
     with pytest.raises(ValueError, match="refusing to score a response of 3 chars"):
         raising_reward(None, "abc")
+
+
+def test_hang_mode_goes_silent_then_raises_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import algorithms.faults as faults
+
+    monkeypatch.setattr(faults, "HANG_S", 0.3)  # the hook's own bound, shortened for the test
+    t0 = time.monotonic()
+    with pytest.raises(InjectedFailure, match="debug.fail_in=refit"):
+        maybe_fail({"fail_in": "refit", "fail_at_step": 4, "fail_mode": "hang"}, "refit", step=4)
+    assert time.monotonic() - t0 >= 0.3
+    maybe_fail({"fail_in": "refit", "fail_at_step": 4, "fail_mode": "hang"}, "refit", step=3)  # not this refit
+
+
+def test_store_kill_points_need_the_transfer_queue_data_plane() -> None:
+    from algorithms.config import ConfigError, load_config
+
+    cfg = REPO / "examples" / "configs" / "grpo_tiny.yaml"
+    with pytest.raises(ConfigError, match="debug.fail_in=store_unit needs data_plane.enabled"):
+        load_config(str(cfg), ["debug.fail_in=store_unit", "debug.fail_at_step=1", "data_plane.enabled=false"])
+    assert load_config(str(cfg), ["debug.fail_in=store_controller", "debug.fail_at_step=1"]).debug.fail_in == "store_controller"

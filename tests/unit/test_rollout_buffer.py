@@ -238,3 +238,18 @@ def test_under_tight_backpressure_a_claim_never_waits_for_rows_that_cannot_be_wr
     writer.join(5)
     assert sorted(batch.group_ids) == sorted(j.group_id for j in jobs)
     assert elapsed < poll_s / 2, f"a claim waited out its {poll_s}s poll ({elapsed:.1f}s)"
+
+
+def test_a_resumed_ledger_regenerates_in_flight_prompts_under_their_group_ids() -> None:
+    """Same group id -> same sampling seed: a resume draws what the uninterrupted run drew."""
+    led = _ledger()
+    first = led.admit(4)
+    led.trained([first[0].group_id, first[1].group_id])
+    led.requeue(first[2].group_id)  # a failed write: retried under a new id, in either run
+    state = led.state_dict()
+    uninterrupted = [(j.handout, j.group_id) for j in led.admit(2)]  # the retry, then a new prompt
+    resumed = _ledger()
+    resumed.load_state_dict(state)
+    again = [(j.handout, j.group_id) for j in resumed.admit(3)]  # the in-flight one is regenerated too
+    assert again == sorted([*uninterrupted, (first[3].handout, first[3].group_id)])
+    assert len({j.group_id for j in resumed.inflight.values()}) == len(resumed.inflight)

@@ -1,0 +1,206 @@
+"""Soak: the async trainer for many steps with a fault injected at a random step, then a restart
+with ``checkpoint.resume=latest``, again and again (issue 14, item 5).
+
+``python benchmarks/soak.py --minutes 30`` (the CI-independent long run) or ``--steps 300``.
+Each segment is one ``python -m algorithms.grpo_async`` process (tiny model, a small batch,
+checkpoint every ``--ckpt-every`` steps) carrying one fault from :mod:`algorithms.faults`, drawn
+at random (``--seed``) among :data:`FAULTS`, at a random step ``--min-gap``..``--max-gap`` steps
+after the segment's resume point. A fault counts as *survived* when its segment exits 1 with an
+error naming the failed component (the kind's pattern below) and the next segment resumes from
+the latest checkpoint and trains at least one step past it. When time or steps run out, a last
+segment without a fault resumes and finishes (exit 0), which checks the last fault's resume.
+
+Reports (a table on stdout, JSON in ``--out``): faults injected and survived per kind, time
+from fault to error per kind (the hook's marker to the trainer's ``summary.json``, shutdown
+included), max keys outstanding over every step, keys left in the store at each exit (``-1``:
+the store itself was killed, nothing to empty) and at the final exit, store bytes at the final
+exit (0 when no key is left: rows live only under keys), and whether every handed-out prompt
+was trained exactly once or is still pending (``trained_groups.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "configs" / "grpo_async_tiny.yaml"
+
+# kind -> (debug overrides with {step}/{group} placeholders, regex the error must match)
+FAULTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "reward_raises": (("debug.fail_in=reward", "debug.fail_at_group={group}"),
+                      r"reward_fn .* raised RuntimeError|raised InjectedFailure on prompt uid"),
+    "train_raises": (("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1"),
+                     r"injected failure at step \d+ on policy rank 1"),
+    "sigkill_policy_rank": (("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1",
+                             "debug.fail_mode=sigkill"), r"policy rank 1 died or was lost"),
+    "sigkill_collector": (("debug.fail_in=generate", "debug.fail_at_group={group}", "debug.fail_mode=sigkill"),
+                          r"collector 0 died or was lost"),
+    "sigkill_generator": (("debug.fail_in=generator", "debug.fail_at_step={step}", "debug.fail_mode=sigkill"),
+                          r"the generator (died or was lost|\(refit receiver\) died or was lost)"),
+    "kill_store_controller": (("debug.fail_in=store_controller", "debug.fail_at_step={step}"),
+                              r"TransferQueue controller '.*' died or was lost"),
+    "kill_store_unit": (("debug.fail_in=store_unit", "debug.fail_at_step={step}"),
+                        r"TransferQueue storage unit '.*' died or was lost"),
+    "refit_peer_never_arrives": (("debug.fail_in=refit", "debug.fail_at_step={step}", "debug.fail_mode=hang",
+                                  "refit.timeout_s=10"), r"the generator \(refit rank 1\) never took part"),
+}
+
+BASE = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
+        "async.groups_per_generation=2", "generation.max_new_tokens=2", "trainer.val_every=0",
+        "trainer.step_timeout_s=120", "trainer.startup_timeout_s=240", "task.val_size=16", "logging.quiet=true",
+        "logging.progress=false", "logging.plot=false", "checkpoint.keep=2")
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def _segment(out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...], resume: bool,
+             timeout: float) -> dict[str, Any]:
+    marker = out / "fault_marker"
+    marker.unlink(missing_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "algorithms.grpo_async", "--config", str(CONFIG), *BASE,
+           f"trainer.steps={steps}", f"checkpoint.every={ckpt_every}", f"logging.output_dir={out}",
+           f"debug.fault_marker={marker}", *(("checkpoint.resume=latest",) if resume else ()), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        code, stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, stderr = -1, f"segment timed out after {timeout}s: {(e.stderr or b'')[-2000:]!r}"
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    fault_t = float(marker.read_text()) if marker.exists() else None
+    end_t = (out / "summary.json").stat().st_mtime if (out / "summary.json").exists() else None
+    return {"code": code, "stderr": stderr, "summary": summary, "wall_s": time.time() - t0,
+            "time_to_error_s": (end_t - fault_t) if fault_t is not None and end_t is not None else None}
+
+
+def _latest_step(out: Path) -> int:
+    done = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
+    return done[-1] if done else 0
+
+
+def _lossless(out: Path, summary: dict[str, Any]) -> bool:
+    handouts = [h for r in _rows(out / "trained_groups.jsonl") for h in r["handouts"]]
+    pending = summary.get("prompts_in_flight_at_exit", [])
+    return len(handouts) == len(set(handouts)) and sorted(handouts + pending) == list(range(summary.get("prompts_handed_out", -1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=None, help="stop injecting after this long (then finish)")
+    ap.add_argument("--steps", type=int, default=None, help="total steps (default 300; unbounded with --minutes)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-gap", type=int, default=3, help="fewest steps between a resume and the next fault")
+    ap.add_argument("--max-gap", type=int, default=15)
+    ap.add_argument("--ckpt-every", type=int, default=2)
+    ap.add_argument("--faults", nargs="+", default=sorted(FAULTS), choices=sorted(FAULTS))
+    ap.add_argument("--segment-timeout", type=float, default=600)
+    ap.add_argument("--dir", default=str(REPO / "runs" / "soak"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "soak.json"))
+    args = ap.parse_args(argv)
+    steps = args.steps if args.steps is not None else (10**6 if args.minutes else 300)
+    deadline = time.time() + args.minutes * 60 if args.minutes else float("inf")
+    rng = random.Random(args.seed)
+    out = Path(args.dir)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    G = 4
+    t_start = time.time()
+    events: list[dict[str, Any]] = []
+    exits: list[int] = []
+    done, resume = 0, False
+    final: dict[str, Any] = {}
+    while True:
+        last = time.time() >= deadline or done >= steps - args.max_gap
+        if last:
+            res = _segment(out, min(steps, done + 5), args.ckpt_every, (), resume, args.segment_timeout)
+            final = res
+            ok = res["code"] == 0
+            if events and events[-1]["survived"] is None:
+                events[-1]["survived"] = events[-1]["named"] and ok
+            exits.append(res["summary"].get("keys_outstanding_at_exit", -2))
+            break
+        kind = rng.choice(args.faults)
+        at = done + rng.randint(args.min_gap, args.max_gap)
+        keys, pattern = FAULTS[kind]
+        # Group ids grow by G per step (plus a few retries): group-keyed faults land near step `at`.
+        group = at * G + rng.randrange(G)
+        overrides = tuple(k.format(step=at, group=group) for k in keys)
+        res = _segment(out, steps, args.ckpt_every, overrides, resume, args.segment_timeout)
+        rows = _rows(out / "metrics.jsonl")
+        resumed_to = _latest_step(out)
+        if events and events[-1]["survived"] is None:  # this segment is the previous fault's resume
+            prev = events[-1]
+            prev["survived"] = prev["named"] and any(r["step"] >= prev["resume_from"] for r in rows)
+        named = res["code"] == 1 and re.search(pattern, res["stderr"]) is not None
+        ev = {"kind": kind, "at_step": at, "exit": res["code"], "named": named,
+              "time_to_error_s": res["time_to_error_s"], "keys_at_exit": res["summary"].get("keys_outstanding_at_exit"),
+              "steps_logged": len(rows), "resume_from": resumed_to, "survived": None, "wall_s": round(res["wall_s"], 1)}
+        if not named:
+            ev["stderr_tail"] = res["stderr"][-1500:]
+        if res["code"] == 0:  # the fault never fired (e.g. a group id not reached): the run finished
+            ev["survived"] = None
+            ev["note"] = "fault did not fire before the run finished"
+        events.append(ev)
+        exits.append(ev["keys_at_exit"] if ev["keys_at_exit"] is not None else -2)
+        print(f"[{time.time() - t_start:7.1f}s] {kind:26s} at step {at:4d}: exit {res['code']}, named={named}, "
+              f"time to error {ev['time_to_error_s'] and round(ev['time_to_error_s'], 2)} s, keys at exit "
+              f"{ev['keys_at_exit']}, resume from {resumed_to}", flush=True)
+        if res["code"] == 0:
+            break
+        done, resume = resumed_to, True
+    rows = _rows(out / "metrics.jsonl")
+    fsum = final.get("summary", {})
+    per_kind: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        k = per_kind.setdefault(ev["kind"], {"injected": 0, "survived": 0, "times": []})
+        k["injected"] += 1
+        k["survived"] += bool(ev["survived"])
+        if ev["time_to_error_s"] is not None:
+            k["times"].append(round(ev["time_to_error_s"], 2))
+    report = {
+        "args": vars(args), "wall_s": round(time.time() - t_start, 1), "steps_trained": len(rows),
+        "faults_injected": len(events), "faults_survived": sum(bool(e["survived"]) for e in events),
+        "per_kind": per_kind, "max_keys_outstanding": max((r["keys_outstanding"] for r in rows), default=0),
+        "keys_outstanding_bound": fsum.get("keys_outstanding_bound"),
+        "keys_at_each_exit": exits, "final_exit_code": final.get("code"),
+        "keys_at_final_exit": fsum.get("keys_outstanding_at_exit"),
+        "store_bytes_at_final_exit": 0 if fsum.get("keys_outstanding_at_exit") == 0 else None,
+        "every_prompt_trained_once_or_pending": _lossless(out, fsum) if fsum else None, "events": events,
+    }
+    print(f"\nsoak: {report['steps_trained']} steps, {report['faults_injected']} faults injected, "
+          f"{report['faults_survived']} survived, {report['wall_s']} s")
+    print(f"{'fault':26s} {'injected':>8s} {'survived':>8s} {'time to error s (each)':s}")
+    for kind, k in sorted(per_kind.items()):
+        print(f"{kind:26s} {k['injected']:8d} {k['survived']:8d} {k['times']}")
+    print(f"max keys outstanding {report['max_keys_outstanding']} (bound {report['keys_outstanding_bound']}); keys at "
+          f"each exit {exits}; final exit {report['final_exit_code']}, keys {report['keys_at_final_exit']}, store bytes "
+          f"{report['store_bytes_at_final_exit']}; every prompt trained once or pending: "
+          f"{report['every_prompt_trained_once_or_pending']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    ok = (report["faults_survived"] == report["faults_injected"] - sum(1 for e in events if e.get("note"))
+          and report["final_exit_code"] == 0 and report["keys_at_final_exit"] == 0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

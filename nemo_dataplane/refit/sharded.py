@@ -24,6 +24,13 @@ shards its layout gives it; fused ones included) and carry them over the group
      ``done`` ``all_reduce`` (``transports/exchange_ipc.py``). The group only carries control,
      so it may be a gloo group even when several ranks share a GPU.
 
+``timings``: opt-in host-side phase timing (``None`` by default: nothing is recorded). Set it to
+a list and every refit appends a dict of ``time.perf_counter()`` marks, ``"start"`` then the end
+of each phase in order: ``check`` (tensors against the layout), ``ready`` (ipc receiver: its
+queued GPU work), ``header``, then ``issue`` and ``copies`` (ipc sender: enqueueing the copies,
+waiting for them) or ``exchange`` (p2p), ``done`` (ipc: the done ``all_reduce``), ``scatter``
+(ipc receiver). ``phase_durations()`` turns one into seconds per phase.
+
 ``bytes_moved`` holds what this rank sent or received in the last refit: counted at each
 send/recv (p2p), or the bytes of the copies a sender issued (ipc; a receiver reports the
 plan's bytes for it, as it does not see the copies). For a receiver it equals the bytes of its
@@ -33,6 +40,7 @@ local tensors.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 
 import torch
@@ -56,7 +64,7 @@ from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_res
 from nemo_dataplane.refit.transports.exchange import Exchange
 from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
 
-__all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender"]
+__all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender", "phase_durations"]
 
 RESHARD_TRANSPORTS = ("auto", "p2p", "ipc")
 # Contiguous pieces at least this large go unpacked (zero-copy): fewer copies, while smaller ones
@@ -94,6 +102,8 @@ class _ReshardEndpoint(Endpoint):
         self.bytes_moved = 0
         self._peers_watch: list[int] = []
         self._side = "send" if self.sender else "recv"
+        # Opt-in phase marks of each refit (see the module doc); None: off.
+        self.timings: list[dict[str, float]] | None = None
 
     # -- prepare
 
@@ -312,6 +322,10 @@ class _ReshardEndpoint(Endpoint):
     def _refit(self, version: int | None) -> int:
         if self._exchange is None and self._push is None:
             raise RefitError(f"rank {self.group.rank}: call prepare_refit_info() before refitting")
+        marks: dict[str, float] | None = None
+        if self.timings is not None:
+            marks = {"start": time.perf_counter()}
+            self.timings.append(marks)
         self._seq += 1
         failed: BaseException | None = None
         tensors: Mapping[str, torch.Tensor] = {}
@@ -326,13 +340,16 @@ class _ReshardEndpoint(Endpoint):
         except RefitMismatchError as e:
             failed = e
             self._publish_error(str(e))
+        _mark(marks, "check")
         if self._push is not None:
-            return self._refit_ipc(version, tensors, failed)
+            return self._refit_ipc(version, tensors, failed, marks)
         v = self._header(version, failed)
+        _mark(marks, "header")
         what = f"reshard {'send' if self.sender else 'receive'} of version {v}"
         try:
             with torch.no_grad():
                 self._exchange.run(tensors, self._watch, what)
+            _mark(marks, "exchange")
         except Exception as e:
             self._publish_error(f"{'sender' if self.sender else 'receiver'} failed during refit of version {v}: {e}")
             raise
@@ -341,7 +358,7 @@ class _ReshardEndpoint(Endpoint):
         return v
 
     def _refit_ipc(self, version: int | None, tensors: Mapping[str, torch.Tensor],
-                   failed: BaseException | None) -> int:
+                   failed: BaseException | None, marks: dict[str, float] | None) -> int:
         g = self.group
         push = self._push
         assert push is not None
@@ -350,19 +367,24 @@ class _ReshardEndpoint(Endpoint):
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             Work(g, "reshard receiver readiness (its queued GPU work)", event=ev).wait()
+            _mark(marks, "ready")
         v = self._header(version, failed)
+        _mark(marks, "header")
         status = 0
         if self.sender:
             try:
                 with torch.no_grad():
                     done = push.issue(tensors)
+                _mark(marks, "issue")
                 Work(g, f"reshard ipc copies of version {v}", event=done).wait(watch=self._watch)
+                _mark(marks, "copies")
                 self.bytes_moved = push.bytes_issued
             except Exception as e:
                 status = 1
                 failed = e
                 self._publish_error(f"sender failed to copy refit version {v}: {e}")
         (st,) = self._max([status], f"reshard ipc refit of version {v} (waiting for every sender's copies)")
+        _mark(marks, "done")
         if st:
             if failed is not None:
                 raise RefitError(f"rank {g.rank}: failed to copy refit version {v}: {failed}") from failed
@@ -370,6 +392,7 @@ class _ReshardEndpoint(Endpoint):
             raise RefitError(f"rank {g.rank}: a sender failed to copy refit version {v}: {why}")
         if not self.sender:
             push.scatter()
+            _mark(marks, "scatter")
             self.bytes_moved = self.reshard_plan.bytes_to(g.rank)  # type: ignore[union-attr]
         self.version = v
         return v
@@ -443,6 +466,21 @@ class ReshardReceiver(_ReshardEndpoint):
     def receive_weights(self) -> int:
         """Receive this rank's pieces of one refit; return (and store) its version."""
         return self._refit(None)
+
+
+def _mark(marks: dict[str, float] | None, phase: str) -> None:
+    if marks is not None:
+        marks[phase] = time.perf_counter()
+
+
+def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
+    """One refit's ``timings`` entry as seconds per phase (in order), plus ``total``."""
+    out: dict[str, float] = {}
+    names = list(marks)
+    for prev, name in zip(names, names[1:]):
+        out[name] = marks[name] - marks[prev]
+    out["total"] = marks[names[-1]] - marks[names[0]]
+    return out
 
 
 def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],

@@ -141,6 +141,13 @@ class IpcPush:
                 raise RuntimeError(f"rank {r}: {e}") from e
             _ipc.probe(views, self.device)
             self.views[r] = {n: v for n, v in zip(peer_names[r], views) if v is not None}
+        self.use_views(self.views)
+
+    def use_views(self, views: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Sender: write into these receiver views (rank -> local name -> tensor), e.g. ones another
+        ``IpcPush`` of this process opened (a process maps an IPC handle once)."""
+        self.views = {r: dict(v) for r, v in views.items()}
+        self._key = None
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
 

@@ -214,6 +214,16 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
               {} if sender else tensors, lambda: _checksum(tensors) == expected)
         if rank == 0:
             out["rows"][old]["transport"] = ep.transport
+        # Control over the group's gloo all_reduce (the earlier way) instead of the store.
+        if sender:
+            ep._push.pitched = "kernel"
+        ep.control = "gloo"
+        name_g = f"reshard ({transport}, control as gloo all_reduce)"
+        timed(name_g, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
+              {} if sender else tensors, lambda: _checksum(tensors) == expected)
+        ep.control = "store"
+        if rank == 0:
+            out["rows"][name_g]["transport"] = ep.transport
         if (tp_train, tp_gen) == (2, 1):
             # The same copies with no control, from 1 or 2 processes (reshard_phases.py).
             if sender:

@@ -113,8 +113,8 @@ def copies_only(rank: int, world: int, tp_train: int, ctl: Any, ep: Any, src: An
                     for r, v in recs.items():
                         per_rank.setdefault(r, []).append(v)
         ok = None
+        sync()  # every sender's copies done
         if rank >= tp_train and m >= 2:
-            torch.cuda.synchronize(dev)
             ep._push.scatter()
             ok = bool(check())
         ctl.store.set(f"bench/copies/{m}/ok/{rank}", json.dumps([ok, err]).encode())

@@ -13,9 +13,10 @@ comparison. Pieces are the plan's entries (``reshard.py``); messages and buckets
 not matter here.
 
 The group carries only host-side control (works on gloo, so several processes may share a
-GPU, which an NCCL communicator refuses): each refit is the header ``all_reduce`` (receivers
+GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
 join it once their queued GPU work is done, so nothing they still read is overwritten), the
-senders' copies, then a ``done`` ``all_reduce`` once every sender's copies finished.
+senders' copies, then a ``done`` max exchange once every sender's copies finished (both
+through the group's store, ``sharded._max``).
 """
 
 from __future__ import annotations

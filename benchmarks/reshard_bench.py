@@ -50,6 +50,7 @@ from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
 from nemo_dataplane.refit import reshard as _reshard  # noqa: E402
 from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
 from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender  # noqa: E402
+from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
 
 HOST = "127.0.0.1"
 PLAN_TARGET_MS = 50.0
@@ -140,6 +141,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     def timed(name: str, run: Any, participates: bool, ep: Any, targets: dict[str, torch.Tensor],
               correct: Any) -> None:
         times = []
+        if ep is not None and hasattr(ep, "timings"):
+            ep.timings = []  # host phase marks of each refit (opt-in)
         for i in range(args.warmup + args.iters):
             for t in targets.values():
                 t.zero_()
@@ -160,6 +163,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
                 if i >= args.warmup:
                     times.append(end - start)
         row: dict[str, Any] = {}
+        if ep is not None and getattr(ep, "timings", None) is not None:
+            row["timings"] = ep.timings[args.warmup:]
+            ep.timings = None
         if not sender:
             row["correct"] = correct()
             row["received"] = getattr(ep, "bytes_moved", None)
@@ -174,6 +180,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             out["rows"][name] = {"median_ms": statistics.median(times) * 1e3, "best_ms": min(times) * 1e3,
                                  "correct": all(r["correct"] for r in rows),
                                  "received_per_generator": [r["received"] for r in rows]}
+            if all("timings" in r for r in allrows):
+                out["rows"][name]["phases"] = phase_table({r: x["timings"] for r, x in enumerate(allrows)})
             copies = {r.get("copies") for r in allrows[:tp_train]} - {None}
             if copies:
                 out["rows"][name]["copies"] = sorted(copies)
@@ -206,6 +214,24 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
               {} if sender else tensors, lambda: _checksum(tensors) == expected)
         if rank == 0:
             out["rows"][old]["transport"] = ep.transport
+        # Control over the group's gloo all_reduce (the earlier way) instead of the store.
+        if sender:
+            ep._push.pitched = "kernel"
+        ep.control = "gloo"
+        name_g = f"reshard ({transport}, control as gloo all_reduce)"
+        timed(name_g, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
+              {} if sender else tensors, lambda: _checksum(tensors) == expected)
+        ep.control = "store"
+        if rank == 0:
+            out["rows"][name_g]["transport"] = ep.transport
+        if (tp_train, tp_gen) == (2, 1):
+            # The same copies with no control, from 1 or 2 processes (reshard_phases.py).
+            if sender:
+                ep._push.pitched = "kernel"
+            res = copies_only(rank, world, tp_train, ctl, ep, src, tensors, dev, args.warmup, args.iters, sync,
+                              lambda: _checksum(tensors) == expected)
+            if rank == 0:
+                out["copies_only"] = res
     if rank == 0:
         out["rows"][name]["transport"] = ep.transport
         out["plan"] = {"pieces": len(plan.pieces), "plan_ms": plan.plan_seconds * 1e3,
@@ -450,6 +476,7 @@ def main(args: argparse.Namespace) -> None:
             if both:
                 v["ratio_vs_all_copies"] = v["median_ms"] / both
         summary["scenarios"][scenario] = {"rows": rows, "ceilings_ms": ceil, "cross_device_bytes": cross,
+                                          "copies_only": res.get("copies_only"),
                                           "within_device_bytes": local, "prepare_s": res["prepare_s"],
                                           "broadcast_skipped": res.get("broadcast_skipped")}
         where = (f"; {cross / 1e9:.2f} GB cross GPUs, {local / 1e9:.2f} GB stay on one" if args.device == "cuda"
@@ -474,6 +501,12 @@ def main(args: argparse.Namespace) -> None:
                     print(f"   {k}, sender rank {r} copies (GPU time): contiguous "
                           f"{ph['contiguous_bytes'] / 1e9:.2f} GB in {ph['contiguous_ms']:.2f} ms, pitched "
                           f"{ph['pitched_bytes'] / 1e9:.2f} GB in {ph['pitched_ms']:.2f} ms")
+        roles = {r: f"{'sender' if r < tp_train else 'receiver'} {r}" for r in range(tp_train + tp_gen)}
+        for k, v in rows.items():
+            if v.get("phases"):
+                print_phase_table(k, {int(r): t for r, t in v["phases"].items()}, roles)
+        if res.get("copies_only"):
+            print_copies(res["copies_only"], base)
         if res.get("broadcast_skipped"):
             print(f"   full broadcast not timed: {res['broadcast_skipped']}; it would move "
                   f"{nbytes * tp_gen / 1e9:.2f} GB ({nbytes / 1e9:.2f} GB per generator rank)")

@@ -810,10 +810,13 @@ def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool
 
 def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tuple[int, ...] = (7, 8),
                       bucket_bytes: int = 1024, direct_bytes: int | None = 512, backend: str = "gloo",
-                      gpus: tuple[int, ...] | None = None, transport: str = "auto") -> dict[str, Any]:
+                      gpus: tuple[int, ...] | None = None, transport: str = "auto",
+                      timings: bool = False) -> dict[str, Any]:
     """Refit ``case`` twice with different values; receivers compare bit patterns with the
     hand-sharded unsharded weights and report what they received. ``gpus``: each rank's CUDA
-    device (tensors there; ranks may share one with a gloo group and transport="ipc")."""
+    device (tensors there; ranks may share one with a gloo group and transport="ipc").
+    ``timings``: turn the endpoint's phase timing on and report its marks (else report that
+    nothing was recorded)."""
     from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
 
     dev = torch.device("cpu")
@@ -831,6 +834,8 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes, transport=transport,
                                 device=dev)
         plan = ep.prepare_refit_info()
+        if timings:
+            ep.timings = []
         sent = []
         for i, v in enumerate(versions):
             if i:
@@ -848,6 +853,8 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         mine = {k: (_noncontig(v) if k.endswith("down_proj.weight") else v) for k, v in mine.items()}
         ep = ReshardReceiver(g, mine, dst, device=dev)
         plan = ep.prepare_refit_info()
+        if timings:
+            ep.timings = []
         refits = []
         for i in range(len(versions)):
             v = ep.receive_weights()
@@ -858,6 +865,7 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
                            "names": sorted(mine)})
         out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank),
                    staging=ep._exchange.staging_bytes if ep._exchange is not None else 0)
+    out["timings"] = None if ep.timings is None else [list(m.items()) for m in ep.timings]
     out.update(fallback=list(plan.fallback), fingerprint=plan.fingerprint, transport=ep.transport,
                senders_by_param={p.param: sorted({q.src for q in plan.pieces if q.param == p.param})
                                  for p in plan.pieces})
@@ -866,6 +874,20 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
     g.barrier()
     g.destroy()
     return out
+
+
+def check_timings(res: dict[int, Any], phases: dict[str, list[str]], refits: int) -> None:
+    """Every rank recorded ``refits`` refits, each with ``phases[role]`` in order, non-decreasing
+    marks, and a later refit after an earlier one."""
+    for r, out in res.items():
+        role = "send" if "sent" in out else "recv"
+        marks = out["timings"]
+        assert marks is not None and len(marks) == refits, (r, marks)
+        for m in marks:
+            assert [k for k, _ in m] == ["start", *phases[role]], (r, m)
+            ts = [t for _, t in m]
+            assert ts == sorted(ts), (r, m)
+        assert marks[1][0][1] >= marks[0][-1][1], (r, marks)
 
 
 def check_reshard(res: dict[int, Any], case: str) -> None:

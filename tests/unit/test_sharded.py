@@ -34,6 +34,18 @@ def test_reshard_is_bit_exact_and_moves_only_owned_bytes(pool: P.Pool, case: str
     P.check_reshard(res, case)
 
 
+def test_phase_timings_are_opt_in_and_mark_each_phase_in_order(pool: P.Pool) -> None:
+    off = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1")
+    _ok(off)
+    assert all(out["timings"] is None for out in off.values())
+    on = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
+                     timings=True)
+    _ok(on)
+    P.check_reshard(on, "tp2->tp1")
+    p2p = ["check", "header", "exchange"]
+    P.check_timings(on, {"send": p2p, "recv": p2p}, refits=2)
+
+
 def test_missing_mapping_fails_at_prepare_naming_the_parameter(pool: P.Pool) -> None:
     res = P.run_ranks(pool, P.reshard_failures, [0, 1, 2], world=3, port=P.free_port(), what="missing")
     _ok(res)

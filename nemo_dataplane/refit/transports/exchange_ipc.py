@@ -13,9 +13,10 @@ comparison. Pieces are the plan's entries (``reshard.py``); messages and buckets
 not matter here.
 
 The group carries only host-side control (works on gloo, so several processes may share a
-GPU, which an NCCL communicator refuses): each refit is the header ``all_reduce`` (receivers
+GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
 join it once their queued GPU work is done, so nothing they still read is overwritten), the
-senders' copies, then a ``done`` ``all_reduce`` once every sender's copies finished.
+senders' copies, then a ``done`` max exchange once every sender's copies finished (both
+through the group's store, ``sharded._max``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ class IpcPush:
                 raise RuntimeError(f"rank {r}: {e}") from e
             _ipc.probe(views, self.device)
             self.views[r] = {n: v for n, v in zip(peer_names[r], views) if v is not None}
+        self.use_views(self.views)
+
+    def use_views(self, views: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Sender: write into these receiver views (rank -> local name -> tensor), e.g. ones another
+        ``IpcPush`` of this process opened (a process maps an IPC handle once)."""
+        self.views = {r: dict(v) for r, v in views.items()}
+        self._key = None
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
 

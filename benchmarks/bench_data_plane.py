@@ -36,7 +36,8 @@ Also measured:
 
 What bounds each method, with the measurements: ``docs/data-flow.md``.
 
-Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``.
+Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``;
+``--only-startup [--startup-runs 3]`` measures only the start-up.
 Prints the tables and writes ``benchmarks/results/bench_data_plane.json``.
 """
 
@@ -389,7 +390,7 @@ print(json.dumps({"ray_init_s": ray_s, "import_s": t1 - t0, "create_s": t2 - t1,
 """
 
 
-def startup(backend: str) -> dict[str, float]:
+def startup_once(backend: str) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-c", STARTUP, backend, str(REPO)], cwd=REPO, env=env,
@@ -397,6 +398,14 @@ def startup(backend: str) -> dict[str, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"start-up run of {backend} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def startup(backend: str, runs: int) -> dict[str, Any]:
+    """Median of each phase over ``runs`` fresh interpreters (each run's store-up time kept)."""
+    each = [startup_once(backend) for _ in range(runs)]
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in each) for k in each[0]}
+    out["store_up_s_runs"] = [r["store_up_s"] for r in each]
+    return out
 
 
 # ------------------------------------------------------------------ report
@@ -453,11 +462,18 @@ def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any
     for name, v in lat.items():
         if isinstance(v, (list, tuple)):
             print(f"  {name:>18}: {v[0] * 1e3:7.2f} / {v[1] * 1e3:7.2f}")
-    print("\nStore start-up after Ray (import + create; torch and Ray already loaded), s:")
-    for name, v in start.items():
-        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
-              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}")
+    report_startup(start)
     return targets
+
+
+def report_startup(start: dict[str, Any]) -> None:
+    if not start:
+        return
+    print("\nStore start-up after Ray (import + create; torch and Ray already loaded), median s:")
+    for name, v in start.items():
+        runs = " ".join(f"{x:.2f}" for x in v["store_up_s_runs"])
+        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
+              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}; runs: {runs}")
 
 
 def main() -> None:
@@ -466,8 +482,14 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--skip", nargs="*", default=[], choices=["tq", "ray_store", "startup"])
+    ap.add_argument("--startup-runs", type=int, default=3, help="fresh interpreters per backend for start-up")
+    ap.add_argument("--only-startup", action="store_true", help="measure only the store start-up (no JSON written)")
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.only_startup:
+        report_startup({b: startup(b, args.startup_runs) for b in ("ray", "transfer_queue")})
+        print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        return
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     lat: dict[str, Any] = {}
@@ -496,7 +518,7 @@ def main() -> None:
     lat.update(lt)
     start = {}
     if "startup" not in args.skip:
-        start = {"ray": startup("ray"), "transfer_queue": startup("transfer_queue")}
+        start = {b: startup(b, args.startup_runs) for b in ("ray", "transfer_queue")}
     targets = report(rows, lat, start, args.sizes, args.readers)
     out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -184,7 +184,7 @@ class TransferQueueClient(TransferQueueClaims, ActorBackedClient):
 
         def wait_info(handle: Any, who: str) -> Any:
             try:
-                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01))
+                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01), cfg.quiet)
             except ray.exceptions.GetTimeoutError:
                 raise DataPlaneError(
                     f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "

@@ -35,8 +35,9 @@ The quirks:
    tiny ``data_parser`` (run inside the storage unit, a documented SimpleStorage hook) cut it into
    per-row views there, so the store holds exactly the rows TransferQueue's own clients expect.
 6. Missing keys / unknown fields are dropped with only a log warning, and per-op log lines are
-   noisy -> the adapter checks itself; :func:`quiet_logs` and the actors' ``runtime_env`` mute
-   TransferQueue's loggers.
+   noisy -> the adapter checks itself; :func:`quiet_logs` mutes TransferQueue's loggers, here
+   and (through :func:`server_info`) inside the actors we start. Not through a ``runtime_env``:
+   that costs each actor a fresh worker process instead of an idle prestarted one.
 7. A get reply carries one ZMQ frame per row per field (769 frames for a 256-sample batch of three
    fields), encoded and decoded row by row; that, not the bytes, is where a read's time goes ->
    :func:`read_columns` asks each storage unit (via Ray's documented ``__ray_call__``) to run the
@@ -91,7 +92,6 @@ from nemo_dataplane.adapters.tq_compat.claims import (
 from nemo_dataplane.adapters.tq_compat.common import (
     BACKEND,
     LAYOUT_TAG,
-    actor_env,
     loop_thread,
     preserve_torch_threads,
     public_tags,
@@ -115,7 +115,6 @@ __all__ = [
     "ClaimSampler",
     "Column",
     "StorageKeyNotFoundError",
-    "actor_env",
     "base_config",
     "claim_rows",
     "claims_unsupported",

@@ -15,7 +15,7 @@ from transfer_queue.controller import TransferQueueController
 from transfer_queue.storage import SimpleStorageUnit
 
 from nemo_dataplane.adapters.tq_compat.claims import CLAIM_SAMPLER, ClaimSampler
-from nemo_dataplane.adapters.tq_compat.common import BACKEND, actor_env
+from nemo_dataplane.adapters.tq_compat.common import BACKEND, quiet_logs
 
 
 def base_config(num_storage_units: int) -> DictConfig:
@@ -34,14 +34,23 @@ def base_config(num_storage_units: int) -> DictConfig:
     return conf
 
 
+def _actor_options(quiet: bool) -> dict[str, Any]:
+    """Quiet actors get no ``runtime_env``, so Ray can hand each an idle prestarted worker (an
+    actor with one needs a fresh worker process: 1-10 s on a loaded 2-CPU machine); their logs
+    are muted from inside once they run (:func:`server_info`, quirk 6). Verbose ones keep
+    ``TQ_NUM_THREADS=1``, read at import: with TransferQueue's default 8 above the core count, a
+    unit warns on every request (quirk 3)."""
+    return {} if quiet else {"runtime_env": {"env_vars": {"TQ_NUM_THREADS": "1"}}}
+
+
 def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
-    mode with :class:`ClaimSampler` (quirk 8)."""
+    mode with :class:`ClaimSampler` (quirk 8). Pass ``quiet`` again to :func:`server_info`."""
     return TransferQueueController.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
         num_cpus=num_cpus,
-        runtime_env={"env_vars": actor_env(quiet)},
+        **_actor_options(quiet),
     ).remote(sampler=ClaimSampler(), polling_mode=True)
 
 
@@ -51,7 +60,8 @@ def create_storage_units(
 ) -> dict[str, Any]:
     """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
 
-    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``.
+    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Pass
+    ``quiet`` again to :func:`server_info`.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -69,15 +79,24 @@ def create_storage_units(
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,
-            runtime_env={"env_vars": actor_env(quiet)},
+            **_actor_options(quiet),
             **where,
         ).remote(config=unit_conf)
     return handles
 
 
-def server_info(handle: Any, timeout_s: float) -> Any:
-    """The actor's ZMQ endpoints; raises ``ray.exceptions.GetTimeoutError`` after ``timeout_s``."""
-    return ray.get(handle.get_zmq_server_info.remote(), timeout=timeout_s)
+def server_info(handle: Any, timeout_s: float, quiet: bool) -> Any:
+    """The ZMQ endpoints of an actor we started, once it runs; a ``quiet`` one first mutes
+    TransferQueue's loggers in its process. Raises ``ray.exceptions.GetTimeoutError`` after
+    ``timeout_s``."""
+    return ray.get(handle.__ray_call__.remote(_started, quiet), timeout=timeout_s)
+
+
+def _started(actor: Any, quiet: bool) -> Any:
+    """Runs inside a controller or storage unit (``__ray_call__``)."""
+    if quiet:
+        quiet_logs()
+    return actor.get_zmq_server_info()
 
 
 def storage_units_of(conf: DictConfig) -> int:

@@ -21,15 +21,6 @@ def public_tags(custom_meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in custom_meta.items() if k != LAYOUT_TAG}
 
 
-# Environment for the actors we create: no per-op thread warnings (quirk 3 inside the storage
-# unit, where TQ_NUM_THREADS=8 > cores triggers a warning per request) and, when quiet, no logs.
-def actor_env(quiet: bool) -> dict[str, str]:
-    env = {"TQ_NUM_THREADS": "1"}
-    if quiet:
-        env["TQ_LOGGING_LEVEL"] = "ERROR"
-    return env
-
-
 def quiet_logs(level: int = logging.ERROR) -> None:
     """Raise every ``transfer_queue.*`` logger in this process to ``level``.
 

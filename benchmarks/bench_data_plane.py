@@ -32,11 +32,14 @@ Also measured:
 * tiny-batch latency: put + get of 8 rows by each method next to a plain Ray actor call (the
   floor of any hand-off to another process);
 * start-up after Ray: a fresh interpreter that has torch and a running Ray imports the backend
-  and creates its store (``bootstrap=True``), then does a first put + get; for both backends.
+  and creates its store (``bootstrap=True``), then does a first put + get; for both backends,
+  median of ``--startup-runs``; with ``--startup-preload`` also TransferQueue on a Ray whose
+  prestarted workers preload torch and transfer_queue (``tq_ray_preloaded``).
 
 What bounds each method, with the measurements: ``docs/data-flow.md``.
 
-Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``.
+Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``;
+``--only-startup [--startup-runs 3]`` measures only the start-up.
 Prints the tables and writes ``benchmarks/results/bench_data_plane.json``.
 """
 
@@ -365,6 +368,8 @@ def bench_tq(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[d
 # ------------------------------------------------------------------ start-up
 STARTUP = r"""
 import json, os, sys, time
+if sys.argv[3] == "preload":  # Ray's prestarted workers import these before taking work
+    os.environ["RAY_preload_python_modules"] = "torch,transfer_queue"
 import torch, ray                                   # a trainer's driver has these already
 sys.path.insert(0, sys.argv[2])
 t = time.perf_counter()
@@ -389,14 +394,39 @@ print(json.dumps({"ray_init_s": ray_s, "import_s": t1 - t0, "create_s": t2 - t1,
 """
 
 
-def startup(backend: str) -> dict[str, float]:
+def startup_once(backend: str, preload: bool = False) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", STARTUP, backend, str(REPO)], cwd=REPO, env=env,
+    env.pop("RAY_preload_python_modules", None)
+    proc = subprocess.run([sys.executable, "-c", STARTUP, backend, str(REPO), "preload" if preload else "-"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"start-up run of {backend} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_startup(runs: int, preload: bool) -> dict[str, Any]:
+    """Median of each phase over ``runs`` fresh interpreters per variant, the variants taken in
+    turn each round (so a change in the machine's load hits them alike); each run's store-up
+    time is kept.
+
+    ``tq_ray_preloaded`` (with ``preload``): ``transfer_queue`` on a Ray started with
+    ``RAY_preload_python_modules=torch,transfer_queue``, so the workers Ray prestarts import them
+    in the background after ``ray.init`` returns (a cluster setting, not the store's: every worker
+    of that cluster then imports them).
+    """
+    variants = {"ray": ("ray", False), "transfer_queue": ("transfer_queue", False)}
+    if preload:
+        variants["tq_ray_preloaded"] = ("transfer_queue", True)
+    each: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for _ in range(runs):
+        for v, (backend, pre) in variants.items():
+            each[v].append(startup_once(backend, pre))
+    out: dict[str, Any] = {}
+    for v, rs in each.items():
+        out[v] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        out[v]["store_up_s_runs"] = [r["store_up_s"] for r in rs]
+    return out
 
 
 # ------------------------------------------------------------------ report
@@ -453,11 +483,18 @@ def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any
     for name, v in lat.items():
         if isinstance(v, (list, tuple)):
             print(f"  {name:>18}: {v[0] * 1e3:7.2f} / {v[1] * 1e3:7.2f}")
-    print("\nStore start-up after Ray (import + create; torch and Ray already loaded), s:")
-    for name, v in start.items():
-        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
-              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}")
+    report_startup(start)
     return targets
+
+
+def report_startup(start: dict[str, Any]) -> None:
+    if not start:
+        return
+    print("\nStore start-up after Ray (import + create; torch and Ray already loaded), median s:")
+    for name, v in start.items():
+        runs = " ".join(f"{x:.2f}" for x in v["store_up_s_runs"])
+        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
+              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}; runs: {runs}")
 
 
 def main() -> None:
@@ -466,8 +503,16 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--skip", nargs="*", default=[], choices=["tq", "ray_store", "startup"])
+    ap.add_argument("--startup-runs", type=int, default=3, help="fresh interpreters per backend for start-up")
+    ap.add_argument("--only-startup", action="store_true", help="measure only the store start-up (no JSON written)")
+    ap.add_argument("--startup-preload", action="store_true",
+                    help="also start-up of transfer_queue on a Ray whose workers preload torch and transfer_queue")
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.only_startup:
+        report_startup(measure_startup(args.startup_runs, args.startup_preload))
+        print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        return
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     lat: dict[str, Any] = {}
@@ -496,7 +541,7 @@ def main() -> None:
     lat.update(lt)
     start = {}
     if "startup" not in args.skip:
-        start = {"ray": startup("ray"), "transfer_queue": startup("transfer_queue")}
+        start = measure_startup(args.startup_runs, args.startup_preload)
     targets = report(rows, lat, start, args.sizes, args.readers)
     out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from nemo_dataplane.codec import normalize_fields
 from nemo_dataplane.meta import KVBatchMeta
 
 Fields = TensorDict | Mapping[str, torch.Tensor]
@@ -311,6 +312,25 @@ def check_tags(tags: Any, n_keys: int) -> list[dict[str, Any]] | None:
         if not isinstance(t, Mapping):
             raise TypeError(f"tags[{i}] must be a dict, got {type(t).__name__}")
     return [dict(t) for t in tags]
+
+
+def check_put_args(
+    keys: Any, partition_id: Any, fields: Any, tags: Any
+) -> tuple[list[str], str, dict[str, torch.Tensor], list[dict[str, Any]] | None]:
+    """Validate :meth:`DataPlaneClient.kv_batch_put`'s arguments (same words for every backend):
+    returns ``(keys, partition_id, columns, tags)`` with ``fields`` as one column per field of
+    ``len(keys)`` rows (:func:`~nemo_dataplane.codec.normalize_fields`).
+
+    Raises:
+        ValueError / TypeError: naming the argument at fault, or neither fields nor tags given.
+    """
+    keys = check_keys(keys)
+    partition_id = check_partition(partition_id)
+    tag_list = check_tags(tags, len(keys))
+    columns = normalize_fields(fields, len(keys))
+    if not columns and tag_list is None:
+        raise ValueError("kv_batch_put needs fields or tags (got neither)")
+    return keys, partition_id, columns, tag_list
 
 
 def resolve_get_target(

@@ -28,12 +28,12 @@ from nemo_dataplane.client import (
     check_claim_args,
     check_keys,
     check_partition,
+    check_put_args,
     check_select_fields,
-    check_tags,
     check_task,
     resolve_get_target,
 )
-from nemo_dataplane.codec import is_jagged, join_rows, make_batch, normalize_fields, split_rows
+from nemo_dataplane.codec import is_jagged, join_rows, make_batch, split_rows
 from nemo_dataplane.meta import KVBatchMeta
 
 
@@ -67,12 +67,7 @@ class InMemoryClient(DataPlaneClient):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         self._check_open()
-        keys = check_keys(keys)
-        partition_id = check_partition(partition_id)
-        tag_list = check_tags(tags, len(keys))
-        columns = normalize_fields(fields, len(keys))
-        if not columns and tag_list is None:
-            raise ValueError("kv_batch_put needs fields or tags (got neither)")
+        keys, partition_id, columns, tag_list = check_put_args(keys, partition_id, fields, tags)
         # Split and copy before taking the lock: a failed validation leaves the store untouched.
         per_field_rows = {
             name: ([r.clone() for r in split_rows(t.detach())], is_jagged(t)) for name, t in columns.items()

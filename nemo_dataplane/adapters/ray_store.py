@@ -28,37 +28,35 @@ import threading
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import ray
-import torch
 from tensordict import TensorDict
 
+from nemo_dataplane.adapters.actor_store import ActorBackedClient, Bootstrap
 from nemo_dataplane.adapters.chunks import assemble, bundles, decode, encode
 from nemo_dataplane.adapters.ray_store_actors import StoreIndex
 from nemo_dataplane.client import (
     ClaimStatus,
-    DataPlaneClient,
     DataPlaneError,
     Fields,
     check_claim_args,
     check_keys,
     check_partition,
+    check_put_args,
     check_select_fields,
-    check_tags,
+    check_task,
     resolve_get_target,
 )
-from nemo_dataplane.codec import make_batch, normalize_fields
+from nemo_dataplane.codec import make_batch
 from nemo_dataplane.config import DataPlaneConfig, RayStoreConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 
 DEFAULT_ACTOR = "nemo_dataplane.RayStoreIndex"
 DEFAULT_NAMESPACE = "nemo_dataplane"
 
-Bootstrap = bool | Literal["auto"]
 
-
-class RayStoreClient(DataPlaneClient):
+class RayStoreClient(ActorBackedClient):
     """:class:`DataPlaneClient` whose tensors live in Ray's object store.
 
     Args:
@@ -72,6 +70,11 @@ class RayStoreClient(DataPlaneClient):
             (``bootstrap=True``), or it did not answer within ``bootstrap_timeout_s``.
     """
 
+    BACKEND = "ray"
+    SECTION = "ray_store"
+    NAME_KWARG = "actor_name"
+    WHAT = "Ray store index"
+
     def __init__(
         self,
         config: RayStoreConfig | DataPlaneConfig | Mapping[str, Any] | None = None,
@@ -79,88 +82,29 @@ class RayStoreClient(DataPlaneClient):
         actor_name: str = DEFAULT_ACTOR,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        if bootstrap not in (True, False, "auto"):
-            raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
         self.cfg: RayStoreConfig = RayStoreConfig() if config is None else config_section(config, "ray_store", "config")
-        self.actor_name = actor_name
-        self.namespace = namespace
-        self.owns_store = False
-        self.started_ray = False
-        self._closed = False
+        self._index: Any = None
         self._lock = threading.Lock()
         self._commits: dict[Any, str] = {}  # commit replies not yet checked -> what the put was
         self._writer = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._ensure_ray()
-        try:
-            self._index = self._bootstrap(bootstrap)
-        except BaseException:
-            if self.started_ray and ray.is_initialized():
-                ray.shutdown()
-            raise
+        self._index = self._open(bootstrap, actor_name, namespace, log_to_driver=False)
         self._node = ray.get_runtime_context().get_node_id()
 
-    @classmethod
-    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Bootstrap = "auto") -> RayStoreClient:
-        """Build from the ``data_plane`` config (the factory's hook).
-
-        ``data_plane.backend_kwargs`` may set ``actor_name`` and ``namespace``.
-        """
-        kwargs = dict(cfg.backend_kwargs or {})
-        unknown = sorted(set(kwargs) - {"actor_name", "namespace"})
-        if unknown:
-            raise ValueError(
-                f"data_plane.backend_kwargs {unknown} are not understood by the ray backend (known: actor_name, namespace)"
-            )
-        return cls(cfg.ray_store, bootstrap=bootstrap, **kwargs)
-
     # ------------------------------------------------------------- bootstrap
-    def _ensure_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=False)
-            self.started_ray = True
+    def _create(self) -> Any:
+        self._index = (
+            ray.remote(StoreIndex)
+            .options(name=self.actor_name, namespace=self.namespace, num_cpus=self.cfg.index_num_cpus)
+            .remote(lock_timeout_s=self.cfg.op_timeout_s, adopt=self.cfg.adopt_objects)
+        )
+        self.owns_store = True
+        return self._attach(self._index)
 
-    def _find(self) -> Any | None:
-        try:
-            return ray.get_actor(self.actor_name, namespace=self.namespace)
-        except ValueError:
-            return None
-
-    def _bootstrap(self, bootstrap: Bootstrap) -> Any:
-        handle = self._find()
+    def _attach(self, handle: Any) -> Any:
         where = f"{self.actor_name!r} in Ray namespace {self.namespace!r}"
-        if handle is None and bootstrap is False:
-            raise DataPlaneError(
-                f"no Ray store index named {where}; create one first with build_data_plane_client(cfg, "
-                "bootstrap=True) (or 'auto') in the driver, then attach from workers with bootstrap=False"
-            )
-        if handle is not None and bootstrap is True:
-            raise DataPlaneError(
-                f"a Ray store index named {where} already exists; attach with bootstrap=False/'auto' or pick "
-                "another actor_name"
-            )
-        if handle is None:
-            try:
-                handle = (
-                    ray.remote(StoreIndex)
-                    .options(name=self.actor_name, namespace=self.namespace, num_cpus=self.cfg.index_num_cpus)
-                    .remote(lock_timeout_s=self.cfg.op_timeout_s, adopt=self.cfg.adopt_objects)
-                )
-                self.owns_store = True
-            except ValueError:  # lost a race with another creator of the same name
-                handle = self._find() if bootstrap == "auto" else None
-                if handle is None:
-                    raise DataPlaneError(f"creating the Ray store index {where} failed: the name is taken") from None
         try:
             ray.get(handle.ready.remote(), timeout=self.cfg.bootstrap_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            if self.owns_store:
-                ray.kill(handle)
-                self.owns_store = False
             raise DataPlaneError(
                 f"the Ray store index {where} did not answer within bootstrap_timeout_s="
                 f"{self.cfg.bootstrap_timeout_s}s (is the cluster out of CPUs or the process that creates it stuck?)"
@@ -179,44 +123,37 @@ class RayStoreClient(DataPlaneClient):
             DataPlaneError: an earlier put's commit was refused by the index.
         """
         self._check_open()
+        return self._flush(timeout_s)
+
+    def _flush(self, timeout_s: float | None) -> int:
         timeout = self.cfg.op_timeout_s if timeout_s is None else timeout_s
         self._check_commits(wait=True)
         return int(self._call("flush", "*", 0, self._index.flush.remote(self._writer, timeout), timeout + 5))
 
-    def close(self) -> None:
-        """Detach; a writer first waits (bounded) until its rows are owned by the store. The
-        client that created the index kills it, which frees every object. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
+    def _disconnect(self) -> None:
+        """A writer waits (bounded) until its rows are owned by the store before it detaches."""
+        if self.owns_store or not ray.is_initialized():
+            return  # the owner's teardown frees every object anyway
         try:
-            if not self.owns_store and ray.is_initialized():
-                try:
-                    left = self.flush()
-                    if left:
-                        warnings.warn(
-                            f"RayStoreClient.close: {left} chunk(s) put by this process are not owned by the store "
-                            "and will be lost when it exits",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                except Exception as e:  # noqa: BLE001 - closing must not raise; the store may be gone
-                    warnings.warn(f"RayStoreClient.close: flush failed: {e}", RuntimeWarning, stacklevel=2)
-        finally:
-            with self._lock:
-                self._closed = True
-            if self.owns_store and ray.is_initialized():
-                try:
-                    ray.kill(self._index)
-                except Exception:  # noqa: BLE001 - already dead
-                    pass
-                self.owns_store = False
-            if self.started_ray and ray.is_initialized():
-                ray.shutdown()
+            left = self._flush(None)
+            if left:
+                warnings.warn(
+                    f"RayStoreClient.close: {left} chunk(s) put by this process are not owned by the store "
+                    "and will be lost when it exits",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        except Exception as e:  # noqa: BLE001 - closing must not raise; the store may be gone
+            warnings.warn(f"RayStoreClient.close: flush failed: {e}", RuntimeWarning, stacklevel=3)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DataPlaneError("RayStoreClient is closed")
+    def _teardown(self) -> None:
+        """The creator kills the index, which frees every object."""
+        if self.owns_store and self._index is not None and ray.is_initialized():
+            try:
+                ray.kill(self._index)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.owns_store = False
 
     def stats(self) -> dict[str, int]:
         """The index's counts: partitions, rows, chunks, and chunks still owned by their writer."""
@@ -270,12 +207,7 @@ class RayStoreClient(DataPlaneClient):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         self._check_open()
-        keys = check_keys(keys)
-        pid = check_partition(partition_id)
-        tag_list = check_tags(tags, len(keys))
-        columns = normalize_fields(fields, len(keys))
-        if not columns and tag_list is None:
-            raise ValueError("kv_batch_put needs fields or tags (got neither)")
+        keys, pid, columns, tag_list = check_put_args(keys, partition_id, fields, tags)
         self._check_commits(wait=False)
         txn = uuid.uuid4().hex
         # The index locks the keys and merges tags while this process writes the chunks.
@@ -354,8 +286,7 @@ class RayStoreClient(DataPlaneClient):
     def kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:
         self._check_open()
         pid = check_partition(partition_id)
-        if not isinstance(task, str) or not task:
-            raise ValueError(f"task must be a non-empty str, got {task!r}")
+        task = check_task(task)
         key_list = check_keys(keys, allow_empty=True)
         if key_list:
             self._call("kv_mark_consumed", pid, len(key_list), self._index.mark_consumed.remote(pid, task, key_list))
@@ -363,8 +294,7 @@ class RayStoreClient(DataPlaneClient):
     def kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
         self._check_open()
         pid = check_partition(partition_id)
-        if not isinstance(task, str) or not task:
-            raise ValueError(f"task must be a non-empty str, got {task!r}")
+        task = check_task(task)
         names = check_select_fields(fields)
         _, rows, produced, claimed, claimable = self._call(
             "kv_claim_status", pid, 0, self._index.claim_status.remote(pid, task, names)

@@ -37,13 +37,14 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import ray
 import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.adapters.actor_store import ActorBackedClient, Bootstrap
 from nemo_dataplane.adapters.tq_claims import TransferQueueClaims
 from nemo_dataplane.client import (
     DataPlaneError,
@@ -51,11 +52,11 @@ from nemo_dataplane.client import (
     add_error_note,
     check_keys,
     check_partition,
+    check_put_args,
     check_select_fields,
-    check_tags,
     resolve_get_target,
 )
-from nemo_dataplane.codec import is_jagged, make_batch, normalize_fields
+from nemo_dataplane.codec import is_jagged, make_batch
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -63,7 +64,6 @@ LAYOUT_TAG = compat.LAYOUT_TAG
 DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
 DEFAULT_NAMESPACE = "transfer_queue"
 
-Bootstrap = bool | Literal["auto"]
 T = TypeVar("T")
 # An op still pending after this long checks that the store's actors are alive (every second):
 # a dead controller or storage unit fails the op within ~LIVENESS_EVERY_S + LIVENESS_PING_S,
@@ -84,7 +84,7 @@ def auto_storage_units(free_cpus: float) -> int:
     return max(1, min(8, int(free_cpus) // 2))
 
 
-class TransferQueueClient(TransferQueueClaims):
+class TransferQueueClient(TransferQueueClaims, ActorBackedClient):
     """:class:`DataPlaneClient` backed by a TransferQueue controller and SimpleStorage units.
 
     Args:
@@ -104,6 +104,11 @@ class TransferQueueClient(TransferQueueClaims):
             (the message says which resources were missing).
     """
 
+    BACKEND = "transfer_queue"
+    SECTION = "transfer_queue"
+    NAME_KWARG = "controller_name"
+    WHAT = "TransferQueue controller"
+
     def __init__(
         self,
         config: TransferQueueConfig | DataPlaneConfig | Mapping[str, Any] | None = None,
@@ -111,15 +116,7 @@ class TransferQueueClient(TransferQueueClaims):
         controller_name: str = DEFAULT_CONTROLLER,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        if bootstrap not in (True, False, "auto"):
-            raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
         self.cfg = _tq_config(config)
-        self.controller_name = controller_name
-        self.namespace = namespace
-        self.owns_store = False
-        self.started_ray = False
-        self._closed = False
-        self._close_lock = threading.Lock()
         self._controller: Any = None
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}
@@ -133,89 +130,33 @@ class TransferQueueClient(TransferQueueClaims):
         if self.cfg.quiet:
             compat.quiet_logs()
         with compat.preserve_torch_threads():
-            self._ensure_ray()
-            try:
-                conf = self._bootstrap(bootstrap)
-                self.num_storage_units = compat.storage_units_of(conf)
-                # Bulk reads need the units' actor handles; stores made by tq.init() have none
-                # we can find, and are read through TransferQueue's per-row protocol instead.
-                self._units = compat.unit_handles(conf, self.namespace)
-                if self._units:
-                    here = ray.get_runtime_context().get_node_id()
-                    nodes = compat.unit_nodes(self._units, self.cfg.bootstrap_timeout_s)
-                    # Units all on this node map one shared chunk per put; else each gets its rows.
-                    self._local_units = all(node == here for node in nodes.values())
-                self._claims_unsupported = compat.claims_unsupported(conf)
-                controller = self._controller or self._find_controller()
-                self._watched = [(f"TransferQueue controller {self.controller_name!r}", controller)] + [
-                    (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items()
-                ]
-                self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
-            except BaseException:
-                self._teardown()
-                if self.started_ray and ray.is_initialized():
-                    ray.shutdown()
-                raise
+            self._open(bootstrap, controller_name, namespace, log_to_driver=not self.cfg.quiet)
         self._loop, self._thread = compat.loop_thread(f"nd-tq-{controller_name}")
 
-    @classmethod
-    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Bootstrap = "auto") -> TransferQueueClient:
-        """Build from the ``data_plane`` config (the factory's hook).
+    @property
+    def controller_name(self) -> str:
+        return self.actor_name
 
-        ``data_plane.backend_kwargs`` may set ``controller_name`` and ``namespace``.
-        """
-        kwargs = dict(cfg.backend_kwargs or {})
-        unknown = sorted(set(kwargs) - {"controller_name", "namespace"})
-        if unknown:
-            raise ValueError(
-                f"data_plane.backend_kwargs {unknown} are not understood by the transfer_queue backend "
-                "(known: controller_name, namespace)"
-            )
-        return cls(cfg.transfer_queue, bootstrap=bootstrap, **kwargs)
+    def _connect(self, conf: Any) -> Any:
+        """This client's view of the store ``conf`` describes: unit handles, placement, claims, client."""
+        self.num_storage_units = compat.storage_units_of(conf)
+        # Bulk reads need the units' actor handles; stores made by tq.init() have none we can
+        # find, and are read through TransferQueue's per-row protocol instead.
+        self._units = compat.unit_handles(conf, self.namespace)
+        if self._units:
+            here = ray.get_runtime_context().get_node_id()
+            nodes = compat.unit_nodes(self._units, self.cfg.bootstrap_timeout_s)
+            # Units all on this node map one shared chunk per put; else each gets its rows.
+            self._local_units = all(node == here for node in nodes.values())
+        self._claims_unsupported = compat.claims_unsupported(conf)
+        controller = self._controller or self._find()
+        self._watched = [(f"TransferQueue controller {self.controller_name!r}", controller)] + [
+            (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items()
+        ]
+        self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
+        return conf
 
     # ------------------------------------------------------------- bootstrap
-    def _ensure_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, namespace=None, log_to_driver=not self.cfg.quiet)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=not self.cfg.quiet)
-            self.started_ray = True
-
-    def _find_controller(self) -> Any | None:
-        try:
-            return ray.get_actor(self.controller_name, namespace=self.namespace)
-        except ValueError:
-            return None
-
-    def _bootstrap(self, bootstrap: Bootstrap) -> Any:
-        handle = self._find_controller()
-        if handle is None and bootstrap is False:
-            raise DataPlaneError(
-                f"no TransferQueue controller named {self.controller_name!r} in Ray namespace "
-                f"{self.namespace!r}; create one first with build_data_plane_client(cfg, bootstrap=True) "
-                "(or 'auto') in the driver, then attach from workers with bootstrap=False"
-            )
-        if handle is not None and bootstrap is True:
-            raise DataPlaneError(
-                f"a TransferQueue controller named {self.controller_name!r} already exists in namespace "
-                f"{self.namespace!r}; attach with bootstrap=False/'auto' or pick another controller_name"
-            )
-        if handle is not None:
-            return self._attach(handle)
-        try:
-            return self._create()
-        except DataPlaneError:
-            raise
-        except ValueError as e:
-            # Lost a race with another process creating the same name: attach to theirs.
-            if bootstrap == "auto" and (handle := self._find_controller()) is not None:
-                self._teardown()
-                return self._attach(handle)
-            raise DataPlaneError(f"creating TransferQueue controller {self.controller_name!r} failed: {e}") from e
-
     def _attach(self, handle: Any) -> Any:
         deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
         while True:
@@ -225,7 +166,7 @@ class TransferQueueClient(TransferQueueClaims):
             except ray.exceptions.GetTimeoutError:
                 conf = None
             if conf is not None:
-                return conf
+                return self._connect(conf)
             if time.monotonic() >= deadline:
                 raise DataPlaneError(
                     f"TransferQueue controller {self.controller_name!r} (namespace {self.namespace!r}) exists "
@@ -258,7 +199,7 @@ class TransferQueueClient(TransferQueueClaims):
 
         def wait_info(handle: Any, who: str) -> Any:
             try:
-                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01))
+                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01), cfg.quiet)
             except ray.exceptions.GetTimeoutError:
                 raise DataPlaneError(
                     f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "
@@ -280,7 +221,7 @@ class TransferQueueClient(TransferQueueClaims):
             name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
         }
         ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
-        return conf
+        return self._connect(conf)
 
     # ------------------------------------------------------------- lifecycle
     def _teardown(self) -> None:
@@ -303,15 +244,7 @@ class TransferQueueClient(TransferQueueClaims):
         self._storage, self._controller = {}, None
         self.owns_store = False
 
-    def close(self) -> None:
-        """Disconnect; the creating client also kills the controller and storage units.
-
-        Idempotent. Shuts Ray down only if this client started it.
-        """
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+    def _disconnect(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
@@ -323,9 +256,6 @@ class TransferQueueClient(TransferQueueClaims):
                 self._tq.close()
             except Exception:  # noqa: BLE001 - closing a dead connection must not raise
                 pass
-        self._teardown()
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
 
     def _check_open(self, coro: Any = None) -> None:
         """Raise if closed or the store was lost; ``coro`` (the op not run) is closed first."""
@@ -417,12 +347,7 @@ class TransferQueueClient(TransferQueueClaims):
     def _prepare_put(
         self, keys: Sequence[str], partition_id: str, fields: Fields | None, tags: Any
     ) -> tuple[list[str], str, dict[str, torch.Tensor], list[dict[str, Any]] | None]:
-        keys = check_keys(keys)
-        partition_id = check_partition(partition_id)
-        tag_list = check_tags(tags, len(keys))
-        columns = normalize_fields(fields, len(keys))
-        if not columns and tag_list is None:
-            raise ValueError("kv_batch_put needs fields or tags (got neither)")
+        keys, partition_id, columns, tag_list = check_put_args(keys, partition_id, fields, tags)
         if tag_list is not None:
             for i, t in enumerate(tag_list):
                 if LAYOUT_TAG in t:

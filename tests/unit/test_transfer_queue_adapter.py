@@ -55,6 +55,48 @@ def test_storage_units_are_sized_to_the_cluster(tq_client: TransferQueueClient) 
     assert tq_client.num_storage_units == 1 and tq_client.owns_store
 
 
+def test_quiet_store_actors_take_plain_workers_and_mute_transfer_queue_logs(ray_session: Any) -> None:
+    """Quiet (the default): no runtime_env, so Ray may hand the actors prestarted workers, and
+    TransferQueue's loggers muted inside them anyway. Verbose: TQ_NUM_THREADS=1 through the env
+    (quirk 3), loggers left alone."""
+    import logging
+
+    import ray
+
+    def env_and_log_level(actor: Any) -> tuple[dict[str, Any], int, str | None]:
+        # Defined here so cloudpickle ships it by value (test modules are not importable in workers).
+        import logging
+        import os
+
+        import ray
+
+        return (
+            dict(ray.get_runtime_context().runtime_env),
+            logging.getLogger("transfer_queue.utils.common").getEffectiveLevel(),
+            os.environ.get("TQ_NUM_THREADS"),
+        )
+
+    for quiet in (True, False):
+        cfg = TransferQueueConfig(
+            num_storage_units=1, storage_unit_num_cpus=0.1, controller_num_cpus=0.1, quiet=quiet, op_timeout_s=60
+        )
+        name = f"nd-quiet-{uuid.uuid4().hex[:6]}"
+        c = TransferQueueClient(cfg, bootstrap=True, controller_name=name, namespace="nd_tests")
+        try:
+            actors = [c._controller, *c._storage.values()]
+            seen = ray.get([a.__ray_call__.remote(env_and_log_level) for a in actors], timeout=60)
+        finally:
+            c.close()
+        for env, level, threads in seen:
+            if quiet:
+                assert env == {} and level == logging.ERROR, (env, level)
+                assert threads == os.environ.get("TQ_NUM_THREADS")  # only what the driver's env had
+            else:
+                assert env.get("env_vars") == {"TQ_NUM_THREADS": "1"} and threads == "1", env
+                if "TQ_LOGGING_LEVEL" not in os.environ:
+                    assert level < logging.ERROR
+
+
 def test_bootstrap_that_cannot_fit_fails_fast_naming_the_shortfall(ray_session: Any) -> None:
     name = f"nd-big-{uuid.uuid4().hex[:6]}"
     cfg = TransferQueueConfig(num_storage_units=4, storage_unit_num_cpus=1.0, controller_num_cpus=0.5)

@@ -1,0 +1,142 @@
+"""Every workaround for a TransferQueue 0.1.11 quirk, in one package.
+
+The adapter (:mod:`nemo_dataplane.adapters.transfer_queue`) talks to TransferQueue only through
+this package (import it as a whole: ``from nemo_dataplane.adapters import tq_compat``; every name
+below is re-exported here). Nothing here patches the dependency: each function calls a
+TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a way
+that sidesteps one of the behaviours below, each seen on a 2-CPU machine. By responsibility:
+
+* :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients);
+* :mod:`.writes`: rows into the units, tags and production notices to the controller;
+* :mod:`.reads`: rows back out (mapped from the writers' objects, stacked by units, or per row);
+* :mod:`.mapped`: which writer's object a stored row is a view of (runs inside the units);
+* :mod:`.claims`: the controller-side sampler and the claim requests;
+* :mod:`.common`: the reserved layout tag, log and torch-thread hygiene.
+
+The quirks:
+
+1. ``tq.init()`` asks Ray for 3 CPUs (controller + 2 storage units, ``num_cpus=1`` each) and then
+   blocks forever on a 2-CPU cluster -> :func:`create_controller` / :func:`create_storage_units`
+   size the actors with fractional CPUs and every wait has a timeout.
+2. ``interface.py`` keeps the client, controller and storage in module globals that go stale
+   after ``ray.shutdown()``, and its ``close()`` kills the shared controller from any process ->
+   the adapter owns its own client (:func:`make_client`) and actor handles.
+3. ``TransferQueueClient.async_put``/``async_get_data`` wrap every call in
+   ``limit_pytorch_auto_parallel_threads``, which sets ``torch.set_num_threads`` and restores it
+   to the value seen at *import* time, warning on every op when ``TQ_NUM_THREADS`` exceeds the
+   core count -> :func:`put_rows`/:func:`get_rows` drive the storage manager directly and
+   :func:`preserve_torch_threads` restores the caller's setting regardless.
+4. A get rebuilds every non-scalar field as a jagged nested tensor with
+   ``torch.nested.as_nested_tensor`` (one copy plus per-row work) -> :func:`get_rows` returns
+   the decoded per-row views so the adapter assembles each field once, in C, with
+   ``torch.stack``/``torch.cat``.
+5. A jagged field is sent as one ZMQ frame *per row* and its schema is built with a Python loop
+   over ``unbind()`` -> :func:`put_rows` sends it as one flat buffer per storage unit and lets a
+   tiny ``data_parser`` (run inside the storage unit, a documented SimpleStorage hook) cut it into
+   per-row views there, so the store holds exactly the rows TransferQueue's own clients expect.
+6. Missing keys / unknown fields are dropped with only a log warning, and per-op log lines are
+   noisy -> the adapter checks itself; :func:`quiet_logs` mutes TransferQueue's loggers, here
+   and (through :func:`server_info`) inside the actors we start. Not through a ``runtime_env``:
+   that costs each actor a fresh worker process instead of an idle prestarted one.
+7. A get reply carries one ZMQ frame per row per field (769 frames for a 256-sample batch of three
+   fields), encoded and decoded row by row; that, not the bytes, is where a read's time goes ->
+   :func:`read_columns` asks each storage unit (via Ray's documented ``__ray_call__``) to run the
+   very ``storage_data.get_data`` call its ZMQ handler runs, stack the rows into one buffer per
+   field there, and hand that back through the Ray object store. Read-only: writes keep going
+   through TransferQueue's ZMQ protocol, so the unit's own threads never race a foreign writer.
+   Stores whose units cannot be found by name (created by ``tq.init()``) use :func:`get_rows`.
+8. Claims (task-mediated consumption) use TransferQueue's own bookkeeping: a ``fetch`` GET_META
+   scans production/consumption, samples and marks consumed in one controller request, so
+   concurrent claimers never share a row. But (a) with ``polling_mode=False`` (TQ's default) a
+   fetch that finds too few rows sleeps 5 s *inside the controller's only request thread* and
+   then errors, stalling every other client; (b) fetch needs ``batch_size`` ready rows, so it
+   cannot take "what is there" at a deadline; (c) the sampler orders by global index, which TQ
+   reuses across partitions after clears, not by production; (d) there is no request that marks
+   chosen rows consumed. -> :func:`create_controller` starts the controller with
+   ``polling_mode=True`` and :class:`ClaimSampler`, which takes up to ``nd_take`` keyed rows in
+   key-insertion order once ``nd_min`` are ready, or marks exactly ``nd_mark_keys``
+   (:func:`claim_rows`, :func:`mark_rows`). Stores made elsewhere (``tq.init()``) lack both:
+   :func:`claims_unsupported` says why.
+9. A fetch returns global indexes, not keys, and ``kv_retrieve_keys`` raises when a partition
+   vanished meanwhile -> :func:`keys_of` maps indexes to keys, ``None`` for rows cleared since.
+10. TransferQueue's own ``put`` marks rows produced before it writes their tags, so a claimer can
+   see a row without its tags -> :func:`put_rows` only writes rows; the adapter calls
+   :func:`mark_produced` after the tags are stored.
+11. A put through TransferQueue's ZMQ protocol serializes every row into frames and the unit
+   deserializes them (two copies plus per-row work), and there is no way to hand a unit data that
+   is already in Ray's object store -> with the units' handles, :func:`put_rows` ``ray.put``s each
+   put once (:func:`put_chunk`) and asks each unit (``__ray_call__``) to map that object and store
+   one view per row through the very ``storage_data.put_data`` call its PUT handler makes, so
+   TransferQueue's own clients read the rows as usual; :mod:`.mapped` lets our reads find the
+   object again from a row's address and map it themselves (:func:`read_columns`).
+"""
+
+from nemo_dataplane.adapters.tq_compat.bootstrap import (
+    base_config,
+    create_controller,
+    create_storage_units,
+    make_client,
+    server_info,
+    storage_units_of,
+    unit_handles,
+    unit_nodes,
+)
+from nemo_dataplane.adapters.tq_compat.claims import (
+    CLAIM_SAMPLER,
+    ClaimSampler,
+    claim_rows,
+    claims_unsupported,
+    keys_of,
+    mark_rows,
+)
+from nemo_dataplane.adapters.tq_compat.common import (
+    BACKEND,
+    LAYOUT_TAG,
+    loop_thread,
+    preserve_torch_threads,
+    public_tags,
+    quiet_logs,
+)
+from nemo_dataplane.adapters.tq_compat.reads import (
+    BatchMeta,
+    Column,
+    StorageKeyNotFoundError,
+    column_from_rows,
+    get_rows,
+    read_columns,
+)
+from nemo_dataplane.adapters.tq_compat.writes import field_schema, mark_produced, put_chunk, put_rows, set_tags
+
+__all__ = [
+    "BACKEND",
+    "CLAIM_SAMPLER",
+    "LAYOUT_TAG",
+    "BatchMeta",
+    "ClaimSampler",
+    "Column",
+    "StorageKeyNotFoundError",
+    "base_config",
+    "claim_rows",
+    "claims_unsupported",
+    "column_from_rows",
+    "create_controller",
+    "create_storage_units",
+    "field_schema",
+    "get_rows",
+    "keys_of",
+    "loop_thread",
+    "make_client",
+    "mark_produced",
+    "mark_rows",
+    "preserve_torch_threads",
+    "public_tags",
+    "put_chunk",
+    "put_rows",
+    "quiet_logs",
+    "read_columns",
+    "server_info",
+    "set_tags",
+    "storage_units_of",
+    "unit_handles",
+    "unit_nodes",
+]

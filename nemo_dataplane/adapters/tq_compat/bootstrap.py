@@ -1,0 +1,133 @@
+"""Starting and finding a TransferQueue store: controller, storage units, placement, clients
+(quirks 1, 2, 8)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+from transfer_queue.client import AsyncTransferQueueClient
+from transfer_queue.controller import TransferQueueController
+from transfer_queue.storage import SimpleStorageUnit
+
+from nemo_dataplane.adapters.tq_compat.claims import CLAIM_SAMPLER, ClaimSampler
+from nemo_dataplane.adapters.tq_compat.common import BACKEND, quiet_logs
+
+
+def base_config(num_storage_units: int) -> DictConfig:
+    """TransferQueue's default config with ``num_storage_units`` SimpleStorage units.
+
+    The shape matches what ``tq.init()`` stores in the controller, so TransferQueue's own
+    clients (``tq.init()`` in another process) can attach to a store we created.
+    """
+    conf = OmegaConf.create({}, flags={"allow_objects": True})
+    conf = OmegaConf.merge(conf, OmegaConf.load(resources.files("transfer_queue") / "config.yaml"))
+    conf.backend.storage_backend = BACKEND
+    conf.backend[BACKEND].num_data_storage_units = int(num_storage_units)
+    # What create_controller starts, recorded so attaching clients know claims work (quirk 8).
+    conf.controller.sampler = CLAIM_SAMPLER
+    conf.controller.polling_mode = True
+    return conf
+
+
+def _actor_options(quiet: bool) -> dict[str, Any]:
+    """Quiet actors get no ``runtime_env``, so Ray can hand each an idle prestarted worker (an
+    actor with one needs a fresh worker process: 1-10 s on a loaded 2-CPU machine); their logs
+    are muted from inside once they run (:func:`server_info`, quirk 6). Verbose ones keep
+    ``TQ_NUM_THREADS=1``, read at import: with TransferQueue's default 8 above the core count, a
+    unit warns on every request (quirk 3)."""
+    return {} if quiet else {"runtime_env": {"env_vars": {"TQ_NUM_THREADS": "1"}}}
+
+
+def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -> Any:
+    """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
+    mode with :class:`ClaimSampler` (quirk 8). Pass ``quiet`` again to :func:`server_info`."""
+    return TransferQueueController.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=namespace,
+        num_cpus=num_cpus,
+        **_actor_options(quiet),
+    ).remote(sampler=ClaimSampler(), polling_mode=True)
+
+
+def create_storage_units(
+    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool,
+    node_ids: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
+
+    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Pass
+    ``quiet`` again to :func:`server_info`.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    unit_conf = dict(OmegaConf.to_container(conf.backend[BACKEND], resolve=True))  # type: ignore[arg-type]
+    unit_conf["_run_id"] = os.urandom(8).hex()
+    handles: dict[str, Any] = {}
+    for rank in range(int(unit_conf["num_data_storage_units"])):
+        name = f"{name_prefix}.StorageUnit#{rank}"
+        where = (
+            {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[rank % len(node_ids)], soft=False)}
+            if node_ids
+            else {}
+        )
+        handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]
+            name=name,
+            namespace=namespace,
+            num_cpus=num_cpus,
+            **_actor_options(quiet),
+            **where,
+        ).remote(config=unit_conf)
+    return handles
+
+
+def server_info(handle: Any, timeout_s: float, quiet: bool) -> Any:
+    """The ZMQ endpoints of an actor we started, once it runs; a ``quiet`` one first mutes
+    TransferQueue's loggers in its process. Raises ``ray.exceptions.GetTimeoutError`` after
+    ``timeout_s``."""
+    return ray.get(handle.__ray_call__.remote(_started, quiet), timeout=timeout_s)
+
+
+def _started(actor: Any, quiet: bool) -> Any:
+    """Runs inside a controller or storage unit (``__ray_call__``)."""
+    if quiet:
+        quiet_logs()
+    return actor.get_zmq_server_info()
+
+
+def storage_units_of(conf: DictConfig) -> int:
+    return int(conf.backend[BACKEND].num_data_storage_units)
+
+
+def make_client(conf: DictConfig, client_id: str) -> AsyncTransferQueueClient:
+    """A client of our own (quirk 2): not ``interface._TQ_CLIENT``, so no stale globals."""
+    client = AsyncTransferQueueClient(client_id=client_id, controller_info=conf.controller.zmq_info)
+    client.initialize_storage_manager(manager_type=BACKEND, config=conf.backend[BACKEND])
+    return client
+
+
+def unit_handles(conf: DictConfig, namespace: str) -> dict[str, Any]:
+    """Storage-unit id -> actor handle for stores whose units are named actors in ``namespace``
+    (ours are); empty when they cannot all be found (e.g. a store made by ``tq.init()``)."""
+    out: dict[str, Any] = {}
+    for name, info in dict(conf.backend[BACKEND].zmq_info).items():
+        try:
+            out[info.id] = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return {}
+    return out
+
+
+def unit_nodes(units: Mapping[str, Any], timeout_s: float) -> dict[str, str]:
+    """Unit id -> the Ray node it runs on."""
+    ids = list(units)
+    nodes = ray.get([units[u].__ray_call__.remote(_node_of) for u in ids], timeout=timeout_s)
+    return dict(zip(ids, nodes))
+
+
+def _node_of(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()

@@ -88,6 +88,11 @@ def _segment(out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...],
             "time_to_error_s": (end_t - fault_t) if fault_t is not None and end_t is not None else None}
 
 
+def _newest_group(out: Path) -> int:
+    groups = [g for r in _rows(out / "trained_groups.jsonl") for g in r["groups"]]
+    return max(groups, default=-1)
+
+
 def _latest_step(out: Path) -> int:
     done = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
     return done[-1] if done else 0
@@ -140,10 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         kind = rng.choice(args.faults)
         at = done + rng.randint(args.min_gap, args.max_gap)
         keys, pattern = FAULTS[kind]
-        # Group ids grow by G per step (plus a few retries): group-keyed faults land near step `at`.
-        group = at * G + rng.randrange(G)
+        # Group ids grow by G per step from the newest one trained, plus retries and regenerations
+        # (which run the counter ahead of step * G): a group-keyed fault lands at or after `at`.
+        group = _newest_group(out) + 1 + (at - done) * G + rng.randrange(G)
         overrides = tuple(k.format(step=at, group=group) for k in keys)
-        res = _segment(out, steps, args.ckpt_every, overrides, resume, args.segment_timeout)
+        # A fault that never fires (its group was handed out before the segment began) must not
+        # leave the segment running until --segment-timeout: it ends a few gaps later instead.
+        seg_steps = min(steps, at + 2 * args.max_gap)
+        res = _segment(out, seg_steps, args.ckpt_every, overrides, resume, args.segment_timeout)
         rows = _rows(out / "metrics.jsonl")
         resumed_to = _latest_step(out)
         if events and events[-1]["survived"] is None:  # this segment is the previous fault's resume
@@ -163,13 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.time() - t_start:7.1f}s] {kind:26s} at step {at:4d}: exit {res['code']}, named={named}, "
               f"time to error {ev['time_to_error_s'] and round(ev['time_to_error_s'], 2)} s, keys at exit "
               f"{ev['keys_at_exit']}, resume from {resumed_to}", flush=True)
-        if res["code"] == 0:
-            break
         done, resume = resumed_to, True
     rows = _rows(out / "metrics.jsonl")
     fsum = final.get("summary", {})
     per_kind: dict[str, dict[str, Any]] = {}
-    for ev in events:
+    fired = [ev for ev in events if not ev.get("note")]
+    for ev in fired:
         k = per_kind.setdefault(ev["kind"], {"injected": 0, "survived": 0, "times": []})
         k["injected"] += 1
         k["survived"] += bool(ev["survived"])
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             k["times"].append(round(ev["time_to_error_s"], 2))
     report = {
         "args": vars(args), "wall_s": round(time.time() - t_start, 1), "steps_trained": len(rows),
-        "faults_injected": len(events), "faults_survived": sum(bool(e["survived"]) for e in events),
+        "faults_injected": len(fired), "faults_not_fired": len(events) - len(fired),
+        "faults_survived": sum(bool(e["survived"]) for e in fired),
         "per_kind": per_kind, "max_keys_outstanding": max((r["keys_outstanding"] for r in rows), default=0),
         "keys_outstanding_bound": fsum.get("keys_outstanding_bound"),
         "keys_at_each_exit": exits, "final_exit_code": final.get("code"),
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         "every_prompt_trained_once_or_pending": _lossless(out, fsum) if fsum else None, "events": events,
     }
     print(f"\nsoak: {report['steps_trained']} steps, {report['faults_injected']} faults injected, "
-          f"{report['faults_survived']} survived, {report['wall_s']} s")
+          f"{report['faults_survived']} survived ({report['faults_not_fired']} drawn but never fired), "
+          f"{report['wall_s']} s")
     print(f"{'fault':26s} {'injected':>8s} {'survived':>8s} {'time to error s (each)':s}")
     for kind, k in sorted(per_kind.items()):
         print(f"{kind:26s} {k['injected']:8d} {k['survived']:8d} {k['times']}")
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    ok = (report["faults_survived"] == report["faults_injected"] - sum(1 for e in events if e.get("note"))
+    ok = (report["faults_survived"] == report["faults_injected"]
           and report["final_exit_code"] == 0 and report["keys_at_final_exit"] == 0)
     return 0 if ok else 1
 

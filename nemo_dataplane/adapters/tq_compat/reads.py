@@ -20,6 +20,7 @@ from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleSt
 from nemo_dataplane.adapters.chunks import assemble, decode
 from nemo_dataplane.adapters.locate import where_of
 from nemo_dataplane.adapters.tq_compat.mapped import locate
+from nemo_dataplane.dtypes import check_lengths, view_bytes
 
 
 async def get_rows(client: AsyncTransferQueueClient, meta: BatchMeta, fields: Sequence[str]) -> dict[str, list[torch.Tensor]]:
@@ -124,12 +125,15 @@ def _unit_read(unit: Any, global_indexes: list[int], fields: list[str], stack: b
     return out
 
 
-def _decode_unit_column(raw: Any) -> Column:
+def _decode_unit_column(raw: Any, name: str) -> Column:
     _, buf, dtype, shape, lengths = raw
     # Ray maps the reply read-only from its object store: one copy makes it ours.
     data = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
-    values = data.view(getattr(torch, dtype)).view(shape)
-    return Column(values, None if lengths is None else torch.tensor(lengths, dtype=torch.int64))
+    values = view_bytes(data, dtype, shape, f"storage unit column {name!r}")
+    if lengths is None:
+        return Column(values)
+    check_lengths(lengths, values.shape[0] if values.dim() else -1, f"storage unit column {name!r}")
+    return Column(values, torch.tensor(lengths, dtype=torch.int64))
 
 
 def _permute(col: Column, order: torch.Tensor) -> Column:
@@ -221,7 +225,7 @@ async def _assemble_from_objects(
 def _merge_stacked(fields: list[str], groups: list[Any], replies: list[Any]) -> dict[str, Column]:
     out: dict[str, Column] = {}
     for f in fields:
-        cols = [_decode_unit_column(r[f]) for r in replies]
+        cols = [_decode_unit_column(r[f], f) for r in replies]
         if len(cols) == 1:
             out[f] = cols[0]
             continue

@@ -1,0 +1,106 @@
+"""The conformance suite catches a backend that breaks the contract, naming the clause.
+
+Three backends, each the reference store with one clause broken, run through the real suite
+(nemo_dataplane.testing.conformance) in a pytest subprocess next to the unbroken reference:
+each fails the test that states its clause (and the unbroken reference passes), with a message
+naming what differs. The suites get pytest's assertion rewriting (nemo_dataplane.testing).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+BROKEN = textwrap.dedent('''
+    import pytest
+    import torch
+
+    from nemo_dataplane.adapters.memory import InMemoryClient
+    from nemo_dataplane.meta import KVBatchMeta
+    from nemo_dataplane.testing.conformance import DataPlaneConformance
+
+
+    class Sorted(InMemoryClient):
+        """Returns rows in key order, not in the order asked."""
+
+        def kv_batch_get(self, meta_or_keys, select_fields, partition_id=None):
+            if isinstance(meta_or_keys, KVBatchMeta):
+                partition_id, keys = meta_or_keys.partition_id, list(meta_or_keys.keys)
+            else:
+                keys = list(meta_or_keys)
+            return super().kv_batch_get(sorted(keys), select_fields, partition_id=partition_id)
+
+
+    class ClearKeepsKeys(InMemoryClient):
+        """kv_clear of listed keys does nothing."""
+
+        def kv_clear(self, keys, partition_id):
+            if keys is None:
+                super().kv_clear(keys, partition_id)
+
+
+    class MissingIsZero(InMemoryClient):
+        """A missing key reads as zeros instead of raising."""
+
+        def kv_batch_get(self, meta_or_keys, select_fields, partition_id=None):
+            keys = list(meta_or_keys.keys if isinstance(meta_or_keys, KVBatchMeta) else meta_or_keys)
+            pid = meta_or_keys.partition_id if isinstance(meta_or_keys, KVBatchMeta) else partition_id
+            held = set(self.kv_list(pid).keys)
+            if all(k in held for k in keys):
+                return super().kv_batch_get(meta_or_keys, select_fields, partition_id=partition_id)
+            from tensordict import TensorDict
+            return TensorDict({f: torch.zeros(len(keys)) for f in select_fields}, batch_size=[len(keys)])
+
+
+    def _suite(cls):
+        class Suite(DataPlaneConformance):
+            @pytest.fixture
+            def client(self):
+                c = cls()
+                yield c
+                c.close()
+        Suite.__name__ = f"Test{cls.__name__}"
+        return Suite
+
+
+    TestReference = _suite(InMemoryClient)
+    TestSorted = _suite(Sorted)
+    TestClearKeepsKeys = _suite(ClearKeepsKeys)
+    TestMissingIsZero = _suite(MissingIsZero)
+''')
+
+CLAUSES = ("test_rows_come_back_in_the_order_asked", "test_list_clear_semantics",
+           "test_missing_keys_raise_key_error_naming_them")
+
+
+def test_each_broken_clause_fails_the_test_stating_it_with_a_message_naming_what_differs(tmp_path: Path) -> None:
+    (tmp_path / "test_broken_backends.py").write_text(BROKEN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--import-mode=importlib",
+         "-k", " or ".join(CLAUSES), str(tmp_path / "test_broken_backends.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "COLUMNS": "400"},
+    )
+    out = proc.stdout + proc.stderr
+    failed = {f"{c}::{t}": ln for ln in out.splitlines()
+              for c, t in re.findall(r"^FAILED \S+::(Test\w+)::(\w+)", ln)}
+    passed = set(re.findall(r"^PASSED \S+::(Test\w+::\w+)", out, re.M))
+    # The unbroken reference passes every clause.
+    assert {f"TestReference::{c}" for c in CLAUSES} <= passed, out[-4000:]
+    assert not any(k.startswith("TestReference::") for k in failed), out[-4000:]
+    # Each broken backend fails the test stating its clause (others that rely on the same
+    # behaviour may fail too), and the message names what differs.
+    sorted_fail = failed.get("TestSorted::test_rows_come_back_in_the_order_asked", "")
+    assert "ids: " in sorted_fail, out[-4000:]  # offsets or values, per the layout that differs first
+    clear_fail = failed.get("TestClearKeepsKeys::test_list_clear_semantics", "")
+    assert "('c', 'a', 'b', 'd')" in clear_fail, out[-4000:]
+    assert failed.keys() >= {"TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"}, out[-4000:]
+    assert "DID NOT RAISE" in failed["TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"]
+    # A clause a backend did not break still passes for it.
+    assert "TestClearKeepsKeys::test_rows_come_back_in_the_order_asked" in passed
+    assert "TestSorted::test_missing_keys_raise_key_error_naming_them" in passed

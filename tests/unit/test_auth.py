@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import re
 import socket
 import threading
 import warnings
@@ -165,3 +166,15 @@ def test_hosting_on_a_taken_port_names_the_address() -> None:
         port = s.getsockname()[1]
         with pytest.raises(OSError, match=f"{P.HOST}:{port}"):
             host_tcp_store(P.HOST, port, 1, TD)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_fails_within_the_timeout_naming_the_address() -> None:
+    import time
+
+    host = "no-such-host.invalid"  # RFC 2606: never resolves
+    t0 = time.monotonic()
+    with pytest.raises(StatelessGroupError, match=rf"cannot resolve rendezvous host '{re.escape(host)}'"):
+        StatelessProcessGroup(host, 29999, 0, 2, "gloo", timeout=3)  # the rank that hosts the store
+    with pytest.raises(StatelessGroupError, match=rf"{re.escape(host)}:29999"):
+        StatelessProcessGroup(host, 29999, 1, 2, "gloo", timeout=3)  # a rank that joins it
+    assert time.monotonic() - t0 < 3 + 5, "each attempt is bounded by the group's timeout"

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,34 @@ def test_fetch_from_a_silent_leader_times_out_within_its_bound_nccl(tmp_path: Pa
     got = outs[1]
     assert got.get("error") == "TimeoutError", got
     assert "replica leader rank 0" in got["message"] and got["elapsed"] < 8.0, got
+
+
+class _NcclLikeWork:
+    """Stands in for an NCCL work handle, which cannot run on this CPU machine: ``wait()``
+    returns at once (it only orders the stream), ``is_completed()`` reports the device. The
+    2-GPU test above runs the real one."""
+
+    def __init__(self, done_after_s: float | None) -> None:
+        self._done_at = None if done_after_s is None else time.monotonic() + done_after_s
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done_at is not None and time.monotonic() >= self._done_at
+
+
+def test_an_nccl_style_wait_is_bounded_on_the_host_and_returns_once_the_device_is_done() -> None:
+    from nemo_dataplane.worker.fetch import wait_work
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"leader broadcast did not finish within 0.5s \(device collective"):
+        wait_work(_NcclLikeWork(None), 0.5, "leader broadcast", on_device=True)
+    assert 0.5 <= time.monotonic() - t0 < 1.5
+    t0 = time.monotonic()
+    wait_work(_NcclLikeWork(0.2), 5.0, "leader broadcast", on_device=True)
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+    # Without on_device the host trusts wait(): NCCL would return before the device finished.
+    t0 = time.monotonic()
+    wait_work(_NcclLikeWork(None), 5.0, "leader broadcast", on_device=False)
+    assert time.monotonic() - t0 < 0.5

@@ -285,8 +285,10 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
             pass
         cause = e.__cause__
-        # gloo may report its own expiry first ("Application timeout caused pair closure").
-        if isinstance(cause, TimeoutError) or (cause is not None and "timeout" in str(cause).lower()):
+        # gloo may report its own expiry first ("Application timeout caused pair closure", or
+        # "Timed out waiting 15000ms for send operation to complete").
+        said = str(cause).lower() if cause is not None else ""
+        if isinstance(cause, TimeoutError) or "timeout" in said or "timed out" in said:
             # The sender's group wait ran out: its one peer, the generator, never took part.
             raise StepError(f"{what}: the generator (refit rank 1) never took part within refit.timeout_s="
                             f"{cfg.refit.timeout_s:g}s: {cause}") from e

@@ -117,6 +117,18 @@ def _run_many(jobs: list[tuple[Path, tuple[str, ...], str]], timeout: float) -> 
     return runs
 
 
+def default_sigint() -> None:
+    """``preexec_fn``: the child starts with SIGINT's default disposition, as under a terminal.
+
+    A test session launched as a background job of a non-interactive shell (``cmd &``) has
+    SIGINT ignored, children inherit that, and Python then installs no KeyboardInterrupt
+    handler: a Ctrl-C test would see the trainer ignore SIGINT, as the shell asked.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_after_steps(
     cmd: list[str], env: dict[str, str], out_dir: Path, steps: int, sig: int, timeout: float = 300
 ) -> tuple[int, str, str]:
@@ -132,7 +144,7 @@ def signal_after_steps(
     import time
 
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     try:

@@ -76,6 +76,11 @@ class Run:
         return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
+def _default_sigint() -> None:
+    # As under a terminal; a session run as a background job (`cmd &`) would pass SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(out: Path, *overrides: str, module: str = "grpo_sync") -> Run:
     marker = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -85,7 +90,8 @@ def _start(out: Path, *overrides: str, module: str = "grpo_sync") -> Run:
     cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *VLLM,
            f"logging.output_dir={out}", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: Ctrl-C reaches the run only
+                            start_new_session=True,  # its own process group: Ctrl-C reaches the run only
+                            preexec_fn=_default_sigint)
     return Run(proc, out, marker)
 
 

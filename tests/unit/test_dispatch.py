@@ -88,3 +88,34 @@ def test_a_rank_that_dies_under_the_graph_fails_train_naming_the_rank_and_never_
     with pytest.raises(StepError, match="policy rank 1"):
         d.call("logprobs", ["e", "f"], 2, False, 30.0, "step 2 logprobs")
     assert ray_session.get(ranks[0].history.remote(), timeout=30).count(("train", 1)) <= 1
+
+
+class _FailingRank(_Rank):
+    """Rank 1 raises in step 1's train while rank 0 stays blocked (as in a collective with it)."""
+
+    def step_call(self, kind: str, batch: Any, step: int, flag: bool) -> dict[str, Any]:
+        if kind == "train" and step == 1:
+            if self.rank == 1:
+                raise ValueError("rank 1 refuses step 1")
+            time.sleep(20)
+        return super().step_call(kind, batch, step, flag)
+
+
+def test_a_ranks_own_error_through_the_graph_is_the_steps_error_without_waiting_for_blocked_peers(
+    ray_session: Any,
+) -> None:
+    ray = ray_session
+    ranks = [ray.remote(num_cpus=0)(_FailingRank).remote(r) for r in range(2)]
+    logs: list[str] = []
+    d = CompiledGraphDispatch(ranks, warmup_calls=0, log=logs.append)
+    try:
+        d.call("logprobs", ["a", "b"], 0, False, 60.0, "step 0 logprobs")
+        t0 = time.monotonic()
+        with pytest.raises(StepError, match=r"step 1 train: ValueError: rank 1 refuses step 1"):
+            d.call("train", ["a", "b"], 1, False, 60.0, "step 1 train")
+        assert time.monotonic() - t0 < 10.0, "the error waited for rank 0's blocked call"
+        assert d.fallback_reason is None and not logs, "a worker's error is not a graph failure"
+    finally:
+        d.close(timeout_s=2.0)
+        for a in ranks:
+            ray.kill(a, no_restart=True)

@@ -285,8 +285,8 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
             pass
         cause = e.__cause__
-        # gloo may report its own expiry first ("Application timeout caused pair closure", or
-        # "Timed out waiting 15000ms for send operation to complete").
+        # The group raises StatelessGroupTimeout for its own and gloo's expiries (work.py); the text
+        # check covers a cause that reached here some other way with gloo's wording.
         said = str(cause).lower() if cause is not None else ""
         if isinstance(cause, TimeoutError) or "timeout" in said or "timed out" in said:
             # The sender's group wait ran out: its one peer, the generator, never took part.

@@ -169,12 +169,7 @@ class Work:
             try:
                 self._gloo_work.wait(datetime.timedelta(seconds=timeout))
             except Exception as e:  # gloo reports timeouts and peer loss as RuntimeError
-                g._mark_broken()
-                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                    raise g._error(StatelessGroupTimeout,
-                                   f"{self._what} did not finish within {timeout:g}s; the peer may have died "
-                                   f"or skipped it ({e})") from e
-                raise g._error(StatelessGroupError, f"{self._what} failed: {e}") from e
+                raise self._gloo_failure(e, timeout) from e
             self._done = True
             return
         g._poll(self.is_completed, self._what, timeout=timeout, watch=watch, abort_on_timeout=True,
@@ -182,12 +177,22 @@ class Work:
         if self._waiter is not None:
             self._waiter.join()
             if self._waiter_exc is not None:
-                g._mark_broken()
-                raise g._error(StatelessGroupError, f"{self._what} failed: {self._waiter_exc}") from self._waiter_exc
+                raise self._gloo_failure(self._waiter_exc, timeout) from self._waiter_exc
         elif self._gloo_work is not None:
             try:
                 self._gloo_work.wait(datetime.timedelta(seconds=max(timeout, 1.0)))
             except Exception as e:
-                g._mark_broken()
-                raise g._error(StatelessGroupError, f"{self._what} failed: {e}") from e
+                raise self._gloo_failure(e, timeout) from e
         self._done = True
+
+    def _gloo_failure(self, e: BaseException, timeout: float) -> StatelessGroupError:
+        """The group is broken; gloo's own expiry (its wording varies: "Timed out waiting ...",
+        "Application timeout caused pair closure") is a :class:`StatelessGroupTimeout` on every
+        path, anything else (a lost peer) a :class:`StatelessGroupError`."""
+        g = self._group
+        g._mark_broken()
+        said = str(e).lower()
+        if "timed out" in said or "timeout" in said:
+            return g._error(StatelessGroupTimeout, f"{self._what} did not finish within {timeout:g}s; the peer may "
+                                                   f"have died or skipped it ({e})")
+        return g._error(StatelessGroupError, f"{self._what} failed: {e}")

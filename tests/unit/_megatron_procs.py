@@ -63,10 +63,15 @@ def _mcore_world(rank: int, world: int, port: int, tp: int) -> torch.device:
     from algorithms.engines.training.megatron import init_parallel
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://{P.HOST}:{port}", rank=rank, world_size=world)
+    # NCCL refuses two ranks on one device; with fewer GPUs than ranks the ranks share GPUs
+    # and Megatron's collectives go over gloo on CUDA tensors instead (slower, same results).
+    gpus = torch.cuda.device_count()
+    dev = torch.device("cuda", rank % gpus)
+    torch.cuda.set_device(dev)
+    backend = "nccl" if gpus >= world else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{P.HOST}:{port}", rank=rank, world_size=world)
     init_parallel(tp, seed=1234)
-    return torch.device("cuda", rank)
+    return dev
 
 
 def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str, Any]:

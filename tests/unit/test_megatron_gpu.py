@@ -1,6 +1,8 @@
 """Megatron-core on GPUs: equal logits/log-probs/loss/gradients vs the HF model (TP=1, TP=2),
 the replica-group fetch (one store fetch per micro-batch set per TP group). Skips without
-megatron-core or fewer than 2 CUDA devices (the CPU mapping tests: ``test_mcore_convert.py``).
+megatron-core or a CUDA device (the CPU mapping tests: ``test_mcore_convert.py``). With fewer
+GPUs than ranks, ranks share a GPU and Megatron's collectives run over gloo (NCCL refuses two
+ranks on one device).
 
 Tolerances (fp32 weights, fp32 compute, no TF32): logits 1e-4, log-probs 1e-4, loss 1e-5,
 gradients 1e-5 absolute; the weight round trip is bit-exact.
@@ -20,8 +22,8 @@ import _megatron_procs as MP  # noqa: E402
 import _refit_procs as P  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("megatron") is None,
-    reason="needs megatron-core and 2 CUDA devices",
+    not torch.cuda.is_available() or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core and a CUDA device",
 )
 
 

@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) holding
 
-* ``policy.pt`` — policy, reference and AdamW state (written by policy rank 0; ranks are identical);
+* ``policy.pt`` — policy, reference and AdamW state (written by policy rank 0; DP ranks are identical;
+  with TP > 1 one ``policy_tp{t}.pt`` per TP rank);
 * ``rng_rank{r}.pt`` — each policy rank's RNG state;
 * ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states
   and the config it was written under;

@@ -42,9 +42,12 @@ class PolicyConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     dist_backend: Literal["gloo", "nccl"] = "gloo"  # gradient all-reduce among policy ranks
     # torch: the HF model as built; megatron: Megatron-core GPT (local spec) converted from it
-    # (extra `megatron`, CUDA only; docs/megatron.md). The Ray worker runs it at TP=1 today.
+    # (extra `megatron`, CUDA only; docs/megatron.md).
     backend: Literal["torch", "megatron"] = "torch"
-    tensor_parallel_size: int = 1  # megatron only
+    # megatron only: ranks per model replica; the trainer starts trainer.dp_size * this many ranks.
+    tensor_parallel_size: int = 1
+    # GPUs Ray gives each policy rank (cuda); None: all ranks share one GPU (1 / ranks each).
+    gpus_per_rank: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class GenerationConfig:
     backend: Literal["hf", "vllm"] = "hf"  # the engine: Hugging Face sampler or vLLM (pip extra `vllm`)
     top_p: float = 1.0  # nucleus sampling; < 1 needs backend=vllm
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    # GPUs Ray gives the generator (cuda); < 1 shares a GPU with policy ranks (refit: reshard/ipc).
+    num_gpus: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.top_p <= 1:
@@ -156,6 +161,13 @@ class RefitConfig:
     """Trainer -> generator weights after every step over a stateless process group."""
 
     backend: Literal["gloo", "nccl"] = "gloo"
+    # packed: policy rank 0 broadcasts whole weights (refit/packed.py); reshard: every TP rank
+    # of the first replica sends its shards to the generator's layout (refit/sharded.py);
+    # auto: reshard when policy.tensor_parallel_size > 1, else packed.
+    mode: Literal["auto", "packed", "reshard"] = "auto"
+    # reshard only: ipc (CUDA, one host: copies into the generator's tensors, the group carries
+    # control only), p2p (send/recv over the group), auto (ipc where every pair can).
+    transport: Literal["auto", "p2p", "ipc"] = "auto"
     bucket_bytes: int = 8 << 20
     host: str = "127.0.0.1"  # used only with a fixed port
     port: int = 0  # 0: policy rank 0 hosts the rendezvous on its node's address and a port it binds
@@ -236,6 +248,24 @@ class TrainerConfig:
         """Plain nested dict; ``TrainerConfig.from_dict(cfg.to_dict()) == cfg``."""
         return plain({config_key(f): getattr(self, f.name) if not dataclasses.is_dataclass(getattr(self, f.name))
                        else dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    @property
+    def policy_ranks(self) -> int:
+        """Policy actors the trainer starts: ``trainer.dp_size`` replicas of ``tensor_parallel_size``."""
+        return self.trainer.dp_size * self.policy.tensor_parallel_size
+
+    @property
+    def refit_mode(self) -> str:
+        """``refit.mode`` resolved: ``reshard`` or ``packed``."""
+        if self.refit.mode != "auto":
+            return self.refit.mode
+        return "reshard" if self.policy.tensor_parallel_size > 1 else "packed"
+
+    def policy_gpus_per_rank(self) -> float:
+        """GPUs Ray gives each policy rank (0 on CPU)."""
+        if self.policy.device != "cuda":
+            return 0.0
+        return self.policy.gpus_per_rank if self.policy.gpus_per_rank is not None else 1.0 / self.policy_ranks
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerConfig:
@@ -325,11 +355,27 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
-    if cfg.refit.backend == "gloo" and "cuda" in (cfg.policy.device, cfg.generation.device):
+    reshard_ipc = cfg.refit_mode == "reshard" and cfg.refit.transport != "p2p"
+    if cfg.refit.backend == "gloo" and "cuda" in (cfg.policy.device, cfg.generation.device) and not reshard_ipc:
         # The gloo group moves CPU tensors only; both ends hand it their parameters in place.
         key = "policy.device" if cfg.policy.device == "cuda" else "generation.device"
         raise ConfigError(f"refit.backend=gloo moves CPU tensors but {key}=cuda: use refit.backend=nccl with "
-                          "both devices on cuda, or both on cpu")
+                          "both devices on cuda, refit.mode=reshard with refit.transport=ipc (one host), or "
+                          "both devices on cpu")
+    if cfg.refit.transport == "ipc" and not (cfg.refit_mode == "reshard" and cfg.policy.device == "cuda"
+                                             == cfg.generation.device):
+        raise ConfigError("refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
+                          "and policy.device=cuda and generation.device=cuda")
+    _positive(cfg.generation.num_gpus, "generation.num_gpus")
+    if cfg.policy.gpus_per_rank is not None:
+        _positive(cfg.policy.gpus_per_rank, "policy.gpus_per_rank")
+        if cfg.policy.gpus_per_rank > 1 and cfg.policy.gpus_per_rank != int(cfg.policy.gpus_per_rank):
+            raise ConfigError(f"policy.gpus_per_rank={cfg.policy.gpus_per_rank}: above 1 it must be whole")
+    if cfg.refit.backend == "nccl" and cfg.generation.device == "cuda" and cfg.generation.num_gpus < 1 \
+            and not reshard_ipc:
+        # A fractional generator shares a GPU with policy ranks; NCCL refuses two ranks on one device.
+        raise ConfigError(f"generation.num_gpus={cfg.generation.num_gpus:g} shares a GPU with the policy, which "
+                          "NCCL cannot refit across: use refit.mode=reshard with refit.transport=ipc")
     _positive(cfg.policy.tensor_parallel_size, "policy.tensor_parallel_size")
     if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
         raise ConfigError(
@@ -339,11 +385,19 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     if cfg.policy.backend == "megatron":
         if cfg.policy.device != "cuda":
             raise ConfigError("policy.backend=megatron needs policy.device=cuda")
-        if cfg.policy.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size}: the Ray policy worker runs "
-                "Megatron-core at TP=1 only so far (TP>1 is tested at the engine level; docs/megatron.md)"
-            )
+        tp = cfg.policy.tensor_parallel_size
+        if tp > 1 and cfg.refit_mode != "reshard":
+            raise ConfigError(f"policy.tensor_parallel_size={tp} needs refit.mode=reshard (or auto): the packed "
+                              "refit sends whole weights from one rank, which holds 1/TP of them")
+        if tp > 1 and cfg.generation.backend != "hf":
+            raise ConfigError(f"policy.tensor_parallel_size={tp} with generation.backend={cfg.generation.backend}: "
+                              "the reshard refit into vLLM is not wired yet; use generation.backend=hf")
+    if cfg.policy.dist_backend == "nccl" and cfg.policy.device == "cuda" and cfg.policy_ranks > 1 \
+            and cfg.policy_gpus_per_rank() < 1:
+        # NCCL refuses two ranks of one communicator on one device.
+        raise ConfigError(f"policy.dist_backend=nccl with {cfg.policy_ranks} policy ranks sharing GPUs (policy."
+                          f"gpus_per_rank={cfg.policy_gpus_per_rank():g}): set policy.gpus_per_rank=1 or "
+                          "policy.dist_backend=gloo")
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
     if cfg.data_plane.enabled:
@@ -411,10 +465,16 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
             raise ConfigError(f"{key}=cuda but this machine has no CUDA device (and ray.address is unset)")
     if cfg.refit.backend == "nccl" and cuda_devices < 1:
         raise ConfigError("refit.backend=nccl needs CUDA devices; this machine has none")
-    if cfg.policy.device == cfg.generation.device == "cuda" and cuda_devices < 2:
-        # Policy ranks share one GPU; the generator asks Ray for a whole other one.
-        raise ConfigError(f"policy.device=cuda and generation.device=cuda need 2 CUDA devices (the policy "
-                          f"ranks share one, the generator takes another); this machine has {cuda_devices}")
+    need = cfg.policy_ranks * cfg.policy_gpus_per_rank()
+    need += cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0.0
+    if need > cuda_devices + 1e-9:
+        import math
+
+        raise ConfigError(
+            f"policy.device={cfg.policy.device} and generation.device={cfg.generation.device} need "
+            f"{math.ceil(need - 1e-9)} CUDA devices ({cfg.policy_ranks} policy rank(s) x policy.gpus_per_rank="
+            f"{cfg.policy_gpus_per_rank():g} + generation.num_gpus={cfg.generation.num_gpus:g}); this machine has "
+            f"{cuda_devices}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -107,12 +107,15 @@ class Workers:
     generator: Any
     collectors: list[Any]
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
+    refit_senders: list[Any] | None = None  # the ranks that send a refit; None: policy rank 0
 
     def __post_init__(self) -> None:
         if self.dispatch is None:
             from algorithms.dispatch import ActorDispatch
 
             self.dispatch = ActorDispatch(self.policy)
+        if self.refit_senders is None:
+            self.refit_senders = self.policy[:1]
 
     @property
     def collector(self) -> Any:
@@ -260,21 +263,24 @@ def train_on_batch(
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
-    """Policy rank 0 -> generator, weight version ``version``; returns seconds. The generator
-    installs it between two generate calls (its actor runs one call at a time), so no
-    generation mixes two versions.
+    """Policy -> generator, weight version ``version``; returns seconds. The senders are
+    ``workers.refit_senders`` (policy rank 0, or the first replica's TP ranks for a reshard).
+    The generator installs it between two generate calls (its actor runs one call at a time),
+    so no generation mixes two versions.
 
     Raises:
         StepError: a side failed, timed out (a sender timeout names the generator, its only
             peer), or the generator reports another version.
     """
     t0 = time.perf_counter()
-    send = workers.policy[0].send_weights.remote(version)
+    senders = workers.refit_senders or workers.policy[:1]
+    sends = [s.send_weights.remote(version) for s in senders]
     recv = workers.generator.receive_weights.remote(version)
     what = f"refit of version {version}"
     try:
-        _, (got, _) = gather([send, recv], cfg.trainer.step_timeout_s, what,
-                             who=["policy rank 0 (refit sender)", "the generator (refit receiver)"])
+        *_, (got, _) = gather([*sends, recv], cfg.trainer.step_timeout_s, what,
+                              who=[*(f"policy rank {r} (refit sender)" for r in range(len(sends))),
+                                   "the generator (refit receiver)"])
     except StepError as e:
         # The sender may see the broken pair before Ray reports the receiver dead: ask the receiver.
         try:

@@ -1,7 +1,7 @@
 """What the sync and async GRPO trainers share: set-up, workers, checkpoints, shutdown, summary.
 
 :class:`Trainer` owns one run: config -> Ray cluster (owned by the run) -> the store (data-plane
-path) -> workers (``dp_size`` policy ranks, one generator, ``async.num_collectors`` rollout
+path) -> workers (``dp_size * policy.tensor_parallel_size`` policy ranks, one generator, ``async.num_collectors`` rollout
 collectors) -> ``_loop`` (the subclass: :mod:`algorithms.grpo_sync` or
 :mod:`algorithms.grpo_async`) -> metrics, checkpoints, plot, summary. ``data_plane.enabled``
 picks the transport: ``true`` moves every batch through the store by metadata, ``false`` runs the
@@ -154,15 +154,15 @@ class Trainer:
 
         env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
                             "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
-        dp = cfg.trainer.dp_size
-        policy_gpus = (1.0 / dp) if cfg.policy.device == "cuda" else 0
+        ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         policy_cls = ray.remote(PolicyWorker)
         policy = [
-            policy_cls.options(num_cpus=cpus, num_gpus=policy_gpus, runtime_env=env, name=None).remote(r, dp, plain)
-            for r in range(dp)
+            policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=env,
+                               name=None).remote(r, ranks, plain)
+            for r in range(ranks)
         ]
         generator = ray.remote(GeneratorWorker).options(
-            num_cpus=cpus, num_gpus=1 if cfg.generation.device == "cuda" else 0, runtime_env=env
+            num_cpus=cpus, num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0, runtime_env=env
         ).remote(plain)
         # Several concurrent calls: submit/poll/take while the producer thread generates.
         collectors = [
@@ -173,7 +173,15 @@ class Trainer:
         from algorithms.dispatch import make_dispatcher
 
         dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile)
-        self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch)
+        tp = cfg.policy.tensor_parallel_size
+        if tp > 1:
+            from algorithms.replicas import ReplicaDispatch
+
+            dispatch = ReplicaDispatch(dispatch, tp)
+        # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
+        senders = policy[:tp] if cfg.refit_mode == "reshard" else policy[:1]
+        self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch,
+                               refit_senders=senders)
 
     def _connect_workers(self) -> None:
         """Wait for the launched workers, then form the train group, attach the store and form the
@@ -182,32 +190,38 @@ class Trainer:
 
         cfg = self.cfg
         policy, generator, collectors = self.workers.policy, self.workers.generator, self.workers.collectors
-        dp = len(policy)
+        ranks = len(policy)  # dp * tp
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
-        names = [f"policy{r}" for r in range(dp)] + ["generator"] + [
+        names = [f"policy{r}" for r in range(ranks)] + ["generator"] + [
             f"collector{i}" if i else "collector" for i in range(len(collectors))
         ]
         nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
         self.summary["worker_nodes"] = dict(zip(names, nodes))
+        self.summary["policy_layout"] = {"dp": cfg.trainer.dp_size, "tp": cfg.policy.tensor_parallel_size,
+                                         "refit": cfg.refit_mode}
         # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
         # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
         # Every worker on one node: the stores listen on loopback only.
         local = len(set(nodes)) == 1
-        (train_at,) = gather([policy[0].host_rendezvous.remote("train", dp, local)], timeout, "train group rendezvous")
+        (train_at,) = gather([policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous")
         gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
         if cfg.data_plane.enabled:
             dp_cfg = cfg.data_plane.to_dict()
             gather([a.attach_data_plane.remote(dp_cfg) for a in (*policy, *collectors)], timeout, "data-plane attach")
+        senders = self.workers.refit_senders
+        reshard = cfg.refit_mode == "reshard"
+        world = len(senders) + 1  # the generator is the last refit rank
         if cfg.refit.port:
             host, port = cfg.refit.host, cfg.refit.port
         else:
-            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", 2, local)], timeout,
+            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", world, local)], timeout,
                                "refit group rendezvous")
             host, port = refit_at
         gather(
-            [policy[0].init_refit.remote(host, port, 2), generator.init_refit.remote(host, port, 2)],
+            [*(s.init_refit.remote(host, port, world, reshard) for s in senders),
+             generator.init_refit.remote(host, port, world, world - 1, reshard)],
             timeout,
             "refit group set-up",
         )

@@ -32,10 +32,12 @@ class GeneratorWorker:
     def ready(self) -> bool:
         return True
 
-    def init_refit(self, host: str, port: int, world_size: int, rank: int = 1) -> None:
-        """Join the refit group as a receiver (collective with policy rank 0)."""
+    def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, reshard: bool = False) -> None:
+        """Join the refit group as its receiver ``rank`` (collective with the policy's senders:
+        rank 0, or with ``reshard`` the TP ranks ``0..rank-1`` of the first replica)."""
         rcfg = self.cfg["refit"]
-        self.engine.init_refit(host, port, world_size, rank, backend=rcfg["backend"], timeout_s=rcfg["timeout_s"])
+        self.engine.init_refit(host, port, world_size, rank, backend=rcfg["backend"], timeout_s=rcfg["timeout_s"],
+                               reshard=reshard)
 
     def receive_weights(self, version: int | None = None) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the

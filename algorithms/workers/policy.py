@@ -57,12 +57,17 @@ def model_inputs(mb: TensorDict, pad_id: int, device: torch.device) -> tuple[tor
 
 
 class PolicyWorker:
-    """One DP rank. Construct through Ray (``ray.remote(PolicyWorker)``), then form the gradient
-    all-reduce group: rank 0's :meth:`host_rendezvous` ``("train", world_size)`` gives the address
-    every rank passes to :meth:`join_train_group` (collective).
+    """One policy rank. Construct through Ray (``ray.remote(PolicyWorker)``), then form the
+    gradient all-reduce group: rank 0's :meth:`host_rendezvous` ``("train", world_size)`` gives the
+    address every rank passes to :meth:`join_train_group` (collective).
+
+    With ``policy.tensor_parallel_size = tp > 1`` (megatron) rank ``r`` is TP rank ``r % tp`` of
+    DP replica ``r // tp`` (``algorithms.replicas``): every rank of a replica gets the same
+    batch, the TP leader alone reads it from the store and writes results back, gradients are
+    summed over the DP group only and their norm combines the TP shards.
 
     Args:
-        rank, world_size: this DP rank and the DP size.
+        rank, world_size: this rank and the number of policy ranks (``dp * tp``).
         cfg: ``TrainerConfig.to_dict()``.
     """
 
@@ -88,6 +93,12 @@ class PolicyWorker:
         self.grpo = cfg["grpo"]
         self.debug = cfg["debug"]
         self.backend = str(pcfg.get("backend", "torch"))
+        from algorithms.replicas import replica_of
+
+        self.tp = int(pcfg.get("tensor_parallel_size", 1))
+        self.dp_rank, self.tp_rank = replica_of(rank, self.tp)
+        self._dp_group: Any = None  # None: the whole world (no TP)
+        self._tp_group: Any = None
         self._mc_shape: Any = None
         self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
         self._fetcher: Any = None
@@ -181,7 +192,16 @@ class PolicyWorker:
             timeout=timeout,
         )
         if self.backend == "megatron":  # Megatron's parallel state is built over this group
-            self._use_megatron(int(self.cfg["policy"].get("tensor_parallel_size", 1)))
+            self._use_megatron(self.tp)
+            if self.tp > 1:
+                from megatron.core import parallel_state as ps
+
+                self._dp_group = ps.get_data_parallel_group()
+                self._tp_group = ps.get_tensor_model_parallel_group()
+                got = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank())
+                if got != (self.dp_rank, self.tp_rank):
+                    raise RuntimeError(f"policy rank {self.rank}: Megatron placed it at (dp, tp) = {got}, the driver "
+                                       f"at {(self.dp_rank, self.tp_rank)}")
 
     def attach_data_plane(self, data_plane_cfg: Mapping[str, Any]) -> None:
         """Attach to the driver's store (data-plane path only; the legacy path never calls this)."""
@@ -189,24 +209,52 @@ class PolicyWorker:
         from nemo_dataplane.worker.fetch import WorkerFetcher
 
         client = build_data_plane_client(data_plane_cfg, bootstrap=False)
-        # One rank per model replica here (no TP/CP/PP), so every rank is its own leader.
-        self._fetcher = WorkerFetcher(
-            client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"), replica_ranks=[self.rank],
-            timeout_s=self.timeout_s,
-        )
+        if self._tp_group is not None:
+            # A replica's TP ranks share its rows: the leader fetches and broadcasts (or each
+            # fetches, as data_plane.fetch_policy says); only the leader writes back.
+            self._fetcher = WorkerFetcher(client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"),
+                                          replica_group=self._tp_group, timeout_s=self.timeout_s)
+        else:  # one rank per model replica: every rank is its own leader
+            self._fetcher = WorkerFetcher(
+                client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"), replica_ranks=[self.rank],
+                timeout_s=self.timeout_s,
+            )
 
-    def init_refit(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the refit group as its source (collective with the generator)."""
+    def init_refit(self, host: str, port: int, world_size: int, reshard: bool = False) -> None:
+        """Join the refit group (collective with the generator): rank 0 as the source of whole
+        weights, or with ``reshard`` every TP rank of the first replica (refit rank = TP rank)
+        as a ``ReshardSender`` of its shards under HF names, the generator being rank ``tp``."""
         from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-        from nemo_dataplane.refit.packed import RefitSender
 
         rcfg = self.cfg["refit"]
         self._refit_group = StatelessProcessGroup(
-            host, port, 0, world_size, backend=rcfg["backend"], timeout=rcfg["timeout_s"], group_name="refit",
+            host, port, self.tp_rank if reshard else 0, world_size, backend=rcfg["backend"],
+            timeout=rcfg["timeout_s"], group_name="refit",
             store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )
-        self._sender = RefitSender(self._refit_group, self._named_for_refit, bucket_bytes=rcfg["bucket_bytes"])
+        if reshard:
+            from nemo_dataplane.refit import Mesh, build_layout
+            from nemo_dataplane.refit.sharded import ReshardSender
+
+            layout = build_layout(Mesh.of(list(range(self.tp)), tp=self.tp), self._refit_full_shapes())
+            self._sender = ReshardSender(self._refit_group, self._named_for_refit, layout,
+                                         bucket_bytes=max(int(rcfg["bucket_bytes"]), 256),
+                                         transport=rcfg.get("transport", "auto"))
+        else:
+            from nemo_dataplane.refit.packed import RefitSender
+
+            self._sender = RefitSender(self._refit_group, self._named_for_refit, bucket_bytes=rcfg["bucket_bytes"])
         self._sender.prepare_refit_info()
+
+    def _refit_full_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Full (unsharded) HF shapes of what :meth:`_named_for_refit` yields: the trainer-side
+        layout every sender builds identically."""
+        if self.backend == "megatron":
+            from algorithms.engines.training.megatron import hf_full_shapes
+
+            names = {n for n, _ in self._named_for_refit()}
+            return {n: s for n, s in hf_full_shapes(self._mc_shape).items() if n in names}
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
 
     def send_weights(self, version: int) -> float:
         """Broadcast the current weights to the generator (collective); returns seconds."""
@@ -324,7 +372,7 @@ class PolicyWorker:
             prepared.append((mb, mask, old, ref, adv, beh))
             local_tokens += int(mask.sum().item())
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self._dp_group)  # a replica's TP ranks hold the same rows
         global_tokens = max(float(counts.item()), 1.0)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         if behaviour:
@@ -362,30 +410,53 @@ class PolicyWorker:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)  # sum: the loss is already divided by the global token count
+        # Sum over DP replicas (the loss is already divided by the global token count).
+        dist.all_reduce(flat, group=self._dp_group)
         off = 0
         for p, g in zip(params, grads):
             n = g.numel()
             p.grad = flat[off : off + n].view_as(p).clone()
             off += n
         max_norm = float(self.cfg["policy"]["max_grad_norm"])
-        if max_norm > 0:
+        if self._tp_group is not None:
+            norm = self._clip_tp(params, max_norm)
+        elif max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.linalg.vector_norm(flat)
         self.optimizer.step()
         return float(norm)
 
+    def _clip_tp(self, params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The whole model's gradient norm from TP shards (a TP-split parameter contributes its
+        shard on every TP rank, a replicated one once), then ``clip_grad_norm_``'s scaling."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                sq += p.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self._tp_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
     # ------------------------------------------------------------ checkpoint
+    def _state_file(self) -> str:
+        # One file per TP shard (Megatron's local state dicts differ per TP rank).
+        return "policy.pt" if self.tp == 1 else f"policy_tp{self.tp_rank}.pt"
+
     def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes model, reference and optimizer state; every rank its RNG state."""
+        """The first replica's ranks write model, reference and optimizer state (one file per
+        TP rank); every rank its RNG state."""
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
+        if self.dp_rank == 0:
             torch.save(
                 {"model": self.model.state_dict(), "ref_model": self.ref_model.state_dict(),
                  "optimizer": self.optimizer.state_dict()},
-                d / "policy.pt",
+                d / self._state_file(),
             )
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -394,11 +465,11 @@ class PolicyWorker:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Every rank loads the same model/optimizer state and its own RNG state."""
+        """Every rank loads its TP rank's model/optimizer state and its own RNG state."""
         from algorithms.checkpoint import load_trusted
 
         d = Path(path)
-        state = load_trusted(d / "policy.pt", map_location=self.device)
+        state = load_trusted(d / self._state_file(), map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.ref_model.load_state_dict(state["ref_model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -4,8 +4,10 @@ Every trainer run costs ~30 s of a 2-core CI machine, so each run serves several
 compiled-graph dispatch (``trainer.dispatch``, algorithms/dispatch.py) included:
 
 * ``dp_run``: the default learning config, data plane on, actor calls, 16 steps, checkpoint every 8;
-* ``legacy_run``: the same config with ``data_plane.enabled=false`` and the compiled graph (each
-  rank's input is its shard's ``ObjectRef``): bitwise equal to ``dp_run``;
+* ``legacy_run``: the same config with ``data_plane.enabled=false``, the compiled graph (each
+  rank's input is its shard's ``ObjectRef``) and the resharding refit (``refit.mode=reshard``:
+  ``ReshardSender`` -> ``ReshardReceiver`` over gloo, the path a TP>1 trainer takes): bitwise
+  equal to ``dp_run`` (packed refit), so every refit delivered the exact weights;
 * a run resumed from ``dp_run``'s step-8 checkpoint, with the compiled graph on the data plane:
   bitwise equal to ``dp_run``'s tail;
 * small runs whose policy rank raises mid-step, or that get Ctrl-C (a rank's error through the
@@ -34,7 +36,7 @@ def paired_runs(run_trainers_concurrently, runs_dir: Path):
     dp, legacy = run_trainers_concurrently([
         (runs_dir / "dp", ("data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
                            "logging.tensorboard=true")),
-        (runs_dir / "legacy", ("data_plane.enabled=false", "trainer.dispatch=compiled_graph")),
+        (runs_dir / "legacy", ("data_plane.enabled=false", "trainer.dispatch=compiled_graph", "refit.mode=reshard")),
     ])
     assert dp.returncode == 0, dp.explain()
     assert legacy.returncode == 0, legacy.explain()
@@ -58,6 +60,8 @@ def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> N
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "reward"):
         assert [r[key] for r in dp] == [r[key] for r in legacy], key
     assert all(r["loss"] is not None for r in dp)
+    assert dp_run.summary["policy_layout"] == {"dp": 2, "tp": 1, "refit": "packed"}
+    assert legacy_run.summary["policy_layout"] == {"dp": 2, "tp": 1, "refit": "reshard"}
 
 
 def test_the_compiled_graph_served_every_step_after_the_warm_up(dp_run, legacy_run) -> None:

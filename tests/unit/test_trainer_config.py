@@ -147,8 +147,34 @@ def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
 
 def test_megatron_backend_accepted_on_cuda() -> None:
     cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl",
-                             "generation.device=cuda", "refit.backend=nccl"])
+                             "policy.gpus_per_rank=1", "generation.device=cuda", "refit.backend=nccl"])
     assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == 1
+    assert cfg.refit_mode == "packed" and cfg.policy_ranks == cfg.trainer.dp_size
+
+
+def test_megatron_tp_layouts() -> None:
+    """TP=2 takes dp*tp ranks and the reshard refit; one GPU for all of it needs gloo for the TP
+    collectives and an IPC refit into a generator that shares the GPU."""
+    from algorithms.config import check_devices
+
+    one_gpu = ["policy.backend=megatron", "policy.device=cuda", "policy.tensor_parallel_size=2",
+               "trainer.dp_size=1", "generation.device=cuda", "generation.num_gpus=0.5", "policy.gpus_per_rank=0.25"]
+    cfg = load_config(YAML, one_gpu + ["refit.transport=ipc"])
+    assert (cfg.policy_ranks, cfg.refit_mode, cfg.policy_gpus_per_rank()) == (2, "reshard", 0.25)
+    check_devices(cfg, cuda_devices=1)
+    with pytest.raises(ConfigError, match=r"need 3 CUDA devices \(2 policy rank\(s\) x policy.gpus_per_rank=1"):
+        check_devices(load_config(YAML, one_gpu[:-2] + ["policy.gpus_per_rank=1"]), cuda_devices=1)
+    with pytest.raises(ConfigError, match=r"policy.dist_backend=nccl with 2 policy ranks sharing GPUs"):
+        load_config(YAML, one_gpu + ["policy.dist_backend=nccl"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs refit.mode=reshard"):
+        load_config(YAML, one_gpu[:-2] + ["refit.backend=nccl", "refit.mode=packed"])
+    with pytest.raises(ConfigError, match=r"generation.num_gpus=0.5 shares a GPU with the policy"):
+        load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
+                           "generation.num_gpus=0.5", "trainer.dp_size=1"])
+    with pytest.raises(ConfigError, match=r"refit.transport=ipc needs refit.mode=reshard"):
+        load_config(YAML, ["refit.transport=ipc"])
+    with pytest.raises(ConfigError, match=r"policy.gpus_per_rank must be > 0"):
+        load_config(YAML, one_gpu[:-1] + ["policy.gpus_per_rank=0"])
 
 
 # ------------------------------------------------------------ configs that cannot work (issue 14, item 8)

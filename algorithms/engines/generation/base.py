@@ -98,14 +98,16 @@ class GenerationEngine(ABC):
         return Rollouts(tokens, logprobs, version)
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, *, backend: str = "gloo",
-                   timeout_s: float = 300.0) -> None:
-        """Join the refit group at ``host:port`` as receiver ``rank`` (the trainer's rank 0 sends)
-        and agree on the layout (collective with the sender's ``prepare_refit_info``). A name,
+                   timeout_s: float = 300.0, reshard: bool = False) -> None:
+        """Join the refit group at ``host:port`` as receiver ``rank`` and agree on the layout
+        (collective with the senders' ``prepare_refit_info``). ``reshard``: ranks ``0..rank-1``
+        are the trainer's TP shards (``ReshardSender``) and this engine receives into its own
+        (TP=1) layout; else the trainer's rank 0 sends whole weights (``RefitSender``). A name,
         shape or dtype mismatch raises ``RefitMismatchError`` naming the parameter(s)."""
         self._check_open()
         with self._lock:
             self._refit_ready = False
-            self._init_refit(host, int(port), int(world_size), int(rank), backend, float(timeout_s))
+            self._init_refit(host, int(port), int(world_size), int(rank), backend, float(timeout_s), bool(reshard))
             self._refit_ready = True
 
     def receive_weights(self) -> int:
@@ -141,7 +143,8 @@ class GenerationEngine(ABC):
         """Tokens and per-token log-probs, group-major."""
 
     @abstractmethod
-    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
+                    reshard: bool) -> None:
         """Create the receiver and run its ``prepare_refit_info``."""
 
     @abstractmethod

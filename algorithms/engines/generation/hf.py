@@ -58,13 +58,23 @@ class HFEngine(GenerationEngine):
                                     self.eos_id, self.pad_id, return_logprobs=True)
         return tokens, logprobs
 
-    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
+                    reshard: bool) -> None:
         from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-        from nemo_dataplane.refit.packed import RefitReceiver
 
         self._group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
                                             group_name="refit")
-        self._receiver = RefitReceiver(self._group, self.model.named_parameters, src=0)
+        if reshard:
+            from nemo_dataplane.refit import Mesh, build_layout
+            from nemo_dataplane.refit.sharded import ReshardReceiver
+
+            params = dict(self.model.named_parameters())
+            layout = build_layout(Mesh.of([rank], tp=1), {n: (p.shape, p.dtype) for n, p in params.items()})
+            self._receiver = ReshardReceiver(self._group, params, layout)
+        else:
+            from nemo_dataplane.refit.packed import RefitReceiver
+
+            self._receiver = RefitReceiver(self._group, self.model.named_parameters, src=0)
         self._receiver.prepare_refit_info()
 
     def _receive_weights(self) -> int:

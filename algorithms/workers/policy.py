@@ -237,9 +237,11 @@ class PolicyWorker:
             from nemo_dataplane.refit.sharded import ReshardSender
 
             layout = build_layout(Mesh.of(list(range(self.tp)), tp=self.tp), self._refit_full_shapes())
+            # Where the shards live, not the group's device: an ipc refit's control group is gloo.
+            dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
             self._sender = ReshardSender(self._refit_group, self._named_for_refit, layout,
                                          bucket_bytes=max(int(rcfg["bucket_bytes"]), 256),
-                                         transport=rcfg.get("transport", "auto"))
+                                         transport=rcfg.get("transport", "auto"), device=dev)
         else:
             from nemo_dataplane.refit.packed import RefitSender
 

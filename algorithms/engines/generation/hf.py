@@ -70,7 +70,9 @@ class HFEngine(GenerationEngine):
 
             params = dict(self.model.named_parameters())
             layout = build_layout(Mesh.of([rank], tp=1), {n: (p.shape, p.dtype) for n, p in params.items()})
-            self._receiver = ReshardReceiver(self._group, params, layout)
+            # The model's device, not the group's: an ipc refit's control group is gloo.
+            dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+            self._receiver = ReshardReceiver(self._group, params, layout, device=dev)
         else:
             from nemo_dataplane.refit.packed import RefitReceiver
 

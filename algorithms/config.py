@@ -393,10 +393,11 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError(f"policy.tensor_parallel_size={tp} with generation.backend={cfg.generation.backend}: "
                               "the reshard refit into vLLM is not wired yet; use generation.backend=hf")
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device == "cuda" and cfg.policy_ranks > 1 \
-            and cfg.policy_gpus_per_rank() < 1:
-        # NCCL refuses two ranks of one communicator on one device.
+            and cfg.policy_gpus_per_rank() <= 0.5:
+        # NCCL refuses two ranks of one communicator on one device; above half a GPU each, Ray
+        # cannot put two policy ranks on one.
         raise ConfigError(f"policy.dist_backend=nccl with {cfg.policy_ranks} policy ranks sharing GPUs (policy."
-                          f"gpus_per_rank={cfg.policy_gpus_per_rank():g}): set policy.gpus_per_rank=1 or "
+                          f"gpus_per_rank={cfg.policy_gpus_per_rank():g}): give each more than 0.5 or set "
                           "policy.dist_backend=gloo")
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")

@@ -133,6 +133,9 @@ class TrainerSection:
     # or one Ray Compiled Graph compiled after the first step (falls back to actor calls if it
     # cannot serve; its idle workers poll, see docs/grpo_sync.md "Dispatch").
     dispatch: Literal["actors", "compiled_graph"] = "actors"
+    # compiled_graph only: tear the graph down after this many seconds without a call (its idle
+    # ranks stop polling) and recompile it on the next call; null: keep it until shutdown.
+    dispatch_idle_teardown_s: float | None = 30.0
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,8 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     _positive(cfg.trainer.val_every, "trainer.val_every", allow_zero=True)
     _positive(cfg.trainer.step_timeout_s, "trainer.step_timeout_s")
     _positive(cfg.trainer.startup_timeout_s, "trainer.startup_timeout_s")
+    if cfg.trainer.dispatch_idle_teardown_s is not None:
+        _positive(cfg.trainer.dispatch_idle_teardown_s, "trainer.dispatch_idle_teardown_s")
     _positive(cfg.generation.n, "generation.n")
     _positive(cfg.generation.max_new_tokens, "generation.max_new_tokens")
     _positive(cfg.generation.temperature, "generation.temperature", allow_zero=True)

@@ -172,7 +172,8 @@ class Trainer:
         self.actors = [*policy, generator, *collectors]
         from algorithms.dispatch import make_dispatcher
 
-        dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile)
+        dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile,
+                                   idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s)
         tp = cfg.policy.tensor_parallel_size
         if tp > 1:
             from algorithms.replicas import ReplicaDispatch
@@ -440,9 +441,11 @@ class Trainer:
             self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
         if self.workers is not None and ray.is_initialized():
             # The graph's loops run inside the policy actors: tear them down (bounded) while the
-            # actors live, before their shutdown calls and the kill.
-            self.summary["dispatch"] = self.workers.dispatch.report()
+            # actors live, before their shutdown calls and the kill. After a failed call through
+            # the graph this kills the policy actors after a 1 s grace (their peers' collective would hold
+            # them until it timed out), so their shutdown calls below return at once.
             self.workers.dispatch.close(timeout_s=10.0)
+            self.summary["dispatch"] = self.workers.dispatch.report()
             # Let workers tear down their process groups and detach from the store before they
             # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
             # a wedged worker is killed below either way.

@@ -1,7 +1,7 @@
 """Per-step dispatch overhead and whole-step time: actor calls vs one Ray Compiled Graph.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_dispatch.py [--ranks 1 2 4 8] [--calls 200] [--steps 6]
-        [--config examples/configs/grpo_tiny.yaml] [--no-step] [dotted.key=value ...]
+        [--idle-teardown-s 6] [--config examples/configs/grpo_tiny.yaml] [--no-step] [dotted.key=value ...]
 
 Part 1, dispatch overhead: for each rank count, no-op actors (``get_logprobs``/``train``/
 ``step_call`` return a small dict at once) driven through the trainer's own dispatchers
@@ -10,7 +10,12 @@ trainer's calls do. A call is timed from the driver's dispatch to every rank's r
 ``--calls`` calls per mode after a warm-up, median reported, and ``per_rank_us`` = median / ranks.
 The ratio is compiled_graph / actors in the same run. While a graph is compiled its idle actors
 poll: ``idle_cpu_pct`` is the mean CPU% of one actor process over 3 s with no call in flight
-(psutil when installed, else /proc).
+(psutil when installed, else /proc): with plain actors, with the graph compiled, and once the
+graph's idle teardown (``--idle-teardown-s``, the trainer's ``trainer.dispatch_idle_teardown_s``)
+has torn it down; ``recompile_ms`` is the first call after that teardown (it recompiles the
+graph), ``recompile_s`` the compile alone. An idle period of ``T`` seconds then costs each rank
+about ``min(T, idle_teardown_s) * idle_cpu_pct_graph / 100`` CPU-seconds instead of
+``T * idle_cpu_pct_graph / 100``.
 
 Part 2, whole step: the sync trainer (``python -m algorithms.grpo_sync``, one subprocess per mode,
 each owning its Ray cluster) with ``trainer.dispatch=actors`` and ``compiled_graph``; medians of
@@ -77,7 +82,7 @@ def idle_cpu_pct(pids: list[int], seconds: float = 3.0) -> float:
     return 100.0 * statistics.mean(a - b for a, b in zip(after, before)) / seconds
 
 
-def bench_overhead(ranks: int, calls: int) -> dict[str, Any]:
+def bench_overhead(ranks: int, calls: int, idle_teardown_s: float) -> dict[str, Any]:
     import ray
 
     from algorithms.dispatch import ActorDispatch, CompiledGraphDispatch
@@ -91,7 +96,7 @@ def bench_overhead(ranks: int, calls: int) -> dict[str, Any]:
                           extra_info={"packing": {"microbatches": [list(range(16)), list(range(16, 32))]}})
               for r in range(ranks)]
     out: dict[str, Any] = {"ranks": ranks}
-    graph = CompiledGraphDispatch(actors, warmup_calls=0)
+    graph = CompiledGraphDispatch(actors, warmup_calls=0, idle_teardown_s=idle_teardown_s)
     try:
         out["idle_cpu_pct_actors"] = idle_cpu_pct(pids)
         for name, d in (("actors", ActorDispatch(actors)), ("compiled_graph", graph)):
@@ -109,6 +114,22 @@ def bench_overhead(ranks: int, calls: int) -> dict[str, Any]:
             raise RuntimeError(f"the compiled graph did not serve: {graph.fallback_reason}")
         out["compile_s"] = graph.compile_s
         out["idle_cpu_pct_graph"] = idle_cpu_pct(pids)
+        if graph.idle_teardowns:
+            raise RuntimeError(f"--idle-teardown-s {idle_teardown_s} ended before the graph's idle probe: raise it")
+        deadline = time.monotonic() + idle_teardown_s + 60
+        while graph.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if graph.active:
+            raise RuntimeError(f"the graph was not torn down within {idle_teardown_s}s + 60s idle")
+        time.sleep(0.5)  # the teardown thread ends the loops within milliseconds
+        out["idle_cpu_pct_torn_down"] = idle_cpu_pct(pids)
+        t0 = time.perf_counter()
+        res = graph.call("logprobs", inputs, calls, False, 60.0, "recompile")
+        out["recompile_ms"] = 1e3 * (time.perf_counter() - t0)
+        assert [r["rank"] for r in res] == list(range(ranks)) and res[0]["step"] == calls
+        if graph.recompiles != 1 or graph.fallback_reason is not None:
+            raise RuntimeError(f"the graph did not recompile: {graph.report()}")
+        out["recompile_s"] = graph.recompile_s
         out["ratio"] = out["compiled_graph_us"] / out["actors_us"]
     finally:
         graph.close()
@@ -150,6 +171,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--steps", type=int, default=6, help="trainer steps per mode (the first two are not counted)")
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_tiny.yaml"))
+    ap.add_argument("--idle-teardown-s", type=float, default=6.0,
+                    help="the graph's idle teardown in part 1 (> 3 s: the graph's idle probe runs before it)")
     ap.add_argument("--no-step", action="store_true", help="skip part 2 (the trainer runs)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_dispatch.json"))
@@ -167,17 +190,21 @@ def main() -> int:
     ray.init(address="local", num_cpus=max(args.ranks) + 2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     try:
-        overhead = [bench_overhead(n, args.calls) for n in args.ranks]
+        overhead = [bench_overhead(n, args.calls, args.idle_teardown_s) for n in args.ranks]
     finally:
         ray.shutdown()
 
     print(f"dispatch overhead, no-op ranks, median of {args.calls} calls ({os.cpu_count()} CPUs, {platform.node()})")
     print(f"{'ranks':>5} {'actors us':>10} {'graph us':>10} {'graph/actors':>12} {'actors us/rank':>14} "
-          f"{'graph us/rank':>13} {'idle cpu% actors':>16} {'idle cpu% graph':>15}")
+          f"{'graph us/rank':>13} {'idle cpu% actors':>16} {'idle cpu% graph':>15} {'idle cpu% torn down':>19} "
+          f"{'recompile ms':>12}")
     for o in overhead:
         print(f"{o['ranks']:>5} {o['actors_us']:>10.0f} {o['compiled_graph_us']:>10.0f} {o['ratio']:>12.2f} "
               f"{o['actors_per_rank_us']:>14.0f} {o['compiled_graph_per_rank_us']:>13.0f} "
-              f"{o['idle_cpu_pct_actors']:>16.1f} {o['idle_cpu_pct_graph']:>15.1f}")
+              f"{o['idle_cpu_pct_actors']:>16.1f} {o['idle_cpu_pct_graph']:>15.1f} "
+              f"{o['idle_cpu_pct_torn_down']:>19.1f} {o['recompile_ms']:>12.0f}")
+    print(f"idle cpu% torn down: {args.idle_teardown_s}s after the last call the idle teardown ended the graph; "
+          "recompile ms: the next call, recompiling it")
     step = None if args.no_step else bench_step(args.config, args.steps, args.overrides, args.timeout)
     if step is not None:
         print(f"\nwhole step, sync trainer, {args.config} {' '.join(args.overrides)}, median over steps 2..{args.steps - 1}")
@@ -189,6 +216,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"overhead": overhead, "step": step, "calls": args.calls, "cpus": os.cpu_count(),
+                               "idle_teardown_s": args.idle_teardown_s,
                                "host": platform.node(), "ray": ray.__version__}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -10,8 +10,9 @@ compiled-graph dispatch (``trainer.dispatch``, algorithms/dispatch.py) included:
   equal to ``dp_run`` (packed refit), so every refit delivered the exact weights;
 * a run resumed from ``dp_run``'s step-8 checkpoint, with the compiled graph on the data plane:
   bitwise equal to ``dp_run``'s tail;
-* small runs whose policy rank raises mid-step, or that get Ctrl-C (a rank's error through the
-  graph: tests/unit/test_dispatch.py).
+* a small run whose policy rank raises mid-step through the graph (its peer stays blocked in the
+  gradient all-reduce: the actors are killed at shutdown instead of waiting for it), and one
+  that gets Ctrl-C.
 
 The forced compile failure (one warning, then actor calls) is in test_grpo_async.py.
 """
@@ -150,10 +151,18 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
         runs_dir / "fail", "data_plane.enabled=true", "debug.fail_at_step=1", "debug.fail_in=train",
         "debug.fail_rank=1", f"policy.model.path={byo / 'model'}", "policy.model.hf_config=null",
         f"task.dataset={byo / 'prompts.jsonl'}", "task.val_size=4", "task.reward_fn=byo_reward:score",
-        small=True, env={"PYTHONPATH": str(byo)},
+        "trainer.dispatch=compiled_graph", small=True, env={"PYTHONPATH": str(byo)},
     )
     assert run.returncode == 1, run.explain()
     assert "injected failure at step 1 on policy rank 1" in run.stderr, run.explain()
+    # The rank's error came through the compiled graph unchanged: the step's error, not a fallback.
+    assert "step 1 train: InjectedFailure" in run.stderr, run.explain()
+    d = run.summary["dispatch"]
+    assert d["fallback"] is None and d["graph_calls"] >= 1, d
+    assert "dispatch: the compiled graph cannot serve" not in run.stderr
+    # Rank 0 was still in the all-reduce with rank 1: the shutdown killed the policy actors rather
+    # than wait for that collective to time out (trainer.step_timeout_s=120 here).
+    assert d["killed_actors"] is True, d
     summary = run.summary
     assert summary["status"] == "failed"
     assert summary["keys_outstanding_at_exit"] == 0

@@ -47,6 +47,9 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("data_plane.enabled=maybe", "data_plane.enabled"),
         ("refit.backend=mpi", "refit.backend"),  # not an allowed value
         ("trainer.dispatch=compiled", "trainer.dispatch"),
+        ("trainer.dispatch_idle_teardown_s=0", "trainer.dispatch_idle_teardown_s"),
+        ("trainer.dispatch_idle_teardown_s=-5", "trainer.dispatch_idle_teardown_s"),
+        ("trainer.dispatch_idle_teardown_s=soon", "trainer.dispatch_idle_teardown_s"),
         ("trainer.steps=0", "trainer.steps"),  # out of range
         ("grpo.clip_eps=-0.1", "grpo.clip_eps"),
         ("refit.timeout_s=0", "refit.timeout_s"),
@@ -75,6 +78,10 @@ def test_dispatch_defaults_to_actor_calls_and_accepts_the_compiled_graph() -> No
     assert load_config(YAML).trainer.dispatch == "actors"
     cfg = load_config(YAML, ["trainer.dispatch=compiled_graph", "debug.fail_dispatch_compile=true"])
     assert (cfg.trainer.dispatch, cfg.debug.fail_dispatch_compile) == ("compiled_graph", True)
+    assert cfg.trainer.dispatch_idle_teardown_s == 30.0  # bounds an idle graph's polling by default
+    cfg = load_config(YAML, ["trainer.dispatch=compiled_graph", "trainer.dispatch_idle_teardown_s=null"])
+    assert cfg.trainer.dispatch_idle_teardown_s is None  # null: the graph stays up until shutdown
+    assert load_config(YAML, ["trainer.dispatch_idle_teardown_s=5"]).trainer.dispatch_idle_teardown_s == 5.0
 
 
 def test_malformed_override_is_rejected() -> None:

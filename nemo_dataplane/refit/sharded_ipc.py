@@ -50,7 +50,7 @@ from nemo_dataplane.refit.protocol import RefitError, clip
 from nemo_dataplane.refit.reshard import ReshardPlan
 from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
 
-__all__ = ["DONE_SIGNALS", "IpcRefit"]
+__all__ = ["DONE_SIGNALS", "IpcRefit", "get_all", "has_key", "mark"]
 
 DONE_SIGNALS = ("event", "host")
 
@@ -249,9 +249,23 @@ class IpcRefit:
                 f"rank {g.rank}: reshard ipc refit of version {v} (waiting for every sender's done signal) did not "
                 f"finish within {g.timeout:g}s: sender ranks {missing} never posted"
                 + (f"; they reported: {why}" if why else "") + f" ({e})") from e
-        bad = [st for k in keys if (st := g.store.get(k).decode()) != "ok"]
+        bad = [st for x in get_all(g, keys) if (st := x.decode()) != "ok"]
         if bad:
             raise RefitError(f"rank {g.rank}: a sender failed to copy refit version {v}: {clip(bad)}")
+
+
+def get_all(g: StatelessProcessGroup, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` (all present) in one store round trip where the store can, else one
+    get per key (a store without ``multi_get``, or one that refuses it)."""
+    if not keys:
+        return []
+    multi = getattr(g.store, "multi_get", None)
+    if multi is not None:
+        try:
+            return [bytes(x) for x in multi(keys)]
+        except Exception:  # noqa: S110 - the per-key gets below give the real error, if any
+            pass
+    return [g.store.get(k) for k in keys]
 
 
 def has_key(g: StatelessProcessGroup, key: str) -> bool:

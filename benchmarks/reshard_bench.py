@@ -11,10 +11,14 @@ layouts fuse q/k/v and gate/up as vLLM does):
   generator the whole model.
 
 Rows per scenario: the reshard (GPU: ``transport="ipc"``, copy-engine copies, gloo control
-group; CPU: ``transport="p2p"`` over gloo) and the full broadcast that refit does today
+group; CPU: ``transport="p2p"`` over gloo; GPU also with the other order of issuing the
+copies, and with the done signal on the host, store or gloo control: the earlier ways) and
+the full broadcast that refit does today
 (``RefitSender`` on the trainer rank holding the whole model, GPU 1, to every generator rank;
 on GPU only where no two of its ranks share a GPU, which NCCL refuses). Time: from the
-senders' first call to the last generator rank's return, same host clock, after a barrier;
+senders' first call until the last generator rank's weights are usable (its call returned
+and its current stream, which ``done="event"`` orders after the copies, synchronised), same
+host clock, after a barrier;
 median of ``--iters`` after ``--warmup``. Bytes: what each generator rank received, and
 what crossed between devices. Ceiling (GPU): ``dst.copy_(src)`` of the bytes that must cross
 GPU 1 -> GPU 0; also with the within-GPU copies run at the same time. Correctness: checksums
@@ -150,7 +154,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             t0 = time.perf_counter()
             if participates:
                 run(i)
+                if cuda and not sender:
+                    # done="event" returns before the copies land: the weights are usable once
+                    # the receiver's current stream gets past its waits (every row ends here).
+                    torch.cuda.current_stream(dev).synchronize()
             t1 = time.perf_counter()
+            if participates and not sender and getattr(ep, "timings", None):
+                ep.timings[-1]["usable"] = t1
             if cuda:
                 torch.cuda.synchronize(dev)
             # every rank posts (start, end); rank 0 reads them all
@@ -205,25 +215,29 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     timed(name, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
           {} if sender else tensors, lambda: _checksum(tensors) == expected)
     if cuda and ep.transport == "ipc":
-        # The same refit with every non-contiguous piece as one cudaMemcpy2DAsync (the
-        # previous way), for comparison in the same run.
+        def again(label: str) -> None:
+            timed(label, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
+                  {} if sender else tensors, lambda: _checksum(tensors) == expected)
+            if rank == 0:
+                out["rows"][label]["transport"] = ep.transport
+
+        # The other order of issuing the two kinds of copies (IpcPush.order).
+        first = ep._push.order
         if sender:
-            ep._push.pitched = "memcpy2d"
-        old = f"reshard ({transport}, pitched as cudaMemcpy2DAsync)"
-        timed(old, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
-              {} if sender else tensors, lambda: _checksum(tensors) == expected)
-        if rank == 0:
-            out["rows"][old]["transport"] = ep.transport
-        # Control over the group's gloo all_reduce (the earlier way) instead of the store.
+            ep._push.order = "strided_first" if first == "batched_first" else "batched_first"
+        again(f"reshard ({transport}, {'strided kernels' if first == 'batched_first' else 'batched copies'} "
+              "issued first)")
         if sender:
-            ep._push.pitched = "kernel"
+            ep._push.order = first
+        # The done signal on the host (the earlier way): a done exchange after the copies.
+        done = ep.done
+        ep.done = "host"
+        again(f"reshard ({transport}, done on the host)")
+        # ... with control over the group's gloo all_reduce instead of the store (earlier still).
         ep.control = "gloo"
-        name_g = f"reshard ({transport}, control as gloo all_reduce)"
-        timed(name_g, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
-              {} if sender else tensors, lambda: _checksum(tensors) == expected)
+        again(f"reshard ({transport}, done on the host, control as gloo all_reduce)")
         ep.control = "store"
-        if rank == 0:
-            out["rows"][name_g]["transport"] = ep.transport
+        ep.done = done
         if (tp_train, tp_gen) == (2, 1):
             # The same copies with no control, from 1 or 2 processes (reshard_phases.py).
             if sender:

@@ -13,23 +13,29 @@ shards its layout gives it; fused ones included) and carry them over the group
    listing them, before any bulk data moves. A receiver parameter that no sender covers fails
    here, named.
 2. ``send_weights(version)`` / ``receive_weights()`` (each refit, collective): a header
-   element-wise max of ``[magic, fingerprint, -fingerprint, version, -version, status]``
-   over every rank (exchanged through the store, ``_max``) (so every sender and receiver learns of an abort, a plan or version
-   disagreement before any bulk data moves), then the bytes:
+   element-wise max of ``[magic, fingerprint, -fingerprint, version, -version, status, done,
+   -done]`` over every rank (exchanged through the store, ``_max``), so every sender and
+   receiver learns of an abort, a plan, version or done-signal disagreement before any bulk
+   data moves; then the bytes:
 
    * ``transport="p2p"``: each rank's part of the exchange (``transports/exchange.py``:
      send/recv per round over NCCL or gloo, packed buckets and direct pieces);
-   * ``transport="ipc"`` (CUDA, every pair on one host): receivers exported their tensors at
-     prepare; each sender writes its pieces straight into them with copy-engine copies, then a
-     ``done`` max exchange (``transports/exchange_ipc.py``). The group only carries control,
-     so it may be a gloo group even when several ranks share a GPU.
+   * ``transport="ipc"`` (CUDA, every pair on one host; ``sharded_ipc.py``): receivers
+     exported their tensors at prepare; each sender writes its pieces straight into them with
+     copy-engine copies, then signals them: by default through an interprocess CUDA event the
+     receiver's stream waits on, so ``receive_weights()`` returns with the weights valid on
+     the receiver's current stream (not yet on the host); ``NEMO_DATAPLANE_RESHARD_DONE=host``:
+     a host-side ``done`` exchange after the copies. The group only carries control, so it may
+     be a gloo group even when several ranks share a GPU.
 
 ``timings``: opt-in host-side phase timing (``None`` by default: nothing is recorded). Set it to
 a list and every refit appends a dict of ``time.perf_counter()`` marks, ``"start"`` then the end
 of each phase in order: ``check`` (tensors against the layout), ``ready`` (ipc receiver: its
-queued GPU work), ``header``, then ``issue`` and ``copies`` (ipc sender: enqueueing the copies,
-waiting for them) or ``exchange`` (p2p), ``done`` (ipc: the done exchange), ``scatter``
-(ipc receiver). ``phase_durations()`` turns one into seconds per phase.
+queued GPU work), ``header``, then for p2p ``exchange``; for ipc with ``done="event"``:
+``issue``, ``signal`` (status posted), ``copies`` (host wait for them) on a sender, ``signal``
+(senders' statuses read, stream waits enqueued) and ``scatter`` on a receiver; with
+``done="host"``: ``issue``, ``copies``, ``done`` (the done exchange) on a sender, ``done`` and
+``scatter`` on a receiver. ``phase_durations()`` turns one into seconds per phase.
 
 ``bytes_moved`` holds what this rank sent or received in the last refit: counted at each
 send/recv (p2p), or the bytes of the copies a sender issued (ipc; a receiver reports the
@@ -48,7 +54,7 @@ from collections.abc import Mapping
 
 import torch
 
-from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup, Work
+from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup
 from nemo_dataplane.refit import ipc as _ipc
 from nemo_dataplane.refit.layout import Layout, LayoutError, LocalTensor
 from nemo_dataplane.refit.plan import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
@@ -64,6 +70,7 @@ from nemo_dataplane.refit.protocol import (
     dtype_name,
 )
 from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
+from nemo_dataplane.refit.sharded_ipc import IpcRefit, get_all, has_key, mark
 from nemo_dataplane.refit.transports.exchange import Exchange
 from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
 
@@ -78,7 +85,7 @@ _PROTOCOL = 1
 _I64_MIN = -(2**63)
 
 
-class _ReshardEndpoint(Endpoint):
+class _ReshardEndpoint(IpcRefit, Endpoint):
     sender = False
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
@@ -113,6 +120,7 @@ class _ReshardEndpoint(Endpoint):
         self.control = os.environ.get("NEMO_DATAPLANE_RESHARD_CONTROL", "store")
         if self.control not in ("store", "gloo"):
             raise ValueError(f"NEMO_DATAPLANE_RESHARD_CONTROL={self.control!r}: expected 'store' or 'gloo'")
+        self._init_ipc()
 
     # -- prepare
 
@@ -208,44 +216,6 @@ class _ReshardEndpoint(Endpoint):
         self.ipc_fallback_reason = "; ".join(problems)
         return "p2p"
 
-    def _setup_ipc(self, plan: ReshardPlan, fallback: bool) -> None:
-        """Receivers export their tensors, senders open their receivers'; all agree it worked."""
-        g = self.group
-        push = IpcPush(plan, g.rank, self.sender, self._locals, self.device)
-        status = "ok"
-        key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
-        try:
-            if not self.sender:
-                try:
-                    blob = push.export(self._tensors())
-                except Exception as e:
-                    blob = json.dumps({"error": str(e)}).encode()
-                    raise
-                finally:
-                    g.store.set(key(g.rank), blob)
-            else:
-                g.wait_for_ranks(key, push.peers, "CUDA IPC handles of the receivers' tensors")
-                push.open({r: g.store.get(key(r)) for r in push.peers},
-                          {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers})
-        except Exception as e:
-            push.close()
-            status = f"CUDA IPC setup failed: {e}"
-        g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
-        g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
-                         "CUDA IPC setup (waiting for every rank to export or open handles)")
-        bad = [f"rank {r}: {st}" for r in range(g.world_size)
-               if (st := g.store.get(self._key(self._gen, "ipc_open", r)).decode()) != "ok"]
-        if not bad:
-            self._push = push
-            self._peers_watch = push.peers
-            return
-        push.close()
-        if fallback and g.backend == "nccl":
-            self.transport = "p2p"
-            self.ipc_fallback_reason = "; ".join(bad)
-            return
-        raise RefitError(f"rank {g.rank}: transport='ipc' setup failed, no weights were moved: {clip(bad)}")
-
     def _check_locals(self) -> list[str]:
         """This rank's tensors against what its layout gives it (names, shapes, dtypes, device)."""
         try:
@@ -305,9 +275,10 @@ class _ReshardEndpoint(Endpoint):
         g = self.group
         fp = self._fp
         status = STATUS_ABORT if failed is not None else STATUS_OK
+        done = self._done_code
         vals = [MAGIC, fp, -fp, _I64_MIN if version is None else version,
-                _I64_MIN if version is None else -version, status]
-        magic, fp_max, neg_fp_min, v_max, neg_v_min, st = self._max(vals, "reshard refit header")
+                _I64_MIN if version is None else -version, status, done, -done]
+        magic, fp_max, neg_fp_min, v_max, neg_v_min, st, d_max, neg_d_min = self._max(vals, "reshard refit header")
         if st != STATUS_OK:
             if failed is not None:
                 raise failed
@@ -319,15 +290,19 @@ class _ReshardEndpoint(Endpoint):
             raise RefitError(f"rank {g.rank}: {msg}")
         if v_max != -neg_v_min:
             raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
+        if d_max != -neg_d_min:
+            raise RefitError(f"rank {g.rank}: the ranks disagree on the ipc done signal (this rank: "
+                             f"{self.done!r}); set NEMO_DATAPLANE_RESHARD_DONE alike on every rank")
         return v_max
 
     def _max(self, vals: list[int], what: str) -> list[int]:
         """Element-wise max over every rank, through the store (bounded by the group's timeout).
 
         Each rank posts its values under a key numbered by the exchange, then one blocking
-        ``wait`` (answered by the store server when the last key lands; no polling) and a get
-        per rank. Measured on one H200 (3 ranks): a gloo ``all_reduce`` of these 6 int64 took
-        0.6-0.9 ms after the last rank joined, on the critical path twice per ipc refit
+        ``wait`` (answered by the store server when the last key lands; no polling) and one
+        ``multi_get`` of the others' keys (one round trip instead of one per rank). Measured on
+        one H200 (3 ranks): a gloo ``all_reduce`` of these 6 int64 took 0.6-0.9 ms after the last
+        rank joined, on the critical path twice per ipc refit
         (docs/refit.md, section 6). A rank's key of two exchanges ago is deleted: every rank has
         read it, since each posts exchange n only after reading every key of n - 1."""
         g = self.group
@@ -343,10 +318,11 @@ class _ReshardEndpoint(Endpoint):
         try:
             g.store.wait(keys, datetime.timedelta(seconds=g.timeout))
         except Exception as e:
-            missing = [r for r, k in enumerate(keys) if not _has(g, k)]
+            missing = [r for r, k in enumerate(keys) if not has_key(g, k)]
             raise StatelessGroupTimeout(f"rank {g.rank}: {what} did not finish within {g.timeout:g}s: "
                                         f"ranks {missing} never posted ({e})") from e
-        rows = [vals if r == g.rank else json.loads(g.store.get(k)) for r, k in enumerate(keys)]
+        others = [k for r, k in enumerate(keys) if r != g.rank]
+        rows = [vals] + [json.loads(x) for x in get_all(g, others)]
         if n > 2:
             with contextlib.suppress(Exception):
                 g.store.delete_key(self._key(self._gen, "max", n - 2, g.rank))
@@ -373,60 +349,20 @@ class _ReshardEndpoint(Endpoint):
         except RefitMismatchError as e:
             failed = e
             self._publish_error(str(e))
-        _mark(marks, "check")
+        mark(marks, "check")
         if self._push is not None:
             return self._refit_ipc(version, tensors, failed, marks)
         v = self._header(version, failed)
-        _mark(marks, "header")
+        mark(marks, "header")
         what = f"reshard {'send' if self.sender else 'receive'} of version {v}"
         try:
             with torch.no_grad():
                 self._exchange.run(tensors, self._watch, what)
-            _mark(marks, "exchange")
+            mark(marks, "exchange")
         except Exception as e:
             self._publish_error(f"{'sender' if self.sender else 'receiver'} failed during refit of version {v}: {e}")
             raise
         self.bytes_moved = self._exchange.bytes_moved
-        self.version = v
-        return v
-
-    def _refit_ipc(self, version: int | None, tensors: Mapping[str, torch.Tensor],
-                   failed: BaseException | None, marks: dict[str, float] | None) -> int:
-        g = self.group
-        push = self._push
-        assert push is not None
-        if not self.sender and failed is None:
-            # Ready only once the work already queued on our tensors (e.g. generation) is done.
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            Work(g, "reshard receiver readiness (its queued GPU work)", event=ev).wait()
-            _mark(marks, "ready")
-        v = self._header(version, failed)
-        _mark(marks, "header")
-        status = 0
-        if self.sender:
-            try:
-                with torch.no_grad():
-                    done = push.issue(tensors)
-                _mark(marks, "issue")
-                Work(g, f"reshard ipc copies of version {v}", event=done).wait(watch=self._watch)
-                _mark(marks, "copies")
-                self.bytes_moved = push.bytes_issued
-            except Exception as e:
-                status = 1
-                failed = e
-                self._publish_error(f"sender failed to copy refit version {v}: {e}")
-        (st,) = self._max([status], f"reshard ipc refit of version {v} (waiting for every sender's copies)")
-        _mark(marks, "done")
-        if st:
-            if failed is not None:
-                raise RefitError(f"rank {g.rank}: failed to copy refit version {v}: {failed}") from failed
-            why = self._errors_of(r for r in range(g.world_size) if r != g.rank) or "no reason posted"
-            raise RefitError(f"rank {g.rank}: a sender failed to copy refit version {v}: {why}")
-        if not self.sender:
-            push.scatter()
-            _mark(marks, "scatter")
-            self.bytes_moved = self.reshard_plan.bytes_to(g.rank)  # type: ignore[union-attr]
         self.version = v
         return v
 
@@ -497,20 +433,12 @@ class ReshardReceiver(_ReshardEndpoint):
     """
 
     def receive_weights(self) -> int:
-        """Receive this rank's pieces of one refit; return (and store) its version."""
+        """Receive this rank's pieces of one refit; return (and store) its version.
+
+        With ``transport="ipc"`` and the default ``done="event"`` the weights are valid on the
+        stream current at the call (work queued on it afterwards runs after every copy), not
+        yet on the host: synchronise that stream before reading them elsewhere."""
         return self._refit(None)
-
-
-def _has(g: StatelessProcessGroup, key: str) -> bool:
-    try:
-        return bool(g.store.check([key]))
-    except Exception:
-        return False
-
-
-def _mark(marks: dict[str, float] | None, phase: str) -> None:
-    if marks is not None:
-        marks[phase] = time.perf_counter()
 
 
 def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:

@@ -811,12 +811,16 @@ def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool
 def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tuple[int, ...] = (7, 8),
                       bucket_bytes: int = 1024, direct_bytes: int | None = 512, backend: str = "gloo",
                       gpus: tuple[int, ...] | None = None, transport: str = "auto",
-                      timings: bool = False) -> dict[str, Any]:
+                      timings: bool = False, done: str | None = None, delay_cycles: int = 0) -> dict[str, Any]:
     """Refit ``case`` twice with different values; receivers compare bit patterns with the
-    hand-sharded unsharded weights and report what they received. ``gpus``: each rank's CUDA
-    device (tensors there; ranks may share one with a gloo group and transport="ipc").
-    ``timings``: turn the endpoint's phase timing on and report its marks (else report that
-    nothing was recorded)."""
+    hand-sharded unsharded weights (on their current stream, right after the refit returned)
+    and report what they received. ``gpus``: each rank's CUDA device (tensors there; ranks may
+    share one with a gloo group and transport="ipc"). ``timings``: turn the endpoint's phase
+    timing on and report its marks (else report that nothing was recorded). ``done``: the ipc
+    done signal to use (default: the endpoint's). ``delay_cycles``: each sender queues a GPU
+    sleep of that many cycles on its current stream before each refit, so its copies start
+    late; a receiver reports whether its current stream still had work pending when the refit
+    returned (``pending_at_return``)."""
     from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
 
     dev = torch.device("cpu")
@@ -836,12 +840,16 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         plan = ep.prepare_refit_info()
         if timings:
             ep.timings = []
+        if done is not None:
+            ep.done = done
         sent = []
         for i, v in enumerate(versions):
             if i:
                 fresh = _hand_for(src, rank, reshard_full(i, moe), False)
                 for k in mine:
                     mine[k].copy_(fresh[k])
+            if delay_cycles:
+                torch.cuda._sleep(delay_cycles)  # the copies wait for the current stream
             ep.send_weights(v)
             sent.append(ep.bytes_moved)
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
@@ -855,12 +863,19 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         plan = ep.prepare_refit_info()
         if timings:
             ep.timings = []
+        if done is not None:
+            ep.done = done
         refits = []
         for i in range(len(versions)):
             v = ep.receive_weights()
+            pending = None
+            if gpus is not None:
+                probe = torch.cuda.Event()
+                probe.record()
+                pending = not probe.query()
             want = _hand_for(dst, rank, reshard_full(i, moe), fused)
             wrong = sorted(k for k in want if not torch.equal(_bytes(mine[k]), _bytes(want[k])))
-            refits.append({"version": v, "wrong": wrong, "received": ep.bytes_moved,
+            refits.append({"version": v, "wrong": wrong, "received": ep.bytes_moved, "pending_at_return": pending,
                            "owned": sum(t.numel() * t.element_size() for t in want.values()),
                            "names": sorted(mine)})
         out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank),
@@ -961,6 +976,68 @@ def reshard_failures(rank: int, world: int, port: int, what: str) -> dict[str, A
         out["next_version"] = ep.receive_weights()
         want = _hand_for(layout, rank, full, True)
         out["wrong"] = sorted(k for k in want if not torch.equal(_bytes(mine[k]), _bytes(want[k])))
+    g.barrier()
+    g.destroy()
+    return out
+
+
+def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: float = 6.0) -> dict[str, Any]:
+    """TP=2 -> TP=1 over CUDA IPC on GPU 0 (3 processes), ``done="event"``. Refit 3: sender
+    rank 1 fails: ``what="raise"``: its copies cannot be enqueued (injected error);
+    ``"silent"``: it returns after the header without copying or signalling (as if it died
+    there). Every rank reports what refit 3 raised and how long it took; then refit 4 (new
+    values) runs normally and the receiver compares its bits."""
+    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    g = _group(rank, world, port, "gloo", timeout=timeout)
+    src, dst = reshard_layouts("tp2->tp1")
+    sender = rank in src.mesh.coords
+    layout = src if sender else dst
+    mine = {k: v.to(dev) for k, v in _hand_for(layout, rank, reshard_full(0), not sender).items()}
+    if not sender:
+        mine = {k: torch.zeros_like(v) for k, v in mine.items()}
+    ep: Any = (ReshardSender(g, mine, layout, transport="ipc", device=dev) if sender
+               else ReshardReceiver(g, mine, layout, device=dev))
+    ep.prepare_refit_info()
+    ep.done = "event"
+    out: dict[str, Any] = {}
+    if rank == 1:
+        if what == "raise":
+            real = ep._push.issue
+
+            def broken(*_: Any, **__: Any) -> Any:
+                ep._push.issue = real
+                raise RuntimeError("injected: copies refused")
+
+            ep._push.issue = broken
+        else:
+            real_done = ep._event_done
+
+            def silent(*_: Any, **__: Any) -> None:
+                ep._event_done = real_done
+
+            ep._event_done = silent
+    t0 = time.monotonic()
+    try:
+        ep.send_weights(3) if sender else ep.receive_weights()
+        out["first"] = None
+    except Exception as e:
+        out["first"] = {"error": type(e).__name__, "msg": str(e)}
+    out["first_s"] = time.monotonic() - t0
+    if what == "silent" and sender:
+        time.sleep(timeout)  # the receiver spends the group timeout in refit 3: do not outwait it in 4's header
+    fresh = _hand_for(layout, rank, reshard_full(1), not sender)
+    if sender:
+        for k in mine:
+            mine[k].copy_(fresh[k])
+        ep.send_weights(4)
+    else:
+        out["next_version"] = ep.receive_weights()
+        out["wrong"] = sorted(k for k in fresh if not torch.equal(_bytes(mine[k]), _bytes(fresh[k])))
+    g.barrier()
+    ep.close()
     g.barrier()
     g.destroy()
     return out

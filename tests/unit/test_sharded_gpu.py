@@ -39,8 +39,8 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     res = P.run_ranks(pool, P.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
                       case=case, gpus=gpus, transport="ipc", limit=120, timings=True)
     P.check_reshard(res, case)
-    P.check_timings(res, {"send": ["check", "header", "issue", "copies", "done"],
-                          "recv": ["check", "ready", "header", "done", "scatter"]}, refits=2)
+    P.check_timings(res, {"send": ["check", "header", "issue", "signal", "copies"],
+                          "recv": ["check", "ready", "header", "signal", "scatter"]}, refits=2)
     assert {res[r]["transport"] for r in res} == {"ipc"}
     src, _ = P.reshard_layouts(case)
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
@@ -54,3 +54,52 @@ def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:
                       backend="nccl", gpus=(0, 1), transport="p2p", limit=120)
     P.check_reshard(res, "tp1->tp1")
     assert {res[r]["transport"] for r in res} == {"p2p"}
+
+
+# GPU clock cycles of the sleep each sender queues before its copies (~0.1-0.2 s on an H100/H200):
+# far longer than a receiver needs to learn that the copies were enqueued and return.
+_DELAY_CYCLES = 300_000_000
+
+
+@pytest.mark.parametrize("done", ["event", "host"])
+def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool: P.Pool, done: str) -> None:
+    """Each sender's copies start ~0.15 s late (a GPU sleep before them on its stream). With the
+    event done signal the receiver returns before they ran (its stream still waits on the
+    senders' events), yet what it reads on its current stream right after is bit-exact; with
+    the host done signal (the earlier way) the same read is bit-exact too."""
+    res = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
+                      gpus=(0, 0, 0), transport="ipc", limit=120, done=done, delay_cycles=_DELAY_CYCLES)
+    P.check_reshard(res, "tp2->tp1")
+    if done == "event":
+        assert [x["pending_at_return"] for x in res[2]["refits"]] == [True, True], res[2]["refits"]
+
+
+def test_ipc_sender_failure_before_signalling_raises_on_the_receiver(pool: P.Pool) -> None:
+    """done="event": a sender whose copies cannot be enqueued posts its error as its done
+    status: every receiver raises it at once, naming the rank; the next refit works."""
+    res = P.run_ranks(pool, P.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="raise",
+                      limit=120)
+    for r, out in res.items():
+        assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
+    assert res[0]["first"] is None
+    assert res[1]["first"]["error"] == "RefitError" and "injected: copies refused" in res[1]["first"]["msg"]
+    err = res[2]["first"]
+    assert err["error"] == "RefitError", err
+    assert "a sender failed to copy refit version 3" in err["msg"] and "rank 1:" in err["msg"], err
+    assert res[2]["first_s"] < 3.0, res[2]["first_s"]  # not the group timeout (6 s)
+    assert res[2]["next_version"] == 4 and res[2]["wrong"] == []
+
+
+def test_ipc_silent_sender_times_out_on_the_receiver(pool: P.Pool) -> None:
+    """done="event": a sender that never posts its done signal (as if it died after the header)
+    makes the receiver raise within the group timeout, naming the rank, instead of returning
+    weights nothing orders; the next refit works."""
+    res = P.run_ranks(pool, P.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="silent",
+                      timeout=6.0, limit=120)
+    for r, out in res.items():
+        assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
+    err = res[2]["first"]
+    assert err["error"] == "StatelessGroupTimeout", err
+    assert "sender ranks [1] never posted" in err["msg"], err
+    assert 5.0 < res[2]["first_s"] < 20.0, res[2]["first_s"]
+    assert res[2]["next_version"] == 4 and res[2]["wrong"] == []

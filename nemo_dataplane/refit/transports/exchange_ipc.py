@@ -15,14 +15,20 @@ not matter here.
 The group carries only host-side control (works on gloo, so several processes may share a
 GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
 join it once their queued GPU work is done, so nothing they still read is overwritten), the
-senders' copies, then a ``done`` max exchange once every sender's copies finished (both
-through the group's store, ``sharded._max``).
+senders' copies, then the done signal (``sharded_ipc.py``). By default (``done="event"``) each
+sender records an interprocess CUDA event after its copies (``signal_blob()``: made and shared
+once at prepare) and posts one small status per refit to the store right after enqueueing
+them; each receiver's stream waits on its senders' events on the GPU (``wait_signals()``), so
+no host waits for the copies on the receiver's critical path. ``done="host"``: a ``done`` max
+exchange once every sender's copies finished (the earlier way, kept for comparison).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import Mapping, Sequence
 
@@ -33,7 +39,9 @@ from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.reshard import ReshardPlan
 
-__all__ = ["IpcPush", "pitched_copies"]
+__all__ = ["ORDERS", "IpcPush", "pitched_copies"]
+
+ORDERS = ("batched_first", "strided_first")
 
 Copy = tuple[int, int, int, int, int, int]  # dst ptr, dst pitch, src ptr, src pitch, width, height (bytes)
 
@@ -114,6 +122,14 @@ class IpcPush:
         self.pitched = os.environ.get("NEMO_DATAPLANE_RESHARD_PITCHED", "kernel")
         if self.pitched not in ("kernel", "memcpy2d"):
             raise ValueError(f"NEMO_DATAPLANE_RESHARD_PITCHED={self.pitched!r}: expected 'kernel' or 'memcpy2d'")
+        # Which kind of copies the host enqueues first (see issue()).
+        self.order = os.environ.get("NEMO_DATAPLANE_RESHARD_ORDER", "batched_first")
+        if self.order not in ORDERS:
+            raise ValueError(f"NEMO_DATAPLANE_RESHARD_ORDER={self.order!r}: expected one of {ORDERS}")
+        # The done signal (done="event", see signal_blob()): the sender's interprocess event,
+        # recorded after its copies; a receiver's opened events of its senders.
+        self.done_event: torch.cuda.Event | None = None
+        self.sender_events: dict[int, torch.cuda.Event] = {}
         self._stream2: torch.cuda.Stream | None = None
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -152,9 +168,37 @@ class IpcPush:
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
 
+    def signal_blob(self) -> bytes:
+        """Sender: make the interprocess CUDA event that ``issue()`` records after every copy
+        and export its handle (JSON: its GPU and the handle) for the receivers to open once."""
+        with torch.cuda.device(self.device):
+            self.done_event = torch.cuda.Event(interprocess=True)
+            handle = bytes(self.done_event.ipc_handle())
+        return json.dumps({"uuid": _ipc._uuid(self.device.index), "device": self.device.index,
+                           "handle": base64.b64encode(handle).decode()}).encode()
+
+    def open_signals(self, blobs: Mapping[int, bytes]) -> None:
+        """Receiver: open every sender's done event (``blobs``: sender rank -> ``signal_blob()``)."""
+        events = {}
+        for r, blob in blobs.items():
+            d = json.loads(blob)
+            if "error" in d:
+                raise RuntimeError(f"rank {r} could not export its done event: {d['error']}")
+            dev = _ipc.local_index_of(str(d.get("uuid", "")), int(d["device"]))
+            events[r] = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev), base64.b64decode(d["handle"]))
+        self.sender_events = events
+
+    def wait_signals(self, stream: torch.cuda.Stream) -> None:
+        """Receiver: order ``stream`` after each sender's last recorded done event (GPU-side
+        ``cudaStreamWaitEvent``; the host does not wait). Call only once every sender said it
+        recorded this refit's: a wait sees the record made before it was enqueued."""
+        for ev in self.sender_events.values():
+            stream.wait_event(ev)
+
     def close(self) -> None:
         had = bool(self.views) or self.targets is not None
         self.views, self.targets, self._sources, self._copies, self._slow = {}, None, [], [], []
+        self.done_event, self.sender_events = None, {}
         self._runs = []
         self._gather = ([], [])
         self._key = None
@@ -219,14 +263,16 @@ class IpcPush:
 
     def issue(self, tensors: Mapping[str, torch.Tensor]) -> torch.cuda.Event:
         """Sender: enqueue every copy (after the current stream); returns an event recorded
-        after them, and orders the current stream after them.
+        after them, records ``done_event`` (if made) after them, and orders the current stream
+        after them (later writes to the weights wait for the copies reading them).
 
         ``pitched="kernel"`` (default): contiguous pieces go out as batched copy-engine copies
         on the copy stream, the others (column blocks of row-parallel weights) as torch strided
         copy kernels on a second stream, so both run at once; ``"memcpy2d"``: one
         ``cudaMemcpy2DAsync`` per piece on the copy stream (the earlier way, suspected slow for
-        column blocks of short rows; kept for comparison)."""
-        assert self._stream is not None
+        column blocks of short rows; kept for comparison). ``order``: which of the two kinds
+        the host enqueues first (the GPU starts on them while the host enqueues the others)."""
+        assert self._stream is not None and self._stream2 is not None
         self._plan(tensors)
         cur = torch.cuda.current_stream(self.device)
         s, s2 = self._stream, self._stream2
@@ -235,6 +281,33 @@ class IpcPush:
         self._mid = None
         if self.timing:
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        slow = bool(self._slow)
+        if slow:
+            s2.wait_stream(cur)
+        if slow and self.order == "strided_first":
+            self._issue_strided(s2, marks)
+            self._issue_batched(tensors, s, marks)
+        elif not self._issue_batched(tensors, s, marks) and slow:
+            self._issue_strided(s2, marks)
+        if slow:
+            s.wait_stream(s2)
+        elif marks:
+            marks[2].record(s)
+            marks[3].record(s)
+        self._events = marks
+        ev = torch.cuda.Event()
+        ev.record(s)
+        if self.done_event is not None:
+            self.done_event.record(s)
+        cur.wait_stream(s)  # later writes to the weights wait for the copies reading them
+        return ev
+
+    def _issue_batched(self, tensors: Mapping[str, torch.Tensor], s: torch.cuda.Stream,
+                       marks: list[torch.cuda.Event]) -> bool:
+        """The copy-engine copies (and, with ``pitched="memcpy2d"``, the 2D ones) on ``s``;
+        True if the 2D copies were refused and every piece went out here instead."""
+        everything = False
+        if marks:
             marks[0].record(s)
         if self._runs:
             self._copier.issue(self._runs, [], s, [s])
@@ -251,26 +324,21 @@ class IpcPush:
                 self._key = None
                 self._plan(tensors)
                 self.raw_error = str(e)
+                self._copier.issue(self._runs, self._slow, s, [s])
+                everything = True
         if marks:
             marks[1].record(s)
-        if self._slow:
-            s2.wait_stream(cur)
-            if marks:
-                marks[2].record(s2)
-            with torch.cuda.stream(s2):
-                for d, x in self._slow:
-                    d.copy_(x, non_blocking=True)
-            if marks:
-                marks[3].record(s2)
-            s.wait_stream(s2)
-        elif marks:
-            marks[2].record(s)
-            marks[3].record(s)
-        self._events = marks
-        ev = torch.cuda.Event()
-        ev.record(s)
-        cur.wait_stream(s)  # later writes to the weights wait for the copies reading them
-        return ev
+        return everything
+
+    def _issue_strided(self, s2: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
+        """The strided copy kernels (non-contiguous pieces) on ``s2``."""
+        if marks:
+            marks[2].record(s2)
+        with torch.cuda.stream(s2):
+            for d, x in self._slow:
+                d.copy_(x, non_blocking=True)
+        if marks:
+            marks[3].record(s2)
 
     def _raw(self, stream: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
         rt = self._rt

@@ -14,6 +14,7 @@ from nemo_dataplane.refit.transports.exchange import Exchange
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
+import _reshard_procs as R  # noqa: E402
 
 
 def test_tp2_to_tp1_worked_example() -> None:
@@ -38,9 +39,9 @@ def test_tp2_to_tp1_worked_example() -> None:
         ("o.weight", ((0, 4), (0, 3)), 0), ("q_proj.weight", ((0, 2), (0, 6)), 24)]
 
 
-@pytest.mark.parametrize("case", sorted(P.RESHARD_CASES))
+@pytest.mark.parametrize("case", sorted(R.RESHARD_CASES))
 def test_every_receiver_gets_exactly_what_it_owns(case: str) -> None:
-    src, dst = P.reshard_layouts(case)
+    src, dst = R.reshard_layouts(case)
     plan = plan_reshard(src, dst, bucket_bytes=1024)
     for r in dst.mesh.ranks:
         assert plan.bytes_to(r) == plan.owned_bytes(r) > 0
@@ -61,7 +62,7 @@ def test_every_receiver_gets_exactly_what_it_owns(case: str) -> None:
 
 
 def test_replicas_share_the_sending() -> None:
-    src, dst = P.reshard_layouts("dp2tp2->tp2")  # senders 0..3 = (dp, tp), receivers 4, 5
+    src, dst = R.reshard_layouts("dp2tp2->tp2")  # senders 0..3 = (dp, tp), receivers 4, 5
     plan = plan_reshard(src, dst, bucket_bytes=1024)
     assert all(plan.bytes_from(s) > 0 for s in src.mesh.ranks)
     for p in plan.pieces:  # a sender only ever sends what it holds
@@ -73,7 +74,7 @@ def test_replicas_share_the_sending() -> None:
 
 
 def test_unknown_rule_moves_whole_from_one_sender() -> None:
-    src, dst = P.reshard_layouts("tp2->tp1")
+    src, dst = R.reshard_layouts("tp2->tp1")
     plan = plan_reshard(src, dst, bucket_bytes=1024)
     assert plan.fallback == ("model.layers.0.mlp.router_A_log", "model.layers.1.self_attn.sinks")
     (p,) = [p for p in plan.pieces if p.param == "model.layers.0.mlp.router_A_log"]
@@ -81,7 +82,7 @@ def test_unknown_rule_moves_whole_from_one_sender() -> None:
 
 
 def test_packing_is_aligned_bounded_and_directs_are_contiguous() -> None:
-    src, dst = P.reshard_layouts("tp1->tp2")
+    src, dst = R.reshard_layouts("tp1->tp2")
     plan = plan_reshard(src, dst, bucket_bytes=600, direct_bytes=200)
     cap = 600 // 2  # sender 0 has two peers
     for s, r in plan.pairs:
@@ -107,7 +108,7 @@ def test_packing_is_aligned_bounded_and_directs_are_contiguous() -> None:
 
 
 def test_plan_errors_name_the_parameter() -> None:
-    src, dst = P.reshard_layouts("tp2->tp1", extra_receiver_param=True)
+    src, dst = R.reshard_layouts("tp2->tp1", extra_receiver_param=True)
     with pytest.raises(ReshardPlanError, match="model.layers.1.self_attn.q_norm.weight: receiver parameter that no "
                                                 "sender layout has"):
         plan_reshard(src, dst)
@@ -125,15 +126,15 @@ def test_plan_errors_name_the_parameter() -> None:
 
 
 def test_plan_is_cached_and_fingerprinted_by_content() -> None:
-    src, dst = P.reshard_layouts("pp2->pp1")
+    src, dst = R.reshard_layouts("pp2->pp1")
     a = plan_reshard(src, dst, bucket_bytes=4096)
-    assert plan_reshard(*P.reshard_layouts("pp2->pp1"), bucket_bytes=4096) is a
+    assert plan_reshard(*R.reshard_layouts("pp2->pp1"), bucket_bytes=4096) is a
     b = plan_reshard(src, dst, bucket_bytes=8192)
     assert b is not a and b.fingerprint != a.fingerprint
 
 
 def test_fused_receiver_gets_vllm_order() -> None:
-    src, dst = P.reshard_layouts("tp1->tp2")
+    src, dst = R.reshard_layouts("tp1->tp2")
     assert "model.layers.0.self_attn.qkv_proj.weight" in dst.fused
     plan = plan_reshard(src, dst, bucket_bytes=1 << 20)
     # receiver 2 (TP rank 1) takes q rows 8:16 into its rows 0:8, k rows 4:8 into 8:12, v into 12:16
@@ -148,8 +149,8 @@ def test_fused_receiver_gets_vllm_order() -> None:
 @pytest.mark.parametrize("bucket", [300, 1024, 4096])
 def test_every_staging_slot_is_aligned_for_its_dtype(bucket: int) -> None:
     """Several packed messages share a round's buffer; each slot must be viewable as its dtype."""
-    for case in P.RESHARD_CASES:
-        src, dst = P.reshard_layouts(case)
+    for case in R.RESHARD_CASES:
+        src, dst = R.reshard_layouts(case)
         plan = plan_reshard(src, dst, bucket_bytes=bucket, direct_bytes=1 << 20)
         for rank in (*src.mesh.ranks, *dst.mesh.ranks):
             lay = src if rank in src.mesh.coords else dst

@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
+import _reshard_procs as R  # noqa: E402
 
 
 def _ok(res: dict) -> None:
@@ -27,27 +28,27 @@ CPU_CASES = ["tp2->tp1", "tp1->tp2", "dp2tp2->tp2", "pp2->pp1", "ep2->ep1"]
 
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_reshard_is_bit_exact_and_moves_only_owned_bytes(pool: P.Pool, case: str) -> None:
-    src, dst = P.reshard_layouts(case)
+    src, dst = R.reshard_layouts(case)
     world = len(src.mesh.ranks) + len(dst.mesh.ranks)
-    res = P.run_ranks(pool, P.reshard_roundtrip, list(range(world)), world=world, port=P.free_port(), case=case)
+    res = P.run_ranks(pool, R.reshard_roundtrip, list(range(world)), world=world, port=P.free_port(), case=case)
     _ok(res)
-    P.check_reshard(res, case)
+    R.check_reshard(res, case)
 
 
 def test_phase_timings_are_opt_in_and_mark_each_phase_in_order(pool: P.Pool) -> None:
-    off = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1")
+    off = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1")
     _ok(off)
     assert all(out["timings"] is None for out in off.values())
-    on = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
+    on = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
                      timings=True)
     _ok(on)
-    P.check_reshard(on, "tp2->tp1")
+    R.check_reshard(on, "tp2->tp1")
     p2p = ["check", "header", "exchange"]
-    P.check_timings(on, {"send": p2p, "recv": p2p}, refits=2)
+    R.check_timings(on, {"send": p2p, "recv": p2p}, refits=2)
 
 
 def test_missing_mapping_fails_at_prepare_naming_the_parameter(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.reshard_failures, [0, 1, 2], world=3, port=P.free_port(), what="missing")
+    res = P.run_ranks(pool, R.reshard_failures, [0, 1, 2], world=3, port=P.free_port(), what="missing")
     _ok(res)
     for r in (0, 1, 2):
         err = res[r]["prepare"]
@@ -57,7 +58,7 @@ def test_missing_mapping_fails_at_prepare_naming_the_parameter(pool: P.Pool) -> 
 
 
 def test_sender_abort_stops_every_rank_before_bulk_and_group_stays_usable(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.reshard_failures, [0, 1, 2], world=3, port=P.free_port(), what="abort")
+    res = P.run_ranks(pool, R.reshard_failures, [0, 1, 2], world=3, port=P.free_port(), what="abort")
     _ok(res)
     assert res[1]["abort"]["error"] == "RefitMismatchError"
     want = "model.norm.weight: the layout gives this rank [16] float32, the tensor is [17] float32"

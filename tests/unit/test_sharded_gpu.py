@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
+import _reshard_procs as R  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -36,13 +37,13 @@ def pool() -> Iterator[P.Pool]:
     ids=["tp2-tp1", "tp1-tp2", "dp2tp2-tp2", "ep2-ep1", "tp2-tp1-one-gpu"],
 )
 def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: tuple[int, ...]) -> None:
-    res = P.run_ranks(pool, P.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
+    res = P.run_ranks(pool, R.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
                       case=case, gpus=gpus, transport="ipc", limit=120, timings=True)
-    P.check_reshard(res, case)
-    P.check_timings(res, {"send": ["check", "header", "issue", "signal", "copies"],
+    R.check_reshard(res, case)
+    R.check_timings(res, {"send": ["check", "header", "issue", "signal", "copies"],
                           "recv": ["check", "ready", "header", "signal", "scatter"]}, refits=2)
     assert {res[r]["transport"] for r in res} == {"ipc"}
-    src, _ = P.reshard_layouts(case)
+    src, _ = R.reshard_layouts(case)
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
         assert res[s]["raw"], res[s]["raw_error"]
 
@@ -50,9 +51,9 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
 @two_gpus
 def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:
     pytest.importorskip("nccl.core", reason="nccl4py not installed (pip install 'nemo-dataplane[gpu]')")
-    res = P.run_ranks(pool, P.reshard_roundtrip, [0, 1], world=2, port=P.free_port(), case="tp1->tp1",
+    res = P.run_ranks(pool, R.reshard_roundtrip, [0, 1], world=2, port=P.free_port(), case="tp1->tp1",
                       backend="nccl", gpus=(0, 1), transport="p2p", limit=120)
-    P.check_reshard(res, "tp1->tp1")
+    R.check_reshard(res, "tp1->tp1")
     assert {res[r]["transport"] for r in res} == {"p2p"}
 
 
@@ -67,9 +68,9 @@ def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool:
     event done signal the receiver returns before they ran (its stream still waits on the
     senders' events), yet what it reads on its current stream right after is bit-exact; with
     the host done signal (the earlier way) the same read is bit-exact too."""
-    res = P.run_ranks(pool, P.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
+    res = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
                       gpus=(0, 0, 0), transport="ipc", limit=120, done=done, delay_cycles=_DELAY_CYCLES)
-    P.check_reshard(res, "tp2->tp1")
+    R.check_reshard(res, "tp2->tp1")
     if done == "event":
         assert [x["pending_at_return"] for x in res[2]["refits"]] == [True, True], res[2]["refits"]
 
@@ -77,7 +78,7 @@ def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool:
 def test_ipc_sender_failure_before_signalling_raises_on_the_receiver(pool: P.Pool) -> None:
     """done="event": a sender whose copies cannot be enqueued posts its error as its done
     status: every receiver raises it at once, naming the rank; the next refit works."""
-    res = P.run_ranks(pool, P.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="raise",
+    res = P.run_ranks(pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="raise",
                       limit=120)
     for r, out in res.items():
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
@@ -94,7 +95,7 @@ def test_ipc_silent_sender_times_out_on_the_receiver(pool: P.Pool) -> None:
     """done="event": a sender that never posts its done signal (as if it died after the header)
     makes the receiver raise within the group timeout, naming the rank, instead of returning
     weights nothing orders; the next refit works."""
-    res = P.run_ranks(pool, P.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="silent",
+    res = P.run_ranks(pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="silent",
                       timeout=6.0, limit=120)
     for r, out in res.items():
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"

@@ -41,6 +41,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -107,23 +108,11 @@ class IpcRefit:
         ev_key = lambda r: self._key(self._gen, "ipc_event", r)  # noqa: E731
         try:
             if not self.sender:
-                try:
-                    blob = push.export(self._tensors())
-                except Exception as e:
-                    blob = json.dumps({"error": str(e)}).encode()
-                    raise
-                finally:
-                    g.store.set(dst_key(g.rank), blob)
+                _post(g.store, dst_key(g.rank), lambda: push.export(self._tensors()))
                 g.wait_for_ranks(ev_key, push.peers, "the senders' CUDA IPC done events")
                 push.open_signals({r: g.store.get(ev_key(r)) for r in push.peers})
             else:
-                try:
-                    ev = push.signal_blob()
-                except Exception as e:
-                    ev = json.dumps({"error": str(e)}).encode()
-                    raise
-                finally:
-                    g.store.set(ev_key(g.rank), ev)
+                _post(g.store, ev_key(g.rank), push.signal_blob)
                 g.wait_for_ranks(dst_key, push.peers, "CUDA IPC handles of the receivers' tensors")
                 push.open({r: g.store.get(dst_key(r)) for r in push.peers},
                           {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers})
@@ -278,3 +267,14 @@ def has_key(g: StatelessProcessGroup, key: str) -> bool:
 def mark(marks: dict[str, float] | None, phase: str) -> None:
     if marks is not None:
         marks[phase] = time.perf_counter()
+
+
+def _post(store: Any, key: str, make: Callable[[], bytes]) -> None:
+    """Set ``key`` to ``make()``, or to ``{"error": ...}`` before re-raising what ``make`` raised,
+    so that the peers waiting on the key learn of the failure instead of timing out."""
+    try:
+        blob = make()
+    except Exception as e:
+        store.set(key, json.dumps({"error": str(e)}).encode())
+        raise
+    store.set(key, blob)

@@ -372,6 +372,11 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         raise ConfigError("refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
                           "and policy.device=cuda and generation.device=cuda")
     _positive(cfg.generation.num_gpus, "generation.num_gpus")
+    if cfg.refit_mode == "reshard" and cfg.generation.backend != "hf":
+        why = f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size}" if cfg.refit.mode == "auto" \
+            else "refit.mode=reshard"
+        raise ConfigError(f"{why} with generation.backend={cfg.generation.backend}: the reshard refit into vLLM is "
+                          "not wired yet; use generation.backend=hf")
     if cfg.policy.gpus_per_rank is not None:
         _positive(cfg.policy.gpus_per_rank, "policy.gpus_per_rank")
         if cfg.policy.gpus_per_rank > 1 and cfg.policy.gpus_per_rank != int(cfg.policy.gpus_per_rank):
@@ -394,9 +399,6 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         if tp > 1 and cfg.refit_mode != "reshard":
             raise ConfigError(f"policy.tensor_parallel_size={tp} needs refit.mode=reshard (or auto): the packed "
                               "refit sends whole weights from one rank, which holds 1/TP of them")
-        if tp > 1 and cfg.generation.backend != "hf":
-            raise ConfigError(f"policy.tensor_parallel_size={tp} with generation.backend={cfg.generation.backend}: "
-                              "the reshard refit into vLLM is not wired yet; use generation.backend=hf")
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device == "cuda" and cfg.policy_ranks > 1 \
             and cfg.policy_gpus_per_rank() <= 0.5:
         # NCCL refuses two ranks of one communicator on one device; above half a GPU each, Ray

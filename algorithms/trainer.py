@@ -155,14 +155,22 @@ class Trainer:
         env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
                             "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
+        gpu_env = env
+        if cfg.refit_mode == "reshard" and cfg.refit.transport != "p2p" and \
+                cfg.policy.device == cfg.generation.device == "cuda":
+            from algorithms.workers.gpus import ALL_GPUS_ENV
+
+            # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
+            gpu_env = {**env, "env_vars": {**env["env_vars"], ALL_GPUS_ENV: "1"}}
         policy_cls = ray.remote(PolicyWorker)
         policy = [
-            policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=env,
+            policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env,
                                name=None).remote(r, ranks, plain)
             for r in range(ranks)
         ]
         generator = ray.remote(GeneratorWorker).options(
-            num_cpus=cpus, num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0, runtime_env=env
+            num_cpus=cpus, num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
+            runtime_env=gpu_env,
         ).remote(plain)
         # Several concurrent calls: submit/poll/take while the producer thread generates.
         collectors = [

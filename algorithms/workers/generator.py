@@ -24,9 +24,11 @@ class GeneratorWorker:
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         from algorithms.engines.generation import build_engine
+        from algorithms.workers.gpus import worker_device
 
         self.cfg = cfg
         torch.set_num_threads(int(cfg["trainer"]["num_threads"]))
+        worker_device(cfg["generation"]["device"])  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
 
     def ready(self) -> bool:

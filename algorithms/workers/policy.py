@@ -79,7 +79,9 @@ class PolicyWorker:
         torch.set_num_threads(int(cfg["trainer"]["num_threads"]))
         torch.manual_seed(int(cfg["trainer"]["seed"]) * 1000 + rank)
         pcfg = cfg["policy"]
-        self.device = torch.device("cuda" if pcfg["device"] == "cuda" else "cpu")
+        from algorithms.workers.gpus import worker_device
+
+        self.device = worker_device(pcfg["device"])
         self.timeout_s = float(cfg["trainer"]["step_timeout_s"])
         self.tokenizer = CharTokenizer()
         self.model = build_model(pcfg["model"], vocab_size=self.tokenizer.vocab_size).to(self.device)

@@ -1,0 +1,36 @@
+"""Which GPU a worker actor uses.
+
+Ray normally narrows each GPU actor's ``CUDA_VISIBLE_DEVICES`` to the GPU(s) it was given, so
+every actor sees its GPU as ``cuda:0``. A CUDA IPC refit needs more: a sender opens the
+generator's memory, so it must see the generator's GPU too (``nemo_dataplane.refit.ipc``
+refuses otherwise, naming ``CUDA_VISIBLE_DEVICES``). For that layout the trainer starts the
+policy and generator actors with :data:`ALL_GPUS_ENV` set (every GPU visible) and each actor
+makes the GPU Ray assigned it current (:func:`worker_device`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Ray's own switch: when "1" in an actor's environment, Ray leaves CUDA_VISIBLE_DEVICES alone.
+ALL_GPUS_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def worker_device(kind: str) -> torch.device:
+    """The device of a worker configured with ``kind`` (``"cpu"`` or ``"cuda"``). With every GPU
+    visible, the GPU Ray assigned this actor becomes the current one and is returned by index;
+    otherwise ``cuda`` (Ray's narrowing already made the right GPU the only one)."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    if os.environ.get(ALL_GPUS_ENV) == "1":
+        import ray
+
+        ids = ray.get_gpu_ids()
+        if not ids:
+            raise RuntimeError(f"{ALL_GPUS_ENV}=1 but Ray assigned this actor no GPU (ask for num_gpus > 0)")
+        index = int(ids[0])
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cuda")

@@ -372,11 +372,6 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         raise ConfigError("refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
                           "and policy.device=cuda and generation.device=cuda")
     _positive(cfg.generation.num_gpus, "generation.num_gpus")
-    if cfg.refit_mode == "reshard" and cfg.generation.backend != "hf":
-        why = f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size}" if cfg.refit.mode == "auto" \
-            else "refit.mode=reshard"
-        raise ConfigError(f"{why} with generation.backend={cfg.generation.backend}: the reshard refit into vLLM is "
-                          "not wired yet; use generation.backend=hf")
     if cfg.policy.gpus_per_rank is not None:
         _positive(cfg.policy.gpus_per_rank, "policy.gpus_per_rank")
         if cfg.policy.gpus_per_rank > 1 and cfg.policy.gpus_per_rank != int(cfg.policy.gpus_per_rank):

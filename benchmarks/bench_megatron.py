@@ -1,6 +1,6 @@
 """grpo_sync with the Megatron-core policy at TP=1 and TP=2 against the torch worker (GPU only).
 
-    python benchmarks/bench_megatron.py [--steps 15] [--layout auto|one-gpu|two-gpu] [--no-resume]
+    python benchmarks/bench_megatron.py [--steps 15] [--layout auto|one-gpu|two-gpu|separate] [--no-resume]
         [--json PATH] [dotted.key=value ...]
 
 Runs the real trainer (``python -m algorithms.grpo_sync``, one subprocess each, data plane on)
@@ -12,7 +12,10 @@ copies, gloo for control), so step and refit times compare like for like.
 
 Layouts: ``one-gpu`` puts everything on one GPU (the policy ranks' collectives over gloo: NCCL
 refuses two ranks on one device; the generator shares the GPU); ``two-gpu`` gives each TP rank
-most of a GPU (NCCL collectives) and the generator the rest of one. ``auto`` picks by device count.
+most of a GPU (NCCL collectives) and the generator the rest of one; ``separate`` gives each TP
+rank a GPU and the generator another (3 GPUs at TP=2). ``auto``: ``separate`` with 3 or more
+GPUs, ``two-gpu`` with 2, else ``one-gpu``. Every layout refits over CUDA IPC, across GPUs where
+they differ (the trainer then lets the actors see every GPU: ``algorithms/workers/gpus.py``).
 
 Unless ``--no-resume``, the TP=2 run checkpoints at step 8 (one file per TP rank) and a second run
 resumes from it: its losses must equal the uninterrupted run's tail bitwise.
@@ -43,6 +46,9 @@ def layout_overrides(layout: str, tp: int) -> list[str]:
               "refit.backend=gloo"]
     if layout == "one-gpu":
         return common + ["policy.dist_backend=gloo", "generation.num_gpus=0.5", f"policy.gpus_per_rank={0.5 / tp:g}"]
+    if layout == "separate":
+        return common + ["policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo", "generation.num_gpus=1",
+                         "policy.gpus_per_rank=1"]
     return common + ["policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo", "generation.num_gpus=0.25",
                      "policy.gpus_per_rank=0.75"]
 
@@ -62,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_tiny.yaml"))
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--layout", choices=("auto", "one-gpu", "two-gpu"), default="auto")
+    ap.add_argument("--layout", choices=("auto", "one-gpu", "two-gpu", "separate"), default="auto")
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "bench_megatron.json"))
@@ -75,7 +81,8 @@ def main() -> int:
     if gpus == 0:
         print("bench_megatron: needs a CUDA device", file=sys.stderr)
         return 2
-    layout = args.layout if args.layout != "auto" else ("two-gpu" if gpus >= 2 else "one-gpu")
+    layout = args.layout if args.layout != "auto" else \
+        ("separate" if gpus >= 3 else "two-gpu" if gpus == 2 else "one-gpu")
     base = ["trainer.dp_size=1", f"trainer.steps={args.steps}", "trainer.val_every=0", "logging.quiet=true",
             "data_plane.enabled=true", *args.overrides]
     runs = {"torch tp1": ("torch", 1), "megatron tp1": ("megatron", 1), "megatron tp2": ("megatron", 2)}

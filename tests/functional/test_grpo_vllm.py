@@ -132,7 +132,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     fail = _start(root / "fail", *SMALL, "trainer.steps=4", "trainer.val_every=0", "debug.fail_at_step=1",
                   "debug.fail_in=train", "debug.fail_rank=1")
     # The async trainer drives the same engine: it trains steps with vLLM rollouts, then gets Ctrl-C.
-    ctrl_c = _start(root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
+    # Its weights reach vLLM by the resharding refit (a TP>1 trainer's path; the learn run: packed).
+    ctrl_c = _start(root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0", "refit.mode=reshard",
+                    module="grpo_async")
     try:
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline and ctrl_c.proc.poll() is None and len(ctrl_c.rows) < 2:
@@ -182,6 +184,7 @@ def test_ctrl_c_stops_the_async_vllm_run_with_no_process_left(runs: dict[str, Ru
     assert run.proc.returncode == 130, run.explain()
     assert run.summary["status"].startswith("interrupted")
     assert all(r["staleness_max"] <= 1 and r["loss"] is not None for r in run.rows), "async steps trained on vLLM rollouts"
+    assert run.summary["policy_layout"]["refit"] == "reshard"
     assert run.summary["keys_outstanding_at_exit"] == 0
     # Driver, Ray's own processes and the worker actors (the generator holds the vLLM engine).
     assert run.seen >= 5, f"the marker reached only {run.seen} processes of the running trainer"

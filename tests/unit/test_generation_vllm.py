@@ -65,10 +65,14 @@ def _trainer(seed: int = 0, noise: float = 0.0, model: dict[str, Any] | None = N
 
 
 class _Sender:
-    """Policy rank 0 in a thread: joins the group, prepares, then sends each version put in ``send``."""
+    """A trainer rank in a thread: joins the group, prepares, then sends each version put in
+    ``send``. Default: policy rank 0 of a 2-rank group with a ``RefitSender`` of ``model``;
+    ``make(group)`` builds another sender (a TP rank's ``ReshardSender``) as group ``rank``."""
 
-    def __init__(self, model: torch.nn.Module, port: int) -> None:
-        self.model, self.port = model, port
+    def __init__(self, model: torch.nn.Module | None, port: int, *, rank: int = 0, world: int = 2,
+                 make: Callable[[StatelessProcessGroup], Any] | None = None) -> None:
+        self.model, self.port, self.rank, self.world = model, port, rank, world
+        self.make = make or (lambda g: RefitSender(g, self.model.named_parameters))
         self.error: BaseException | None = None
         self._versions: list[int] = []
         self._cv = threading.Condition()
@@ -76,9 +80,9 @@ class _Sender:
         self.thread.start()
 
     def _run(self) -> None:
-        group = StatelessProcessGroup("127.0.0.1", self.port, 0, 2, "gloo", 60.0, group_name="refit")
+        group = StatelessProcessGroup("127.0.0.1", self.port, self.rank, self.world, "gloo", 60.0, group_name="refit")
         try:
-            sender = RefitSender(group, self.model.named_parameters)
+            sender = self.make(group)
             sender.prepare_refit_info()
             while True:
                 with self._cv:
@@ -185,6 +189,39 @@ def test_refit_changes_outputs_and_logprobs_match_the_trainer_forward(engine: VL
     assert delta < LOGPROB_TOL, f"max |vLLM - trainer| log-prob = {delta:.3g}"
     # And not those of the old weights (the check can fail).
     assert _max_delta(_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL
+
+
+def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEngine) -> None:
+    """A TP=2 trainer (Megatron's shards of the trainer model, exported under HF names by the
+    converter, which needs no megatron-core) refits vLLM through ``ReshardSender`` x 2 ->
+    the worker's ``ReshardReceiver`` (``init_refit(reshard=True)``, the trainer's path at TP > 1):
+    vLLM's log-probs are then the whole trainer model's."""
+    from algorithms.engines.training.mcore_convert import hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config
+    from algorithms.engines.training.megatron import hf_full_shapes
+    from nemo_dataplane.refit import Mesh, build_layout
+    from nemo_dataplane.refit.sharded import ReshardSender
+
+    trainer = _trainer(seed=4, noise=0.5)
+    shape = shape_from_hf_config(trainer.config)
+    shards = [mcore_shard_to_hf(hf_to_mcore(trainer.state_dict(), shape, tp=2, rank=r), shape, tp=2) for r in (0, 1)]
+    layout = build_layout(Mesh.of([0, 1], tp=2), {n: s for n, s in hf_full_shapes(shape).items() if n in shards[0]})
+    port = _free_port()
+    senders = [_Sender(None, port, rank=r, world=3, make=lambda g, r=r: ReshardSender(g, shards[r], layout, 4096))
+               for r in (0, 1)]
+    try:
+        engine.init_refit("127.0.0.1", port, 3, 2, backend="gloo", timeout_s=60, reshard=True)
+        for s in senders:
+            s.send(13)
+        assert engine.receive_weights() == 13
+    finally:
+        for s in senders:
+            s.close()
+    assert [s.error for s in senders] == [None, None], [s.error for s in senders]
+    out = engine.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=8, temperature=0.8, seed=5))
+    assert out.version == 13
+    delta = _max_delta(trainer, PROMPTS, 4, out, 0.8)
+    assert delta < LOGPROB_TOL, f"max |vLLM - trainer| log-prob = {delta:.3g}"
+    assert _max_delta(_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL  # not the initial weights
 
 
 def test_layout_mismatch_at_refit_names_the_parameter_and_leaves_the_engine_usable(engine: VLLMEngine) -> None:

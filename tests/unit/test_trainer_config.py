@@ -178,8 +178,6 @@ def test_megatron_tp_layouts() -> None:
     with pytest.raises(ConfigError, match=r"generation.num_gpus=0.5 shares a GPU with the policy"):
         load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
                            "generation.num_gpus=0.5", "trainer.dp_size=1"])
-    with pytest.raises(ConfigError, match=r"refit.mode=reshard with generation.backend=vllm: the reshard refit into vLLM"):
-        load_config(YAML, ["refit.mode=reshard", "generation.backend=vllm"])
     with pytest.raises(ConfigError, match=r"refit.transport=ipc needs refit.mode=reshard"):
         load_config(YAML, ["refit.transport=ipc"])
     with pytest.raises(ConfigError, match=r"policy.gpus_per_rank must be > 0"):

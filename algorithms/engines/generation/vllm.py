@@ -140,13 +140,10 @@ class VLLMEngine(GenerationEngine):
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
                     reshard: bool) -> None:
-        if reshard:  # the config refuses it first; this guards direct engine use
-            raise NotImplementedError("vllm engine: the reshard refit (a TP>1 trainer) is not wired into vLLM's "
-                                      "workers yet; use generation.backend=hf")
         # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
         self._rpc_timeout_s = 2 * timeout_s + 60
         self.llm.collective_rpc("ndp_refit_init", timeout=self._rpc_timeout_s,
-                                args=(self.param_specs, host, port, world_size, rank, backend, timeout_s))
+                                args=(self.param_specs, host, port, world_size, rank, backend, timeout_s, reshard))
 
     def _receive_weights(self) -> int:
         (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)

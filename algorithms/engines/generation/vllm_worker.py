@@ -34,22 +34,34 @@ class RefitWorkerExtension:
     _ndp_staging: dict[str, torch.Tensor] | None = None
 
     def ndp_refit_init(self, specs: Sequence[tuple[str, Sequence[int], str]], host: str, port: int,
-                       world_size: int, rank: int, backend: str, timeout_s: float) -> None:
-        """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters),
-        join the refit group and agree on the layout with the sender (collective)."""
+                       world_size: int, rank: int, backend: str, timeout_s: float, reshard: bool = False) -> None:
+        """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters,
+        whole), join the refit group and agree on the layout with the sender(s) (collective):
+        policy rank 0's whole tensors (``RefitReceiver``), or with ``reshard`` the trainer's TP
+        shards from refit ranks ``0..rank-1`` (``ReshardReceiver`` into the staging as one TP=1
+        rank; an NCCL group or CUDA IPC keeps the staging on the worker's GPU)."""
         from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
         from nemo_dataplane.dtypes import check_shape, dtype_from_name
-        from nemo_dataplane.refit.packed import RefitReceiver
 
         self.ndp_refit_close()
-        device = torch.device(self.device) if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+        own = torch.device(self.device)  # type: ignore[attr-defined]
+        device = own if backend == "nccl" or (reshard and own.type == "cuda") else torch.device("cpu")
         staging = {name: torch.empty(check_shape(shape, f"param {name!r} shape"),
                                      dtype=dtype_from_name(dtype, f"param {name!r} dtype"), device=device)
                    for name, shape, dtype in specs}
         group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
                                       device=device if backend == "nccl" else None, group_name="refit")
         try:
-            receiver = RefitReceiver(group, staging, src=0)
+            if reshard:
+                from nemo_dataplane.refit import Mesh, build_layout
+                from nemo_dataplane.refit.sharded import ReshardReceiver
+
+                layout = build_layout(Mesh.of([rank], tp=1), {n: (t.shape, t.dtype) for n, t in staging.items()})
+                receiver: Any = ReshardReceiver(group, staging, layout, device=device)
+            else:
+                from nemo_dataplane.refit.packed import RefitReceiver
+
+                receiver = RefitReceiver(group, staging, src=0)
             receiver.prepare_refit_info()
         except BaseException:
             group.destroy()

@@ -20,7 +20,8 @@ frame per row; stores whose units we cannot address (made by ``tq.init()``) fall
 per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.tq_compat`.
 
 Claims (``kv_claim`` and friends) ride on TransferQueue's own production/consumption
-bookkeeping; see :mod:`.tq_claims`.
+bookkeeping; see :mod:`.tq_claims`. Bootstrap, lifecycle and the bounded op plumbing (timeouts,
+the liveness watch that raises :class:`StoreLostError`) are :mod:`.tq_store`'s.
 
 Why not ``transfer_queue.init()/kv_*``: those keep the client, controller and storage handles
 in module globals that go stale after ``ray.shutdown()`` (a second ``init`` in the same process
@@ -31,21 +32,23 @@ Each adapter instance therefore owns its client and, if it created the store, th
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
 import threading
-import time
-import uuid
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import ray
 import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.adapters import tq_compat as compat
-from nemo_dataplane.adapters.actor_store import ActorBackedClient, Bootstrap
+from nemo_dataplane.adapters.actor_store import Bootstrap
 from nemo_dataplane.adapters.tq_claims import TransferQueueClaims
+from nemo_dataplane.adapters.tq_store import (
+    LIVENESS_EVERY_S,
+    LIVENESS_PING_S,
+    StoreLostError,
+    TransferQueueStore,
+    auto_storage_units,
+)
 from nemo_dataplane.client import (
     DataPlaneError,
     Fields,
@@ -63,28 +66,11 @@ from nemo_dataplane.meta import KVBatchMeta
 LAYOUT_TAG = compat.LAYOUT_TAG
 DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
 DEFAULT_NAMESPACE = "transfer_queue"
-
-T = TypeVar("T")
-# An op still pending after this long checks that the store's actors are alive (every second):
-# a dead controller or storage unit fails the op within ~LIVENESS_EVERY_S + LIVENESS_PING_S,
-# naming the actor, instead of running into op_timeout_s.
-LIVENESS_EVERY_S = 1.0
-LIVENESS_PING_S = 2.0
+__all__ = ["LAYOUT_TAG", "LIVENESS_EVERY_S", "LIVENESS_PING_S", "StoreLostError", "TransferQueueClient",
+           "auto_storage_units"]
 
 
-class StoreLostError(DataPlaneError):
-    """A TransferQueue controller or storage unit this client depends on died; the store is gone."""
-
-
-def auto_storage_units(free_cpus: float) -> int:
-    """One storage unit per two free CPUs, at least 1 and at most 8.
-
-    A unit serializes on one thread; half the CPUs stay with the processes that put and get.
-    """
-    return max(1, min(8, int(free_cpus) // 2))
-
-
-class TransferQueueClient(TransferQueueClaims, ActorBackedClient):
+class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     """:class:`DataPlaneClient` backed by a TransferQueue controller and SimpleStorage units.
 
     Args:
@@ -132,216 +118,6 @@ class TransferQueueClient(TransferQueueClaims, ActorBackedClient):
         with compat.preserve_torch_threads():
             self._open(bootstrap, controller_name, namespace, log_to_driver=not self.cfg.quiet)
         self._loop, self._thread = compat.loop_thread(f"nd-tq-{controller_name}")
-
-    @property
-    def controller_name(self) -> str:
-        return self.actor_name
-
-    def _connect(self, conf: Any) -> Any:
-        """This client's view of the store ``conf`` describes: unit handles, placement, claims, client."""
-        self.num_storage_units = compat.storage_units_of(conf)
-        # Bulk reads need the units' actor handles; stores made by tq.init() have none we can
-        # find, and are read through TransferQueue's per-row protocol instead.
-        self._units = compat.unit_handles(conf, self.namespace)
-        if self._units:
-            here = ray.get_runtime_context().get_node_id()
-            nodes = compat.unit_nodes(self._units, self.cfg.bootstrap_timeout_s)
-            # Units all on this node map one shared chunk per put; else each gets its rows.
-            self._local_units = all(node == here for node in nodes.values())
-        self._claims_unsupported = compat.claims_unsupported(conf)
-        controller = self._controller or self._find()
-        self._watched = [(f"TransferQueue controller {self.controller_name!r}", controller)] + [
-            (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items()
-        ]
-        self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
-        return conf
-
-    # ------------------------------------------------------------- bootstrap
-    def _attach(self, handle: Any) -> Any:
-        deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                conf = ray.get(handle.get_config.remote(), timeout=max(left, 0.01))
-            except ray.exceptions.GetTimeoutError:
-                conf = None
-            if conf is not None:
-                return self._connect(conf)
-            if time.monotonic() >= deadline:
-                raise DataPlaneError(
-                    f"TransferQueue controller {self.controller_name!r} (namespace {self.namespace!r}) exists "
-                    f"but published no config within bootstrap_timeout_s={self.cfg.bootstrap_timeout_s}s; "
-                    "is the process that creates it stuck or dead?"
-                )
-            time.sleep(0.2)
-
-    def _create(self) -> Any:
-        cfg = self.cfg
-        free = float(ray.available_resources().get("CPU", 0.0))
-        nodes = None
-        if cfg.storage_placement == "per_node":
-            # One unit per node (num_storage_units, if set, round-robin over them): rows a reader
-            # finds on its own node's unit come through shared memory, the rest node to node.
-            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        n_units = cfg.num_storage_units or (len(nodes) if nodes else auto_storage_units(free))
-        need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
-        what = (
-            f"TransferQueue needs {need:g} CPUs for its controller ({cfg.controller_num_cpus:g}) and "
-            f"{n_units} storage unit(s) ({cfg.storage_unit_num_cpus:g} each), cluster has {free:g} free"
-        )
-        hint = (
-            "lower data_plane.transfer_queue.num_storage_units / storage_unit_num_cpus / "
-            "controller_num_cpus, or give Ray more CPUs"
-        )
-        if need > free + 1e-9:
-            raise DataPlaneError(f"{what}; {hint}")
-        deadline = time.monotonic() + cfg.bootstrap_timeout_s
-
-        def wait_info(handle: Any, who: str) -> Any:
-            try:
-                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01), cfg.quiet)
-            except ray.exceptions.GetTimeoutError:
-                raise DataPlaneError(
-                    f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "
-                    f"{what} (other actors may hold CPUs); {hint}"
-                ) from None
-
-        # Controller and units start at once: each is a fresh worker importing TransferQueue
-        # (seconds each), and none needs another to construct.
-        self._controller = compat.create_controller(
-            self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet
-        )
-        self.owns_store = True
-        conf = compat.base_config(n_units)
-        self._storage = compat.create_storage_units(
-            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes
-        )
-        conf.controller.zmq_info = wait_info(self._controller, "the controller")
-        conf.backend[compat.BACKEND].zmq_info = {
-            name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
-        }
-        ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
-        return self._connect(conf)
-
-    # ------------------------------------------------------------- lifecycle
-    def _teardown(self) -> None:
-        """Kill what this client created (storage units, controller); never someone else's."""
-        if not self.owns_store:
-            self._storage, self._controller = {}, None
-            return
-        handles = list(self._storage.values())
-        if handles and ray.is_initialized():
-            try:
-                ray.get([h.shutdown.remote() for h in handles], timeout=10)
-            except Exception:  # noqa: BLE001 - best effort; killed below either way
-                pass
-        for h in [*handles, self._controller]:
-            if h is not None and ray.is_initialized():
-                try:
-                    ray.kill(h)
-                except Exception:  # noqa: BLE001
-                    pass
-        self._storage, self._controller = {}, None
-        self.owns_store = False
-
-    def _disconnect(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-            if not self._loop.is_running():
-                self._loop.close()
-        if self._tq is not None:
-            try:
-                self._tq.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection must not raise
-                pass
-
-    def _check_open(self, coro: Any = None) -> None:
-        """Raise if closed or the store was lost; ``coro`` (the op not run) is closed first."""
-        if self._closed or self._lost is not None:
-            if coro is not None and hasattr(coro, "close"):
-                coro.close()
-            if self._closed:
-                raise DataPlaneError("TransferQueueClient is closed")
-            raise StoreLostError(f"the TransferQueue store is gone: {self._lost}")
-
-    async def _lost_actor(self) -> str | None:
-        """The first watched actor found dead (``None``: all alive, or too busy to tell)."""
-        if not self._watched:
-            return None
-        pings = {asyncio.wrap_future(h.__ray_ready__.remote().future()): what for what, h in self._watched if h}
-        done, _ = await asyncio.wait(pings, timeout=LIVENESS_PING_S)
-        for fut in done:
-            err = fut.exception()
-            if isinstance(err, ray.exceptions.RayActorError):
-                return f"{pings[fut]} died or was lost ({type(err).__name__})"
-        return None
-
-    # ----------------------------------------------------------- op plumbing
-    def _timeout_error(self, op: str, partition_id: str, n_keys: int, limit_s: float | None) -> TimeoutError:
-        limit = f"op_timeout_s={self.cfg.op_timeout_s}s" if limit_s is None else f"{limit_s:g}s"
-        return TimeoutError(
-            f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within {limit}"
-        )
-
-    async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None) -> T:
-        """``coro`` within ``op_timeout_s`` (or ``limit_s``); while it is pending, every
-        ``LIVENESS_EVERY_S`` the store's actors are checked, and a dead one fails the op at once.
-
-        Raises:
-            TimeoutError: the limit passed. StoreLostError: the controller or a storage unit died.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.cfg.op_timeout_s if limit_s is None else limit_s)
-        task = asyncio.ensure_future(coro)
-        try:
-            while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise self._timeout_error(op, partition_id, n_keys, limit_s)
-                done, _ = await asyncio.wait({task}, timeout=min(LIVENESS_EVERY_S, left))
-                if done:
-                    if isinstance(task.exception(), ray.exceptions.RayActorError):  # a call to a dead unit
-                        err = task.exception()
-                        lost = await self._lost_actor() or f"a TransferQueue actor died or was lost ({err})"
-                        self._lost = lost
-                        raise StoreLostError(
-                            f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {lost}"
-                        ) from err
-                    return task.result()
-                lost = await self._lost_actor()
-                if lost is not None:
-                    self._lost = lost
-                    raise StoreLostError(
-                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) cannot finish: {lost}"
-                    )
-        finally:
-            if not task.done():
-                task.cancel()
-
-    def _run(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None) -> T:
-        """Run ``coro`` on the client's loop, bounded by ``op_timeout_s`` (or ``limit_s``)."""
-        self._check_open(coro)
-        assert self._loop is not None
-        with compat.preserve_torch_threads():
-            fut = asyncio.run_coroutine_threadsafe(self._bounded(op, partition_id, n_keys, coro, limit_s), self._loop)
-            try:
-                # The op bounds itself; the grace covers scheduling onto a busy loop.
-                return fut.result(timeout=(self.cfg.op_timeout_s if limit_s is None else limit_s) + 5)
-            except concurrent.futures.TimeoutError:
-                fut.cancel()
-                raise self._timeout_error(op, partition_id, n_keys, limit_s) from None
-
-    async def _run_async(
-        self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None
-    ) -> T:
-        self._check_open(coro)
-        with compat.preserve_torch_threads():
-            return await self._bounded(op, partition_id, n_keys, coro, limit_s)
-
-    async def _retrieve(self, keys: list[str], partition_id: str, create: bool) -> Any:
-        return await self._tq.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=create)
 
     # ------------------------------------------------------------------- put
     def _prepare_put(

@@ -264,6 +264,11 @@ class TrainerConfig:
             return self.refit.mode
         return "reshard" if self.policy.tensor_parallel_size > 1 else "packed"
 
+    @property
+    def reshard_may_use_ipc(self) -> bool:
+        """A resharding refit whose transport may be CUDA IPC (``ipc``, or ``auto`` on one host)."""
+        return self.refit_mode == "reshard" and self.refit.transport != "p2p"
+
     def policy_gpus_per_rank(self) -> float:
         """GPUs Ray gives each policy rank (0 on CPU)."""
         if self.policy.device != "cuda":
@@ -360,7 +365,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
-    reshard_ipc = cfg.refit_mode == "reshard" and cfg.refit.transport != "p2p"
+    reshard_ipc = cfg.reshard_may_use_ipc
     if cfg.refit.backend == "gloo" and "cuda" in (cfg.policy.device, cfg.generation.device) and not reshard_ipc:
         # The gloo group moves CPU tensors only; both ends hand it their parameters in place.
         key = "policy.device" if cfg.policy.device == "cuda" else "generation.device"

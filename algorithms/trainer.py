@@ -156,8 +156,7 @@ class Trainer:
                             "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         gpu_env = env
-        if cfg.refit_mode == "reshard" and cfg.refit.transport != "p2p" and \
-                cfg.policy.device == cfg.generation.device == "cuda":
+        if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
             from algorithms.workers.gpus import ALL_GPUS_ENV
 
             # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).

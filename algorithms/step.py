@@ -273,7 +273,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
             peer), or the generator reports another version.
     """
     t0 = time.perf_counter()
-    senders = workers.refit_senders or workers.policy[:1]
+    senders = workers.refit_senders or workers.policy[:1]  # set by Workers.__post_init__; typed Optional
     sends = [s.send_weights.remote(version) for s in senders]
     recv = workers.generator.receive_weights.remote(version)
     what = f"refit of version {version}"
@@ -296,7 +296,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         said = str(cause).lower() if cause is not None else ""
         if isinstance(cause, TimeoutError) or "timeout" in said or "timed out" in said:
             # The sender's group wait ran out: its one peer, the generator, never took part.
-            raise StepError(f"{what}: the generator (refit rank 1) never took part within refit.timeout_s="
+            raise StepError(f"{what}: the generator (refit rank {len(sends)}) never took part within refit.timeout_s="
                             f"{cfg.refit.timeout_s:g}s: {cause}") from e
         raise
     if got != version:

@@ -211,16 +211,12 @@ class PolicyWorker:
         from nemo_dataplane.worker.fetch import WorkerFetcher
 
         client = build_data_plane_client(data_plane_cfg, bootstrap=False)
-        if self._tp_group is not None:
-            # A replica's TP ranks share its rows: the leader fetches and broadcasts (or each
-            # fetches, as data_plane.fetch_policy says); only the leader writes back.
-            self._fetcher = WorkerFetcher(client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"),
-                                          replica_group=self._tp_group, timeout_s=self.timeout_s)
-        else:  # one rank per model replica: every rank is its own leader
-            self._fetcher = WorkerFetcher(
-                client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"), replica_ranks=[self.rank],
-                timeout_s=self.timeout_s,
-            )
+        # A replica's TP ranks share its rows: the leader fetches and broadcasts (or each fetches,
+        # as data_plane.fetch_policy says), only the leader writes back. Without TP every rank is
+        # its own replica and leader.
+        replica = {"replica_group": self._tp_group} if self._tp_group is not None else {"replica_ranks": [self.rank]}
+        self._fetcher = WorkerFetcher(client, fetch_policy=data_plane_cfg.get("fetch_policy", "auto"),
+                                      timeout_s=self.timeout_s, **replica)
 
     def init_refit(self, host: str, port: int, world_size: int, reshard: bool = False) -> None:
         """Join the refit group (collective with the generator): rank 0 as the source of whole

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec"]
 
@@ -141,6 +144,17 @@ class GenerationEngine(ABC):
     def _generate(self, prompts: list[list[int]], n: int,
                   spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and per-token log-probs, group-major."""
+
+    @staticmethod
+    def reshard_receiver(group: Any, tensors: Mapping[str, torch.Tensor], device: torch.device) -> Any:
+        """A ``ReshardReceiver`` into ``tensors`` (whole, HF names) as one TP=1 rank of ``group``:
+        what every engine receives a TP>1 trainer's shards with. ``device``: where ``tensors``
+        live (not the group's: an ipc refit's control group is gloo)."""
+        from nemo_dataplane.refit import Mesh, build_layout
+        from nemo_dataplane.refit.sharded import ReshardReceiver
+
+        layout = build_layout(Mesh.of([group.rank], tp=1), {n: (t.shape, t.dtype) for n, t in tensors.items()})
+        return ReshardReceiver(group, dict(tensors), layout, device=device)
 
     @abstractmethod
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,

@@ -65,14 +65,8 @@ class HFEngine(GenerationEngine):
         self._group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
                                             group_name="refit")
         if reshard:
-            from nemo_dataplane.refit import Mesh, build_layout
-            from nemo_dataplane.refit.sharded import ReshardReceiver
-
-            params = dict(self.model.named_parameters())
-            layout = build_layout(Mesh.of([rank], tp=1), {n: (p.shape, p.dtype) for n, p in params.items()})
-            # The model's device, not the group's: an ipc refit's control group is gloo.
             dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-            self._receiver = ReshardReceiver(self._group, params, layout, device=dev)
+            self._receiver = self.reshard_receiver(self._group, dict(self.model.named_parameters()), dev)
         else:
             from nemo_dataplane.refit.packed import RefitReceiver
 

@@ -53,11 +53,9 @@ class RefitWorkerExtension:
                                       device=device if backend == "nccl" else None, group_name="refit")
         try:
             if reshard:
-                from nemo_dataplane.refit import Mesh, build_layout
-                from nemo_dataplane.refit.sharded import ReshardReceiver
+                from algorithms.engines.generation.base import GenerationEngine
 
-                layout = build_layout(Mesh.of([rank], tp=1), {n: (t.shape, t.dtype) for n, t in staging.items()})
-                receiver: Any = ReshardReceiver(group, staging, layout, device=device)
+                receiver: Any = GenerationEngine.reshard_receiver(group, staging, device)
             else:
                 from nemo_dataplane.refit.packed import RefitReceiver
 

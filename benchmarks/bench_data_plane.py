@@ -373,7 +373,7 @@ if sys.argv[3] == "preload":  # Ray's prestarted workers import these before tak
 import torch, ray                                   # a trainer's driver has these already
 sys.path.insert(0, sys.argv[2])
 t = time.perf_counter()
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 ray_s = time.perf_counter() - t
 t0 = time.perf_counter()
 if sys.argv[1] == "ray":
@@ -514,7 +514,7 @@ def main() -> None:
         print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         return
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     lat: dict[str, Any] = {}
     try:
         if args.ray_only:  # the zero-copy child: print its rows as one JSON line

@@ -120,7 +120,7 @@ def main() -> None:
 
     load_start = os.getloadavg()[0]
     t_boot = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     client = None
     actors: list[Any] = []
     try:

@@ -59,7 +59,7 @@ def _backend(name: str) -> Any:
     from nemo_dataplane.config import TransferQueueConfig
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return TransferQueueClient(TransferQueueConfig(num_storage_units=1), bootstrap=True)
 
 

@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--layout", choices=("auto", "one-gpu", "two-gpu", "separate"), default="auto")
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--runs", default="torch tp1,megatron tp1,megatron tp2",
+                    help="comma-separated subset of the runs (the torch run is the baseline and always included)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "bench_megatron.json"))
     ap.add_argument("overrides", nargs="*")
@@ -85,7 +87,11 @@ def main() -> int:
         ("separate" if gpus >= 3 else "two-gpu" if gpus == 2 else "one-gpu")
     base = ["trainer.dp_size=1", f"trainer.steps={args.steps}", "trainer.val_every=0", "logging.quiet=true",
             "data_plane.enabled=true", *args.overrides]
-    runs = {"torch tp1": ("torch", 1), "megatron tp1": ("megatron", 1), "megatron tp2": ("megatron", 2)}
+    every = {"torch tp1": ("torch", 1), "megatron tp1": ("megatron", 1), "megatron tp2": ("megatron", 2)}
+    wanted = {"torch tp1", *(x.strip() for x in args.runs.split(",") if x.strip())}
+    if unknown := sorted(wanted - set(every)):
+        ap.error(f"--runs: unknown run(s) {unknown}; expected some of {sorted(every)}")
+    runs = {k: v for k, v in every.items() if k in wanted}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (backend, tp) in runs.items():

@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
     client = None
     driver_bytes = 0
     try:

@@ -42,7 +42,11 @@ def ray_session() -> Iterator[Any]:
 
     started = False
     if not ray.is_initialized():
+        # address="local": a cluster of this session's own. Without it ray.init() attaches to
+        # whatever /tmp/ray/ray_current_cluster names, e.g. a functional run's cluster still
+        # shutting down, and then refuses num_cpus (CI failed so once).
         ray.init(
+            address="local",
             num_cpus=RAY_NUM_CPUS,
             include_dashboard=False,
             log_to_driver=True,

@@ -84,7 +84,9 @@ class ActorBackedClient(DataPlaneClient):
         if address:
             ray.init(address=address, log_to_driver=log_to_driver)
         else:
-            ray.init(include_dashboard=False, log_to_driver=log_to_driver)
+            # No address given: a private local cluster, never one a finished or killed run
+            # left behind (ray.init() alone would attach to it).
+            ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver)
             self.started_ray = True
 
     def _find(self) -> Any | None:

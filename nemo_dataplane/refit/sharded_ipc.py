@@ -10,7 +10,7 @@ on its current stream, so nothing it still reads is overwritten; the header exch
 plan, version, done-signal agreement); the senders enqueue their copies; then the done signal,
 one of (``done``, the same on every rank; the header checks it):
 
-* ``"event"`` (default): a sender records its event after its copies, then posts one status
+* ``"event"`` (default where every sender shares its receivers' GPU): a sender records its event after its copies, then posts one status
   key per refit to the store (``ok`` or its error) and only then waits (host) for its copies,
   off every receiver's critical path. A receiver waits (``store.wait``, bounded by the group
   timeout) for the status of each of its senders, raises if one failed, and makes its current
@@ -19,7 +19,10 @@ one of (``done``, the same on every rank; the header checks it):
   current stream** (the stream current when it was called): work queued there later runs after
   every copy; a host read or another stream must synchronise with that stream first.
 * ``"host"``: every rank joins a ``done`` max exchange once each sender's copies finished (host
-  wait), the earlier way (``NEMO_DATAPLANE_RESHARD_DONE=host``, kept for comparison).
+  wait), the earlier way. The default as soon as any rank has a peer on another GPU (every rank
+  posts that with its setup status, so all pick alike): that placement is the one run
+  bit-exact on 2x H200; the event path across GPUs (``IpcPush.wait_signals`` bridges it) has
+  not run there yet. ``NEMO_DATAPLANE_RESHARD_DONE=event|host`` forces one on every placement.
 
 Why the event path is safe without more handshakes: a sender re-records its event (next refit)
 only after that refit's header, which every receiver joins only after ``receive_weights()``
@@ -38,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -49,18 +51,23 @@ from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, St
 from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.protocol import RefitError, clip
 from nemo_dataplane.refit.reshard import ReshardPlan
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+from nemo_dataplane.refit.transports.exchange_ipc import IpcPush, env_choice
 
-__all__ = ["DONE_SIGNALS", "IpcRefit", "get_all", "has_key", "mark"]
+__all__ = ["CROSS_GPU", "DONE_SIGNALS", "IpcRefit", "agreed_done", "get_all", "has_key", "mark"]
 
 DONE_SIGNALS = ("event", "host")
 
 
-def _done_from_env() -> str:
-    done = os.environ.get("NEMO_DATAPLANE_RESHARD_DONE", "event")
-    if done not in DONE_SIGNALS:
-        raise ValueError(f"NEMO_DATAPLANE_RESHARD_DONE={done!r}: expected one of {DONE_SIGNALS}")
-    return done
+CROSS_GPU = "ok cross-gpu"  # a rank's IPC setup status when one of its peers is on another GPU
+
+
+def agreed_done(statuses: list[str], forced: str | None) -> str:
+    """The done signal every rank uses (each computes it from every rank's IPC setup status,
+    so all agree): ``forced`` (``NEMO_DATAPLANE_RESHARD_DONE``) if set, else ``"host"`` once any
+    rank has a peer on another GPU (``CROSS_GPU``), else ``"event"`` (module doc: why)."""
+    if forced is not None:
+        return forced
+    return "host" if CROSS_GPU in statuses else "event"
 
 
 class IpcRefit:
@@ -90,8 +97,9 @@ class IpcRefit:
 
     def _init_ipc(self) -> None:
         # How a receiver learns the copies landed (module doc); may be changed between refits,
-        # alike on every rank (the header refuses a disagreement).
-        self.done = _done_from_env()
+        # alike on every rank (the header refuses a disagreement). Unforced, setup picks it.
+        self._done_forced = env_choice("NEMO_DATAPLANE_RESHARD_DONE", DONE_SIGNALS)
+        self.done = self._done_forced or "event"
 
     @property
     def _done_code(self) -> int:
@@ -116,17 +124,20 @@ class IpcRefit:
                 g.wait_for_ranks(dst_key, push.peers, "CUDA IPC handles of the receivers' tensors")
                 push.open({r: g.store.get(dst_key(r)) for r in push.peers},
                           {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers})
+            if push.cross_gpu:
+                status = CROSS_GPU
         except Exception as e:
             push.close()
             status = f"CUDA IPC setup failed: {e}"
         g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
         g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
                          "CUDA IPC setup (waiting for every rank to export or open handles)")
-        bad = [f"rank {r}: {st}" for r in range(g.world_size)
-               if (st := g.store.get(self._key(self._gen, "ipc_open", r)).decode()) != "ok"]
+        statuses = [x.decode() for x in get_all(g, [self._key(self._gen, "ipc_open", r) for r in range(g.world_size)])]
+        bad = [f"rank {r}: {st}" for r, st in enumerate(statuses) if st not in ("ok", CROSS_GPU)]
         if not bad:
             self._push = push
             self._peers_watch = push.peers
+            self.done = agreed_done(statuses, self._done_forced)
             return
         push.close()
         if fallback and g.backend == "nccl":

@@ -181,8 +181,8 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
             ep.send_weights(v)
             sent.append(ep.bytes_moved)
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
-        if ep._push is not None:  # ipc: whether the copies went out as cudaMemcpy2DAsync
-            out.update(raw=ep._push.raw, raw_error=ep._push.raw_error)
+        if ep._push is not None:  # ipc: whether the copies went out raw, and how (placement)
+            out.update(raw=ep._push.raw, raw_error=ep._push.raw_error, pitched=ep._push.pitched)
     else:
         shards = _hand_for(dst, rank, reshard_full(0, moe), fused)
         mine = {k: torch.zeros_like(v, device=dev) for k, v in shards.items()}
@@ -209,6 +209,9 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank),
                    staging=ep._exchange.staging_bytes if ep._exchange is not None else 0)
     out["timings"] = None if ep.timings is None else [list(m.items()) for m in ep.timings]
+    out["done"] = getattr(ep, "done", None)
+    if getattr(ep, "_push", None) is not None:  # ipc: a peer of this rank on another GPU
+        out["cross_gpu"] = ep._push.cross_gpu
     out.update(fallback=list(plan.fallback), fingerprint=plan.fingerprint, transport=ep.transport,
                senders_by_param={p.param: sorted({q.src for q in plan.pieces if q.param == p.param})
                                  for p in plan.pieces})

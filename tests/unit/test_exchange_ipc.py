@@ -64,3 +64,24 @@ def test_widened_views_copy_the_same_bits() -> None:
     assert torch.equal(dst[:, 8:24], src) and not dst[:, :8].any() and not dst[:, 24:].any()
     d, s = _widened(dst[:, 1:3], src[:, :2])  # 4 bytes at an odd element offset: no wider view
     assert d.dtype == torch.bfloat16
+
+
+def test_the_ipc_modes_follow_placement_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One peer on another GPU anywhere turns every rank's done signal to the host one (the
+    verified cross-GPU path); the environment forces either way; a bad value names its variable."""
+    from nemo_dataplane.refit.sharded_ipc import CROSS_GPU, agreed_done
+    from nemo_dataplane.refit.transports.exchange_ipc import PITCHED, env_choice
+
+    assert agreed_done(["ok", "ok", "ok"], None) == "event"
+    assert agreed_done(["ok", CROSS_GPU, "ok"], None) == "host"
+    assert agreed_done(["ok", CROSS_GPU], "event") == "event"
+    assert agreed_done(["ok"], "host") == "host"
+    monkeypatch.delenv("NEMO_DATAPLANE_RESHARD_PITCHED", raising=False)
+    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) is None
+    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "")
+    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) is None
+    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "memcpy2d")
+    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) == "memcpy2d"
+    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "fast")
+    with pytest.raises(ValueError, match=r"NEMO_DATAPLANE_RESHARD_PITCHED='fast'.*kernel"):
+        env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED)

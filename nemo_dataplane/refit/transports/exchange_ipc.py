@@ -6,11 +6,13 @@ the receivers it has pieces for and, at each refit, writes each piece straight f
 tensor into the receiver's memory: the pieces contiguous on both sides (row blocks, whole
 shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of its GPU, the
 others (column blocks of row-parallel weights) as torch strided copy kernels on a second
-stream, so both run at once (NVLink to another GPU, or within the same GPU) and no bulk data
-touches the group. ``NEMO_DATAPLANE_RESHARD_PITCHED=memcpy2d`` sends every piece as one
-``cudaMemcpy2DAsync`` instead (a column block as a pitched 2D copy), the earlier way, kept for
-comparison. Pieces are the plan's entries (``reshard.py``); messages and buckets do
-not matter here.
+stream, so both run at once, and no bulk data touches the group. That is the default where a
+sender and all its receivers share one GPU. A sender with a receiver on **another GPU** sends
+every piece as one ``cudaMemcpy2DAsync`` instead (a column block as a pitched 2D copy): on 2x
+H200 the strided kernels writing into another GPU's IPC-opened memory faulted (illegal address
+on the first refit) while the 2D copies were bit-exact. ``NEMO_DATAPLANE_RESHARD_PITCHED=
+kernel|memcpy2d`` forces one way on every placement. Pieces are the plan's entries
+(``reshard.py``); messages and buckets do not matter here.
 
 The group carries only host-side control (works on gloo, so several processes may share a
 GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
@@ -39,9 +41,23 @@ from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.reshard import ReshardPlan
 
-__all__ = ["ORDERS", "IpcPush", "pitched_copies"]
+__all__ = ["ORDERS", "PITCHED", "IpcPush", "env_choice", "pitched_copies"]
 
 ORDERS = ("batched_first", "strided_first")
+PITCHED = ("kernel", "memcpy2d")
+
+
+def env_choice(name: str, allowed: Sequence[str]) -> str | None:
+    """Environment variable ``name``: None if unset or empty, else its value, which must be one
+    of ``allowed`` (a ValueError names the variable otherwise)."""
+    value = os.environ.get(name) or None
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {tuple(allowed)}")
+    return value
+
+
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 Copy = tuple[int, int, int, int, int, int]  # dst ptr, dst pitch, src ptr, src pitch, width, height (bytes)
 
@@ -118,18 +134,18 @@ class IpcPush:
         self._slow: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._runs: list = []
         self._copier = _ipc.PeerCopier()
-        # How non-contiguous pieces are copied: see issue().
-        self.pitched = os.environ.get("NEMO_DATAPLANE_RESHARD_PITCHED", "kernel")
-        if self.pitched not in ("kernel", "memcpy2d"):
-            raise ValueError(f"NEMO_DATAPLANE_RESHARD_PITCHED={self.pitched!r}: expected 'kernel' or 'memcpy2d'")
+        # How non-contiguous pieces are copied: see issue(); None: by placement (use_views()).
+        self._pitched_forced = env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED)
+        self.pitched = self._pitched_forced or "kernel"
+        # Whether a peer (receiver's view or sender's event) lives on another GPU than ours.
+        self.cross_gpu = False
         # Which kind of copies the host enqueues first (see issue()).
-        self.order = os.environ.get("NEMO_DATAPLANE_RESHARD_ORDER", "batched_first")
-        if self.order not in ORDERS:
-            raise ValueError(f"NEMO_DATAPLANE_RESHARD_ORDER={self.order!r}: expected one of {ORDERS}")
+        self.order = env_choice("NEMO_DATAPLANE_RESHARD_ORDER", ORDERS) or "batched_first"
         # The done signal (done="event", see signal_blob()): the sender's interprocess event,
         # recorded after its copies; a receiver's opened events of its senders.
         self.done_event: torch.cuda.Event | None = None
         self.sender_events: dict[int, torch.cuda.Event] = {}
+        self._bridges: dict[int, torch.cuda.Stream] = {}  # wait_signals(): sender rank on another GPU -> stream there
         self._stream2: torch.cuda.Stream | None = None
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -164,6 +180,10 @@ class IpcPush:
         """Sender: write into these receiver views (rank -> local name -> tensor), e.g. ones another
         ``IpcPush`` of this process opened (a process maps an IPC handle once)."""
         self.views = {r: dict(v) for r, v in views.items()}
+        here = _index(self.device)
+        self.cross_gpu = any(_index(t.device) != here for v in self.views.values() for t in v.values())
+        if self._pitched_forced is None:  # module doc: strided kernels only within one GPU
+            self.pitched = "memcpy2d" if self.cross_gpu else "kernel"
         self._key = None
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
@@ -184,21 +204,36 @@ class IpcPush:
             d = json.loads(blob)
             if "error" in d:
                 raise RuntimeError(f"rank {r} could not export its done event: {d['error']}")
-            dev = _ipc.local_index_of(str(d.get("uuid", "")), int(d["device"]))
-            events[r] = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev), base64.b64decode(d["handle"]))
+            dev = torch.device("cuda", _ipc.local_index_of(str(d.get("uuid", "")), int(d["device"])))
+            events[r] = torch.cuda.Event.from_ipc_handle(dev, base64.b64decode(d["handle"]))
+            if dev.index != _index(self.device):
+                self._bridges[r] = torch.cuda.Stream(dev)
         self.sender_events = events
+        self.cross_gpu = bool(self._bridges)
 
     def wait_signals(self, stream: torch.cuda.Stream) -> None:
         """Receiver: order ``stream`` after each sender's last recorded done event (GPU-side
         ``cudaStreamWaitEvent``; the host does not wait). Call only once every sender said it
-        recorded this refit's: a wait sees the record made before it was enqueued."""
-        for ev in self.sender_events.values():
-            stream.wait_event(ev)
+        recorded this refit's: a wait sees the record made before it was enqueued.
+
+        An IPC event is waited on only by a stream of the GPU it was made on (where it was
+        opened): for a sender on another GPU a stream there waits on it and records a plain
+        event, which ``stream`` waits on (cross-GPU waits on plain events are supported). Not
+        yet run on two GPUs: ``sharded_ipc`` picks ``done="host"`` across GPUs by default."""
+        for r, ev in self.sender_events.items():
+            side = self._bridges.get(r)
+            if side is None:
+                stream.wait_event(ev)
+                continue
+            side.wait_event(ev)
+            plain = torch.cuda.Event()
+            plain.record(side)
+            stream.wait_event(plain)
 
     def close(self) -> None:
         had = bool(self.views) or self.targets is not None
         self.views, self.targets, self._sources, self._copies, self._slow = {}, None, [], [], []
-        self.done_event, self.sender_events = None, {}
+        self.done_event, self.sender_events, self._bridges = None, {}, {}
         self._runs = []
         self._gather = ([], [])
         self._key = None

@@ -16,6 +16,11 @@ Rank 0's store listens on ``host`` only (loopback stays loopback, see
 :func:`~nemo_dataplane.distributed.auth.host_tcp_store`); with a job secret every record is
 authenticated (:class:`~nemo_dataplane.distributed.auth.AuthStore`), see ``docs/reliability.md``
 ("Trust boundary").
+
+Size: one class, ~530 lines, on purpose. Its bootstrap, collectives and bounded waits share one
+state machine (usable, broken, aborted, destroyed) that every op checks and every failure sets;
+the pieces that need none of it already live apart (``work.py``: work handles and wire dtypes;
+``auth.py``: the store and its records).
 """
 
 from __future__ import annotations

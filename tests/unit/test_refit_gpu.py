@@ -15,6 +15,7 @@ if torch.cuda.device_count() < 2:
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
+import _ipc_procs as I  # noqa: E402
 
 from nemo_dataplane.refit.packed import AUTO_PICKS_IPC  # noqa: E402
 
@@ -67,7 +68,7 @@ def test_nccl_refit_is_bit_exact(pool: P.Pool, direct_bytes: int | None, transpo
 
 @pytest.mark.parametrize("copy_on", ["src", "dst"])
 def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool, copy_on: str) -> None:
-    res = P.run_ranks(pool, P.refit_ipc, [0, 1], world=2, port=P.free_port(), versions=(11, 12), copy_on=copy_on)
+    res = P.run_ranks(pool, I.refit_ipc, [0, 1], world=2, port=P.free_port(), versions=(11, 12), copy_on=copy_on)
     _ok(res)
     assert res[0]["transport"] == res[0]["self_transport"] == res[1]["transport"] == "ipc", (res[0], res[1])
     refits = res[1]["refits"]
@@ -85,7 +86,7 @@ def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool
 
 
 def test_ipc_push_refit_bit_exact_follows_moves_and_reports_receiver_realloc(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.refit_push, [0, 1], world=2, port=P.free_port(), versions=(21, 22))
+    res = P.run_ranks(pool, I.refit_push, [0, 1], world=2, port=P.free_port(), versions=(21, 22))
     _ok(res)
     assert res[0]["transport"] == res[1]["transport"] == "ipc", (res[0], res[1])
     assert res[0]["direction"] == res[1]["direction"] == "push", (res[0], res[1])
@@ -104,7 +105,7 @@ def test_ipc_push_refit_bit_exact_follows_moves_and_reports_receiver_realloc(poo
 
 
 def test_ipc_push_waits_for_the_receivers_queued_work(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.refit_push_waits_for_receiver, [0, 1], world=2, port=P.free_port())
+    res = P.run_ranks(pool, I.refit_push_waits_for_receiver, [0, 1], world=2, port=P.free_port())
     _ok(res)
     assert res[1]["version"] == 2, res[1]
     assert res[1]["snap"] == [1.0], res[1]  # the copies waited for the snapshot
@@ -123,14 +124,14 @@ def test_ipc_push_sender_abort_reaches_receiver(pool: P.Pool) -> None:
 
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_ipc_setup_failure_falls_back_on_auto_and_fails_cleanly_on_ipc(pool: P.Pool, direction: str) -> None:
-    res = P.run_ranks(pool, P.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
+    res = P.run_ranks(pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
                       transport="auto")
     _ok(res)
     for r in (0, 1):
         assert res[r]["error"] is None and res[r]["transport"] == "broadcast", res[r]
         assert "rank 1" in res[r]["reason"] and "injected: IPC not permitted here" in res[r]["reason"], res[r]
     assert res[1]["version"] == 5 and res[1]["wrong"] == [], res[1]
-    res = P.run_ranks(pool, P.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
+    res = P.run_ranks(pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
                       transport="ipc")
     _ok(res)
     for r in (0, 1):
@@ -140,7 +141,7 @@ def test_ipc_setup_failure_falls_back_on_auto_and_fails_cleanly_on_ipc(pool: P.P
 
 
 def test_ipc_pull_receiver_copy_failure_reaches_sender_and_group_survives(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.refit_pull_receiver_copy_fails, [0, 1], world=2, port=P.free_port())
+    res = P.run_ranks(pool, I.refit_pull_receiver_copy_fails, [0, 1], world=2, port=P.free_port())
     _ok(res)
     assert res[1]["error"] == "RefitError" and "injected: copy refused" in res[1]["msg"], res[1]
     assert res[0]["error"] == "RefitError" and "a receiver failed to copy refit version 1" in res[0]["msg"], res[0]

@@ -10,14 +10,15 @@ on its current stream, so nothing it still reads is overwritten; the header exch
 plan, version, done-signal agreement); the senders enqueue their copies; then the done signal,
 one of (``done``, the same on every rank; the header checks it):
 
-* ``"event"`` (default where every sender shares its receivers' GPU): a sender records its event after its copies, then posts one status
-  key per refit to the store (``ok`` or its error) and only then waits (host) for its copies,
-  off every receiver's critical path. A receiver waits (``store.wait``, bounded by the group
-  timeout) for the status of each of its senders, raises if one failed, and makes its current
-  stream wait on their events on the GPU (``cudaStreamWaitEvent``); its host never waits for
-  the copies. ``receive_weights()`` then returns with the weights valid **on the receiver's
-  current stream** (the stream current when it was called): work queued there later runs after
-  every copy; a host read or another stream must synchronise with that stream first.
+* ``"event"`` (default where no rank has a peer on another GPU): a sender records its event
+  after its copies, then posts one status key per refit to the store (``ok`` or its error) and
+  only then waits (host) for its copies, off every receiver's critical path. A receiver waits
+  (``store.wait``, bounded by the group timeout) for the status of each of its senders, raises
+  if one failed, and makes its current stream wait on their events on the GPU
+  (``cudaStreamWaitEvent``); its host never waits for the copies. ``receive_weights()`` then
+  returns with the weights valid **on the receiver's current stream** (the stream current when
+  it was called): work queued there later runs after every copy; a host read or another stream
+  must synchronise with that stream first.
 * ``"host"``: every rank joins a ``done`` max exchange once each sender's copies finished (host
   wait), the earlier way. The default as soon as any rank has a peer on another GPU (every rank
   posts that with its setup status, so all pick alike): that placement is the one run
@@ -132,7 +133,8 @@ class IpcRefit:
         g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
         g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
                          "CUDA IPC setup (waiting for every rank to export or open handles)")
-        statuses = [x.decode() for x in get_all(g, [self._key(self._gen, "ipc_open", r) for r in range(g.world_size)])]
+        keys = [self._key(self._gen, "ipc_open", r) for r in range(g.world_size)]
+        statuses = [x.decode() for x in get_all(g, keys)]
         bad = [f"rank {r}: {st}" for r, st in enumerate(statuses) if st not in ("ok", CROSS_GPU)]
         if not bad:
             self._push = push

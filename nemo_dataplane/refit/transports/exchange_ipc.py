@@ -145,7 +145,7 @@ class IpcPush:
         # recorded after its copies; a receiver's opened events of its senders.
         self.done_event: torch.cuda.Event | None = None
         self.sender_events: dict[int, torch.cuda.Event] = {}
-        self._bridges: dict[int, torch.cuda.Stream] = {}  # wait_signals(): sender rank on another GPU -> stream there
+        self._bridges: dict[int, torch.cuda.Stream] = {}  # wait_signals(): sender on another GPU -> a stream there
         self._stream2: torch.cuda.Stream | None = None
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

@@ -99,6 +99,11 @@ def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[st
     # The adapter names its units "<controller>.StorageUnit#<rank>" (tests/unit/test_faults.py checks it).
     name = controller if debug["fail_in"] == "store_controller" else f"{controller}.StorageUnit#0"
     handle = ray.get_actor(name, namespace=kwargs.get("namespace", DEFAULT_NAMESPACE))
+    # Its process, if on this node: Ray calls an actor dead ~10 ms before the process is gone
+    # (measured), and a store actor can still serve a request in that window.
+    pid, node = ray.get(handle.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id())),
+                        timeout=30)
+    local_pid = pid if node == ray.get_runtime_context().get_node_id() else None
     _mark(debug)
     ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + 10.0  # ray.kill is asynchronous: return once the actor is gone
@@ -106,11 +111,21 @@ def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[st
         try:
             ray.get(handle.__ray_ready__.remote(), timeout=1.0)
         except ray.exceptions.RayActorError:
-            break
+            if local_pid is None or not _process_alive(local_pid):
+                return name
         except ray.exceptions.GetTimeoutError:
             pass
-        time.sleep(0.05)
-    return name
+        time.sleep(0.005)
+    raise RuntimeError(f"debug.fail_in={debug['fail_in']}: {name} was killed but still runs after 10 s")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (this node) still runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def raising_reward(record: Any, response_text: str) -> float:

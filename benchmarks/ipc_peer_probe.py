@@ -17,8 +17,18 @@ Ways: ``torch-open + copy-engine`` (torch's rebuild, a contiguous row block: ``c
 ``torch-open + kernel`` (torch's rebuild, a column block: torch's strided copy kernel),
 ``writer-ctx-open + kernel`` (the handle opened with the writer's GPU current, the lazy peer
 flag, the pointer wrapped as a tensor through ``__cuda_array_interface__``, same kernel).
-Prints a table, writes JSON; exits 2 without 2 GPUs. Not yet run (written when the device time
-was spent); see issue 12's note.
+Prints a table, writes JSON; exits 2 without 2 GPUs. First run (session 7, 2x H200): only the
+copy-engine write works; ``writer-ctx-open`` got ``cudaErrorInvalidValue`` from the open.
+
+``--rates``: how fast each *route* of a cross-GPU IPC copy runs, since copies work but the
+reshard's cross-GPU pushes ran at ~300 GB/s against ~395 for a peer copy. A process on GPU 1
+holds the source, one on GPU 0 the destination (each opens the other's buffer with torch); a
+1 GiB contiguous copy and a 0.5 GiB column block (``cudaMemcpy2DAsync``) go
+
+* ``push, writer's GPU``: the source's process, on a stream of GPU 1 (what the reshard does);
+* ``push, owner's GPU``: the source's process, on a stream of GPU 0 (where torch opened the view);
+* ``pull, source's GPU`` / ``pull, reader's GPU``: the destination's process, its stream on GPU 1 / 0;
+* ``peer copy``: one process, plain allocations on both GPUs, peer access on (the ceiling).
 """
 
 from __future__ import annotations
@@ -142,13 +152,130 @@ def probe(way: str, timeout: float = 60.0) -> dict[str, Any]:
             p.kill()
 
 
+RATE_BYTES = 1 << 30
+ROW_BYTES = 16384  # a bf16 row of 8192: the column block is half of every row
+ROUTES = ("push, writer's GPU", "push, owner's GPU", "pull, source's GPU", "pull, reader's GPU", "peer copy")
+
+
+def _time_route(rt: ctypes.CDLL, stream: torch.cuda.Stream, dst: int, src: int, iters: int = 10) -> dict[str, float]:
+    """Median ms of the 1 GiB contiguous copy and of the 0.5 GiB column block, each issued on
+    ``stream`` and waited for on the host."""
+    import statistics
+    import time
+
+    rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    h = ctypes.c_void_p(stream.cuda_stream)
+    rows = RATE_BYTES // ROW_BYTES
+    out: dict[str, float] = {}
+    for name, fn in (("flat", lambda: rt.cudaMemcpyAsync(dst, src, RATE_BYTES, 4, h)),
+                     ("column", lambda: rt.cudaMemcpy2DAsync(dst, ROW_BYTES, src, ROW_BYTES, ROW_BYTES // 2,
+                                                              rows, 4, h))):
+        ts = []
+        for i in range(iters + 2):
+            t0 = time.perf_counter()
+            err = fn()
+            if err != 0:
+                raise RuntimeError(f"{name} copy returned {err}")
+            stream.synchronize()
+            if i >= 2:
+                ts.append(time.perf_counter() - t0)
+        ms = statistics.median(ts) * 1e3
+        moved = RATE_BYTES if name == "flat" else RATE_BYTES // 2
+        out[f"{name}_ms"] = ms
+        out[f"{name}_GBps"] = moved / ms / 1e6
+    return out
+
+
+def _rate_proc(gpu: int, conn: Any) -> None:
+    """Owns a 1 GiB buffer on ``gpu`` (GPU 1: the source, random bytes; GPU 0: the destination),
+    exports it, opens the other one, and times the routes it is asked for."""
+    try:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        torch.cuda.set_device(gpu)
+        rt = _cudart()
+        mine = (torch.randint(0, 255, (RATE_BYTES,), dtype=torch.uint8, device=f"cuda:{gpu}") if gpu == 1
+                else torch.zeros(RATE_BYTES, dtype=torch.uint8, device=f"cuda:{gpu}"))
+        torch.cuda.synchronize()
+        conn.send(reduce_tensor(mine)[1])
+        other = rebuild_cuda_tensor(*conn.recv())
+        while True:
+            route = conn.recv()
+            if route is None:
+                break
+            try:
+                if route == "peer copy":
+                    there = torch.empty(RATE_BYTES, dtype=torch.uint8, device=f"cuda:{1 - gpu}")
+                    dst, src = (there, mine) if gpu == 1 else (mine, there)
+                    there[:1].copy_(mine[:1])  # torch enables peer access both ways, as for its copies
+                    mine[:1].copy_(there[:1])
+                    stream = torch.cuda.Stream(1)
+                else:
+                    dst, src = (other, mine) if route.startswith("push") else (mine, other)
+                    on = 1 if route.endswith(("writer's GPU", "source's GPU")) else 0
+                    stream = torch.cuda.Stream(on)
+                dst.zero_()
+                torch.cuda.synchronize(dst.device)
+                res = _time_route(rt, stream, dst.data_ptr(), src.data_ptr())
+                torch.cuda.synchronize(dst.device)
+                res["bit_exact"] = bool(torch.equal(dst.cpu(), src.cpu()))
+                conn.send(res)
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                conn.send({"error": f"{type(e).__name__}: {str(e)[:300]}"})
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send({"error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1500:]})
+
+
+def rates(timeout: float = 120.0) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_rate_proc, args=(g, pipes[g][1]), daemon=True) for g in range(2)]
+    for p in procs:
+        p.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        handles = [pipes[g][0].recv() if pipes[g][0].poll(timeout) else None for g in range(2)]
+        if any(h is None or isinstance(h, dict) for h in handles):
+            return [{"route": "setup", "error": str(handles)}]
+        pipes[0][0].send(handles[1])
+        pipes[1][0].send(handles[0])
+        for route in ROUTES:
+            g = 1 if route.startswith(("push", "peer")) else 0
+            pipes[g][0].send(route)
+            res = pipes[g][0].recv() if pipes[g][0].poll(timeout) else {"error": "no answer"}
+            rows.append({"route": route, **res})
+        for g in range(2):
+            pipes[g][0].send(None)
+        return rows
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "ipc_peer_probe.json"))
+    ap.add_argument("--rates", action="store_true", help="time the routes of a cross-GPU IPC copy instead")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         print("ipc_peer_probe: needs 2 CUDA GPUs", file=sys.stderr)
         return 2
+    if args.rates:
+        rows = rates()
+        print(f"{'route':22} {'1 GiB flat ms':>14} {'GB/s':>7} {'0.5 GiB column ms':>18} {'GB/s':>7}  exact")
+        for r in rows:
+            if "error" in r:
+                print(f"{r['route']:22} {r['error']}")
+                continue
+            print(f"{r['route']:22} {r['flat_ms']:14.3f} {r['flat_GBps']:7.1f} {r['column_ms']:18.3f} "
+                  f"{r['column_GBps']:7.1f}  {r['bit_exact']}")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     rows = [probe(w) for w in WAYS]
     print(f"{'way':28} {'writer':>8} {'bit-exact':>10}  detail")
     for r in rows:

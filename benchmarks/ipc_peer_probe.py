@@ -29,6 +29,9 @@ holds the source, one on GPU 0 the destination (each opens the other's buffer wi
 * ``push, owner's GPU``: the source's process, on a stream of GPU 0 (where torch opened the view);
 * ``pull, source's GPU`` / ``pull, reader's GPU``: the destination's process, its stream on GPU 1 / 0;
 * ``peer copy``: one process, plain allocations on both GPUs, peer access on (the ceiling).
+
+Each route runs first as opened, then again after both processes enabled peer access (a tiny
+torch copy across GPUs each way), since session 7 found the routes at 38 GB/s without it.
 """
 
 from __future__ import annotations
@@ -188,6 +191,55 @@ def _time_route(rt: ctypes.CDLL, stream: torch.cuda.Stream, dst: int, src: int, 
     return out
 
 
+PIECES = ((16 << 20, 1, 0), (16 << 20, 4, 0), (16 << 20, 0, 0), (2 << 20, 1, 0), (2 << 20, 4, 0),
+          (2 << 20, 0, 0), (16 << 20, 1, 2432), (16 << 20, 4, 2432))  # 0 streams: batched calls
+
+
+def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, streams: int,
+            width: int, iters: int = 10) -> dict[str, float]:
+    """1 GiB as pieces of ``size`` bytes (``width`` > 0: each piece a column block of rows
+    ``width`` bytes wide in rows of ``2 * width``, as a row-parallel weight's half), issued
+    round-robin on ``streams`` streams of the writer's GPU (0: flat pieces as the library's
+    batched calls, ``PeerCopier``, on one stream); median ms of the whole and GB/s."""
+    import statistics
+    import time
+
+    rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    ss = [torch.cuda.Stream(src.device) for _ in range(max(1, streams))]
+    hs = [ctypes.c_void_p(x.cuda_stream) for x in ss]
+    n = RATE_BYTES // size
+    d0, s0 = dst.data_ptr(), src.data_ptr()
+    moved = RATE_BYTES if not width else RATE_BYTES // 2
+    copier = None
+    if streams == 0:
+        from nemo_dataplane.refit.ipc import PeerCopier
+
+        copier = PeerCopier()
+        runs = [[d0 + k * size, s0 + k * size, size, []] for k in range(n)]
+    ts = []
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        if copier is not None:
+            copier.issue(runs, [], ss[0], ss)
+            if copier.mode != "batch":
+                raise RuntimeError(f"no batched copies here: {copier.batch_error or copier.raw_error}")
+        for k in range(n if copier is None else 0):
+            h = hs[k % streams]
+            off = k * size
+            err = (rt.cudaMemcpyAsync(d0 + off, s0 + off, size, 4, h) if not width else
+                   rt.cudaMemcpy2DAsync(d0 + off, 2 * width, s0 + off, 2 * width, width, size // (2 * width), 4, h))
+            if err != 0:
+                raise RuntimeError(f"piece copy returned {err}")
+        for x in ss:
+            x.synchronize()
+        if i >= 2:
+            ts.append(time.perf_counter() - t0)
+    ms = statistics.median(ts) * 1e3
+    return {"ms": ms, "GBps": moved / ms / 1e6}
+
+
 def _rate_proc(gpu: int, conn: Any) -> None:
     """Owns a 1 GiB buffer on ``gpu`` (GPU 1: the source, random bytes; GPU 0: the destination),
     exports it, opens the other one, and times the routes it is asked for."""
@@ -205,6 +257,20 @@ def _rate_proc(gpu: int, conn: Any) -> None:
             route = conn.recv()
             if route is None:
                 break
+            if route == "enable peer access":
+                there = torch.empty(1, dtype=torch.uint8, device=f"cuda:{1 - gpu}")
+                there.copy_(mine[:1])  # torch's cross-GPU copies enable peer access (both ways here)
+                mine[:1].copy_(there)
+                torch.cuda.synchronize()
+                conn.send({})
+                continue
+            if isinstance(route, tuple):  # ("pieces", size, streams, column_width): push, writer's GPU
+                try:
+                    conn.send(_pieces(rt, other, mine, *route[1:]))
+                except Exception as e:  # noqa: BLE001 - reported to the parent
+                    conn.send({"error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            route = route.split(" (")[0]
             try:
                 if route == "peer copy":
                     there = torch.empty(RATE_BYTES, dtype=torch.uint8, device=f"cuda:{1 - gpu}")
@@ -241,11 +307,19 @@ def rates(timeout: float = 120.0) -> list[dict[str, Any]]:
             return [{"route": "setup", "error": str(handles)}]
         pipes[0][0].send(handles[1])
         pipes[1][0].send(handles[0])
-        for route in ROUTES:
-            g = 1 if route.startswith(("push", "peer")) else 0
-            pipes[g][0].send(route)
-            res = pipes[g][0].recv() if pipes[g][0].poll(timeout) else {"error": "no answer"}
-            rows.append({"route": route, **res})
+        for route in [r for r in ROUTES if r != "peer copy"] + ["enable peer access"] + \
+                [f"{r} (peer on)" for r in ROUTES]:
+            for g in ((0, 1) if route == "enable peer access" else (1 if route.startswith(("push", "peer")) else 0,)):
+                pipes[g][0].send(route)
+                res = pipes[g][0].recv() if pipes[g][0].poll(timeout) else {"error": "no answer"}
+            if route != "enable peer access":
+                rows.append({"route": route, **res})
+        for size, streams, width in PIECES:
+            pipes[1][0].send(("pieces", size, streams, width))
+            res = pipes[1][0].recv() if pipes[1][0].poll(timeout) else {"error": "no answer"}
+            kind = f"column {width} B of {2 * width}" if width else "flat"
+            how = f"{streams} stream(s)" if streams else "batched"
+            rows.append({"route": f"pieces {size >> 20} MiB {kind}, {how}", **res})
         for g in range(2):
             pipes[g][0].send(None)
         return rows
@@ -266,12 +340,15 @@ def main() -> int:
         return 2
     if args.rates:
         rows = rates()
-        print(f"{'route':22} {'1 GiB flat ms':>14} {'GB/s':>7} {'0.5 GiB column ms':>18} {'GB/s':>7}  exact")
+        print(f"{'route':32} {'1 GiB flat ms':>14} {'GB/s':>7} {'0.5 GiB column ms':>18} {'GB/s':>7}  exact")
         for r in rows:
             if "error" in r:
-                print(f"{r['route']:22} {r['error']}")
+                print(f"{r['route']:32} {r['error']}")
                 continue
-            print(f"{r['route']:22} {r['flat_ms']:14.3f} {r['flat_GBps']:7.1f} {r['column_ms']:18.3f} "
+            if "GBps" in r:
+                print(f"{r['route']:44} {r['ms']:8.3f} ms {r['GBps']:7.1f} GB/s")
+                continue
+            print(f"{r['route']:32} {r['flat_ms']:14.3f} {r['flat_GBps']:7.1f} {r['column_ms']:18.3f} "
                   f"{r['column_GBps']:7.1f}  {r['bit_exact']}")
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))

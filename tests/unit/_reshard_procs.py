@@ -182,7 +182,8 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
             sent.append(ep.bytes_moved)
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
         if ep._push is not None:  # ipc: whether the copies went out raw, and how (placement)
-            out.update(raw=ep._push.raw, raw_error=ep._push.raw_error, pitched=ep._push.pitched)
+            out.update(raw=ep._push.raw, raw_error=ep._push.raw_error, pitched=ep._push.pitched,
+                       copies_used=ep._push.copies_used)
     else:
         shards = _hand_for(dst, rank, reshard_full(0, moe), fused)
         mine = {k: torch.zeros_like(v, device=dev) for k, v in shards.items()}

@@ -85,3 +85,67 @@ def test_the_ipc_modes_follow_placement_unless_forced(monkeypatch: pytest.Monkey
     monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "fast")
     with pytest.raises(ValueError, match=r"NEMO_DATAPLANE_RESHARD_PITCHED='fast'.*kernel"):
         env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED)
+
+
+class _FakeRuntime:
+    """Stands in for ``cuda.bindings.runtime`` (no CUDA here): records the calls and runs each
+    2D copy with memmove, so the batched ops' fields are checked by the bytes they move. The
+    real runtime runs in tests/unit/test_sharded_gpu.py."""
+
+    class _Obj:
+        def __init__(self, **kw: object) -> None:
+            self.__dict__.update(kw)
+
+    def __init__(self, refuse_batch: bool) -> None:
+        O = self._Obj  # noqa: N806
+        self.refuse_batch = refuse_batch
+        self.calls: list[str] = []
+        self.cudaError_t = O(cudaSuccess=0)
+        self.cudaMemcpyKind = O(cudaMemcpyDefault=4)
+        self.cudaMemcpy3DOperandType = O(cudaMemcpyOperandTypePointer="ptr")
+        self.cudaMemcpySrcAccessOrder = O(cudaMemcpySrcAccessOrderStream="stream")
+
+    def cudaMemcpy3DBatchOp(self) -> object:  # noqa: N802 - the runtime's name
+        O = self._Obj  # noqa: N806
+        side = lambda: O(type=None, op=O(ptr=O(ptr=0, rowLength=0, layerHeight=0)))  # noqa: E731
+        return O(src=side(), dst=side(), extent=O(width=0, height=0, depth=0), srcAccessOrder=None)
+
+    def cudaMemcpy3DBatchAsync(self, n: int, ops: list, flags: int, stream: int) -> tuple[int]:  # noqa: N802
+        self.calls.append(f"batch {n}")
+        if self.refuse_batch:
+            return (801,)
+        for op in ops:
+            assert op.src.type == op.dst.type == "ptr" and op.extent.depth == 1 and op.srcAccessOrder == "stream"
+            _run([(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
+                   op.extent.width, op.extent.height)])
+        return (0,)
+
+    def cudaMemcpy2DAsync(self, dp: int, dpitch: int, sp: int, spitch: int, w: int, h: int,  # noqa: N802
+                          kind: int, stream: int) -> tuple[int]:
+        self.calls.append("2d")
+        _run([(dp, dpitch, sp, spitch, w, h)])
+        return (0,)
+
+
+@pytest.mark.parametrize("refuse_batch", [False, True], ids=["batched", "refused-then-loop"])
+def test_pitched_copier_moves_column_blocks_batched_or_one_call_each(refuse_batch: bool) -> None:
+    from nemo_dataplane.refit.transports.pitched import PitchedCopier
+
+    class _Stream:
+        cuda_stream = 7
+
+    gen = torch.Generator().manual_seed(1)
+    dst, src = torch.zeros(2, 16, 12, dtype=torch.bfloat16), torch.randn(2, 12, 6, generator=gen).to(torch.bfloat16)
+    copies = pitched_copies(dst[:, 2:14, 3:9], src)  # a box: one column block per expert
+    assert copies is not None and len(copies) == 2
+    rt = _FakeRuntime(refuse_batch)
+    pc = PitchedCopier(rt)
+    for _ in range(2):  # the second refit reuses the first one's ops (or stays on the loop)
+        dst.zero_()
+        pc.issue(copies, _Stream())  # type: ignore[arg-type]
+        want = torch.zeros_like(dst)
+        want[:, 2:14, 3:9] = src
+        assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+    assert rt.calls == (["batch 2", "2d", "2d", "2d", "2d"] if refuse_batch else ["batch 2", "batch 2"])
+    assert pc.mode == ("loop" if refuse_batch else "batch")
+    assert (pc.batch_error is not None) == refuse_batch and (not refuse_batch or "801" in pc.batch_error)

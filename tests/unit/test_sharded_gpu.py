@@ -58,6 +58,40 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
         assert res[s]["raw"], res[s]["raw_error"]
         assert res[s]["pitched"] == ("memcpy2d" if cross[s] else "kernel"), res[s]
+        print(f"rank {s}: {res[s]['copies_used']}")
+
+
+@pytest.mark.parametrize("batch", ["1", "0"], ids=["batched", "one-call-each"])
+def test_pitched_copier_is_bit_exact_on_the_gpu(monkeypatch: pytest.MonkeyPatch, batch: str) -> None:
+    """The 2D copies of column blocks (and a box) through the real runtime, batched or not,
+    across GPUs where there are two (plain memory, peer access as torch turns it on)."""
+    from nemo_dataplane.refit.ipc import _cudart
+    from nemo_dataplane.refit.transports.pitched import PitchedCopier, pitched_copies
+
+    rt = _cudart()
+    if rt is None:
+        pytest.skip("cuda-bindings not installed")
+    monkeypatch.setenv("NEMO_DATAPLANE_IPC_BATCH", batch)
+    there = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    src = torch.randn(4, 96, 40, generator=gen, device="cuda:0").to(torch.bfloat16)
+    col = torch.randn(128, 10, generator=gen, device="cuda:0").to(torch.bfloat16)
+    dst = torch.zeros(4, 128, 80, dtype=torch.bfloat16, device=there)
+    dst[0, 0, :1].copy_(src[0, 0, :1])  # torch turns peer access on, as ipc.probe does for the push
+    dst.zero_()
+    torch.cuda.synchronize()
+    copies = (pitched_copies(dst[:, 16:112, 20:60], src) or []) + (pitched_copies(dst[1, :, 70:80], col) or [])
+    assert len(copies) == 5 and all(c[5] > 1 for c in copies), copies  # 4 column blocks of a box + 1
+    pc = PitchedCopier(rt)
+    s = torch.cuda.Stream(0)
+    with torch.cuda.device(0):
+        pc.issue(copies, s)
+    s.synchronize()
+    want = torch.zeros_like(dst)
+    want[:, 16:112, 20:60] = src.to(there)
+    want[1, :, 70:80] = col.to(there)
+    assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+    assert pc.mode == ("batch" if batch == "1" and hasattr(rt, "cudaMemcpy3DBatchAsync") else "loop"), pc.batch_error
 
 
 @two_gpus

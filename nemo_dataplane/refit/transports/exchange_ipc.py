@@ -8,11 +8,13 @@ shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of i
 others (column blocks of row-parallel weights) as torch strided copy kernels on a second
 stream, so both run at once, and no bulk data touches the group. That is the default where a
 sender and all its receivers share one GPU. A sender with a receiver on **another GPU** sends
-every piece as one ``cudaMemcpy2DAsync`` instead (a column block as a pitched 2D copy): on 2x
-H200 the strided kernels writing into another GPU's IPC-opened memory faulted (illegal address
-on the first refit) while the 2D copies were bit-exact. ``NEMO_DATAPLANE_RESHARD_PITCHED=
-kernel|memcpy2d`` forces one way on every placement. Pieces are the plan's entries
-(``reshard.py``); messages and buckets do not matter here.
+the column blocks as 2D copy-engine copies instead, after the contiguous ones on the copy
+stream (``pitched.py``: one batched call): on 2x H200 the strided kernels writing into another
+GPU's IPC-opened memory faulted (illegal address on the first refit) while copy-engine copies
+were bit-exact. ``NEMO_DATAPLANE_RESHARD_PITCHED=kernel|memcpy2d`` forces one way on every
+placement. Pieces are the plan's entries (``reshard.py``); messages and buckets do not matter
+here. Copy-engine copies across GPUs need peer access on in the sender (``ipc.probe`` has torch
+turn it on): without it they ran at 38 GB/s instead of 395 (``ipc_peer_probe.py --rates``).
 
 The group carries only host-side control (works on gloo, so several processes may share a
 GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ from nemo_dataplane.refit import ipc as _ipc
 from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.reshard import ReshardPlan
+from nemo_dataplane.refit.transports.pitched import Copy, PitchedCopier, pitched_copies
 
 __all__ = ["ORDERS", "PITCHED", "IpcPush", "env_choice", "pitched_copies"]
 
@@ -58,48 +60,6 @@ def env_choice(name: str, allowed: Sequence[str]) -> str | None:
 
 def _index(dev: torch.device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
-
-Copy = tuple[int, int, int, int, int, int]  # dst ptr, dst pitch, src ptr, src pitch, width, height (bytes)
-
-
-def pitched_copies(dst: torch.Tensor, src: torch.Tensor) -> list[Copy] | None:
-    """``dst.copy_(src)`` (same shape and dtype) as 2D pitched memory copies, or None if it is
-    not expressible so (the innermost dimension strided on either side).
-
-    Dimensions that are contiguous across on both sides are merged first, so a contiguous
-    block is one copy of height 1, a block of columns one copy of height ``rows``, and a 3D
-    box one 2D copy per index of its outer dims.
-    """
-    if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise ValueError(f"pitched_copies: {tuple(dst.shape)} {dst.dtype} vs {tuple(src.shape)} {src.dtype}")
-    isz = dst.element_size()
-    dims = [(n, d, s) for n, d, s in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
-    if dst.numel() == 0:
-        return []
-    if not dims:
-        return [(dst.data_ptr(), isz, src.data_ptr(), isz, isz, 1)]
-    merged = [dims[-1]]
-    for n, d, s in reversed(dims[:-1]):
-        n1, d1, s1 = merged[0]
-        if d == n1 * d1 and s == n1 * s1:
-            merged[0] = (n * n1, d1, s1)
-        else:
-            merged.insert(0, (n, d, s))
-    n_in, d_in, s_in = merged[-1]
-    if d_in != 1 or s_in != 1:
-        return None
-    width = n_in * isz
-    if len(merged) == 1:
-        return [(dst.data_ptr(), width, src.data_ptr(), width, width, 1)]
-    rows, dp, sp = merged[-2]
-    outer = merged[:-2]
-    out: list[Copy] = []
-    for idx in itertools.product(*(range(n) for n, _, _ in outer)):
-        do = sum(i * d for i, (_, d, _) in zip(idx, outer)) * isz
-        so = sum(i * s for i, (_, _, s) in zip(idx, outer)) * isz
-        out.append((dst.data_ptr() + do, dp * isz, src.data_ptr() + so, sp * isz, width, rows))
-    return out
-
 
 def _widened(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dst, src) viewed as the widest integer type both allow (same bits), so a strided copy
@@ -151,6 +111,7 @@ class IpcPush:
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._rt = _ipc._cudart()
         self.raw = self._rt is not None
+        self._copier2d = PitchedCopier(self._rt)
         self.raw_error: str | None = None
         # timing=True: CUDA events split the last refit's copies into the contiguous ones
         # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
@@ -269,11 +230,11 @@ class IpcPush:
                 for e in m.entries:
                     src = tensors[e.src_local][tuple(slice(a, b) for a, b in e.src_region)]
                     dst = dst_views[e.dst_local][tuple(slice(a, b) for a, b in e.dst_region)]
+                    if dst.is_contiguous() and src.is_contiguous():
+                        flat.append((dst, src))  # batched copy-engine copies in every mode
+                        continue
                     if self.pitched == "kernel" or not self.raw:
-                        if dst.is_contiguous() and src.is_contiguous():
-                            flat.append((dst, src))
-                        else:
-                            slow.append(_widened(dst, src))
+                        slow.append(_widened(dst, src))
                         continue
                     ops = pitched_copies(dst, src)
                     if ops is None:
@@ -289,9 +250,6 @@ class IpcPush:
                     else:
                         copies += ops
         runs, rest = self._copier.plan([d for d, _ in flat], [x for _, x in flat])
-        # Contiguous copies first, then the pitched ones (order is free: no two write the same
-        # bytes), so timing can tell their rates apart.
-        copies.sort(key=lambda c: c[5] > 1)
         self._key, self._copies, self._slow, self._gather = key, copies, rest + slow, gather
         self._runs = runs
         self._sources = list(tensors.values())  # what the copies read stays alive
@@ -303,9 +261,9 @@ class IpcPush:
 
         ``pitched="kernel"`` (default): contiguous pieces go out as batched copy-engine copies
         on the copy stream, the others (column blocks of row-parallel weights) as torch strided
-        copy kernels on a second stream, so both run at once; ``"memcpy2d"``: one
-        ``cudaMemcpy2DAsync`` per piece on the copy stream (the earlier way, suspected slow for
-        column blocks of short rows; kept for comparison). ``order``: which of the two kinds
+        copy kernels on a second stream, so both run at once; ``"memcpy2d"`` (the default
+        across GPUs): those as 2D copy-engine copies on the copy stream after the contiguous
+        ones (``pitched.PitchedCopier``). ``order``: which of the two kinds
         the host enqueues first (the GPU starts on them while the host enqueues the others)."""
         assert self._stream is not None and self._stream2 is not None
         self._plan(tensors)
@@ -376,23 +334,12 @@ class IpcPush:
             marks[3].record(s2)
 
     def _raw(self, stream: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
-        rt = self._rt
-        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
-        handle = int(stream.cuda_stream)
-        ok = rt.cudaError_t.cudaSuccess
-        mid = None
+        """The 2D copies on ``stream`` (after the batched contiguous ones: ``mid`` splits them)."""
+        if marks:
+            self._mid = torch.cuda.Event(enable_timing=True)
+            self._mid.record(stream)
         with torch.cuda.device(self.device):
-            for dp, dpitch, sp, spitch, width, height in self._copies:
-                if marks and height > 1 and mid is None:
-                    mid = torch.cuda.Event(enable_timing=True)
-                    mid.record(stream)
-                (err,) = rt.cudaMemcpy2DAsync(dp, dpitch, sp, spitch, width, height, kind, handle)
-                if err != ok:
-                    raise RuntimeError(f"cudaMemcpy2DAsync: {err}")
-        if marks and mid is None:
-            mid = torch.cuda.Event(enable_timing=True)
-            mid.record(stream)
-        self._mid = mid
+            self._copier2d.issue(self._copies, stream)
 
     @property
     def copies_used(self) -> str:
@@ -400,7 +347,8 @@ class IpcPush:
         if not self.raw:
             return f"torch copy_ ({self.raw_error})"
         if self.pitched == "memcpy2d":
-            return "cudaMemcpy2DAsync"
+            how = "cudaMemcpy3DBatchAsync" if self._copier2d.mode == "batch" else "cudaMemcpy2DAsync"
+            return f"contiguous: {self._copier.mode}, pitched: {how}"
         return f"contiguous: {self._copier.mode}, pitched: torch strided kernels"
 
     def phases(self) -> dict[str, float]:
@@ -410,7 +358,7 @@ class IpcPush:
         if len(self._events) != 4:
             return {}
         e0, e1, e2, e3 = self._events
-        flat = sum(r[2] for r in self._runs) + sum(w for _, _, _, _, w, h in self._copies if h == 1)
+        flat = sum(r[2] for r in self._runs)
         if self._copies and self._mid is not None:  # 2D copies: all on the copy stream, split at `mid`
             return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(self._mid),
                     "pitched_bytes": self.bytes_issued - flat, "pitched_ms": self._mid.elapsed_time(e1)}

@@ -67,13 +67,13 @@ def test_widened_views_copy_the_same_bits() -> None:
 
 
 def test_the_ipc_modes_follow_placement_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One peer on another GPU anywhere turns every rank's done signal to the host one (the
-    verified cross-GPU path); the environment forces either way; a bad value names its variable."""
+    """The event done signal on every placement (a peer on another GPU included) unless the
+    environment forces either way; a bad value names its variable."""
     from nemo_dataplane.refit.sharded_ipc import CROSS_GPU, agreed_done
     from nemo_dataplane.refit.transports.exchange_ipc import PITCHED, env_choice
 
     assert agreed_done(["ok", "ok", "ok"], None) == "event"
-    assert agreed_done(["ok", CROSS_GPU, "ok"], None) == "host"
+    assert agreed_done(["ok", CROSS_GPU, "ok"], None) == "event"  # the event bridge ran across GPUs
     assert agreed_done(["ok", CROSS_GPU], "event") == "event"
     assert agreed_done(["ok"], "host") == "host"
     monkeypatch.delenv("NEMO_DATAPLANE_RESHARD_PITCHED", raising=False)

@@ -40,19 +40,16 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     res = P.run_ranks(pool, R.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
                       case=case, gpus=gpus, transport="ipc", limit=120, timings=True)
     R.check_reshard(res, case)
-    # Placement picks the modes (sharded_ipc / exchange_ipc docs): within one GPU the event done
-    # signal and strided kernels; once any rank has a peer on another GPU, the host signal on
-    # every rank, and 2D copies from a sender with a receiver elsewhere (kernels faulted there).
+    # Placement picks the copies (exchange_ipc doc): strided kernels within one GPU, 2D copies from
+    # a sender with a receiver elsewhere (kernels faulted there); the event done signal on all.
     cross = {r: res[r]["cross_gpu"] for r in res}
     if len(set(gpus)) == 1:
         assert not any(cross.values()), cross
     if case == "tp2->tp1" and gpus == (0, 1, 0):
         assert cross == {0: False, 1: True, 2: True}, cross
-    assert {res[r]["done"] for r in res} == {"host" if any(cross.values()) else "event"}, res
-    R.check_timings(res, {"send": ["check", "header", "issue", "copies", "done"],
-                          "recv": ["check", "ready", "header", "done", "scatter"]} if any(cross.values()) else
-                    {"send": ["check", "header", "issue", "signal", "copies"],
-                     "recv": ["check", "ready", "header", "signal", "scatter"]}, refits=2)
+    assert {res[r]["done"] for r in res} == {"event"}, res
+    R.check_timings(res, {"send": ["check", "header", "issue", "signal", "copies"],
+                          "recv": ["check", "ready", "header", "signal", "scatter"]}, refits=2)
     assert {res[r]["transport"] for r in res} == {"ipc"}
     src, _ = R.reshard_layouts(case)
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
@@ -108,14 +105,18 @@ def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:
 _DELAY_CYCLES = 300_000_000
 
 
-@pytest.mark.parametrize("done", ["event", "host"])
-def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool: P.Pool, done: str) -> None:
+@pytest.mark.parametrize(("done", "gpus"), [("event", (0, 0, 0)), ("host", (0, 0, 0)),
+                                            pytest.param("event", (0, 1, 0), marks=two_gpus)],
+                         ids=["event", "host", "event-across-gpus"])
+def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool: P.Pool, done: str,
+                                                                           gpus: tuple[int, ...]) -> None:
     """Each sender's copies start ~0.15 s late (a GPU sleep before them on its stream). With the
     event done signal the receiver returns before they ran (its stream still waits on the
-    senders' events), yet what it reads on its current stream right after is bit-exact; with
-    the host done signal (the earlier way) the same read is bit-exact too."""
+    senders' events, through a stream of the sender's GPU for one on another GPU), yet what it
+    reads on its current stream right after is bit-exact; with the host done signal (the
+    earlier way) the same read is bit-exact too."""
     res = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
-                      gpus=(0, 0, 0), transport="ipc", limit=120, done=done, delay_cycles=_DELAY_CYCLES)
+                      gpus=gpus, transport="ipc", limit=120, done=done, delay_cycles=_DELAY_CYCLES)
     R.check_reshard(res, "tp2->tp1")
     if done == "event":
         assert [x["pending_at_return"] for x in res[2]["refits"]] == [True, True], res[2]["refits"]

@@ -8,8 +8,8 @@ shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of i
 others (column blocks of row-parallel weights) as torch strided copy kernels on a second
 stream, so both run at once, and no bulk data touches the group. That is the default where a
 sender and all its receivers share one GPU. A sender with a receiver on **another GPU** sends
-the column blocks as 2D copy-engine copies instead, after the contiguous ones on the copy
-stream (``pitched.py``: one batched call): on 2x H200 the strided kernels writing into another
+the column blocks as 2D copy-engine copies instead, on the second stream (``pitched.py``: one
+batched call): on 2x H200 the strided kernels writing into another
 GPU's IPC-opened memory faulted (illegal address on the first refit) while copy-engine copies
 were bit-exact. ``NEMO_DATAPLANE_RESHARD_PITCHED=kernel|memcpy2d`` forces one way on every
 placement. Pieces are the plan's entries (``reshard.py``); messages and buckets do not matter
@@ -117,7 +117,6 @@ class IpcPush:
         # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
         self.timing = False
         self._events: list[torch.cuda.Event] = []
-        self._mid: torch.cuda.Event | None = None
 
     # -- setup
 
@@ -179,8 +178,8 @@ class IpcPush:
 
         An IPC event is waited on only by a stream of the GPU it was made on (where it was
         opened): for a sender on another GPU a stream there waits on it and records a plain
-        event, which ``stream`` waits on (cross-GPU waits on plain events are supported). Not
-        yet run on two GPUs: ``sharded_ipc`` picks ``done="host"`` across GPUs by default."""
+        event, which ``stream`` waits on (cross-GPU waits on plain events are supported); run
+        bit-exact and ordered after late copies on 2x H200 (test_sharded_gpu.py)."""
         for r, ev in self.sender_events.items():
             side = self._bridges.get(r)
             if side is None:
@@ -239,8 +238,8 @@ class IpcPush:
                     ops = pitched_copies(dst, src)
                     if ops is None:
                         # A source strided in its innermost dim: gathered into a contiguous
-                        # scratch on our GPU first (allocated on the copy stream, which uses it).
-                        with torch.cuda.stream(self._stream):
+                        # scratch on our GPU first (allocated on the second stream, which uses it).
+                        with torch.cuda.stream(self._stream2):
                             tmp = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                         gather[0].append(tmp)
                         gather[1].append(src)
@@ -259,30 +258,31 @@ class IpcPush:
         after them, records ``done_event`` (if made) after them, and orders the current stream
         after them (later writes to the weights wait for the copies reading them).
 
-        ``pitched="kernel"`` (default): contiguous pieces go out as batched copy-engine copies
-        on the copy stream, the others (column blocks of row-parallel weights) as torch strided
-        copy kernels on a second stream, so both run at once; ``"memcpy2d"`` (the default
-        across GPUs): those as 2D copy-engine copies on the copy stream after the contiguous
-        ones (``pitched.PitchedCopier``). ``order``: which of the two kinds
-        the host enqueues first (the GPU starts on them while the host enqueues the others)."""
+        The contiguous pieces go out as batched copy-engine copies on the copy stream; the
+        others (column blocks of row-parallel weights) on a second stream, so both kinds run at
+        once: ``pitched="kernel"`` (the default within one GPU) as torch strided copy kernels,
+        ``"memcpy2d"`` (the default across GPUs) as 2D copy-engine copies
+        (``pitched.PitchedCopier``). ``order``: which of the two kinds the host enqueues first
+        (the GPU starts on them while the host enqueues the others)."""
         assert self._stream is not None and self._stream2 is not None
         self._plan(tensors)
         cur = torch.cuda.current_stream(self.device)
         s, s2 = self._stream, self._stream2
         s.wait_stream(cur)  # read the weights after whatever wrote them
         marks: list[torch.cuda.Event] = []
-        self._mid = None
         if self.timing:
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        slow = bool(self._slow)
-        if slow:
+        other = bool(self._slow or self._copies)
+        if other:
             s2.wait_stream(cur)
-        if slow and self.order == "strided_first":
-            self._issue_strided(s2, marks)
-            self._issue_batched(tensors, s, marks)
-        elif not self._issue_batched(tensors, s, marks) and slow:
-            self._issue_strided(s2, marks)
-        if slow:
+        if other and self.order == "strided_first":
+            self._issue_other(tensors, s2, marks)
+            self._issue_batched(s, marks)
+        else:
+            self._issue_batched(s, marks)
+            if other:
+                self._issue_other(tensors, s2, marks)
+        if other:
             s.wait_stream(s2)
         elif marks:
             marks[2].record(s)
@@ -295,51 +295,40 @@ class IpcPush:
         cur.wait_stream(s)  # later writes to the weights wait for the copies reading them
         return ev
 
-    def _issue_batched(self, tensors: Mapping[str, torch.Tensor], s: torch.cuda.Stream,
-                       marks: list[torch.cuda.Event]) -> bool:
-        """The copy-engine copies (and, with ``pitched="memcpy2d"``, the 2D ones) on ``s``;
-        True if the 2D copies were refused and every piece went out here instead."""
-        everything = False
+    def _issue_batched(self, s: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
+        """The contiguous pieces as batched copy-engine copies on ``s``."""
         if marks:
             marks[0].record(s)
         if self._runs:
             self._copier.issue(self._runs, [], s, [s])
             if not self._copier.raw:  # bindings refused: copy_ from now on (re-copying is harmless)
                 self.raw, self.raw_error = False, self._copier.raw_error
-        if self._copies:
-            try:
-                if self._gather[0]:
-                    with torch.cuda.stream(s):
-                        copy_all(*self._gather)
-                self._raw(s, marks)
-            except Exception as e:  # bindings refused: torch copies from now on (re-copying is harmless)
-                self.raw = False
-                self._key = None
-                self._plan(tensors)
-                self.raw_error = str(e)
-                self._copier.issue(self._runs, self._slow, s, [s])
-                everything = True
         if marks:
             marks[1].record(s)
-        return everything
 
-    def _issue_strided(self, s2: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
-        """The strided copy kernels (non-contiguous pieces) on ``s2``."""
+    def _issue_other(self, tensors: Mapping[str, torch.Tensor], s2: torch.cuda.Stream,
+                     marks: list[torch.cuda.Event]) -> None:
+        """The non-contiguous pieces on ``s2``: 2D copies (sources strided in their innermost
+        dim gathered first) and strided copy kernels."""
         if marks:
             marks[2].record(s2)
+        if self._copies:
+            try:
+                with torch.cuda.stream(s2):
+                    if self._gather[0]:
+                        copy_all(*self._gather)
+                with torch.cuda.device(self.device):
+                    self._copier2d.issue(self._copies, s2)
+            except Exception as e:  # bindings refused: torch copies from now on (re-copying is harmless)
+                self.raw, self.raw_error = False, str(e)
+                self._key = None
+                self._plan(tensors)
+                self._copier.issue(self._runs, [], s2, [s2])
         with torch.cuda.stream(s2):
             for d, x in self._slow:
                 d.copy_(x, non_blocking=True)
         if marks:
             marks[3].record(s2)
-
-    def _raw(self, stream: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
-        """The 2D copies on ``stream`` (after the batched contiguous ones: ``mid`` splits them)."""
-        if marks:
-            self._mid = torch.cuda.Event(enable_timing=True)
-            self._mid.record(stream)
-        with torch.cuda.device(self.device):
-            self._copier2d.issue(self._copies, stream)
 
     @property
     def copies_used(self) -> str:
@@ -353,15 +342,12 @@ class IpcPush:
 
     def phases(self) -> dict[str, float]:
         """After a refit with ``timing`` (and its copies done): bytes and GPU milliseconds of the
-        contiguous copies (copy stream) and of the pitched ones (kernels on the second stream,
-        or 2D copies on the copy stream with ``pitched="memcpy2d"``)."""
+        contiguous copies (copy stream) and of the others (second stream: strided kernels or
+        2D copies)."""
         if len(self._events) != 4:
             return {}
         e0, e1, e2, e3 = self._events
         flat = sum(r[2] for r in self._runs)
-        if self._copies and self._mid is not None:  # 2D copies: all on the copy stream, split at `mid`
-            return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(self._mid),
-                    "pitched_bytes": self.bytes_issued - flat, "pitched_ms": self._mid.elapsed_time(e1)}
         return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(e1),
                 "pitched_bytes": self.bytes_issued - flat, "pitched_ms": e2.elapsed_time(e3)}
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The runs issues 12 and 13 still owe on a 2-GPU machine, in one command, each bounded, most
-# informative first (device time is short):
+# The 2-GPU runs of issues 12 and 13 in one command, each bounded, most informative first
+# (device time is short); first run in full on 2x H200 in session 7:
 #
 #   bash benchmarks/two_gpu_runs.sh OUT_DIR [SECONDS]
 #
-# 1. ipc_peer_probe.py: which writes into another GPU's IPC memory work (issue 12's cause);
+# 1. ipc_peer_probe.py: which writes into another GPU's IPC memory work, and --rates: how fast
+#    each route of a cross-GPU IPC copy runs (issue 12);
 # 2. the GPU tests of the reshard, packed refit and Megatron worker (the 2-GPU cases run);
 # 3. bench_megatron.py --layout two-gpu: grpo_sync with Megatron TP=2 vs the torch worker (13);
 # 4. bench_refit.py --reshard: TP2->TP1 against the NVLink peer copy (12's 1.1x target).
@@ -32,7 +33,8 @@ step() {  # step NAME SHARE_PERCENT CMD...: CMD may run until SHARE% more of the
     tail -n 12 "$out/$name.log"
 }
 
-step probe 10 python3 benchmarks/ipc_peer_probe.py --json "$out/ipc_peer_probe.json"
+step probe 6 python3 benchmarks/ipc_peer_probe.py --json "$out/ipc_peer_probe.json"
+step rates 4 python3 benchmarks/ipc_peer_probe.py --rates --json "$out/ipc_peer_rates.json"
 step gpu_tests 35 python3 -m pytest -q -x tests/unit/test_sharded_gpu.py tests/unit/test_refit_gpu.py \
     tests/unit/test_megatron_gpu.py
 step bench_megatron 35 python3 benchmarks/bench_megatron.py --layout two-gpu --steps 10 --no-resume \

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 
 ROWS, COLS = 1024, 512
-WAYS = ("torch-open + copy-engine", "torch-open + kernel", "writer-ctx-open + kernel")
+WAYS = ("torch-open + copy-engine", "torch-open + kernel", "writer-ctx-open + kernel",
+        "writer-ctx-open (bindings) + kernel")
 LAZY_ENABLE_PEER_ACCESS = 0x1  # cudaIpcMemLazyEnablePeerAccess
 
 
@@ -113,12 +114,26 @@ def _writer(way: str, args: tuple, conn: Any) -> None:
             size, stride, offset, handle, storage_offset = args[1], args[2], args[3], args[7], args[9]
             rt = _cudart()
             rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]
-            ptr = ctypes.c_void_p()
-            with torch.cuda.device(1):
-                err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle(bytes(handle)), LAZY_ENABLE_PEER_ACCESS)
-            if err != 0:
-                raise RuntimeError(f"cudaIpcOpenMemHandle from GPU 1 returned {err}")
-            base = ptr.value + storage_offset + offset * 2
+            raw = bytes(handle)  # torch prefixes the 64-byte cudaIpcMemHandle_t: version, kind ('c')
+            if way.startswith("writer-ctx-open (bindings)"):
+                from cuda.bindings import runtime as cbr  # type: ignore[import-not-found]
+
+                h = cbr.cudaIpcMemHandle_t()
+                h.reserved = raw[-64:]
+                with torch.cuda.device(1):
+                    err, addr = cbr.cudaIpcOpenMemHandle(h, cbr.cudaIpcMemLazyEnablePeerAccess)
+                if err != cbr.cudaError_t.cudaSuccess:
+                    raise RuntimeError(f"cuda-bindings cudaIpcOpenMemHandle from GPU 1: {err}")
+                ptr_value = int(addr)
+            else:
+                ptr = ctypes.c_void_p()
+                with torch.cuda.device(1):
+                    err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle(raw[-64:]), LAZY_ENABLE_PEER_ACCESS)
+                if err != 0:
+                    raise RuntimeError(f"cudaIpcOpenMemHandle from GPU 1 returned {err}; "
+                                       f"handle {len(raw)} bytes, starts {raw[:4].hex()}")
+                ptr_value = ptr.value
+            base = ptr_value + storage_offset + offset * 2
             view = torch.as_tensor(_Cai(base, tuple(size))).view(torch.bfloat16)
             if tuple(view.stride()) != tuple(stride):
                 raise RuntimeError(f"wrapped view has strides {view.stride()}, want {stride}")

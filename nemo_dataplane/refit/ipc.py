@@ -18,7 +18,6 @@ import base64
 import contextlib
 import inspect
 import json
-import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -27,9 +26,10 @@ import torch
 
 from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
+from nemo_dataplane.refit.copy_engine import PeerCopier, _cudart
 
-__all__ = ["PeerCopier", "PushSource", "PushTargets", "export_tensors", "host_record", "ipc_problems",
-           "open_tensors", "probe", "signature"]
+__all__ = ["PeerCopier", "PeerMapping", "PushSource", "PushTargets", "export_tensors", "exporter_device",
+           "host_record", "ipc_problems", "open_tensors", "probe", "signature"]
 
 
 def _boot_id() -> str:
@@ -168,14 +168,24 @@ def export_tensors(tensors: Sequence[torch.Tensor | None], device: torch.device)
     return json.dumps({"uuid": _uuid(device.index), "device": device.index, "tensors": items}).encode()
 
 
-def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
-    """Open handles made by ``export_tensors``: views of the sender's memory, on its GPU."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+def exporter_device(blob: bytes) -> int:
+    """This process's CUDA index of the GPU whose memory ``blob`` (``export_tensors``) names."""
     d = json.loads(blob)
     if "error" in d:
         raise RuntimeError(f"the exporting rank could not export its tensors: {d['error']}")
-    dev = local_index_of(d.get("uuid", ""), int(d["device"]))
+    return local_index_of(d.get("uuid", ""), int(d["device"]))
+
+
+def open_tensors(blob: bytes, mapping: PeerMapping | None = None) -> list[torch.Tensor | None]:
+    """Open handles made by ``export_tensors``: views of the exporter's memory. By default
+    torch opens them (``rebuild_cuda_tensor``), in the context of the exporter's GPU, so the
+    views are on that GPU. With ``mapping`` they are opened in the context of
+    ``mapping.device`` instead (views on that device: its kernels can write them; see
+    ``PeerMapping``)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    d = json.loads(blob)
+    dev = exporter_device(blob)
     out: list[torch.Tensor | None] = []
     for item in d["tensors"]:
         if item is None:
@@ -186,138 +196,81 @@ def open_tensors(blob: bytes) -> list[torch.Tensor | None]:
         kw["requires_grad"] = False
         _check_view(kw)
         kw["tensor_size"] = torch.Size(kw["tensor_size"])
+        if mapping is not None:
+            out.append(mapping.view(kw))
+            continue
         with torch.cuda.device(dev):
             out.append(rebuild_cuda_tensor(**kw))
     return out
 
 
-# ---------------------------------------------------------------- copies
+class _ArrayInterface:
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3}
 
 
-def _cudart() -> Any:
-    try:
-        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from cuda import cudart  # type: ignore[import-not-found,no-redef]
-        except ImportError:
-            return None
-    return cudart
+class PeerMapping:
+    """Another process's CUDA memory mapped into the context of *our* GPU ``device``.
 
+    Why: torch opens a handle in the context of the memory's own GPU, and on 2x H200 a kernel
+    of another GPU writing through such a view faulted (illegal address); the same memory opened
+    with ``device`` current and ``cudaIpcMemLazyEnablePeerAccess`` (cuda-bindings) took torch's
+    strided copy kernel bit-exact (``benchmarks/ipc_peer_probe.py``, session 7). Each caching-
+    allocator block (one handle) is opened once per mapping and closed by ``close()``; the views
+    do not own their memory (torch's IPC refcounts do not cover them), so the exporter must keep
+    the tensors alive: a receiver whose tensors moved aborts the refit (``IpcPush.moved``).
+    Only torch's ``cudaMalloc`` handles are understood; anything else raises, and the caller
+    falls back to torch's open."""
 
-class PeerCopier:
-    """Copies ``src`` views (another process's memory) into local tensors on given streams.
-
-    Pairs that are contiguous on both sides go out as raw copies (one per run of pairs
-    adjacent in memory on both sides) on the ``raw`` stream: a copy-engine peer copy with none
-    of torch's per-copy cross-device event barriers. The runs go out as (up to two)
-    ``cudaMemcpyBatchAsync`` calls (CUDA >= 12.8) where the bindings and driver have it, otherwise
-    (or once it was refused) as one ``cudaMemcpyAsync`` per run. Other pairs use
-    ``dst.copy_(src)`` with the caller's streams current. Without cuda-bindings, or if a raw
-    call is refused, everything goes through ``copy_``. ``NEMO_DATAPLANE_IPC_BATCH=0`` turns
-    the batched call off (for comparison).
-    """
-
-    FIRST_CALL_BYTES = 64 << 20
-
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._rt = _cudart()
-        self.raw = self._rt is not None
-        self.raw_error: str | None = None
-        self.batch = (self.raw and hasattr(self._rt, "cudaMemcpyBatchAsync")
-                      and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0")
-        self.batch_error: str | None = None
-        self._attrs: list | None = None
-        self._chunks: tuple | None = None
+        if self._rt is None or not hasattr(self._rt, "cudaIpcOpenMemHandle"):
+            raise RuntimeError("cuda-bindings are not installed")
+        self._opened: dict[bytes, int] = {}
 
-    @property
-    def mode(self) -> str:
-        """How the last copies went out: ``batch``, ``memcpy`` (one call per run) or ``copy_``."""
-        return "batch" if self.raw and self.batch else "memcpy" if self.raw else "copy_"
+    @staticmethod
+    def _mem_handle(raw: bytes) -> bytes:
+        # torch's handle: version byte, kind byte ('c': cudaMalloc), the 64-byte cudaIpcMemHandle_t.
+        if len(raw) == 64:
+            return raw
+        if len(raw) == 66 and raw[1:2] == b"c":
+            return raw[2:]
+        raise RuntimeError(f"unsupported torch CUDA IPC handle ({len(raw)} bytes, kind {raw[1:2]!r})")
 
-    def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> tuple[list, list]:
-        """(raw runs as [dst_ptr, src_ptr, nbytes, pairs], pairs for ``copy_``)."""
-        runs: list[list[Any]] = []
-        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for d, s in zip(dst, src):
-            if self.raw and d.is_contiguous() and s.is_contiguous():
-                n = d.numel() * d.element_size()
-                dp, sp = d.data_ptr(), s.data_ptr()
-                if runs and runs[-1][0] + runs[-1][2] == dp and runs[-1][1] + runs[-1][2] == sp:
-                    runs[-1][2] += n
-                    runs[-1][3].append((d, s))
-                else:
-                    runs.append([dp, sp, n, [(d, s)]])
-            else:
-                slow.append((d, s))
-        return runs, slow
-
-    def _batch(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
-        rt = self._rt
-        if self._attrs is None:
-            a = rt.cudaMemcpyAttributes()
-            a.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-            self._attrs = [a]
-        dsts, srcs, sizes = part
-        res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), self._attrs, [0], 1, handle)
-        err = res[0] if isinstance(res, tuple) else res
-        if err != rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
-
-    def _loop(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
-        rt = self._rt
-        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        for dp, sp, n in zip(*part):
-            (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
+    def _base(self, raw: bytes) -> int:
+        h = self._mem_handle(raw)
+        if h not in self._opened:
+            rt = self._rt
+            mh = rt.cudaIpcMemHandle_t()
+            mh.reserved = h
+            with torch.cuda.device(self.device):
+                err, ptr = rt.cudaIpcOpenMemHandle(mh, rt.cudaIpcMemLazyEnablePeerAccess)
             if err != rt.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaMemcpyAsync: {err}")
+                raise RuntimeError(f"cudaIpcOpenMemHandle on GPU {self.device.index}: {err}")
+            self._opened[h] = int(ptr)
+        return self._opened[h]
 
-    def _chunks_of(self, runs: list) -> list[tuple[list[int], list[int], list[int]]]:
-        """The copies as argument lists for (at most) two calls: the first copies up to
-        ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host time
-        per copy in a batched call and starts copying only once it returns, so a short first
-        call gets the bytes moving while the second is still being issued (measured 0.1 ms
-        faster end to end). Kept while the same plan is issued again: their host cost is on the
-        critical path of every refit."""
-        cached = self._chunks
-        if cached is not None and cached[0] is runs:
-            return cached[1]
-        cut, total = 0, 0
-        while cut < len(runs) and total < self.FIRST_CALL_BYTES:
-            total += runs[cut][2]
-            cut += 1
-        out = [([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
-               for chunk in (runs[:cut], runs[cut:]) if chunk]
-        self._chunks = (runs, out)
-        return out
+    def view(self, kw: dict[str, Any]) -> torch.Tensor:
+        """The tensor a checked ``rebuild_cuda_tensor`` record names, on ``device``."""
+        dtype: torch.dtype = kw["dtype"]
+        start = self._base(kw["storage_handle"]) + int(kw["storage_offset_bytes"])
+        nbytes = int(kw["storage_size_bytes"])
+        flat = torch.as_tensor(_ArrayInterface(start, nbytes))  # no device=: that could copy
+        if flat.device != self.device or flat.data_ptr() != start:
+            raise RuntimeError(f"mapped memory shows as {flat.device} at {flat.data_ptr():#x}, "
+                               f"not {self.device} at {start:#x}")
+        return flat[: nbytes - nbytes % dtype.itemsize].view(dtype).as_strided(
+            kw["tensor_size"], kw["tensor_stride"], kw["tensor_offset"])
 
-    def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]], raw: torch.cuda.Stream,
-              streams: Sequence[torch.cuda.Stream]) -> None:
-        """Enqueue the copies: the raw ones on ``raw``, the others with ``streams`` current."""
-        rest = list(slow)
-        if runs and self.raw:
-            try:
-                with torch.cuda.device(raw.device):
-                    handle = int(raw.cuda_stream)
-                    for chunk in self._chunks_of(runs):
-                        if self.batch:
-                            try:
-                                self._batch(chunk, handle)
-                                continue
-                            except Exception as e:  # no batched copies here: one call per run from now on
-                                self.batch, self.batch_error = False, str(e)
-                        self._loop(chunk, handle)
-            except Exception as e:  # binding mismatch or refused: copy_ for good (re-copying is harmless)
-                self.raw, self.raw_error = False, str(e)
-                rest = [pair for run in runs for pair in run[3]] + rest
-        elif runs:
-            rest = [pair for run in runs for pair in run[3]] + rest
-        if rest:
-            with contextlib.ExitStack() as stack:
-                for s in streams:
-                    stack.enter_context(torch.cuda.stream(s))
-                for d, s in rest:
-                    d.copy_(s, non_blocking=True)
+    def close(self) -> None:
+        """Unmap every block (after the last use of the views; errors ignored)."""
+        opened, self._opened = self._opened, {}
+        for ptr in opened.values():
+            with contextlib.suppress(Exception), torch.cuda.device(self.device):
+                self._rt.cudaIpcCloseMemHandle(ptr)
+
 
 
 # ---------------------------------------------------------------- push (the sender writes)

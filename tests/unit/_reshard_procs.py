@@ -6,6 +6,7 @@ process pool, the stateless-group and packed-refit bodies), which they build on.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -139,7 +140,8 @@ def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool
 def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tuple[int, ...] = (7, 8),
                       bucket_bytes: int = 1024, direct_bytes: int | None = 512, backend: str = "gloo",
                       gpus: tuple[int, ...] | None = None, transport: str = "auto",
-                      timings: bool = False, done: str | None = None, delay_cycles: int = 0) -> dict[str, Any]:
+                      timings: bool = False, done: str | None = None, delay_cycles: int = 0,
+                      open_mode: str | None = None) -> dict[str, Any]:
     """Refit ``case`` twice with different values; receivers compare bit patterns with the
     hand-sharded unsharded weights (on their current stream, right after the refit returned)
     and report what they received. ``gpus``: each rank's CUDA device (tensors there; ranks may
@@ -148,8 +150,21 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
     done signal to use (default: the endpoint's). ``delay_cycles``: each sender queues a GPU
     sleep of that many cycles on its current stream before each refit, so its copies start
     late; a receiver reports whether its current stream still had work pending when the refit
-    returned (``pending_at_return``)."""
+    returned (``pending_at_return``). ``open_mode``: ``NEMO_DATAPLANE_IPC_OPEN`` for this call
+    (how a sender opens a receiver on another GPU)."""
     from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+
+    if open_mode is not None:  # pool workers outlive the call: set for it, restored after
+        before = os.environ.get("NEMO_DATAPLANE_IPC_OPEN")
+        os.environ["NEMO_DATAPLANE_IPC_OPEN"] = open_mode
+        try:
+            return reshard_roundtrip(rank, world, port, case, versions, bucket_bytes, direct_bytes, backend, gpus,
+                                     transport, timings, done, delay_cycles)
+        finally:
+            if before is None:
+                os.environ.pop("NEMO_DATAPLANE_IPC_OPEN", None)
+            else:
+                os.environ["NEMO_DATAPLANE_IPC_OPEN"] = before
 
     dev = torch.device("cpu")
     if gpus is not None:
@@ -183,7 +198,8 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
         if ep._push is not None:  # ipc: whether the copies went out raw, and how (placement)
             out.update(raw=ep._push.raw, raw_error=ep._push.raw_error, pitched=ep._push.pitched,
-                       copies_used=ep._push.copies_used)
+                       copies_used=ep._push.copies_used, mapped=ep._push.mapped,
+                       map_error=ep._push.map_error)
     else:
         shards = _hand_for(dst, rank, reshard_full(0, moe), fused)
         mine = {k: torch.zeros_like(v, device=dev) for k, v in shards.items()}

@@ -149,3 +149,19 @@ def test_pitched_copier_moves_column_blocks_batched_or_one_call_each(refuse_batc
     assert rt.calls == (["batch 2", "2d", "2d", "2d", "2d"] if refuse_batch else ["batch 2", "batch 2"])
     assert pc.mode == ("loop" if refuse_batch else "batch")
     assert (pc.batch_error is not None) == refuse_batch and (not refuse_batch or "801" in pc.batch_error)
+
+
+def test_peer_mapping_reads_torchs_handle_format_and_refuses_others() -> None:
+    """torch's CUDA IPC handle: version, kind ('c': cudaMalloc), then the 64-byte
+    cudaIpcMemHandle_t (66 bytes, seen on 2x H200 with torch 2.11); a bare 64-byte handle is
+    taken as is; another kind (e.g. expandable segments) or length is refused, naming it, so the
+    sender falls back to torch's open. Opening needs a GPU (test_sharded_gpu.py)."""
+    from nemo_dataplane.refit.ipc import PeerMapping
+
+    h = bytes(range(64))
+    assert PeerMapping._mem_handle(b"\x02c" + h) == h
+    assert PeerMapping._mem_handle(h) == h
+    with pytest.raises(RuntimeError, match=r"66 bytes, kind b'e'"):
+        PeerMapping._mem_handle(b"\x02e" + h)
+    with pytest.raises(RuntimeError, match="65 bytes"):
+        PeerMapping._mem_handle(b"c" + h)

@@ -29,19 +29,23 @@ def pool() -> Iterator[P.Pool]:
 
 
 @pytest.mark.parametrize(
-    ("case", "gpus"),
-    [pytest.param("tp2->tp1", (0, 1, 0), marks=two_gpus), pytest.param("tp1->tp2", (0, 0, 1), marks=two_gpus),
-     pytest.param("dp2tp2->tp2", (0, 1, 0, 1, 0, 1), marks=two_gpus),
-     pytest.param("ep2->ep1", (1, 0, 0), marks=two_gpus),
-     ("tp2->tp1", (0, 0, 0))],
-    ids=["tp2-tp1", "tp1-tp2", "dp2tp2-tp2", "ep2-ep1", "tp2-tp1-one-gpu"],
+    ("case", "gpus", "open_mode"),
+    [pytest.param("tp2->tp1", (0, 1, 0), None, marks=two_gpus),
+     pytest.param("tp2->tp1", (0, 1, 0), "torch", marks=two_gpus),
+     pytest.param("tp1->tp2", (0, 0, 1), None, marks=two_gpus),
+     pytest.param("dp2tp2->tp2", (0, 1, 0, 1, 0, 1), None, marks=two_gpus),
+     pytest.param("ep2->ep1", (1, 0, 0), None, marks=two_gpus),
+     ("tp2->tp1", (0, 0, 0), None)],
+    ids=["tp2-tp1", "tp2-tp1-torch-open", "tp1-tp2", "dp2tp2-tp2", "ep2-ep1", "tp2-tp1-one-gpu"],
 )
-def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: tuple[int, ...]) -> None:
+def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: tuple[int, ...],
+                                               open_mode: str | None) -> None:
     res = P.run_ranks(pool, R.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
-                      case=case, gpus=gpus, transport="ipc", limit=120, timings=True)
+                      case=case, gpus=gpus, transport="ipc", limit=120, timings=True, open_mode=open_mode)
     R.check_reshard(res, case)
-    # Placement picks the copies (exchange_ipc doc): strided kernels within one GPU, 2D copies from
-    # a sender with a receiver elsewhere (kernels faulted there); the event done signal on all.
+    # Placement picks the copies (exchange_ipc doc): strided kernels wherever the sender's views
+    # are in its own GPU's context (a receiver elsewhere mapped there, ipc.PeerMapping); 2D copies
+    # where torch opened them on the receiver's GPU (kernels faulted there); event done on all.
     cross = {r: res[r]["cross_gpu"] for r in res}
     if len(set(gpus)) == 1:
         assert not any(cross.values()), cross
@@ -54,7 +58,9 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     src, _ = R.reshard_layouts(case)
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
         assert res[s]["raw"], res[s]["raw_error"]
-        assert res[s]["pitched"] == ("memcpy2d" if cross[s] else "kernel"), res[s]
+        torch_views = cross[s] and open_mode == "torch"
+        assert res[s]["mapped"] == (cross[s] and not torch_views), res[s]
+        assert res[s]["pitched"] == ("memcpy2d" if torch_views else "kernel"), res[s]
         print(f"rank {s}: {res[s]['copies_used']}")
 
 

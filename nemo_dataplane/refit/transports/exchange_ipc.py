@@ -7,14 +7,18 @@ tensor into the receiver's memory: the pieces contiguous on both sides (row bloc
 shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of its GPU, the
 others (column blocks of row-parallel weights) as torch strided copy kernels on a second
 stream, so both run at once, and no bulk data touches the group. That is the default where a
-sender and all its receivers share one GPU. A sender with a receiver on **another GPU** sends
-the column blocks as 2D copy-engine copies instead, on the second stream (``pitched.py``: one
-batched call): on 2x H200 the strided kernels writing into another
-GPU's IPC-opened memory faulted (illegal address on the first refit) while copy-engine copies
-were bit-exact. ``NEMO_DATAPLANE_RESHARD_PITCHED=kernel|memcpy2d`` forces one way on every
-placement. Pieces are the plan's entries (``reshard.py``); messages and buckets do not matter
-here. Copy-engine copies across GPUs need peer access on in the sender (``ipc.probe`` has torch
-turn it on): without it they ran at 38 GB/s instead of 395 (``ipc_peer_probe.py --rates``).
+sender and all its receivers share one GPU, and across GPUs too: a sender maps the tensors of
+a receiver on **another GPU** into its own GPU's context (``ipc.PeerMapping``), where its
+kernels can write them. Torch's own open maps them into the receiver GPU's context instead; on
+2x H200 a strided kernel of the sender's GPU writing through such a view faulted (illegal
+address) while copy-engine copies were bit-exact, so where the mapping is refused (no
+cuda-bindings, a handle kind it does not know) or ``NEMO_DATAPLANE_IPC_OPEN=torch``, torch
+opens them and the column blocks go as 2D copy-engine copies instead (``pitched.py``: one
+batched call, on the second stream). ``NEMO_DATAPLANE_RESHARD_PITCHED=kernel|memcpy2d`` forces
+one way (``kernel`` only where the views are ours). Pieces are the plan's entries
+(``reshard.py``); messages and buckets do not matter here. Copy-engine copies across GPUs need
+peer access (``ipc.probe`` has torch turn it on; the mapping's lazy flag does too): without
+it they ran at 38 GB/s instead of 395 (``benchmarks/ipc_peer_probe.py --rates``).
 
 The group carries only host-side control (works on gloo, so several processes may share a
 GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
@@ -112,6 +116,11 @@ class IpcPush:
         self._rt = _ipc._cudart()
         self.raw = self._rt is not None
         self._copier2d = PitchedCopier(self._rt)
+        # Receivers on another GPU: mapped into our GPU's context (open()) unless forced to torch's.
+        self._open_mode = env_choice("NEMO_DATAPLANE_IPC_OPEN", ("here", "torch")) or "here"
+        self._mapping: _ipc.PeerMapping | None = None
+        self.map_error: str | None = None
+        self.mapped = False  # whether a receiver's tensors were mapped into our GPU's context
         self.raw_error: str | None = None
         # timing=True: CUDA events split the last refit's copies into the contiguous ones
         # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
@@ -126,24 +135,50 @@ class IpcPush:
         return self.targets.blob()
 
     def open(self, blobs: Mapping[int, bytes], peer_names: Mapping[int, Sequence[str]]) -> None:
-        """Sender: open every peer receiver's exported tensors (``peer_names``: their order)."""
+        """Sender: open every peer receiver's exported tensors (``peer_names``: their order); those
+        of a receiver on another GPU in our GPU's context (``ipc.PeerMapping``) unless that is
+        refused or ``NEMO_DATAPLANE_IPC_OPEN=torch`` (then torch opens them on their GPU)."""
+        here = _index(self.device)
+        remote = False
         for r, blob in blobs.items():
             try:
-                views = _ipc.open_tensors(blob)
+                on = _ipc.exporter_device(blob)
+                remote = remote or on != here
+                views = self._open_here(blob) if on != here else None
+                if views is None:
+                    views = _ipc.open_tensors(blob)
             except Exception as e:
                 raise RuntimeError(f"rank {r}: {e}") from e
             _ipc.probe(views, self.device)
             self.views[r] = {n: v for n, v in zip(peer_names[r], views) if v is not None}
-        self.use_views(self.views)
+        self.use_views(self.views, cross_gpu=remote)
 
-    def use_views(self, views: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+    def _open_here(self, blob: bytes) -> list[torch.Tensor | None] | None:
+        """A receiver's tensors mapped into our GPU's context, or None (``map_error`` says why)."""
+        if self._open_mode == "torch":
+            self.map_error = "NEMO_DATAPLANE_IPC_OPEN=torch"
+            return None
+        try:
+            if self._mapping is None:
+                self._mapping = _ipc.PeerMapping(self.device)
+            views = _ipc.open_tensors(blob, self._mapping)
+            self.mapped = True
+            return views
+        except Exception as e:  # e.g. no cuda-bindings: torch's open, with 2D copies (module doc)
+            self.map_error = f"{type(e).__name__}: {e}"
+            return None
+
+    def use_views(self, views: Mapping[int, Mapping[str, torch.Tensor]], cross_gpu: bool | None = None) -> None:
         """Sender: write into these receiver views (rank -> local name -> tensor), e.g. ones another
-        ``IpcPush`` of this process opened (a process maps an IPC handle once)."""
+        ``IpcPush`` of this process opened (a process maps an IPC handle once). ``cross_gpu``:
+        whether a receiver is on another GPU (default: whether a view is)."""
         self.views = {r: dict(v) for r, v in views.items()}
         here = _index(self.device)
-        self.cross_gpu = any(_index(t.device) != here for v in self.views.values() for t in v.values())
-        if self._pitched_forced is None:  # module doc: strided kernels only within one GPU
-            self.pitched = "memcpy2d" if self.cross_gpu else "kernel"
+        # Views torch opened on another GPU's context: its kernels cannot write them (module doc).
+        foreign = any(_index(t.device) != here for v in self.views.values() for t in v.values())
+        self.cross_gpu = foreign if cross_gpu is None else cross_gpu
+        if self._pitched_forced is None:
+            self.pitched = "memcpy2d" if foreign else "kernel"
         self._key = None
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
@@ -197,6 +232,11 @@ class IpcPush:
         self._runs = []
         self._gather = ([], [])
         self._key = None
+        if self._mapping is not None:  # after the views that use it are dropped
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)  # no copy may still write through it
+            self._mapping.close()
+            self._mapping = None
         if had:
             with contextlib.suppress(Exception):
                 torch.cuda.ipc_collect()

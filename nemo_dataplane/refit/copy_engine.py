@@ -1,0 +1,139 @@
+"""Copy-engine copies out of (or into) another process's CUDA memory, through the CUDA runtime
+bindings: ``PeerCopier`` batches the contiguous ones (used by both IPC refits)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["PeerCopier", "_cudart"]
+
+
+def _cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from cuda import cudart  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return None
+    return cudart
+
+
+class PeerCopier:
+    """Copies ``src`` views (another process's memory) into local tensors on given streams.
+
+    Pairs that are contiguous on both sides go out as raw copies (one per run of pairs
+    adjacent in memory on both sides) on the ``raw`` stream: a copy-engine peer copy with none
+    of torch's per-copy cross-device event barriers. The runs go out as (up to two)
+    ``cudaMemcpyBatchAsync`` calls (CUDA >= 12.8) where the bindings and driver have it, otherwise
+    (or once it was refused) as one ``cudaMemcpyAsync`` per run. Other pairs use
+    ``dst.copy_(src)`` with the caller's streams current. Without cuda-bindings, or if a raw
+    call is refused, everything goes through ``copy_``. ``NEMO_DATAPLANE_IPC_BATCH=0`` turns
+    the batched call off (for comparison).
+    """
+
+    FIRST_CALL_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._rt = _cudart()
+        self.raw = self._rt is not None
+        self.raw_error: str | None = None
+        self.batch = (self.raw and hasattr(self._rt, "cudaMemcpyBatchAsync")
+                      and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0")
+        self.batch_error: str | None = None
+        self._attrs: list | None = None
+        self._chunks: tuple | None = None
+
+    @property
+    def mode(self) -> str:
+        """How the last copies went out: ``batch``, ``memcpy`` (one call per run) or ``copy_``."""
+        return "batch" if self.raw and self.batch else "memcpy" if self.raw else "copy_"
+
+    def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> tuple[list, list]:
+        """(raw runs as [dst_ptr, src_ptr, nbytes, pairs], pairs for ``copy_``)."""
+        runs: list[list[Any]] = []
+        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for d, s in zip(dst, src):
+            if self.raw and d.is_contiguous() and s.is_contiguous():
+                n = d.numel() * d.element_size()
+                dp, sp = d.data_ptr(), s.data_ptr()
+                if runs and runs[-1][0] + runs[-1][2] == dp and runs[-1][1] + runs[-1][2] == sp:
+                    runs[-1][2] += n
+                    runs[-1][3].append((d, s))
+                else:
+                    runs.append([dp, sp, n, [(d, s)]])
+            else:
+                slow.append((d, s))
+        return runs, slow
+
+    def _batch(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
+        rt = self._rt
+        if self._attrs is None:
+            a = rt.cudaMemcpyAttributes()
+            a.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            self._attrs = [a]
+        dsts, srcs, sizes = part
+        res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), self._attrs, [0], 1, handle)
+        err = res[0] if isinstance(res, tuple) else res
+        if err != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
+
+    def _loop(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
+        rt = self._rt
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        for dp, sp, n in zip(*part):
+            (err,) = rt.cudaMemcpyAsync(dp, sp, n, kind, handle)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMemcpyAsync: {err}")
+
+    def _chunks_of(self, runs: list) -> list[tuple[list[int], list[int], list[int]]]:
+        """The copies as argument lists for (at most) two calls: the first copies up to
+        ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host time
+        per copy in a batched call and starts copying only once it returns, so a short first
+        call gets the bytes moving while the second is still being issued (measured 0.1 ms
+        faster end to end). Kept while the same plan is issued again: their host cost is on the
+        critical path of every refit."""
+        cached = self._chunks
+        if cached is not None and cached[0] is runs:
+            return cached[1]
+        cut, total = 0, 0
+        while cut < len(runs) and total < self.FIRST_CALL_BYTES:
+            total += runs[cut][2]
+            cut += 1
+        out = [([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
+               for chunk in (runs[:cut], runs[cut:]) if chunk]
+        self._chunks = (runs, out)
+        return out
+
+    def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]], raw: torch.cuda.Stream,
+              streams: Sequence[torch.cuda.Stream]) -> None:
+        """Enqueue the copies: the raw ones on ``raw``, the others with ``streams`` current."""
+        rest = list(slow)
+        if runs and self.raw:
+            try:
+                with torch.cuda.device(raw.device):
+                    handle = int(raw.cuda_stream)
+                    for chunk in self._chunks_of(runs):
+                        if self.batch:
+                            try:
+                                self._batch(chunk, handle)
+                                continue
+                            except Exception as e:  # no batched copies here: one call per run from now on
+                                self.batch, self.batch_error = False, str(e)
+                        self._loop(chunk, handle)
+            except Exception as e:  # binding mismatch or refused: copy_ for good (re-copying is harmless)
+                self.raw, self.raw_error = False, str(e)
+                rest = [pair for run in runs for pair in run[3]] + rest
+        elif runs:
+            rest = [pair for run in runs for pair in run[3]] + rest
+        if rest:
+            with contextlib.ExitStack() as stack:
+                for s in streams:
+                    stack.enter_context(torch.cuda.stream(s))
+                for d, s in rest:
+                    d.copy_(s, non_blocking=True)

@@ -17,8 +17,12 @@ Ways: ``torch-open + copy-engine`` (torch's rebuild, a contiguous row block: ``c
 ``torch-open + kernel`` (torch's rebuild, a column block: torch's strided copy kernel),
 ``writer-ctx-open + kernel`` (the handle opened with the writer's GPU current, the lazy peer
 flag, the pointer wrapped as a tensor through ``__cuda_array_interface__``, same kernel).
-Prints a table, writes JSON; exits 2 without 2 GPUs. First run (session 7, 2x H200): only the
-copy-engine write works; ``writer-ctx-open`` got ``cudaErrorInvalidValue`` from the open.
+``writer-ctx-open (bindings) + kernel``: the same open through cuda-bindings (what
+``nemo_dataplane.refit.ipc.PeerMapping`` does). Prints a table, writes JSON; exits 2 without 2
+GPUs. Session 7, 2x H200: the copy-engine write and the bindings open + kernel are bit-exact;
+torch's open + kernel faults; the ctypes open is refused (``cudaErrorInvalidValue``, also with
+the owner's GPU current: the ctypes call, not the context; torch's handle is 66 bytes, version
+and kind before the 64-byte ``cudaIpcMemHandle_t``).
 
 ``--rates``: how fast each *route* of a cross-GPU IPC copy runs, since copies work but the
 reshard's cross-GPU pushes ran at ~300 GB/s against ~395 for a peer copy. A process on GPU 1

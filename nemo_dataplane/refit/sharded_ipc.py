@@ -22,7 +22,7 @@ one of (``done``, the same on every rank; the header checks it):
   Across GPUs ``IpcPush.wait_signals`` bridges a sender's event through a stream of its GPU
   (run bit-exact and ordered after late copies on 2x H200, session 7).
 * ``"host"``: every rank joins a ``done`` max exchange once each sender's copies finished (host
-  wait), the earlier way, kept for comparison (0.8 ms slower across 2x H200 at 4 GB).
+  wait), the earlier way, kept for comparison (0.3-0.8 ms slower across 2x H200 at 4 GB).
   ``NEMO_DATAPLANE_RESHARD_DONE=event|host`` forces one on every rank. Every rank also posts
   with its setup status whether it has a peer on another GPU (``CROSS_GPU``, for reports).
 

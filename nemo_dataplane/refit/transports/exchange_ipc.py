@@ -121,6 +121,7 @@ class IpcPush:
         self._mapping: _ipc.PeerMapping | None = None
         self.map_error: str | None = None
         self.mapped = False  # whether a receiver's tensors were mapped into our GPU's context
+        self.foreign = False  # whether some views are torch's, on another GPU (no kernels there)
         self.raw_error: str | None = None
         # timing=True: CUDA events split the last refit's copies into the contiguous ones
         # (height 1) and the pitched ones; phases() then gives bytes and GPU ms of each.
@@ -176,6 +177,12 @@ class IpcPush:
         here = _index(self.device)
         # Views torch opened on another GPU's context: its kernels cannot write them (module doc).
         foreign = any(_index(t.device) != here for v in self.views.values() for t in v.values())
+        if foreign and not self.raw:
+            raise RuntimeError("a receiver on another GPU could not be mapped into this GPU's context "
+                               f"({self.map_error}) and, without cuda-bindings, its column blocks would "
+                               "need torch kernels, which fault there: install cuda-bindings "
+                               "(nemo-dataplane[gpu]) or use transport='p2p'")
+        self.foreign = foreign
         self.cross_gpu = foreign if cross_gpu is None else cross_gpu
         if self._pitched_forced is None:
             self.pitched = "memcpy2d" if foreign else "kernel"
@@ -300,9 +307,9 @@ class IpcPush:
 
         The contiguous pieces go out as batched copy-engine copies on the copy stream; the
         others (column blocks of row-parallel weights) on a second stream, so both kinds run at
-        once: ``pitched="kernel"`` (the default within one GPU) as torch strided copy kernels,
-        ``"memcpy2d"`` (the default across GPUs) as 2D copy-engine copies
-        (``pitched.PitchedCopier``). ``order``: which of the two kinds the host enqueues first
+        once: ``pitched="kernel"`` (the default) as torch strided copy kernels, ``"memcpy2d"``
+        (the default where torch opened a receiver on another GPU, whose views take no kernel
+        writes) as 2D copy-engine copies (``pitched.PitchedCopier``). ``order``: which of the two kinds the host enqueues first
         (the GPU starts on them while the host enqueues the others)."""
         assert self._stream is not None and self._stream2 is not None
         self._plan(tensors)
@@ -360,6 +367,9 @@ class IpcPush:
                 with torch.cuda.device(self.device):
                     self._copier2d.issue(self._copies, s2)
             except Exception as e:  # bindings refused: torch copies from now on (re-copying is harmless)
+                if self.foreign:  # torch's strided kernels would fault on these views (module doc)
+                    raise RuntimeError(f"2D copies into a receiver on another GPU were refused ({e}); "
+                                       "torch's kernels cannot write there") from e
                 self.raw, self.raw_error = False, str(e)
                 self._key = None
                 self._plan(tensors)

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["PeerCopier", "_cudart"]
+__all__ = ["PeerCopier", "_cudart", "batch_allowed"]
+
+
+def batch_allowed(rt: Any, call: str) -> bool:
+    """Whether the runtime bindings ``rt`` have the batched copy ``call`` and
+    ``NEMO_DATAPLANE_IPC_BATCH=0`` (one call per copy, for comparison) is not set."""
+    return rt is not None and hasattr(rt, call) and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0"
 
 
 def _cudart() -> Any:
@@ -43,8 +49,7 @@ class PeerCopier:
         self._rt = _cudart()
         self.raw = self._rt is not None
         self.raw_error: str | None = None
-        self.batch = (self.raw and hasattr(self._rt, "cudaMemcpyBatchAsync")
-                      and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0")
+        self.batch = batch_allowed(self._rt, "cudaMemcpyBatchAsync")
         self.batch_error: str | None = None
         self._attrs: list | None = None
         self._chunks: tuple | None = None

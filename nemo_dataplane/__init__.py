@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     )
     from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
     from nemo_dataplane.factory import build_data_plane_client
+    from nemo_dataplane.errors import NemoDataplaneError
     from nemo_dataplane.meta import KVBatchMeta
 
 # Public names resolve on first access (PEP 562): code that needs only the planners or the meta
@@ -32,6 +33,7 @@ _WHERE = {
     "TransferQueueConfig": "config",
     "build_data_plane_client": "factory",
     "KVBatchMeta": "meta",
+    "NemoDataplaneError": "errors",
 }
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "DataPlaneConfig",
     "DataPlaneError",
     "KVBatchMeta",
+    "NemoDataplaneError",
     "PackingConfig",
     "TransferQueueConfig",
     "build_data_plane_client",

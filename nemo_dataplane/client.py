@@ -22,11 +22,12 @@ from tensordict import TensorDict
 
 from nemo_dataplane.codec import normalize_fields
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.errors import NemoDataplaneError
 
 Fields = TensorDict | Mapping[str, torch.Tensor]
 
 
-class DataPlaneError(RuntimeError):
+class DataPlaneError(NemoDataplaneError, RuntimeError):
     """A store could not be reached, bootstrapped or used (not a caller mistake)."""
 
 
@@ -35,7 +36,7 @@ class DataIntegrityError(DataPlaneError):
     (``data_plane.verify_integrity``); the message names the key and the field."""
 
 
-class ClaimsNotSupported(NotImplementedError):
+class ClaimsNotSupported(NemoDataplaneError, NotImplementedError):
     """The backend implements the by-key contract but not task-mediated claims."""
 
 

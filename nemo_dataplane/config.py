@@ -40,11 +40,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
+from nemo_dataplane.errors import NemoDataplaneError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(NemoDataplaneError, ValueError):
     """A config key is unknown, mistyped or invalid; the message names its dotted path."""
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]

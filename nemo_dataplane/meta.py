@@ -12,6 +12,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from nemo_dataplane.errors import NemoDataplaneError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import transfer_queue
@@ -27,7 +28,7 @@ def _duplicates(items: Iterable[str]) -> list[str]:
     return dups
 
 
-class MissingKeysError(KeyError, RuntimeError):
+class MissingKeysError(NemoDataplaneError, KeyError, RuntimeError):
     """Keys asked for are not in the meta: ``KeyError`` for this library's callers,
     ``RuntimeError`` for callers written against TransferQueue's ``KVBatchMeta``."""
 

@@ -33,6 +33,7 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
+from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
     "SECRET_ENV",
@@ -50,7 +51,7 @@ SECRET_ENV = "NEMO_DATAPLANE_SECRET"
 _MAC_BYTES = hashlib.sha256().digest_size
 
 
-class StoreAuthError(RuntimeError):
+class StoreAuthError(NemoDataplaneError, RuntimeError):
     """A store record failed authentication: forged, tampered with, or written without this
     job's secret. The message names the key."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dataplane.dtypes import DTYPES
+from nemo_dataplane.errors import NemoDataplaneError
 
 if TYPE_CHECKING:
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
@@ -45,7 +46,7 @@ _GPU_EXTRA_HINT = "pip install 'nemo-dataplane[gpu]'"
 _EVENT_POLL_MAX_S = 0.0001
 
 
-class StatelessGroupError(RuntimeError):
+class StatelessGroupError(NemoDataplaneError, RuntimeError):
     """A stateless group failed; the message names the rank, world size and store."""
 
 

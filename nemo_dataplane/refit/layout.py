@@ -31,6 +31,7 @@ from functools import cached_property
 import torch
 
 from nemo_dataplane.dtypes import check_shape, dtype_from_name
+from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
     "DEFAULT_FUSIONS",
@@ -54,7 +55,7 @@ __all__ = [
 Box = tuple[tuple[int, int], ...]  # per tensor dim: [start, stop)
 
 
-class LayoutError(ValueError):
+class LayoutError(NemoDataplaneError, ValueError):
     """A layout is malformed or does not fit its parameters; the message names the field."""
 
 

@@ -25,6 +25,7 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.dtypes import check_shape, dtype_name
 from nemo_dataplane.dtypes import dtype_from_name as _dtype_from_name
 from nemo_dataplane.refit.plan import DEFAULT_GROUP_BYTES, Bucket, Direct, build_plan, group_directs
+from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
     "DEFAULT_TRANSPORT_GPU",
@@ -64,7 +65,7 @@ NamedTensors = Union[
 ]
 
 
-class RefitError(RuntimeError):
+class RefitError(NemoDataplaneError, RuntimeError):
     """A refit failed; the message names the rank(s) and tensor(s) at fault."""
 
 

@@ -5,7 +5,7 @@ Two calls per step go to every policy rank with that rank's input (a ``KVBatchMe
 included) and ``train`` (``PolicyWorker.train``).
 
 * :class:`ActorDispatch` (``actors``): one ``.remote`` per rank, collected by
-  :func:`algorithms.step.gather`.
+  :func:`algorithms.remote.gather`.
 * :class:`CompiledGraphDispatch` (``compiled_graph``): one Ray Compiled Graph over all ranks,
   compiled once after a warm-up step made through actor calls, executed for both call kinds
   (``PolicyWorker.step_call`` picks the method). One graph, not one per kind: an actor runs a
@@ -13,7 +13,7 @@ included) and ``train`` (``PolicyWorker.train``).
   actors would never start. Its input is ``(kind, step, flag, input_0, ..., input_{dp-1})``.
 
 Failures keep their meaning in both modes: a worker's own exception is the step's
-:class:`~algorithms.step.StepError` quoting it; a wait past ``trainer.step_timeout_s`` is a
+:class:`~algorithms.remote.StepError` quoting it; a wait past ``trainer.step_timeout_s`` is a
 ``StepError`` too. A compile or execution error that says the graph cannot serve (unsupported
 environment, a channel error, a worker that died or restarted) tears the graph down and switches
 to actor calls for the rest of the run, with one logged warning; the call that hit it is redone
@@ -42,6 +42,8 @@ from typing import Any
 
 import ray
 
+from algorithms.remote import StepError, gather
+
 KINDS = ("logprobs", "train")
 
 
@@ -57,7 +59,7 @@ def _check(kind: str, inputs: Sequence[Any], ranks: int) -> None:
 
 
 class ActorDispatch:
-    """Plain actor calls: one ``.remote`` per rank, :func:`~algorithms.step.gather`-ed."""
+    """Plain actor calls: one ``.remote`` per rank, :func:`~algorithms.remote.gather`-ed."""
 
     name = "actors"
 
@@ -71,8 +73,6 @@ class ActorDispatch:
         Raises:
             StepError: a worker raised (quoted) or ``timeout_s`` passed.
         """
-        from algorithms.step import gather
-
         _check(kind, inputs, len(self.policy))
         if kind == "logprobs":
             refs = [w.get_logprobs.remote(inputs[r], step, with_reference=flag) for r, w in enumerate(self.policy)]
@@ -128,7 +128,7 @@ class CompiledGraphDispatch:
 
     After a call through the graph failed (a worker's own error, or ``timeout_s`` passed), its
     other ranks may still be inside that call (e.g. blocked in a collective with the rank that
-    raised): the dispatcher serves no more calls (each raises :class:`~algorithms.step.StepError`)
+    raised): the dispatcher serves no more calls (each raises :class:`~algorithms.remote.StepError`)
     and :meth:`close` kills the policy actors after a short grace instead of waiting for them.
     """
 
@@ -174,8 +174,6 @@ class CompiledGraphDispatch:
                 ``train`` call may have run on some ranks, or an earlier call through the graph
                 failed.
         """
-        from algorithms.step import StepError
-
         _check(kind, inputs, len(self.policy))
         if not self._lock.acquire(timeout=timeout_s):
             raise StepError(f"{what}: the dispatcher stayed busy for {timeout_s}s (another call or a teardown)")
@@ -187,8 +185,6 @@ class CompiledGraphDispatch:
 
     def _call(self, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float,
               what: str) -> list[Any]:
-        from algorithms.step import StepError
-
         self.calls += 1
         if self.failed is not None:
             raise StepError(f"{what}: an earlier call through the compiled graph failed ({self.failed}); its ranks "
@@ -212,8 +208,6 @@ class CompiledGraphDispatch:
 
     def _get(self, ref: Any, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float,
              what: str) -> list[Any]:
-        from algorithms.step import StepError
-
         try:
             return list(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.RayTaskError as e:
@@ -233,8 +227,6 @@ class CompiledGraphDispatch:
 
     def _after_graph_failure(self, e: BaseException, kind: str, inputs: Sequence[Any], step: int, flag: bool,
                              timeout_s: float, what: str) -> list[Any]:
-        from algorithms.step import StepError
-
         self._fall_back(f"execution failed: {type(e).__name__}: {e}")
         if kind == "logprobs":  # recomputes and rewrites the same values: safe to redo
             return self.actors.call(kind, inputs, step, flag, timeout_s, what)

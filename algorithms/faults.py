@@ -34,8 +34,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Mapping
 from typing import Any
+
+import ray
+
+from algorithms.config import DebugConfig
+from nemo_dataplane.config import DataPlaneConfig
 
 __all__ = ["HANG_S", "STORE_ACTORS", "InjectedFailure", "maybe_fail", "maybe_kill_store", "raising_reward"]
 
@@ -47,7 +51,7 @@ class InjectedFailure(RuntimeError):
     """Raised by the ``debug.fail_*`` hook (tests of the failure path)."""
 
 
-def maybe_fail(debug: Mapping[str, Any], where: str, *, step: int | None = None, rank: int | None = None,
+def maybe_fail(debug: DebugConfig, where: str, *, step: int | None = None, rank: int | None = None,
                group: int | None = None, what: str = "") -> None:
     """Fail here if ``debug`` asks for it: ``debug.fail_in == where`` and each of
     ``fail_at_step``/``fail_rank``/``fail_at_group`` that is set (and given here) matches.
@@ -55,49 +59,45 @@ def maybe_fail(debug: Mapping[str, Any], where: str, *, step: int | None = None,
     Raises:
         InjectedFailure: with ``fail_mode=raise`` (the default); the message names the point.
     """
-    if not debug or debug.get("fail_in") != where:
+    if debug.fail_in != where:
         return
-    for key, value in (("fail_at_step", step), ("fail_rank", rank), ("fail_at_group", group)):
-        want = debug.get(key)
+    for want, value in ((debug.fail_at_step, step), (debug.fail_rank, rank), (debug.fail_at_group, group)):
         if want is not None and value is not None and want != value:
             return
     _mark(debug)
-    mode = debug.get("fail_mode", "raise")
-    if mode == "sigkill":
+    if debug.fail_mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "hang":
+    if debug.fail_mode == "hang":
         time.sleep(HANG_S)
     raise InjectedFailure(f"debug.fail_in={where}: injected failure{' ' + what if what else ''}")
 
 
-def _mark(debug: Mapping[str, Any]) -> None:
-    marker = debug.get("fault_marker")
-    if marker:
-        with open(marker, "w") as f:
+def _mark(debug: DebugConfig) -> None:
+    if debug.fault_marker:
+        with open(debug.fault_marker, "w") as f:
             f.write(repr(time.time()))
 
 
-def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[str, Any]) -> str | None:
+def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig) -> str | None:
     """At ``debug.fail_at_step``, ``ray.kill`` the TransferQueue controller (``fail_in=store_controller``)
-    or its storage unit 0 (``store_unit``) of the store ``data_plane`` (the trainer's
-    ``data_plane`` section) names, as a crashed or lost store process would; returns the killed
-    actor's name (``None``: nothing asked here). The run then goes on and meets the dead store.
+    or its storage unit 0 (``store_unit``) of the store ``data_plane`` names, as a crashed or lost
+    store process would; returns the killed actor's name (``None``: nothing asked here). The run
+    then goes on and meets the dead store.
 
     Raises:
         ValueError: the backend is not ``transfer_queue`` (the only store with such actors here).
     """
-    if not debug or debug.get("fail_in") not in STORE_ACTORS or debug.get("fail_at_step") != step:
+    if debug.fail_in not in STORE_ACTORS or debug.fail_at_step != step:
         return None
-    import ray
-
+    # Only a chaos run gets here: it names the store's actors, so it needs the adapter.
     from nemo_dataplane.adapters.transfer_queue import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
 
-    if data_plane.get("backend", "transfer_queue") != "transfer_queue":
-        raise ValueError(f"debug.fail_in={debug['fail_in']} needs data_plane.backend=transfer_queue")
-    kwargs = data_plane.get("backend_kwargs") or {}
+    if data_plane.backend != "transfer_queue":
+        raise ValueError(f"debug.fail_in={debug.fail_in} needs data_plane.backend=transfer_queue")
+    kwargs = data_plane.backend_kwargs or {}
     controller = kwargs.get("controller_name", DEFAULT_CONTROLLER)
     # The adapter names its units "<controller>.StorageUnit#<rank>" (tests/unit/test_faults.py checks it).
-    name = controller if debug["fail_in"] == "store_controller" else f"{controller}.StorageUnit#0"
+    name = controller if debug.fail_in == "store_controller" else f"{controller}.StorageUnit#0"
     handle = ray.get_actor(name, namespace=kwargs.get("namespace", DEFAULT_NAMESPACE))
     # Its process, if on this node: Ray calls an actor dead ~10 ms before the process is gone
     # (measured), and a store actor can still serve a request in that window.
@@ -116,7 +116,7 @@ def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[st
         except ray.exceptions.GetTimeoutError:
             pass
         time.sleep(0.005)
-    raise RuntimeError(f"debug.fail_in={debug['fail_in']}: {name} was killed but still runs after 10 s")
+    raise RuntimeError(f"debug.fail_in={debug.fail_in}: {name} was killed but still runs after 10 s")
 
 
 def _process_alive(pid: int) -> bool:

@@ -9,8 +9,8 @@ prompts within the lag bound, claims whole groups as they are produced
 trainer (:func:`algorithms.step.train_on_batch`) with the off-policy correction on: train,
 release the batch's keys, refit the generator (installed between two generate calls).
 
-With ``data_plane.enabled=false`` the same loop runs on the in-memory baseline: finished groups
-wait in the collectors and travel to the driver through Ray.
+On the in-memory baseline (``data_plane.enabled=false``) the same loop runs; finished groups
+wait in the collectors and travel to the driver through Ray (the transport decides).
 
 Every step logs the staleness of the groups it trained (mean, max), groups dropped as too old,
 the trainer's and the collectors' idle seconds, keys outstanding over the whole store, the
@@ -28,7 +28,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from algorithms.trainer import Trainer, main as _main
+from algorithms.config import ConfigError, async_min_rows
+from algorithms.faults import maybe_kill_store
+from algorithms.metrics import PhaseTimer
+from algorithms.remote import gather
+from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer
+from algorithms.step import train_on_batch
+from algorithms.tasks import PromptIterator
+from algorithms.trainer import Trainer
+from algorithms.trainer import main as _main
 
 __all__ = ["AsyncTrainer", "main"]
 
@@ -39,12 +47,8 @@ class AsyncTrainer(Trainer):
     name = "grpo_async"
 
     def _init_data(self, train: list[Any]) -> None:
-        from algorithms.config import ConfigError, async_min_rows
-        from algorithms.rollout_buffer import PromptLedger
-        from algorithms.tasks import PromptIterator
-
-        cap, need = self.cfg.data_plane.max_rows, async_min_rows(self.cfg)
-        if self.cfg.data_plane.enabled and cap is not None and cap < need:
+        cap, need = self.transport.capacity_rows(), async_min_rows(self.cfg)
+        if cap is not None and cap < need:
             raise ConfigError(  # before Ray starts: this run could never make progress
                 f"data_plane.max_rows={cap} is below what grpo_async needs to progress, (grpo.prompts_per_step + "
                 f"async.groups_per_generation - 1) * generation.n = {need} rows"
@@ -71,16 +75,12 @@ class AsyncTrainer(Trainer):
         return path.open("a")
 
     def _loop(self, start: int, val: list[Any]) -> int:
-        from algorithms.faults import maybe_kill_store
-        from algorithms.metrics import PhaseTimer
-        from algorithms.rollout_buffer import CollectorPool, RolloutBuffer
-        from algorithms.step import gather, train_on_batch
-
         cfg, a = self.cfg, self.cfg.async_
+        assert self.workers is not None
         G, n = cfg.grpo.prompts_per_step, cfg.generation.n
         pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
-        buffer = RolloutBuffer(cfg, pool, self.client if cfg.data_plane.enabled else None, self.ledger)
-        gather([c.start.remote(self.transport.partition(), a.inflight_groups(G), a.groups_per_generation)
+        buffer = RolloutBuffer(cfg, pool, self.transport, self.ledger)
+        gather([c.start.remote(a.inflight_groups(G), a.groups_per_generation)
                 for c in self.workers.collectors], cfg.trainer.startup_timeout_s, "collector start")
         bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.groups_per_generation) * n
         self.summary["keys_outstanding_bound"] = bound
@@ -88,9 +88,8 @@ class AsyncTrainer(Trainer):
         buffer.top_up()
         idle_before = 0.0
         with self._trained_log(start) as trained_log:
-            debug, dp_cfg = cfg.to_dict()["debug"], cfg.data_plane.to_dict()
             for step in range(start, cfg.trainer.steps):
-                maybe_kill_store(debug, step, dp_cfg)  # fault hook (chaos tests); no-op otherwise
+                maybe_kill_store(cfg.debug, step, cfg.data_plane)  # fault hook (chaos tests); no-op otherwise
                 t0 = time.perf_counter()
                 timer = PhaseTimer()
                 with timer("wait"):

@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from algorithms.trainer import DATA_PLANE_MODULES, Trainer, data_plane_modules_loaded, load_datasets, main as _main
+from algorithms.faults import maybe_kill_store
+from algorithms.metrics import PhaseTimer
+from algorithms.rollouts import Job
+from algorithms.step import collect, train_on_batch
+from algorithms.tasks import PromptIterator
+from algorithms.trainer import DATA_PLANE_MODULES, Trainer, data_plane_modules_loaded, load_datasets
+from algorithms.trainer import main as _main
 
 __all__ = ["DATA_PLANE_MODULES", "SyncTrainer", "data_plane_modules_loaded", "load_datasets", "main"]
 
@@ -29,8 +36,6 @@ class SyncTrainer(Trainer):
     name = "grpo_sync"
 
     def _init_data(self, train: list[Any]) -> None:
-        from algorithms.tasks import PromptIterator
-
         self.prompts = PromptIterator(train, self.cfg.grpo.prompts_per_step, self.cfg.trainer.seed)
 
     def _driver_state(self) -> dict[str, Any]:
@@ -40,19 +45,12 @@ class SyncTrainer(Trainer):
         self.prompts.load_state_dict(state)
 
     def _loop(self, start: int, val: list[Any]) -> int:
-        import time
-
-        from algorithms.faults import maybe_kill_store
-        from algorithms.metrics import PhaseTimer
-        from algorithms.rollout_buffer import Job
-        from algorithms.step import collect, train_on_batch
-
         cfg = self.cfg
+        assert self.workers is not None
         G = cfg.grpo.prompts_per_step
         self._banner("")
-        debug, dp_cfg = cfg.to_dict()["debug"], cfg.data_plane.to_dict()
         for step in range(start, cfg.trainer.steps):
-            maybe_kill_store(debug, step, dp_cfg)  # fault hook (chaos tests); no-op otherwise
+            maybe_kill_store(cfg.debug, step, cfg.data_plane)  # fault hook (chaos tests); no-op otherwise
             t0 = time.perf_counter()
             timer = PhaseTimer()
             # Group ids (and with them the sampling seed) follow from the step: a resumed run and

@@ -6,10 +6,8 @@
   group admitted while the generator holds version ``v`` is generated with ``>= v``; so keeping at
   most ``(max_staleness + 1) * G`` groups admitted-and-untrained bounds every group's staleness
   by ``max_staleness`` (AReaL's rule) and little is generated only to be thrown away.
-* :class:`GroupAssembler`: claimed rows arrive in any split; a group is usable once all ``n``
-  of its rows are here.
-* :class:`RolloutBuffer`: claims (store: ``kv_claim`` of task ``trainer``; legacy: the
-  collectors' outboxes through Ray), the consumption check (layer 2: a group older than
+* :class:`RolloutBuffer`: whole groups from the transport's source (the store's claims, or
+  the collectors' outboxes through Ray), the consumption check (layer 2: a group older than
   ``step - max_staleness`` is cleared, counted and its prompt requeued; never trained on), and
   the training batch of ``G`` whole groups.
 """
@@ -24,17 +22,10 @@ from typing import Any
 
 import torch
 
-from algorithms.step import ROLLOUT_FIELDS, TRAINER_TASK, RolloutBatch, StepError, gather
-
-
-@dataclass(frozen=True)
-class Job:
-    """One group to generate: ``group_id`` is unique per attempt, ``handout`` is the prompt's
-    position in the prompt stream (a retried prompt keeps its handout, gets a new group id)."""
-
-    group_id: int
-    handout: int
-    record: Any
+from algorithms.config import TrainerConfig
+from algorithms.remote import StepError, gather
+from algorithms.rollouts import ClaimedGroup, Job, RolloutBatch
+from algorithms.transports import RolloutSource, Transport
 
 
 class PromptLedger:
@@ -107,39 +98,6 @@ def admissible(outstanding: int, groups_per_step: int, max_staleness: int) -> in
     return max(0, (max_staleness + 1) * groups_per_step - outstanding)
 
 
-class GroupAssembler:
-    """Collects claimed rows by group id until each group has all ``group_size`` rows."""
-
-    def __init__(self, group_size: int) -> None:
-        self.n = group_size
-        self._rows: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)  # gid -> [(sample, item)]
-
-    def add(self, group_id: int, sample: int, item: Any) -> None:
-        self._rows[group_id].append((sample, item))
-        if len(self._rows[group_id]) > self.n:
-            raise StepError(f"group {group_id} has more than {self.n} rows: a row was delivered twice")
-
-    def pop_complete(self) -> list[tuple[int, list[Any]]]:
-        """Complete groups (oldest id first), each as its items in sample order."""
-        done = sorted(g for g, rows in self._rows.items() if len(rows) == self.n)
-        return [(g, [it for _, it in sorted(self._rows.pop(g), key=lambda t: t[0])]) for g in done]
-
-    def discard(self, group_id: int) -> list[Any]:
-        return [it for _, it in self._rows.pop(group_id, [])]
-
-    def __len__(self) -> int:
-        return sum(len(r) for r in self._rows.values())
-
-
-@dataclass
-class _Group:
-    group_id: int
-    version: int
-    rows: Any  # a KVBatchMeta of its n keys, or a TensorDict of its n rows
-    rewards: list[float]
-    response_len: float
-
-
 @dataclass
 class BufferStats:
     """Per-step counters (reset by :meth:`RolloutBuffer.next_batch`)."""
@@ -183,21 +141,22 @@ class RolloutBuffer:
 
     Args:
         cfg: the trainer config; ``pool``: the collectors (:class:`CollectorPool` or an object
-            with the same three methods); ``client``: the store client (``None``: legacy, rows
-            come from the collectors' outboxes through Ray).
+            with the same three methods); ``transport``: the run's transport, whose
+            :meth:`~algorithms.transports.Transport.source` delivers whole groups and whose
+            :meth:`~algorithms.transports.Transport.concat` makes a batch of them.
         ledger: the prompt ledger (restored on resume before the first :meth:`top_up`).
     """
 
-    def __init__(self, cfg: Any, pool: Any, client: Any, ledger: PromptLedger) -> None:
+    def __init__(self, cfg: TrainerConfig, pool: Any, transport: Transport, ledger: PromptLedger) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.client = client
+        self.transport = transport
+        self.source: RolloutSource = transport.source(pool)
         self.ledger = ledger
         self.n = cfg.generation.n
         self.G = cfg.grpo.prompts_per_step
         self.S = cfg.async_.max_staleness
-        self.assembler = GroupAssembler(self.n)
-        self.ready: collections.deque[_Group] = collections.deque()
+        self.ready: collections.deque[ClaimedGroup] = collections.deque()
         self.stats = BufferStats()
         self.collector_stats: dict[str, float] = {}
 
@@ -212,29 +171,6 @@ class RolloutBuffer:
         return len(jobs)
 
     # ------------------------------------------------------------------ claims
-    def _claim(self, timeout_s: float) -> None:
-        """One claim round: new rows into the assembler, complete groups into ``ready``."""
-        if self.client is not None:
-            need = max(1, (self.G - len(self.ready)) * self.n - len(self.assembler))
-            # A claim waits for all it asks for; under backpressure at most this many rows can
-            # be written and unclaimed, so asking for more would always wait out the timeout.
-            need = min(need, self.cfg.async_.inflight_groups(self.G) * self.n)
-            meta = self.client.kv_claim("rollouts", TRAINER_TASK, list(ROLLOUT_FIELDS), need, timeout_s)
-            for i, key in enumerate(meta.keys):
-                tag = meta.tags[i]
-                self.assembler.add(int(tag["group"]), int(key.rsplit("/s", 1)[1]), (key, tag))
-            for gid, items in self.assembler.pop_complete():
-                keys = [k for k, _ in items]
-                tags = [t for _, t in items]
-                rows = meta.__class__(keys=keys, tags=tags, partition_id="rollouts", fields=list(ROLLOUT_FIELDS))
-                self.ready.append(_Group(gid, int(tags[0]["weight_version"]), rows, [float(t["reward"]) for t in tags],
-                                         _response_len(tags)))
-        else:
-            for g in self.pool.take(self.G, timeout_s):
-                tags = g["tags"]
-                self.ready.append(_Group(int(g["group_id"]), int(g["version"]), g["rows"],
-                                         [float(t["reward"]) for t in tags], _response_len(tags)))
-
     def _poll_collectors(self) -> None:
         """Requeue groups whose write failed (rolled back); raise if a collector stopped."""
         polls = self.pool.poll()
@@ -242,16 +178,15 @@ class RolloutBuffer:
             if p["error"]:
                 raise StepError(f"rollout collection stopped: {p['error']}")
             for gid in p["failed"]:
-                self.assembler.discard(gid)  # its rows were cleared by the collector's rollback
+                self.source.discard(gid)  # its rows were cleared by the collector's rollback
                 if gid in self.ledger.inflight:
                     self.ledger.requeue(gid)
                     self.stats.requeued_failed += 1
         self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls)
                                 for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")}
 
-    def _drop(self, group: _Group) -> None:
-        if self.client is not None:
-            self.client.kv_clear(list(group.rows.keys), "rollouts")
+    def _drop(self, group: ClaimedGroup) -> None:
+        self.source.drop(group)
         self.ledger.requeue(group.group_id)
         self.stats.dropped_stale += 1
 
@@ -264,7 +199,7 @@ class RolloutBuffer:
         self.stats = BufferStats()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.trainer.step_timeout_s
-        taken: list[_Group] = []
+        taken: list[ClaimedGroup] = []
         while True:
             while self.ready and len(taken) < self.G:
                 g = self.ready.popleft()
@@ -282,46 +217,21 @@ class RolloutBuffer:
                     self.ready.appendleft(g)
                 raise StepError(
                     f"step {step}: waited {self.cfg.trainer.step_timeout_s}s for {self.G} rollout groups, got "
-                    f"{len(taken)} (+{len(self.assembler)} rows of incomplete groups); collectors: {self.collector_stats}"
+                    f"{len(taken)} (+{self.source.partial_rows()} rows of incomplete groups); collectors: "
+                    f"{self.collector_stats}"
                 )
-            self._claim(min(self.cfg.async_.claim_poll_s, left))
+            self.ready.extend(self.source.claim(self.G - len(self.ready), min(self.cfg.async_.claim_poll_s, left)))
         self._poll_collectors()
         self.stats.wait_s = time.perf_counter() - t0
         self.stats.staleness = [step - g.version for g in taken]
         return self._batch(taken)
 
-    def _batch(self, groups: Sequence[_Group]) -> RolloutBatch:
-        if self.client is not None:
-            from nemo_dataplane.meta import KVBatchMeta
-
-            handle = KVBatchMeta.concat([g.rows for g in groups])
-        else:
-            from algorithms.legacy_transport import concat_batches
-
-            handle = concat_batches([g.rows for g in groups])
+    def _batch(self, groups: Sequence[ClaimedGroup]) -> RolloutBatch:
         return RolloutBatch(
-            handle=handle,
+            handle=self.transport.concat([g.rows for g in groups]),
             rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
             group_size=self.n,
             group_ids=[g.group_id for g in groups],
             versions=[g.version for g in groups],
             response_len=sum(g.response_len for g in groups) / len(groups),
         )
-
-    def clear(self) -> None:
-        """Forget claimed-but-untrained rows (their store keys are cleared by the caller)."""
-        self.ready.clear()
-        self.assembler = GroupAssembler(self.n)
-
-
-def _response_len(tags: Sequence[Mapping[str, Any]]) -> float:
-    return sum(int(t["seq_len"]) - int(t["prompt_len"]) for t in tags) / max(len(tags), 1)
-
-
-def batch_from_result(transport: Any, res: Mapping[str, Any], group_size: int) -> RolloutBatch:
-    """The sync collector's reply as a :class:`RolloutBatch`."""
-    gids = list(res["group_ids"])
-    return RolloutBatch(
-        handle=transport.rollouts(res), rewards=res["rewards"], group_size=group_size, group_ids=gids,
-        versions=[int(res["weight_version"])] * len(gids), response_len=float(res["response_len"]),
-    )

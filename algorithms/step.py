@@ -14,10 +14,8 @@ Where the batch comes from: ``grpo_sync`` calls :func:`collect` (the collector g
 step's prompts with the current weights and hands the batch over); ``grpo_async`` claims groups
 that a continuously running collector streamed into the store (``algorithms.rollout_buffer``).
 
-A transport implements the data movements: :class:`DataPlaneTransport` (rollouts stay in the
-store, the driver moves metas) or :class:`algorithms.legacy_transport.LegacyTransport` (the
-driver holds the batch and ships shards through Ray). This module imports neither transport's
-dependencies eagerly.
+The data movements are the transport's (:mod:`algorithms.transports`: the data plane, or the
+in-memory baseline), chosen once by the trainer; nothing here depends on which.
 """
 
 from __future__ import annotations
@@ -26,77 +24,18 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 import torch
 
 from algorithms.config import TrainerConfig
+from algorithms.dispatch import ActorDispatch
+from algorithms.grpo import dynamic_sampling_mask, group_advantages
 from algorithms.metrics import PhaseTimer, payload_bytes
-
-ROLLOUTS = "rollouts"  # the one partition rollouts live in; keys are released one batch at a time
-TRAINER_TASK = "trainer"  # the consumer task name of the trainer's claims
-ROLLOUT_FIELDS = ("input_ids", "prompt_len", "seq_len", "group_id", "weight_version", "rewards", "gen_logprobs")
-
-
-class StepError(RuntimeError):
-    """A step failed; the message names the step, the phase and the worker's own error."""
-
-
-def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker") -> list[Any]:
-    """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
-    that failed would otherwise leave its peers blocked in a collective until they time out).
-    A worker that died (no error of its own) is named as ``{who} {its index in refs}``, or
-    ``who[index]`` when ``who`` is a list of names, one per ref.
-
-    Raises:
-        StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
-    """
-    pending = list(refs)
-    index = {r: i for i, r in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise StepError(f"{what}: {len(pending)} of {len(refs)} worker call(s) did not finish within {timeout_s}s")
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        for r in ready:
-            try:
-                results[index[r]] = ray.get(r)
-            except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None) or e
-                raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
-            except ray.exceptions.RayError as e:
-                name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]
-                raise StepError(f"{what}: {name} died or was lost: {type(e).__name__}: {e}") from e
-    return results
-
-
-class Transport(Protocol):
-    """How a step's data moves. ``handle`` is a ``KVBatchMeta`` or a ``TensorDict``."""
-
-    name: str
-    driver_bytes: int
-    column_bytes: int  # bytes the driver itself wrote to the store this step
-
-    def partition(self) -> str | None: ...
-
-    def rollouts(self, result: Mapping[str, Any]) -> Any: ...
-
-    def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any: ...
-
-    def write_advantages(self, handle: Any, advantages: torch.Tensor) -> Any: ...
-
-    def preshard(self, handle: Any, dp_world: int) -> Any: ...
-
-    def rank_inputs(self, handle: Any, preshards: Any, step: int) -> list[Any]: ...
-
-    def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any: ...
-
-    def release(self, handle: Any) -> None: ...
-
-    def outstanding(self) -> int: ...
+from algorithms.remote import StepError, gather
+from algorithms.rollouts import Job, RolloutBatch, generation_seed
+from algorithms.transports import Transport
 
 
 @dataclass
@@ -111,8 +50,6 @@ class Workers:
 
     def __post_init__(self) -> None:
         if self.dispatch is None:
-            from algorithms.dispatch import ActorDispatch
-
             self.dispatch = ActorDispatch(self.policy)
         if self.refit_senders is None:
             self.refit_senders = self.policy[:1]
@@ -123,24 +60,6 @@ class Workers:
 
 
 @dataclass
-class RolloutBatch:
-    """One training batch: whole groups of ``group_size`` rows, group-major.
-
-    ``handle`` is what the transport moves (a meta of store keys, or the rows themselves);
-    ``rewards`` [B] come with it (tags or the collector's reply), never from a store read;
-    ``versions`` is the weight version that generated each group, ``group_ids`` its id.
-    """
-
-    handle: Any
-    rewards: torch.Tensor
-    group_size: int
-    group_ids: list[int]
-    versions: list[int]
-    response_len: float
-    row: dict[str, Any] = field(default_factory=dict)  # metrics the source adds (timings, drops)
-
-
-@dataclass
 class StepResult:
     """The step's metrics row (flat scalars) and whether training ran."""
 
@@ -148,29 +67,25 @@ class StepResult:
     trained: bool = True
 
 
-def generation_seed(run_seed: int, first_group_id: int) -> int:
-    """The sampling seed of one generate call, keyed by the first group it draws: a group's
-    samples depend on its id and the weights only, not on when or by whom it was drawn."""
-    return run_seed * 1_000_003 + first_group_id
-
-
 def collect(
-    cfg: TrainerConfig, workers: Workers, transport: Transport, jobs: Sequence[Any], timer: PhaseTimer, step: int
+    cfg: TrainerConfig, workers: Workers, transport: Transport, jobs: Sequence[Job], timer: PhaseTimer, step: int
 ) -> RolloutBatch:
     """Sync source: the collector generates ``jobs`` (one step's prompts) with the generator's
-    current weights and hands over the batch (store keys, or the rows through Ray).
+    current weights and hands over the batch (through the transport's sink).
 
     Raises:
         StepError: the collector failed or timed out.
     """
-    from algorithms.rollout_buffer import batch_from_result
-
     with timer("generate"):
-        call = workers.collector.collect.remote(list(jobs), generation_seed(cfg.trainer.seed, jobs[0].group_id), transport.partition())
+        call = workers.collector.collect.remote(list(jobs), generation_seed(cfg.trainer.seed, jobs[0].group_id))
         transport.driver_bytes += payload_bytes(list(jobs))
         (res,) = gather([call], cfg.trainer.step_timeout_s, f"step {step} collect")
         transport.driver_bytes += payload_bytes(res)
-    batch = batch_from_result(transport, res, cfg.generation.n)
+    gids = list(res["group_ids"])
+    batch = RolloutBatch(
+        handle=res["handle"], rewards=res["rewards"], group_size=cfg.generation.n, group_ids=gids,
+        versions=[int(res["weight_version"])] * len(gids), response_len=float(res["response_len"]),
+    )
     batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
     return batch
 
@@ -190,8 +105,6 @@ def train_on_batch(
     Raises:
         StepError: any worker raised (quoting its error) or a wait timed out.
     """
-    from algorithms.grpo import dynamic_sampling_mask, group_advantages
-
     timeout = cfg.trainer.step_timeout_s
     n, dp = batch.group_size, cfg.trainer.dp_size
     t_start = time.perf_counter() if t_start is None else t_start
@@ -316,79 +229,10 @@ class _RankTotals:
              timeout_s: float, what: str) -> list[Any]:
         """Run ``kind`` on every policy rank through ``dispatch`` (``algorithms.dispatch``); count
         the bytes through the driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
-        transport.driver_bytes += payload_bytes(inputs) if not _are_refs(inputs) else 0
+        transport.driver_bytes += transport.input_bytes(inputs)
         out = dispatch.call(kind, inputs, step, flag, timeout_s, what)
         transport.driver_bytes += payload_bytes(out)
         self.dp_bytes += sum(int(o["dp_bytes"]) for o in out)
         self.io_s += max(float(o["io_s"]) for o in out)
         self.compute_s += max(float(o["compute_s"]) for o in out)
         return out
-
-
-def _are_refs(inputs: Sequence[Any]) -> bool:
-    # Legacy shards are counted when the driver ray.put()s them, not again as refs.
-    return bool(inputs) and isinstance(inputs[0], ray.ObjectRef)
-
-
-# --------------------------------------------------------------------------- data-plane transport
-class DataPlaneTransport:
-    """Rollouts stay in the store; the driver moves metas, takes per-sample rewards from the
-    rows' tags and writes only the ``advantages`` column (``write_columns``, bounded by
-    ``data_plane.column_max_bytes_per_sample``). Keys are released one batch at a time."""
-
-    name = "data_plane"
-
-    def __init__(self, client: Any, cfg: TrainerConfig) -> None:
-        self.client = client
-        self.cfg = cfg
-        self.driver_bytes = 0
-        self.column_bytes = 0
-
-    def partition(self) -> str:
-        return ROLLOUTS
-
-    def rollouts(self, result: Mapping[str, Any]) -> Any:
-        return result["meta"]
-
-    def keep(self, handle: Any, keep_idx: list[int], drop_idx: list[int]) -> Any:
-        self.client.kv_clear([handle.keys[i] for i in drop_idx], handle.partition_id)
-        return handle.subset(keep_idx)
-
-    def write_advantages(self, handle: Any, advantages: torch.Tensor) -> Any:
-        from nemo_dataplane.driver.columns import write_columns
-
-        self.driver_bytes += payload_bytes(advantages)
-        self.column_bytes = payload_bytes(advantages)
-        return write_columns(
-            self.client, handle, {"advantages": advantages},
-            max_bytes_per_sample=self.cfg.data_plane.column_max_bytes_per_sample,
-        )
-
-    def preshard(self, handle: Any, dp_world: int) -> Any:
-        from nemo_dataplane.driver.preshard import driver_balanced_preshards
-
-        return driver_balanced_preshards(handle, dp_world, self.cfg.data_plane.packing)
-
-    def rank_inputs(self, handle: Any, preshards: Any, step: int) -> list[Any]:
-        from nemo_dataplane.driver.fan_out import fan_out_per_rank_metas
-
-        # A meta source is re-sliced without I/O; the keys stay the collector's.
-        return fan_out_per_rank_metas(
-            self.client, preshards, handle, partition_id=handle.partition_id, key_prefix=f"step{step}"
-        )
-
-    def absorb(self, handle: Any, preshards: Any, field: str, rank_results: Sequence[Mapping[str, Any]]) -> Any:
-        return handle.add_fields([field])  # the ranks wrote it back themselves
-
-    def release(self, handle: Any) -> None:
-        if len(handle):
-            self.client.kv_clear(list(handle.keys), handle.partition_id)
-
-    def outstanding(self) -> int:
-        """Keys in the whole store, every partition (a listing, not this driver's bookkeeping)."""
-        return sum(len(self.client.kv_list(p)) for p in self.client.kv_partitions())
-
-    def clear_all(self) -> None:
-        """Empty every partition (shutdown, resume): nothing of this run stays in the store."""
-        for p in self.client.kv_partitions():
-            self.client.kv_clear(None, p)

@@ -3,10 +3,11 @@
 :class:`Trainer` owns one run: config -> Ray cluster (owned by the run) -> the store (data-plane
 path) -> workers (``dp_size * policy.tensor_parallel_size`` policy ranks, one generator, ``async.num_collectors`` rollout
 collectors) -> ``_loop`` (the subclass: :mod:`algorithms.grpo_sync` or
-:mod:`algorithms.grpo_async`) -> metrics, checkpoints, plot, summary. ``data_plane.enabled``
-picks the transport: ``true`` moves every batch through the store by metadata, ``false`` runs the
-legacy path (driver holds the batch, ships shards through Ray) and never imports the data-plane
-client, adapters, fan-out, column I/O or worker fetch.
+:mod:`algorithms.grpo_async`) -> metrics, checkpoints, plot, summary. It makes the run's
+choices once: the transport (:func:`algorithms.transports.make_transport`: ``data_plane.enabled``
+moves every batch through the store by metadata, else the in-memory baseline, which never
+imports a data-plane module), and through the workers' factories the training and generation
+engines and the refit family.
 
 Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up failed (the
 worker's error is printed with its traceback), 130 on Ctrl-C (``main`` returns 2 for a bad
@@ -20,49 +21,44 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
+from algorithms.checkpoint import load_driver_state, mark_complete, resolve_resume, save_driver_state, step_dir
 from algorithms.config import ConfigError, TrainerConfig, check_devices, load_config
+from algorithms.dispatch import make_dispatcher
 from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
+from algorithms.remote import gather
+from algorithms.replicas import ReplicaDispatch
+from algorithms.step import Workers, refit
+from algorithms.tasks import load_jsonl_dataset, make_task_dataset, resolve_reward_fn
+from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
+from algorithms.workers.collector import RolloutCollector
+from algorithms.workers.generator import GeneratorWorker
+from algorithms.workers.gpus import ALL_GPUS_ENV
+from algorithms.workers.policy import PolicyWorker
+from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
 
-# Modules the legacy path must never load (checked by tests/unit/test_architecture.py and
-# reported in summary.json).
-DATA_PLANE_MODULES: tuple[str, ...] = (
-    "transfer_queue",
-    "nemo_dataplane.client",
-    "nemo_dataplane.factory",
-    "nemo_dataplane.observability",
-    "nemo_dataplane.adapters",
-    "nemo_dataplane.driver.fan_out",
-    "nemo_dataplane.driver.columns",
-    "nemo_dataplane.worker.fetch",
-)
-
-
-def data_plane_modules_loaded(modules: Sequence[str]) -> list[str]:
-    """The entries of ``modules`` that belong to the data plane (see :data:`DATA_PLANE_MODULES`)."""
-    return sorted(m for m in modules if any(m == d or m.startswith(d + ".") for d in DATA_PLANE_MODULES))
+__all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded", "load_datasets", "main"]
 
 
 def _node_id(actor: Any) -> str:
     """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
-    import ray
-
     return ray.get_runtime_context().get_node_id()
 
 
 def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
     """Train and held-out prompt records: a JSONL file (``task.dataset``; held-out = the last
     ``task.val_size`` records unless ``task.val_dataset``) or the built-in task from its seed."""
-    from algorithms.tasks import load_jsonl_dataset, make_task_dataset
-
     t = cfg.task
     if t.dataset is not None:
         records = load_jsonl_dataset(t.dataset)
@@ -94,19 +90,17 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.logging.output_dir)
-        self.client: Any = None
-        self.workers: Any = None
+        self.workers: Workers | None = None
         self.actors: list[Any] = []
         self.logger: MetricsLogger | None = None
-        self.transport: Any = None
+        self.transport: Transport = make_transport(cfg)
+        self._transport_started = False
         self._ray_started = False
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled}
 
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
-        import ray
-
         if ray.is_initialized():
             return
         check_devices(self.cfg)  # a CUDA layout this machine cannot hold fails here, not in an actor
@@ -135,56 +129,40 @@ class Trainer:
     def _launch_workers(self, num_collectors: int = 1) -> None:
         """Create the worker actors without waiting for them: their processes start (and import
         torch) while the driver brings the store up. :meth:`_connect_workers` waits for them."""
-        import ray
-
-        from algorithms.step import Workers
-        from algorithms.workers.collector import RolloutCollector
-        from algorithms.workers.generator import GeneratorWorker
-        from algorithms.workers.policy import PolicyWorker
-
         cfg = self.cfg
-        plain = cfg.to_dict()
         cpus = cfg.ray.worker_num_cpus
         # Workers see the driver's import path, so a custom task.reward_fn module that the driver
         # can import, the collector can too.
         pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
         # The job secret that authenticates rendezvous-store records travels through Ray, never
         # through a store (docs/reliability.md, "Trust boundary").
-        from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
-
         env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
                             "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         gpu_env = env
         if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
-            from algorithms.workers.gpus import ALL_GPUS_ENV
-
             # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
             gpu_env = {**env, "env_vars": {**env["env_vars"], ALL_GPUS_ENV: "1"}}
         policy_cls = ray.remote(PolicyWorker)
         policy = [
             policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env,
-                               name=None).remote(r, ranks, plain)
+                               name=None).remote(r, ranks, cfg)
             for r in range(ranks)
         ]
         generator = ray.remote(GeneratorWorker).options(
             num_cpus=cpus, num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
             runtime_env=gpu_env,
-        ).remote(plain)
+        ).remote(cfg)
         # Several concurrent calls: submit/poll/take while the producer thread generates.
         collectors = [
-            ray.remote(RolloutCollector).options(num_cpus=0, runtime_env=env, max_concurrency=4).remote(plain, generator, i)
+            ray.remote(RolloutCollector).options(num_cpus=0, runtime_env=env, max_concurrency=4).remote(cfg, generator, i)
             for i in range(num_collectors)
         ]
         self.actors = [*policy, generator, *collectors]
-        from algorithms.dispatch import make_dispatcher
-
         dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile,
                                    idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s)
         tp = cfg.policy.tensor_parallel_size
         if tp > 1:
-            from algorithms.replicas import ReplicaDispatch
-
             dispatch = ReplicaDispatch(dispatch, tp)
         # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
         senders = policy[:tp] if cfg.refit_mode == "reshard" else policy[:1]
@@ -194,9 +172,8 @@ class Trainer:
     def _connect_workers(self) -> None:
         """Wait for the launched workers, then form the train group, attach the store and form the
         refit group (each bounded by ``trainer.startup_timeout_s``, naming the phase that failed)."""
-        from algorithms.step import gather
-
         cfg = self.cfg
+        assert self.workers is not None
         policy, generator, collectors = self.workers.policy, self.workers.generator, self.workers.collectors
         ranks = len(policy)  # dp * tp
         timeout = cfg.trainer.startup_timeout_s
@@ -215,9 +192,9 @@ class Trainer:
         local = len(set(nodes)) == 1
         (train_at,) = gather([policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous")
         gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
-        if cfg.data_plane.enabled:
-            dp_cfg = cfg.data_plane.to_dict()
-            gather([a.attach_data_plane.remote(dp_cfg) for a in (*policy, *collectors)], timeout, "data-plane attach")
+        io, sink = self.transport.batch_io(), self.transport.sink()
+        gather([*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)], timeout,
+               f"{self.transport.name} transport attach")
         senders = self.workers.refit_senders
         reshard = cfg.refit_mode == "reshard"
         world = len(senders) + 1  # the generator is the last refit rank
@@ -234,15 +211,6 @@ class Trainer:
             "refit group set-up",
         )
 
-    def _make_transport(self) -> Any:
-        if self.cfg.data_plane.enabled:
-            from algorithms.step import DataPlaneTransport
-
-            return DataPlaneTransport(self.client, self.cfg)
-        from algorithms.legacy_transport import LegacyTransport
-
-        return LegacyTransport(self.cfg)
-
     # -------------------------------------------------------------- checkpoint
     def _driver_state(self) -> dict[str, Any]:
         """What the subclass's checkpoints hold besides the step (e.g. the data position)."""
@@ -254,9 +222,7 @@ class Trainer:
     def _save_checkpoint(self, step_done: int) -> Path:
         """Policy + optimizer (+ RNG) from the ranks, then the driver's state, then the marker:
         a checkpoint without the marker (a crash mid-save) is never resumed from."""
-        from algorithms.checkpoint import mark_complete, save_driver_state, step_dir
-        from algorithms.step import gather
-
+        assert self.workers is not None
         root = checkpoint_root(self.cfg)
         d = step_dir(root, step_done)
         d.mkdir(parents=True, exist_ok=True)
@@ -268,9 +234,6 @@ class Trainer:
     # -------------------------------------------------------------------- run
     def run(self) -> int:
         """Run the whole training; returns the process exit status (see the module docstring)."""
-        from algorithms.checkpoint import load_driver_state, resolve_resume
-        from algorithms.tasks import resolve_reward_fn
-
         cfg = self.cfg
         t0 = self.t0 = time.perf_counter()
         status, code = "failed", 1
@@ -295,10 +258,8 @@ class Trainer:
             self._start_ray()
             marks.append(time.perf_counter())
             self._launch_workers(self._num_collectors())
-            if cfg.data_plane.enabled:
-                from nemo_dataplane.factory import build_data_plane_client
-
-                self.client = build_data_plane_client(cfg.data_plane, bootstrap=True)
+            self._transport_started = True  # from here on shutdown empties and closes it
+            self.transport.start()
             marks.append(time.perf_counter())
             self._connect_workers()
             marks.append(time.perf_counter())
@@ -307,16 +268,11 @@ class Trainer:
             summary["startup_s"] = {
                 "ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2],
             }
-            self.transport = self._make_transport()
+            assert self.workers is not None
             if resume is not None:
-                from algorithms.step import gather
-
                 gather([w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
                        cfg.trainer.startup_timeout_s, "checkpoint load")
-                if cfg.data_plane.enabled:
-                    self.transport.clear_all()  # rollouts of the interrupted run are regenerated
-            from algorithms.step import refit
-
+                self.transport.clear_all()  # rollouts of the interrupted run are regenerated
             refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
             summary["policy_params"] = self.policy_params
             summary["prompts"] = {"train": len(train), "val": len(val)}
@@ -371,8 +327,7 @@ class Trainer:
 
     def _after_step(self, step: int, row: dict[str, Any], val: list[Any]) -> None:
         """Validation, the step's line, the checkpoint: the same for every trainer."""
-        from algorithms.step import gather
-
+        assert self.workers is not None
         cfg = self.cfg
         last = step == cfg.trainer.steps - 1
         if val and cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
@@ -402,8 +357,7 @@ class Trainer:
             )
 
     def _worker_modules(self) -> dict[str, list[str]]:
-        from algorithms.step import gather
-
+        assert self.workers is not None
         names = [f"policy{r}" for r in range(len(self.workers.policy))] + [
             f"collector{i}" if i else "collector" for i in range(len(self.workers.collectors))
         ]
@@ -415,9 +369,6 @@ class Trainer:
         """Best effort, each part bounded: collectors, the store (emptied), workers, Ray. Safe
         after any failure; a second Ctrl-C while it runs is ignored so the store and the cluster
         still go down."""
-        import signal
-        import threading
-
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -428,8 +379,6 @@ class Trainer:
                 signal.signal(signal.SIGINT, previous)
 
     def _shutdown_parts(self) -> None:
-        import ray
-
         if self.workers is not None and ray.is_initialized():
             # Producers stop first, so nothing is written after the store is emptied.
             try:
@@ -437,15 +386,13 @@ class Trainer:
                          timeout=10)
             except Exception:  # noqa: BLE001 - a dead collector is killed below
                 pass
-        if self.transport is not None and self.client is not None:
+        if self._transport_started:
             try:
                 self.transport.clear_all()
                 self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
             except Exception as e:  # noqa: BLE001
                 self.summary["keys_outstanding_at_exit"] = -1
                 print(f"{self.name}: emptying the store at exit failed: {e!r}", file=sys.stderr)
-        elif self.transport is not None:
-            self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
         if self.workers is not None and ray.is_initialized():
             # The graph's loops run inside the policy actors: tear them down (bounded) while the
             # actors live, before their shutdown calls and the kill. After a failed call through
@@ -465,12 +412,12 @@ class Trainer:
             except Exception:  # noqa: BLE001 - a dead actor cannot shut down; it is killed below
                 pass
             self.workers = None
-        if self.client is not None:
+        if self._transport_started:
+            self._transport_started = False
             try:
-                self.client.close()
+                self.transport.close()
             except Exception as e:  # noqa: BLE001
-                print(f"{self.name}: closing the data plane failed: {e}", file=sys.stderr)
-            self.client = None
+                print(f"{self.name}: closing the {self.transport.name} transport failed: {e}", file=sys.stderr)
         if ray.is_initialized():
             for a in self.actors:
                 try:

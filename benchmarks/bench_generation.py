@@ -79,12 +79,13 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
     if engine_name == "hf":
         engine: Any = HFEngine(model_cfg, vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id)
     else:
+        from algorithms.config import VLLMEngineConfig
         from algorithms.engines.generation.vllm import VLLMEngine
 
-        args = {"multiprocessing": engine_name == "vllm-mp",
-                "dtype": "bfloat16" if engine_name == "vllm-bf16" else "float32"}
+        args = VLLMEngineConfig(multiprocessing=engine_name == "vllm-mp",
+                                dtype="bfloat16" if engine_name == "vllm-bf16" else "float32")
         engine = VLLMEngine(model_cfg, vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
-                            pad_id=tok.pad_id, engine_args=args)
+                            pad_id=tok.pad_id, engine=args)
     startup = time.perf_counter() - t1
     try:
         batch = [[tok.bos_id, *[3 + (5 * i + j) % 30 for j in range(6 + i % 5)]] for i in range(prompts)]

@@ -9,26 +9,27 @@ run, sample the same tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+
+from algorithms.config import TrainerConfig
+from algorithms.engines.generation import SamplingSpec, build_engine
+from algorithms.faults import maybe_fail
+from algorithms.workers.gpus import worker_device
 
 
 class GeneratorWorker:
     """Samples ``n`` responses per prompt; receives weights over the stateless refit group.
 
     Args:
-        cfg: ``TrainerConfig.to_dict()``.
+        cfg: the trainer config.
     """
 
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        from algorithms.engines.generation import build_engine
-        from algorithms.workers.gpus import worker_device
-
+    def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
-        torch.set_num_threads(int(cfg["trainer"]["num_threads"]))
-        worker_device(cfg["generation"]["device"])  # makes Ray's GPU current where all are visible
+        torch.set_num_threads(cfg.trainer.num_threads)
+        worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
 
     def ready(self) -> bool:
@@ -37,16 +38,13 @@ class GeneratorWorker:
     def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, reshard: bool = False) -> None:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders:
         rank 0, or with ``reshard`` the TP ranks ``0..rank-1`` of the first replica)."""
-        rcfg = self.cfg["refit"]
-        self.engine.init_refit(host, port, world_size, rank, backend=rcfg["backend"], timeout_s=rcfg["timeout_s"],
-                               reshard=reshard)
+        r = self.cfg.refit
+        self.engine.init_refit(host, port, world_size, rank, backend=r.backend, timeout_s=r.timeout_s, reshard=reshard)
 
     def receive_weights(self, version: int | None = None) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the
         trainer sends (only the fault hook reads it; the received header is what counts)."""
-        from algorithms.faults import maybe_fail
-
-        maybe_fail(self.cfg.get("debug") or {}, "refit", step=version, what=f"in the generator before refit {version}")
+        maybe_fail(self.cfg.debug, "refit", step=version, what=f"in the generator before refit {version}")
         t0 = time.perf_counter()
         version = self.engine.receive_weights()
         return version, time.perf_counter() - t0
@@ -57,20 +55,16 @@ class GeneratorWorker:
         """``len(prompt_ids) * n`` responses (group-major), the log-prob of each sampled token
         under the sampling distribution, and the weight version that drew them (one version per
         call: a refit is only ever installed between calls)."""
-        from algorithms.engines.generation import SamplingSpec
-
-        g = self.cfg["generation"]
+        g = self.cfg.generation
         spec = SamplingSpec(
-            max_new_tokens=int(g["max_new_tokens"]),
-            temperature=float(g["temperature"] if temperature is None else temperature),
-            top_p=float(g.get("top_p", 1.0)),
+            max_new_tokens=g.max_new_tokens,
+            temperature=float(g.temperature if temperature is None else temperature),
+            top_p=g.top_p,
             seed=int(seed),
         )
         out = self.engine.generate(prompt_ids, n, spec)
-        from algorithms.faults import maybe_fail
-
         # fail_in=generator: inside the call, its tokens drawn and not returned
-        maybe_fail(self.cfg.get("debug") or {}, "generator", step=out.version,
+        maybe_fail(self.cfg.debug, "generator", step=out.version,
                    what=f"in the generator generating with weight version {out.version}")
         return out.tokens, out.logprobs, out.version
 

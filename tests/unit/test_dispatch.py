@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from algorithms.dispatch import CompiledGraphDispatch
-from algorithms.step import StepError
+from algorithms.remote import StepError
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from algorithms.config import DebugConfig
 from algorithms.faults import maybe_kill_store
+from nemo_dataplane.config import DataPlaneConfig
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -36,8 +38,8 @@ def test_a_killed_store_actor_fails_the_next_op_naming_it_within_the_bound(point
     client = _store(name)
     try:
         client.kv_batch_put(["a", "b"], "p", {"x": torch.arange(2.0)})
-        debug = {"fail_in": point, "fail_at_step": 2, "fault_marker": str(tmp_path / "m")}
-        dp = {"backend": "transfer_queue", "backend_kwargs": {"controller_name": name}}
+        debug = DebugConfig(fail_in=point, fail_at_step=2, fault_marker=str(tmp_path / "m"))
+        dp = DataPlaneConfig.from_dict({"backend": "transfer_queue", "backend_kwargs": {"controller_name": name}})
         assert maybe_kill_store(debug, 1, dp) is None  # another step: nothing happens
         killed = maybe_kill_store(debug, 2, dp)
         assert killed == (name if point == "store_controller" else f"{name}.StorageUnit#0")

@@ -5,6 +5,7 @@ real gloo group installs the sender's weights and labels later batches with its 
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from algorithms.config import load_config
+from algorithms.config import ConfigError, load_config
 from algorithms.engines.generation import SamplingSpec, build_engine
 from algorithms.engines.generation.hf import HFEngine
 from algorithms.models import build_model, generate
@@ -101,8 +102,8 @@ def test_top_p_is_refused_by_the_hf_engine() -> None:
 def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
     cfg = load_config(None, [f"policy.model.{k}={v}" for k, v in (("arch", "llama"), ("seed", 0))]
                       + [f"policy.model.hf_config.{k}={v}" for k, v in MODEL["hf_config"].items()]
-                      + ["generation.max_new_tokens=3", "generation.temperature=0.7"]).to_dict()
-    assert cfg["generation"]["backend"] == "hf"
+                      + ["generation.max_new_tokens=3", "generation.temperature=0.7"])
+    assert cfg.generation.backend == "hf"
     worker = GeneratorWorker(cfg)
     assert worker.ready() is True
     tokens, logprobs, version = worker.generate(PROMPTS, 2, 5)
@@ -115,6 +116,11 @@ def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
     worker.shutdown()
 
 
-def test_build_engine_rejects_an_unknown_backend() -> None:
+def test_an_unknown_backend_is_refused_by_the_config_and_by_the_factory() -> None:
+    model = [f"policy.model.{k}={v}" for k, v in (("arch", "llama"), ("seed", 0))]
+    with pytest.raises(ConfigError, match="generation.backend"):
+        load_config(None, [*model, "generation.backend=sglang"])
+    cfg = load_config(None, model)
+    bypassed = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="sglang"))
     with pytest.raises(ValueError, match="generation.backend must be one of"):
-        build_engine({"generation": {"backend": "sglang"}, "policy": {"model": MODEL}})
+        build_engine(bypassed)

@@ -25,6 +25,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
+from algorithms.config import VLLMEngineConfig  # noqa: E402
 from algorithms.engines.generation import Rollouts, SamplingSpec  # noqa: E402
 from algorithms.engines.generation.vllm import VLLMEngine, prompt_seed  # noqa: E402
 from algorithms.models import build_model, pad_batch, sequence_logprobs  # noqa: E402
@@ -111,7 +112,7 @@ class _Sender:
 @pytest.fixture(scope="module")
 def engine():
     eng = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id,
-                     engine_args={"kv_cache_memory_bytes": 64 << 20}, llm_kwargs={"block_size": 32})
+                     engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20), llm_kwargs={"block_size": 32})
     yield eng
     eng.shutdown()
 
@@ -290,11 +291,12 @@ spec = importlib.util.spec_from_file_location("vllm_tests", sys.argv[1])
 t = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(t)
 MODEL, PROMPTS, TOK, _refit, _trainer, _max_delta = t.MODEL, t.PROMPTS, t.TOK, t._refit, t._trainer, t._max_delta
+from algorithms.config import VLLMEngineConfig
 from algorithms.engines.generation import SamplingSpec
 from algorithms.engines.generation.vllm import VLLMEngine
 
 engine = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id,
-                    engine_args={"multiprocessing": True, "kv_cache_memory_bytes": 64 << 20},
+                    engine=VLLMEngineConfig(multiprocessing=True, kv_cache_memory_bytes=64 << 20),
                     llm_kwargs={"block_size": 32})
 children = [p.pid for p in psutil.Process().children(recursive=True)]
 print("CHILDREN", " ".join(map(str, children)), flush=True)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from algorithms.config import load_config
-from algorithms.legacy_transport import legacy_shard
+from algorithms.transports.legacy import LegacyBatchIO, legacy_shard
 from algorithms.workers.policy import PolicyWorker
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
@@ -33,8 +33,9 @@ def worker():
         "data_plane.packing.micro_batch_size=null", "grpo.epochs=1", "generation.temperature=0.8",
         "grpo.kl_coef=0.1",
     ])
-    w = PolicyWorker(0, 1, cfg.to_dict())
+    w = PolicyWorker(0, 1, cfg)
     w.join_train_group(*w.host_rendezvous("train", 1, loopback=True))
+    w.attach(LegacyBatchIO())
     yield w, cfg
     w.shutdown()
     assert not dist.is_initialized()
@@ -75,7 +76,7 @@ def test_packed_logprobs_and_loss_match_a_plain_per_row_forward(worker) -> None:
     ids_rows = jagged_rows(shard.data["input_ids"])
     worst = 0.0
     for i, ids in enumerate(ids_rows):
-        ref = _reference_logprobs(w.model, ids, temperature)
+        ref = _reference_logprobs(w.engine.model, ids, temperature)
         p = int(shard.data["prompt_len"][i])
         assert got[i].shape == ref.shape
         assert torch.equal(got[i][: p - 1], torch.zeros(p - 1)), "prompt positions must score 0"
@@ -91,7 +92,7 @@ def test_packed_logprobs_and_loss_match_a_plain_per_row_forward(worker) -> None:
     eps, kl_coef = cfg.grpo.clip_eps, cfg.grpo.kl_coef
     total, tokens = 0.0, 0
     for i, ids in enumerate(ids_rows):
-        lp = _reference_logprobs(w.model, ids, temperature)
+        lp = _reference_logprobs(w.engine.model, ids, temperature)
         a = float(shard.data["advantages"][i])
         for t in range(int(shard.data["prompt_len"][i]) - 1, ids.numel() - 1):
             r = math.exp(float(lp[t]) - float(prev[i][t]))

@@ -16,10 +16,11 @@ import torch
 from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
-from algorithms.rollout_buffer import GroupAssembler, Job, PromptLedger, RolloutBuffer, admissible
-from algorithms.step import ROLLOUTS, StepError
+from algorithms.remote import StepError
+from algorithms.rollout_buffer import PromptLedger, RolloutBuffer, admissible
+from algorithms.rollouts import ROLLOUT_FIELDS, ROLLOUTS, TRAINER_TASK, GroupAssembler, Job, rollout_keys
 from algorithms.tasks import PromptIterator, PromptRecord
-from algorithms.workers.collector import rollout_keys
+from algorithms.transports.data_plane import DataPlaneTransport
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.codec import jagged_from_rows
 
@@ -148,6 +149,13 @@ def _put_group(client: InMemoryClient, job: Job, version: int, reward: float = 0
     return keys
 
 
+def _buffer(cfg: TrainerConfig, pool: Any, client: InMemoryClient, ledger: PromptLedger) -> RolloutBuffer:
+    """The buffer over the data-plane transport, its store the given in-memory client."""
+    transport = DataPlaneTransport(cfg)
+    transport.client = client
+    return RolloutBuffer(cfg, pool, transport, ledger)
+
+
 class _Pool:
     """Stands in for the collector actors: records queued jobs; failures are reported on poll."""
 
@@ -171,7 +179,7 @@ def test_a_group_older_than_the_bound_is_cleared_counted_requeued_and_never_trai
     client = InMemoryClient()
     pool = _Pool()
     led = _ledger()
-    buf = RolloutBuffer(_cfg(max_staleness=1), pool, client, led)
+    buf = _buffer(_cfg(max_staleness=1), pool, client, led)
     assert buf.top_up() == 4  # (max_staleness + 1) * G
     j0, j1, j2, j3 = pool.jobs
     old_keys = _put_group(client, j0, version=0)  # trained at step 3 it would be 3 versions old
@@ -193,7 +201,7 @@ def test_failed_writes_are_requeued_and_a_stopped_collector_fails_the_step_with_
     client = InMemoryClient()
     pool = _Pool()
     led = _ledger()
-    buf = RolloutBuffer(_cfg(max_staleness=0), pool, client, led)
+    buf = _buffer(_cfg(max_staleness=0), pool, client, led)
     buf.top_up()
     j0, j1 = pool.jobs
     pool.failed = [j0.group_id]  # its write was rolled back by the collector
@@ -214,13 +222,11 @@ def test_under_tight_backpressure_a_claim_never_waits_for_rows_that_cannot_be_wr
     import threading
     import time
 
-    from algorithms.step import ROLLOUT_FIELDS, TRAINER_TASK
-
     client = InMemoryClient()
     pool = _Pool()
     poll_s = 4.0  # below the 5 s step timeout: the unfixed claim still returns, just late
     cfg = _cfg(max_staleness=0, max_inflight_groups=1, groups_per_generation=1, claim_poll_s=poll_s)
-    buf = RolloutBuffer(cfg, pool, client, _ledger())
+    buf = _buffer(cfg, pool, client, _ledger())
     buf.top_up()
     jobs = list(pool.jobs)
 

@@ -4,23 +4,21 @@ stateless process group, report the weight version.
 
 ``generation.backend`` picks one: ``hf`` (:mod:`.hf`, a Hugging Face model sampled token by token
 in the generator process) or ``vllm`` (:mod:`.vllm`, a ``vllm.LLM`` engine). ``build_engine``
-imports only the backend it builds, so ``hf`` never imports vLLM.
+imports only the backend it builds (vLLM is an optional dependency), so ``hf`` never imports vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import BACKENDS, GenerationEngine, Rollouts, SamplingSpec
 
 __all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec", "build_engine"]
 
 
-def build_engine(cfg: Mapping[str, Any]) -> GenerationEngine:
-    """The engine ``cfg["generation"]["backend"]`` names, built from ``cfg`` (``TrainerConfig.to_dict()``)
-    with the policy's initial weights (``policy.model``)."""
-    backend = cfg["generation"].get("backend", "hf")
+def build_engine(cfg: TrainerConfig) -> GenerationEngine:
+    """The engine ``generation.backend`` names, built from ``cfg`` with the policy's initial
+    weights (``policy.model``)."""
+    backend = cfg.generation.backend
     if backend == "hf":
         from algorithms.engines.generation.hf import HFEngine
 

@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
+from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
+from algorithms.models import build_model, generate
+from algorithms.tasks import CharTokenizer
 
 __all__ = ["HFEngine"]
 
@@ -26,8 +29,6 @@ class HFEngine(GenerationEngine):
 
     def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
                  pad_id: int) -> None:
-        from algorithms.models import build_model
-
         super().__init__()
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
@@ -39,17 +40,13 @@ class HFEngine(GenerationEngine):
         self._receiver: Any = None
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> HFEngine:
-        from algorithms.tasks import CharTokenizer
-
+    def from_config(cls, cfg: TrainerConfig) -> HFEngine:
         tok = CharTokenizer()
-        return cls(cfg["policy"]["model"], device=cfg["generation"]["device"], vocab_size=tok.vocab_size,
-                   eos_id=tok.eos_id, pad_id=tok.pad_id)
+        return cls(cfg.policy.model, device=cfg.generation.device, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                   pad_id=tok.pad_id)
 
     def _generate(self, prompts: list[list[int]], n: int,
                   spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
-        from algorithms.models import generate
-
         if spec.top_p != 1.0:
             raise ValueError(f"the hf generation backend samples the full distribution; top_p={spec.top_p} "
                              "needs generation.backend=vllm")

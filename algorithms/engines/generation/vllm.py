@@ -39,19 +39,13 @@ from typing import Any
 
 import torch
 
+from algorithms.config import TrainerConfig, VLLMEngineConfig
 from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
+from algorithms.models import build_model, save_pretrained_dir
+from algorithms.tasks import CharTokenizer
 
-__all__ = ["DEFAULT_ENGINE_ARGS", "VLLMEngine", "prompt_seed"]
-
-# vLLM settings behind generation.vllm.* (algorithms/config.py documents each).
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {
-    "dtype": "float32",
-    "kv_cache_memory_bytes": 256 << 20,
-    "max_num_seqs": 256,
-    "enforce_eager": True,
-    "multiprocessing": False,
-}
+__all__ = ["VLLMEngine", "prompt_seed"]
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -63,22 +57,17 @@ def prompt_seed(seed: int, index: int) -> int:
 
 class VLLMEngine(GenerationEngine):
     """Args: ``model_cfg`` (``policy.model``), ``device`` ("cpu" | "cuda"), the tokenizer's
-    ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``; ``engine_args`` (``generation.vllm``:
-    dtype, kv_cache_memory_bytes, max_num_seqs, enforce_eager, multiprocessing); ``llm_kwargs``:
+    ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``; ``engine`` (``generation.vllm``, a
+    :class:`~algorithms.config.VLLMEngineConfig`; default: its defaults); ``llm_kwargs``:
     further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
 
     name = "vllm"
 
     def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
-                 bos_id: int, pad_id: int, engine_args: Mapping[str, Any] | None = None,
+                 bos_id: int, pad_id: int, engine: VLLMEngineConfig | None = None,
                  llm_kwargs: Mapping[str, Any] | None = None) -> None:
-        from algorithms.models import build_model, save_pretrained_dir
-
         super().__init__()
-        args = {**DEFAULT_ENGINE_ARGS, **(engine_args or {})}
-        unknown = sorted(set(args) - set(DEFAULT_ENGINE_ARGS))
-        if unknown:
-            raise ValueError(f"unknown generation.vllm key(s) {unknown}; known: {sorted(DEFAULT_ENGINE_ARGS)}")
+        args = engine or VLLMEngineConfig()
         self.eos_id = int(eos_id)
         self.llm: Any = None
         self._rpc_timeout_s = 600.0
@@ -100,13 +89,11 @@ class VLLMEngine(GenerationEngine):
             raise
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> VLLMEngine:
-        from algorithms.tasks import CharTokenizer
-
+    def from_config(cls, cfg: TrainerConfig) -> VLLMEngine:
         tok = CharTokenizer()
-        g = cfg["generation"]
-        return cls(cfg["policy"]["model"], device=g["device"], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                   bos_id=tok.bos_id, pad_id=tok.pad_id, engine_args=g.get("vllm") or {})
+        g = cfg.generation
+        return cls(cfg.policy.model, device=g.device, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                   bos_id=tok.bos_id, pad_id=tok.pad_id, engine=g.vllm)
 
     @property
     def model_dir(self) -> str:
@@ -172,11 +159,11 @@ def _head_size(hf_config: Any) -> int:
     return int(head) if head else int(hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def _start_llm(model_dir: str, device: str, args: Mapping[str, Any], llm_kwargs: dict[str, Any],
+def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: dict[str, Any],
                head_size: int) -> Any:
     # The engine mode is an environment switch in vLLM 0.32, read when the engine is built;
     # vLLM caches its environment once an engine has started, so drop that cache first.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args["multiprocessing"] else "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
     # A multiprocess CPU engine would pin its worker's OpenMP threads to cores by default; the
     # project sets threads per process itself (trainer.num_threads / OMP_NUM_THREADS).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -203,9 +190,9 @@ def _start_llm(model_dir: str, device: str, args: Mapping[str, Any], llm_kwargs:
     set_threads = torch.set_num_threads
     try:
         return LLM(
-            model=model_dir, skip_tokenizer_init=True, dtype=args["dtype"],
-            kv_cache_memory_bytes=int(args["kv_cache_memory_bytes"]), max_num_seqs=int(args["max_num_seqs"]),
-            enforce_eager=bool(args["enforce_eager"]), logprobs_mode="processed_logprobs", seed=0,
+            model=model_dir, skip_tokenizer_init=True, dtype=args.dtype,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager, logprobs_mode="processed_logprobs", seed=0,
             worker_extension_cls=WORKER_EXTENSION, **llm_kwargs,
         )
     finally:

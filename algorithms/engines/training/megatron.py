@@ -12,21 +12,29 @@ only, so this module imports anywhere. What runs here:
   the fetched jagged ``input_ids`` (``packing``): ``PackedSeqParams`` on the TE path, the same
   ``cu_seqlens`` as a block-causal mask on the local path (its attention has no varlen kernel);
 * :func:`hf_shards` / :func:`refit_layout`: this TP rank's weights under HF names and the
-  trainer-side layout for :class:`~nemo_dataplane.refit.ReshardSender`.
+  trainer-side layout for the resharding refit;
+* :class:`MegatronEngine`: the training engine (``policy.backend=megatron``) built on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict
 from torch import Tensor
+
+from algorithms.engines.training.base import Scored, Which
+from algorithms.engines.training.hf import HFTrainingEngine
+from algorithms.replicas import replica_of
 
 from algorithms.engines.training.mcore_convert import GPTShape, hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config, transformer_kwargs
 from algorithms.engines.training.packing import block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded
 
-__all__ = ["build_gpt", "forward_packed", "hf_shards", "init_parallel", "load_hf", "microbatch_logprobs", "refit_layout"]
+__all__ = ["MegatronEngine", "build_gpt", "forward_packed", "hf_shards", "init_parallel", "load_hf",
+           "microbatch_logprobs", "refit_layout"]
 
 
 def init_parallel(tp: int = 1, *, seed: int = 0, pp: int = 1, cp: int = 1) -> None:
@@ -158,3 +166,63 @@ def hf_full_shapes(s: GPTShape, dtype: torch.dtype = torch.float32) -> dict[str,
             h + "post_attention_layernorm.weight": ((s.hidden,), dtype),
         })
     return out
+
+
+class MegatronEngine(HFTrainingEngine):
+    """Megatron-core GPT models converted from the policy's HF model (same weights), on
+    Megatron's parallel state over the policy ranks (TP = ``policy.tensor_parallel_size``, DP the
+    rest). Built as the HF engine; :meth:`connect` swaps in the MCore models once
+    ``torch.distributed`` spans every rank. With TP > 1 the gradient norm combines the TP shards."""
+
+    name = "megatron"
+
+    def connect(self, rank: int) -> None:
+        tp = self.cfg.policy.tensor_parallel_size
+        self.tp_rank = replica_of(rank, tp)[1]
+        torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+        init_parallel(tp, seed=self.cfg.trainer.seed)
+        hf_cfg, hf_state = self.model.config, self.model.state_dict()
+        self.shape = shape_from_hf_config(hf_cfg)
+        self.model = build_gpt(hf_cfg, device=self.device)
+        load_hf(self.model, hf_state, self.shape)
+        self.ref_model = build_gpt(hf_cfg, device=self.device)
+        load_hf(self.ref_model, hf_state, self.shape)
+        self._freeze_reference()
+        self.optimizer = self._make_optimizer()
+        if tp > 1:
+            from megatron.core import parallel_state as ps
+
+            self.dp_group = ps.get_data_parallel_group()
+            self.tp_group = ps.get_tensor_model_parallel_group()
+            got, want = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()), replica_of(rank, tp)
+            if got != want:
+                raise RuntimeError(f"policy rank {rank}: Megatron placed it at (dp, tp) = {got}, the driver at {want}")
+
+    def score(self, which: Which, mb: TensorDict, entropy: bool) -> Scored:
+        return microbatch_logprobs(self._model(which), mb["input_ids"], mb["prompt_len"], device=self.device,
+                                   temperature=self.temperature, return_entropy=entropy)
+
+    def _clip(self, params: Sequence[torch.nn.Parameter], flat: Tensor, max_norm: float) -> Tensor:
+        """The whole model's gradient norm from TP shards (a TP-split parameter contributes its
+        shard on every TP rank, a replicated one once), then ``clip_grad_norm_``'s scaling."""
+        if self.tp_group is None:
+            return super()._clip(params, flat, max_norm)
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                sq += p.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.tp_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    def named_for_refit(self) -> Iterable[tuple[str, Tensor]]:
+        # Views of the live parameters under HF names (nothing is gathered or copied at TP=1).
+        return hf_shards(self.model, self.shape).items()
+
+    def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        names = {n for n, _ in self.named_for_refit()}
+        return {n: s for n, s in hf_full_shapes(self.shape).items() if n in names}

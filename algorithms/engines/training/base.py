@@ -1,0 +1,151 @@
+"""The contract every training engine keeps, and the train step they share.
+
+A training engine is what a policy rank computes with: the trained model, a frozen reference
+copy (the KL anchor) and the optimizer. It scores micro-batches (per-token log-probs of the
+response, optionally entropy), runs the GRPO train step (loss, backward, gradient all-reduce
+over the data-parallel group, clipping, optimizer step), and exposes its weights under Hugging
+Face names for the refit, with their full (unsharded) shapes for the refit's layout.
+:class:`algorithms.workers.policy.PolicyWorker` owns the rank's wiring, groups, batch I/O and
+checkpoint files; it never asks which engine it holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from algorithms.config import TrainerConfig
+from algorithms.grpo import masked_sum, policy_loss
+
+__all__ = ["Prepared", "Scored", "TrainingEngine", "Which"]
+
+Which = Literal["policy", "reference"]
+Scored = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]  # (logprobs, entropy | None, mask), each [n, L - 1]
+
+
+@dataclass
+class Prepared:
+    """One micro-batch ready for the loss: its rows and, per scored position ``[n, L - 1]``, the
+    response mask, proximal (``old``), reference and behaviour (``None``: on-policy) log-probs,
+    and per-row advantages."""
+
+    mb: TensorDict
+    mask: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor
+    adv: torch.Tensor
+    behaviour: torch.Tensor | None
+
+
+class TrainingEngine(ABC):
+    """Base of the engines. Subclasses set ``model``, ``ref_model`` and ``optimizer`` and implement
+    :meth:`score`, :meth:`named_for_refit` and :meth:`refit_shapes`."""
+
+    name: ClassVar[str]
+    model: torch.nn.Module
+    ref_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, cfg: TrainerConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.temperature = cfg.generation.temperature or 1.0
+        self.dp_group: Any = None  # None: the whole world
+        self.tp_group: Any = None  # None: no tensor parallelism
+
+    def connect(self, rank: int) -> None:
+        """Called once ``torch.distributed`` spans every policy rank: set up the engine's own
+        parallel groups (``dp_group``, ``tp_group``)."""
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        p = self.cfg.policy
+        return torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=tuple(p.betas))
+
+    def _freeze_reference(self) -> None:
+        self.ref_model.eval()
+        for p in self.ref_model.parameters():
+            p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ compute
+    @abstractmethod
+    def score(self, which: Which, mb: TensorDict, entropy: bool) -> Scored:
+        """Per-token log-probs (and entropy) of ``mb``'s response tokens under the policy or the
+        reference, at the sampling temperature; position ``t`` scores token ``t + 1``."""
+
+    def train_step(self, prepared: Sequence[Prepared], global_tokens: float, behaviour: bool) -> dict[str, float]:
+        """``grpo.epochs`` optimizer steps over ``prepared``; returns this rank's share of the loss
+        metrics (denominator: ``global_tokens``, the whole step's token count) and ``grad_norm``."""
+        g, a = self.cfg.grpo, self.cfg.async_
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        if behaviour:
+            sums.update(is_truncated_frac=0.0, behaviour_kl=0.0)
+        grad_norm = 0.0
+        for epoch in range(g.epochs):
+            self.optimizer.zero_grad(set_to_none=False)
+            last = epoch == g.epochs - 1
+            for p in prepared:
+                lp, ent, _ = self.score("policy", p.mb, True)
+                loss, m = policy_loss(
+                    lp, p.old, p.ref, p.adv, p.mask, clip_eps=g.clip_eps, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
+                    global_token_count=global_tokens, behaviour_logprobs=p.behaviour, is_cap=a.is_cap,
+                    is_mode=a.is_mode,
+                )
+                loss.backward()
+                if last:
+                    sums["loss"] += float(loss.detach())
+                    for k in ("pg_loss", "kl", "clip_frac", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
+                        sums[k] += float(m[k])
+                    assert ent is not None
+                    sums["entropy"] += float(masked_sum(ent.detach(), p.mask)) / global_tokens
+            grad_norm = self._all_reduce_and_step()
+        return {**sums, "grad_norm": grad_norm}
+
+    def _all_reduce_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        # Sum over DP replicas (the loss is already divided by the global token count).
+        dist.all_reduce(flat, group=self.dp_group)
+        off = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[off : off + n].view_as(p).clone()
+            off += n
+        norm = self._clip(params, flat, self.cfg.policy.max_grad_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def _clip(self, params: Sequence[torch.nn.Parameter], flat: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """The gradient norm, after scaling the gradients to ``max_norm`` (0: no clipping)."""
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.linalg.vector_norm(flat)
+
+    # ------------------------------------------------------------------ refit
+    @abstractmethod
+    def named_for_refit(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """This rank's weights under the generator's (Hugging Face) names, as live views."""
+
+    @abstractmethod
+    def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Full (unsharded) shape and dtype of every tensor :meth:`named_for_refit` yields: the
+        trainer-side layout every sender builds identically."""
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "ref_model": self.ref_model.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.ref_model.load_state_dict(state["ref_model"])
+        self.optimizer.load_state_dict(state["optimizer"])

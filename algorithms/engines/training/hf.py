@@ -1,0 +1,60 @@
+"""The Hugging Face training engine: the policy's ``transformers`` model trained with torch,
+data-parallel (``policy.backend=torch``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from tensordict import TensorDict
+
+from algorithms.config import TrainerConfig
+from algorithms.engines.training.base import Scored, TrainingEngine, Which
+from algorithms.models import build_model, pad_batch, sequence_logprobs
+from nemo_dataplane.codec import jagged_rows
+
+__all__ = ["HFTrainingEngine", "model_inputs"]
+
+
+def model_inputs(mb: TensorDict, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids [n, L]``, ``attention_mask [n, L]``, ``response_mask [n, L]`` for a micro-batch
+    with a jagged ``input_ids`` field and a ``prompt_len`` field (response = positions >= prompt_len)."""
+    input_ids, attn = pad_batch(jagged_rows(mb["input_ids"]), pad_id)
+    pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    response = (pos >= mb["prompt_len"].reshape(-1, 1)) & attn.bool()
+    return input_ids.to(device), attn.to(device), response.to(device)
+
+
+class HFTrainingEngine(TrainingEngine):
+    """``policy.model`` built with ``transformers`` (random init or a local directory), a frozen
+    deep copy as the reference, AdamW. Args: the trainer config, the device, the tokenizer's
+    ``vocab_size`` and ``pad_id``."""
+
+    name = "torch"
+
+    def __init__(self, cfg: TrainerConfig, device: torch.device, *, vocab_size: int, pad_id: int) -> None:
+        super().__init__(cfg, device)
+        self.pad_id = pad_id
+        self.model = build_model(cfg.policy.model, vocab_size=vocab_size).to(device)
+        self.ref_model = copy.deepcopy(self.model)
+        self._freeze_reference()
+        self.optimizer = self._make_optimizer()
+
+    def _model(self, which: Which) -> torch.nn.Module:
+        return self.model if which == "policy" else self.ref_model
+
+    def score(self, which: Which, mb: TensorDict, entropy: bool) -> Scored:
+        ids, attn, resp = model_inputs(mb, self.pad_id, self.device)
+        mask = (resp[:, 1:] & attn[:, 1:].bool()).float()
+        model = self._model(which)
+        if entropy:
+            lp, ent = sequence_logprobs(model, ids, attn, resp, return_entropy=True, temperature=self.temperature)
+            return lp, ent, mask
+        return sequence_logprobs(model, ids, attn, resp, temperature=self.temperature), None, mask
+
+    def named_for_refit(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.model.named_parameters()
+
+    def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}

@@ -1,0 +1,47 @@
+"""Ray plumbing the trainer modules share: bounded gathers of worker calls, and the step's error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from nemo_dataplane.errors import NemoDataplaneError
+
+__all__ = ["StepError", "gather"]
+
+
+class StepError(NemoDataplaneError, RuntimeError):
+    """A step failed; the message names the step, the phase and the worker's own error."""
+
+
+def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker") -> list[Any]:
+    """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
+    that failed would otherwise leave its peers blocked in a collective until they time out).
+    A worker that died (no error of its own) is named as ``{who} {its index in refs}``, or
+    ``who[index]`` when ``who`` is a list of names, one per ref.
+
+    Raises:
+        StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
+    """
+    pending = list(refs)
+    index = {r: i for i, r in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StepError(f"{what}: {len(pending)} of {len(refs)} worker call(s) did not finish within {timeout_s}s")
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for r in ready:
+            try:
+                results[index[r]] = ray.get(r)
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None) or e
+                raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
+            except ray.exceptions.RayError as e:
+                name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]
+                raise StepError(f"{what}: {name} died or was lost: {type(e).__name__}: {e}") from e
+    return results

@@ -20,7 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_dataplane.config import ConfigError, DataPlaneConfig, build_config, config_key, plain
+from nemo_dataplane.config import (
+    BUILTIN_BACKENDS,
+    ConfigError,
+    DataPlaneConfig,
+    FieldError,
+    build_config,
+    config_key,
+    plain,
+    require_positive,
+)
 
 __all__ = ["ConfigError", "TrainerConfig", "check_devices", "load_config"]
 
@@ -49,6 +58,12 @@ class PolicyConfig:
     # GPUs Ray gives each policy rank (cuda); None: all ranks share one GPU (1 / ranks each).
     gpus_per_rank: float | None = None
 
+    def __post_init__(self) -> None:
+        require_positive(self, "lr", "tensor_parallel_size", "gpus_per_rank")
+        require_positive(self, "max_grad_norm", allow_zero=True)
+        if self.gpus_per_rank is not None and self.gpus_per_rank > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
+            raise FieldError("gpus_per_rank", f"={self.gpus_per_rank}: above 1 it must be whole")
+
 
 @dataclass(frozen=True)
 class VLLMEngineConfig:
@@ -64,9 +79,7 @@ class VLLMEngineConfig:
     multiprocessing: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("kv_cache_memory_bytes", "max_num_seqs"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"generation.vllm.{key} must be > 0, got {getattr(self, key)}")
+        require_positive(self, "kv_cache_memory_bytes", "max_num_seqs")
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,8 @@ class GenerationConfig:
     num_gpus: float = 1.0
 
     def __post_init__(self) -> None:
+        require_positive(self, "n", "max_new_tokens", "num_gpus")
+        require_positive(self, "temperature", "val_temperature", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < 1 and self.backend != "vllm":
@@ -104,6 +119,10 @@ class GRPOConfig:
     loss_agg: Literal["token_mean"] = "token_mean"
     epochs: int = 1  # optimizer passes over each step's batch (>1 makes clipping bite)
 
+    def __post_init__(self) -> None:
+        require_positive(self, "prompts_per_step", "clip_eps", "epochs")
+        require_positive(self, "kl_coef", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -116,6 +135,10 @@ class TaskConfig:
     dataset: str | None = None  # JSONL with {"prompt", "answer"} per line; overrides the built-in
     val_dataset: str | None = None
     reward_fn: str | None = None  # "pkg.module:function"; None: the built-in reward of `name`
+
+    def __post_init__(self) -> None:
+        require_positive(self, "train_size")
+        require_positive(self, "val_size", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -136,6 +159,11 @@ class TrainerSection:
     # compiled_graph only: tear the graph down after this many seconds without a call (its idle
     # ranks stop polling) and recompile it on the next call; null: keep it until shutdown.
     dispatch_idle_teardown_s: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "steps", "dp_size", "num_threads", "step_timeout_s", "startup_timeout_s",
+                         "dispatch_idle_teardown_s")
+        require_positive(self, "val_every", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -158,6 +186,9 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint dir, or "latest" under `dir`
     keep: int = 0  # 0: keep all
 
+    def __post_init__(self) -> None:
+        require_positive(self, "every", "keep", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class RefitConfig:
@@ -176,6 +207,10 @@ class RefitConfig:
     port: int = 0  # 0: policy rank 0 hosts the rendezvous on its node's address and a port it binds
     timeout_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        require_positive(self, "bucket_bytes", "timeout_s")
+        require_positive(self, "port", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class RayConfig:
@@ -184,6 +219,10 @@ class RayConfig:
     address: str | None = None  # None: start a local cluster owned by this run
     num_cpus: int = 8  # logical CPUs of a local cluster; actors ask for fractions of them
     worker_num_cpus: float = 0.0  # per worker actor
+
+    def __post_init__(self) -> None:
+        require_positive(self, "num_cpus")
+        require_positive(self, "worker_num_cpus", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -206,6 +245,14 @@ class AsyncConfig:
     is_cap: float = 2.0
     is_mode: Literal["truncate", "mask"] = "truncate"
     claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
+
+    def __post_init__(self) -> None:
+        require_positive(self, "groups_per_generation", "num_collectors", "is_cap", "claim_poll_s",
+                         "max_inflight_groups")
+        require_positive(self, "max_staleness", allow_zero=True)
+        if self.max_inflight_groups is not None and self.max_inflight_groups < self.groups_per_generation:
+            raise FieldError("max_inflight_groups", f"={self.max_inflight_groups} is below async.groups_per_generation="
+                             f"{self.groups_per_generation}: a collector could never write a generation")
 
     def inflight_groups(self, groups_per_step: int) -> int:
         return self.max_inflight_groups or (self.max_staleness + 1) * groups_per_step
@@ -283,39 +330,7 @@ class TrainerConfig:
         return cfg
 
 
-def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
 def _cross_checks(cfg: TrainerConfig) -> None:
-    _positive(cfg.trainer.steps, "trainer.steps")
-    _positive(cfg.trainer.dp_size, "trainer.dp_size")
-    _positive(cfg.trainer.num_threads, "trainer.num_threads")
-    _positive(cfg.trainer.val_every, "trainer.val_every", allow_zero=True)
-    _positive(cfg.trainer.step_timeout_s, "trainer.step_timeout_s")
-    _positive(cfg.trainer.startup_timeout_s, "trainer.startup_timeout_s")
-    if cfg.trainer.dispatch_idle_teardown_s is not None:
-        _positive(cfg.trainer.dispatch_idle_teardown_s, "trainer.dispatch_idle_teardown_s")
-    _positive(cfg.generation.n, "generation.n")
-    _positive(cfg.generation.max_new_tokens, "generation.max_new_tokens")
-    _positive(cfg.generation.temperature, "generation.temperature", allow_zero=True)
-    _positive(cfg.generation.val_temperature, "generation.val_temperature", allow_zero=True)
-    _positive(cfg.grpo.prompts_per_step, "grpo.prompts_per_step")
-    _positive(cfg.grpo.clip_eps, "grpo.clip_eps")
-    _positive(cfg.grpo.kl_coef, "grpo.kl_coef", allow_zero=True)
-    _positive(cfg.grpo.epochs, "grpo.epochs")
-    _positive(cfg.policy.lr, "policy.lr")
-    _positive(cfg.policy.max_grad_norm, "policy.max_grad_norm", allow_zero=True)
-    _positive(cfg.task.train_size, "task.train_size")
-    _positive(cfg.task.val_size, "task.val_size", allow_zero=True)
-    _positive(cfg.checkpoint.every, "checkpoint.every", allow_zero=True)
-    _positive(cfg.checkpoint.keep, "checkpoint.keep", allow_zero=True)
-    _positive(cfg.refit.bucket_bytes, "refit.bucket_bytes")
-    _positive(cfg.refit.port, "refit.port", allow_zero=True)
-    _positive(cfg.refit.timeout_s, "refit.timeout_s")
-    _positive(cfg.ray.num_cpus, "ray.num_cpus")
-    _positive(cfg.ray.worker_num_cpus, "ray.worker_num_cpus", allow_zero=True)
     if not cfg.policy.model:
         raise ConfigError("policy.model is empty: give {arch, hf_config, seed} or {path: /local/hf/dir}")
     if cfg.policy.model.get("path") not in (None, "") and cfg.policy.model.get("hf_config") is not None:
@@ -350,19 +365,6 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     ):
         raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs data_plane.enabled and backend=transfer_queue")
     _check_max_rows(cfg)
-    a = cfg.async_
-    _positive(a.max_staleness, "async.max_staleness", allow_zero=True)
-    _positive(a.groups_per_generation, "async.groups_per_generation")
-    _positive(a.num_collectors, "async.num_collectors")
-    _positive(a.is_cap, "async.is_cap")
-    _positive(a.claim_poll_s, "async.claim_poll_s")
-    if a.max_inflight_groups is not None:
-        _positive(a.max_inflight_groups, "async.max_inflight_groups")
-        if a.max_inflight_groups < a.groups_per_generation:
-            raise ConfigError(
-                f"async.max_inflight_groups={a.max_inflight_groups} is below async.groups_per_generation="
-                f"{a.groups_per_generation}: a collector could never write a generation"
-            )
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
     reshard_ipc = cfg.reshard_may_use_ipc
@@ -376,17 +378,11 @@ def _cross_checks(cfg: TrainerConfig) -> None:
                                              == cfg.generation.device):
         raise ConfigError("refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
                           "and policy.device=cuda and generation.device=cuda")
-    _positive(cfg.generation.num_gpus, "generation.num_gpus")
-    if cfg.policy.gpus_per_rank is not None:
-        _positive(cfg.policy.gpus_per_rank, "policy.gpus_per_rank")
-        if cfg.policy.gpus_per_rank > 1 and cfg.policy.gpus_per_rank != int(cfg.policy.gpus_per_rank):
-            raise ConfigError(f"policy.gpus_per_rank={cfg.policy.gpus_per_rank}: above 1 it must be whole")
     if cfg.refit.backend == "nccl" and cfg.generation.device == "cuda" and cfg.generation.num_gpus < 1 \
             and not reshard_ipc:
         # A fractional generator shares a GPU with policy ranks; NCCL refuses two ranks on one device.
         raise ConfigError(f"generation.num_gpus={cfg.generation.num_gpus:g} shares a GPU with the policy, which "
                           "NCCL cannot refit across: use refit.mode=reshard with refit.transport=ipc")
-    _positive(cfg.policy.tensor_parallel_size, "policy.tensor_parallel_size")
     if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
         raise ConfigError(
             f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size} needs policy.backend=megatron "
@@ -412,9 +408,6 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         _check_backend(cfg.data_plane.backend)
 
 
-# Built-in backends are known by name; importing transfer_queue (and Ray) just to validate a
-# config would slow every load, and its absence is reported by the factory with an install hint.
-_BUILTIN_BACKENDS = ("transfer_queue", "memory")
 
 
 def _check_max_rows(cfg: TrainerConfig) -> None:
@@ -444,7 +437,9 @@ def _check_backend(backend: str) -> None:
             "policy ranks and collectors are separate processes (Ray actors) and would each see an "
             "empty store; use data_plane.backend=transfer_queue or a shared 'pkg.module:Class' backend"
         )
-    if backend in _BUILTIN_BACKENDS:
+    if backend in BUILTIN_BACKENDS:
+        # Known by name: importing transfer_queue (and Ray) just to validate a config would slow
+        # every load, and a missing dependency is reported by the factory with an install hint.
         return
     from nemo_dataplane.factory import resolve_backend  # only on the data-plane path
 

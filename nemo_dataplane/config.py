@@ -35,6 +35,7 @@ YAML shape (all keys optional)::
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,31 @@ T = TypeVar("T")
 
 class ConfigError(NemoDataplaneError, ValueError):
     """A config key is unknown, mistyped or invalid; the message names its dotted path."""
+
+
+class FieldError(NemoDataplaneError, ValueError):
+    """A section's own check of one of its fields failed; :func:`build_config` names the field
+    by its dotted path (the section does not know where it sits)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}{'' if problem.startswith('=') else ' '}{problem}")
+        self.field, self.problem = field, problem
+
+
+def require_positive(section: Any, *names: str, allow_zero: bool = False) -> None:
+    """Each named field of ``section`` that is not ``None`` must be ``> 0`` (``>= 0`` with
+    ``allow_zero``); NaN never passes.
+
+    Raises:
+        FieldError: naming the first field out of range.
+    """
+    for name in names:
+        value = getattr(section, name)
+        if value is None:
+            continue
+        ok = value >= 0 if allow_zero else value > 0
+        if not ok:
+            raise FieldError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 BUILTIN_BACKENDS: tuple[str, ...] = ("transfer_queue", "ray", "memory")
@@ -271,6 +297,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):  # a NaN compares false with every bound; an infinite wait never ends
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -340,6 +368,8 @@ def build_config(cls: type[T], data: Any, path: str) -> T:
             kwargs[name] = _coerce(value, tp, key)
     try:
         return cls(**kwargs)
+    except FieldError as e:
+        raise ConfigError(f"{path}.{e}" if path else str(e)) from e
     except (ValueError, TypeError) as e:  # the section's own checks (data_plane.* name their key)
         msg = str(e)
         raise ConfigError(msg if path and path in msg else f"{path or 'config'}: {msg}") from e

@@ -66,6 +66,14 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("generation.vllm.kv_cache_memory_bytes=0", "generation.vllm.kv_cache_memory_bytes"),
         ("generation.vllm.dtype=int8", "generation.vllm.dtype"),
         ("generation.vllm.multiproc=true", "generation.vllm.multiproc"),
+        ("trainer.step_timeout_s=.nan", "trainer.step_timeout_s must be a finite number"),  # non-finite
+        ("trainer.startup_timeout_s=.inf", "trainer.startup_timeout_s must be a finite number"),
+        ("async.claim_poll_s=nan", "async.claim_poll_s"),
+        ("policy.lr=-.inf", "policy.lr"),
+        ("data_plane.transfer_queue.op_timeout_s=.inf", "data_plane.transfer_queue.op_timeout_s"),
+        ("policy.gpus_per_rank=2.5", "policy.gpus_per_rank=2.5: above 1 it must be whole"),
+        ("async.max_inflight_groups=2", "async.max_inflight_groups=2 is below async.groups_per_generation"),
+        ("async.max_staleness=-1", "async.max_staleness must be >= 0"),
     ],
 )
 def test_bad_values_name_the_dotted_key(override: str, needle: str) -> None:

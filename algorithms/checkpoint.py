@@ -16,6 +16,7 @@ driver state holds). A checkpoint naming any other Python object is refused, not
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
 from collections.abc import Mapping
@@ -24,12 +25,12 @@ from typing import Any
 
 import torch
 
+from algorithms.tasks import PromptRecord
+
 MARKER = "COMPLETE"
 
 
 def _safe_globals() -> list[Any]:
-    from algorithms.tasks import PromptRecord
-
     return [PromptRecord]
 
 
@@ -40,8 +41,6 @@ def load_trusted(path: str | Path, **kwargs: Any) -> Any:
         pickle.UnpicklingError: the file names another global (an arbitrary object); the
             message names the file.
     """
-    import pickle
-
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, weights_only=True, **kwargs)

@@ -13,12 +13,15 @@ Sections ``policy``, ``generation``, ``grpo`` and ``task`` hold the learning hyp
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dataplane.config import (
     BUILTIN_BACKENDS,
@@ -460,8 +463,6 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
     if cfg.ray.address:
         return
     if cuda_devices is None:
-        import torch
-
         cuda_devices = torch.cuda.device_count()
     for key, device in (("policy.device", cfg.policy.device), ("generation.device", cfg.generation.device)):
         if device == "cuda" and cuda_devices == 0:
@@ -471,8 +472,6 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
     need = cfg.policy_ranks * cfg.policy_gpus_per_rank()
     need += cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0.0
     if need > cuda_devices + 1e-9:
-        import math
-
         raise ConfigError(
             f"policy.device={cfg.policy.device} and generation.device={cfg.generation.device} need "
             f"{math.ceil(need - 1e-9)} CUDA devices ({cfg.policy_ranks} policy rank(s) x policy.gpus_per_rank="
@@ -488,9 +487,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         ConfigError: a malformed override, an unknown key or an invalid value (names the key).
         FileNotFoundError: ``path`` does not exist.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     base = OmegaConf.create({})
     if path is not None:
         p = Path(path)

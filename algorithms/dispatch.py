@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.dag import InputNode, MultiOutputNode
 
 from algorithms.remote import StepError, gather
 
@@ -236,8 +237,6 @@ class CompiledGraphDispatch:
         ) from e
 
     def _compile(self, timeout_s: float) -> None:
-        from ray.dag import InputNode, MultiOutputNode
-
         if self.fail_compile:
             raise DispatchError("debug.fail_dispatch_compile=true: compile refused as an unsupported environment")
         # A graph's loop holds each actor's system thread until it leaves: the torn-down graph's

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from tensordict import TensorDictBase
 
 # Keys every step line carries (absent values are written as null), in display order.
 STEP_KEYS: tuple[str, ...] = (
@@ -45,8 +46,6 @@ STEP_KEYS: tuple[str, ...] = (
 def payload_bytes(obj: Any) -> int:
     """Bytes ``obj`` occupies on the wire: tensor storage for tensors (a jagged tensor counts its
     values and offsets), recursively through dicts/lists/TensorDicts, pickled size otherwise."""
-    from tensordict import TensorDictBase
-
     if isinstance(obj, torch.Tensor):
         if getattr(obj, "is_nested", False) and obj.layout == torch.jagged:
             return payload_bytes(obj.values()) + payload_bytes(obj.offsets())
@@ -103,12 +102,13 @@ class MetricsLogger:
         self.rows: list[dict[str, Any]] = self._read_rows()
         self._tb = None
         if tensorboard:
+            # tensorboard (extra `train`) is loaded only when asked for.
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
         self._bar = None
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # extra `train`, loaded only when asked for
 
             self._bar = tqdm(
                 total=total_steps, initial=start_step, desc="grpo", unit="step", file=stream or sys.stderr,
@@ -170,6 +170,7 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path | 
     """Write a reward/loss PNG (train reward, validation reward, loss vs step); None if no rows."""
     if not rows:
         return None
+    # matplotlib (extra `train`) is slow to import and needed only here, at the end of a run.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -3,6 +3,9 @@
 Nothing is ever downloaded: a config builds a randomly initialised model under a fixed seed and
 a path loads with ``local_files_only=True``. All functions are single-process and deterministic
 on CPU for fixed inputs (and a fixed ``torch.Generator`` for sampling).
+
+``transformers`` is imported by the functions that build or run a model, not at load: it takes
+seconds to import and the driver, which loads this module through the trainer, never builds one.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class LegacyTransport(Transport):
         return LegacySink()
 
     def batch_io(self) -> LegacyBatchIO:
-        return LegacyBatchIO()
+        return LegacyBatchIO(self.cfg.trainer.step_timeout_s)
 
     def source(self, pool: Any) -> LegacySource:
         return LegacySource(pool)
@@ -215,11 +215,8 @@ class LegacyBatchIO(BatchIO):
     """A rank's input is its shard (resolved by Ray from the driver's ``ray.put``); results go back
     to the driver as tensors in the call's reply."""
 
-    def __init__(self) -> None:
-        self.timeout_s = 300.0
-
-    def open(self, rank: int, replica_group: Any, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s  # bound on resolving a shard shipped through Ray
 
     def resolve(self, batch: Any) -> Any:
         # A compiled graph passes the shard's ObjectRef as it is (Ray resolves task arguments only).

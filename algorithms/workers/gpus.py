@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import ray
 import torch
 
 # Ray's own switch: when "1" in an actor's environment, Ray leaves CUDA_VISIBLE_DEVICES alone.
@@ -25,8 +26,6 @@ def worker_device(kind: str) -> torch.device:
     if kind != "cuda":
         return torch.device("cpu")
     if os.environ.get(ALL_GPUS_ENV) == "1":
-        import ray
-
         ids = ray.get_gpu_ids()
         if not ids:
             raise RuntimeError(f"{ALL_GPUS_ENV}=1 but Ray assigned this actor no GPU (ask for num_gpus > 0)")

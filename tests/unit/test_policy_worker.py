@@ -35,7 +35,7 @@ def worker():
     ])
     w = PolicyWorker(0, 1, cfg)
     w.join_train_group(*w.host_rendezvous("train", 1, loopback=True))
-    w.attach(LegacyBatchIO())
+    w.attach(LegacyBatchIO(60.0))
     yield w, cfg
     w.shutdown()
     assert not dist.is_initialized()

@@ -3,14 +3,16 @@ token-id prompt with the log-prob of every sampled token, take weight refits ove
 stateless process group, report the weight version.
 
 ``generation.backend`` picks one: ``hf`` (:mod:`.hf`, a Hugging Face model sampled token by token
-in the generator process) or ``vllm`` (:mod:`.vllm`, a ``vllm.LLM`` engine). ``build_engine``
-imports only the backend it builds (vLLM is an optional dependency), so ``hf`` never imports vLLM.
+in the generator process) or ``vllm`` (:mod:`.vllm`, a ``vllm.LLM`` engine). vLLM itself (an
+optional dependency) is imported only by a vLLM engine's methods, so ``hf`` never imports it.
 """
 
 from __future__ import annotations
 
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import BACKENDS, GenerationEngine, Rollouts, SamplingSpec
+from algorithms.engines.generation.hf import HFEngine
+from algorithms.engines.generation.vllm import VLLMEngine
 
 __all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec", "build_engine"]
 
@@ -20,11 +22,7 @@ def build_engine(cfg: TrainerConfig) -> GenerationEngine:
     weights (``policy.model``)."""
     backend = cfg.generation.backend
     if backend == "hf":
-        from algorithms.engines.generation.hf import HFEngine
-
         return HFEngine.from_config(cfg)
     if backend == "vllm":
-        from algorithms.engines.generation.vllm import VLLMEngine
-
         return VLLMEngine.from_config(cfg)
     raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")

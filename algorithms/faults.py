@@ -90,7 +90,7 @@ def maybe_kill_store(debug: Mapping[str, Any], step: int, data_plane: Mapping[st
         return None
     import ray
 
-    from nemo_dataplane.adapters.transfer_queue import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
+    from nemo_dataplane.adapters.transfer_queue.client import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
 
     if data_plane.get("backend", "transfer_queue") != "transfer_queue":
         raise ValueError(f"debug.fail_in={debug['fail_in']} needs data_plane.backend=transfer_queue")

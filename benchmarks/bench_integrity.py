@@ -55,7 +55,7 @@ def _backend(name: str) -> Any:
         return InMemoryClient()
     import ray
 
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     if not ray.is_initialized():

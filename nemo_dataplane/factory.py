@@ -4,7 +4,7 @@ Backends are named in ``data_plane.backend``:
 
 * ``transfer_queue`` (default): the real TransferQueue on Ray (local Ray when none is running);
 * ``ray``: tensors in Ray's object store, put and read by the workers themselves, keys and tags
-  in one metadata actor (:mod:`nemo_dataplane.adapters.ray_store`);
+  in one metadata actor (:mod:`nemo_dataplane.adapters.ray_store.client`);
 * ``memory``: the in-process reference backend;
 * ``"pkg.module:ClassName"``: any :class:`DataPlaneClient` subclass. If it defines a
   ``from_config(config, bootstrap)`` classmethod that is used, else it is called with
@@ -28,8 +28,8 @@ Bootstrap = bool | Literal["auto"]
 
 _BUILTIN: dict[str, tuple[str, str]] = {
     # name -> (import path, what to install if the import fails)
-    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue:TransferQueueClient", "transferqueue==0.1.11 ray"),
-    "ray": ("nemo_dataplane.adapters.ray_store:RayStoreClient", "ray"),
+    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue.client:TransferQueueClient", "transferqueue==0.1.11 ray"),
+    "ray": ("nemo_dataplane.adapters.ray_store.client:RayStoreClient", "ray"),
     "memory": ("nemo_dataplane.adapters.memory:InMemoryClient", "nemo-dataplane"),
 }
 

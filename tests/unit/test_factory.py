@@ -84,13 +84,13 @@ def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
 
 def test_missing_optional_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate an environment without TransferQueue: the lazy import fails with an install hint.
-    monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue", None)
+    monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue.client", None)
     with pytest.raises(ImportError, match=r"backend='transfer_queue'.*pip install transferqueue==0.1.11 ray"):
         resolve_backend("transfer_queue")
 
 
 def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> None:
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
     client = build_data_plane_client({"backend": "transfer_queue"}, bootstrap=False)
     try:

@@ -120,7 +120,7 @@ class _Rank:
 
         import torch.distributed as dist
 
-        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+        from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
         from nemo_dataplane.config import TransferQueueConfig
 
         torch.set_num_threads(1)

@@ -14,8 +14,8 @@ from transfer_queue.client import AsyncTransferQueueClient
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.storage import SimpleStorageUnit
 
-from nemo_dataplane.adapters.tq_compat.claims import CLAIM_SAMPLER, ClaimSampler
-from nemo_dataplane.adapters.tq_compat.common import BACKEND, quiet_logs
+from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, ClaimSampler
+from nemo_dataplane.adapters.transfer_queue.compat.common import BACKEND, quiet_logs
 
 
 def base_config(num_storage_units: int) -> DictConfig:

@@ -22,7 +22,9 @@ from typing import Any, Literal
 
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import DataPlaneConfig
-from nemo_dataplane.observability import ObservedClient, OpEvent
+from nemo_dataplane.wrappers.capacity import CapacityGuard
+from nemo_dataplane.wrappers.integrity import IntegrityCheck
+from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 Bootstrap = bool | Literal["auto"]
 
@@ -78,10 +80,12 @@ def build_data_plane_client(
             when there is nothing to attach to.
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
 
-    With ``data_plane.max_rows`` the client is wrapped in
-    :class:`~nemo_dataplane.capacity.CapacityGuard` (a put past the capacity raises
-    ``StoreFullError``); around that, in :class:`ObservedClient` when ``observability.enabled``
-    or ``verify_integrity`` (per-row digests checked at get) is set, so a refused put is recorded.
+    Wrappers (:mod:`nemo_dataplane.wrappers`), each only when its key is set, innermost first:
+    :class:`CapacityGuard` (``max_rows``: a put past the capacity raises ``StoreFullError``),
+    :class:`IntegrityCheck` (``verify_integrity``: per-row digests sealed at put, checked at get),
+    :class:`ObservedClient` (``observability.enabled``). The observer is outermost so a put the
+    guard refuses or a get that fails its check is recorded as a failed op; the integrity check
+    sits outside the guard so a malformed put fails on its fields before the store is listed.
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
@@ -93,10 +97,9 @@ def build_data_plane_client(
     else:
         client = cls(**dict(cfg.backend_kwargs))
     if cfg.max_rows is not None:
-        from nemo_dataplane.capacity import CapacityGuard
-
         client = CapacityGuard(client, cfg.max_rows)
-    if cfg.observability.enabled or cfg.verify_integrity:
-        client = ObservedClient(client, on_event if cfg.observability.enabled else None,
-                                verify_integrity=cfg.verify_integrity)
+    if cfg.verify_integrity:
+        client = IntegrityCheck(client)
+    if cfg.observability.enabled:
+        client = ObservedClient(client, on_event)
     return client

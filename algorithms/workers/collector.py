@@ -268,7 +268,7 @@ class RolloutCollector:
         """Async put; a full store (``data_plane.max_rows``) is backpressure, not an error: wait for
         the trainer to release rows (5 ms doubling to 200 ms, counted in ``store_full_waits`` and
         idle seconds), for at most ``trainer.step_timeout_s``, then report the store full."""
-        from nemo_dataplane.capacity import StoreFullError
+        from nemo_dataplane.wrappers.capacity import StoreFullError
 
         deadline = time.monotonic() + self.timeout_s
         pause = 0.005

@@ -13,7 +13,7 @@ import torch
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.config import DataPlaneConfig
 from nemo_dataplane.factory import build_data_plane_client, resolve_backend
-from nemo_dataplane.observability import ObservedClient, OpEvent
+from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 
 class ConfiguredStore(InMemoryClient):

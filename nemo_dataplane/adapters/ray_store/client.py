@@ -271,6 +271,10 @@ class RayStoreClient(ActorBackedClient):
         _, keys, tags, fields = self._call("kv_list", pid, 0, self._index.list.remote(pid))
         return KVBatchMeta(keys=keys, tags=tags, partition_id=pid, fields=fields)
 
+    def kv_partitions(self) -> list[str]:
+        self._check_open()
+        return list(self._call("kv_partitions", "*", 0, self._index.partitions.remote()))
+
     # ---------------------------------------------------------------- claims
     def kv_claim(
         self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
@@ -300,7 +304,3 @@ class RayStoreClient(ActorBackedClient):
             "kv_claim_status", pid, 0, self._index.claim_status.remote(pid, task, names)
         )
         return ClaimStatus(pid, task, rows, produced, claimed, claimable)
-
-    def kv_partitions(self) -> list[str]:
-        self._check_open()
-        return list(self._call("kv_partitions", "*", 0, self._index.partitions.remote()))

@@ -19,8 +19,8 @@ shaped (polling mode, our sampler) is in :mod:`.compat` (quirks 8-10).
 Limits: a claim whose request is cancelled in flight (``op_timeout_s`` on a stalled controller,
 or a cancelled ``async_kv_claim``) may consume rows without returning them; a row cleared
 between the claim and the key lookup that follows it is left out of the result. Claims need a
-store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` and
-``kv_partitions`` work on any TransferQueue store.
+store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` works
+on any TransferQueue store.
 """
 
 from __future__ import annotations
@@ -131,10 +131,6 @@ class TransferQueueClaims(DataPlaneClient):
             claimable=len(produced - consumed),
         )
 
-    async def _partitions(self) -> list[str]:
-        info = await self._tq.async_kv_list(None)
-        return [p for p, keys in info.items() if keys]
-
     # ------------------------------------------------------------ API
     def kv_claim(
         self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
@@ -165,9 +161,3 @@ class TransferQueueClaims(DataPlaneClient):
     async def async_kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
         pid, task, names = self._status_args(partition_id, task, fields)
         return await self._run_async("kv_claim_status", pid, 0, self._status(pid, task, names))
-
-    def kv_partitions(self) -> list[str]:
-        return self._run("kv_partitions", "*", 0, self._partitions())
-
-    async def async_kv_partitions(self) -> list[str]:
-        return await self._run_async("kv_partitions", "*", 0, self._partitions())

@@ -287,7 +287,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         names = check_select_fields(select_fields)
         return await self._run_async("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
 
-    # ----------------------------------------------------------- clear / list
+    # --------------------------------------------------- clear / list / partitions
     async def _clear(self, keys: list[str] | None, partition_id: str) -> None:
         if keys is None:
             if partition_id in await self._tq.async_get_partition_list():
@@ -330,6 +330,17 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     async def async_kv_list(self, partition_id: str) -> KVBatchMeta:
         pid = check_partition(partition_id)
         return await self._run_async("kv_list", pid, 0, self._list(pid))
+
+    async def _partitions(self) -> list[str]:
+        info = await self._tq.async_kv_list(None)  # every partition, with its keys and tags
+        # TransferQueue keeps a partition whose keys were cleared one by one: not ours to list.
+        return [p for p, keys in info.items() if keys]
+
+    def kv_partitions(self) -> list[str]:
+        return self._run("kv_partitions", "*", 0, self._partitions())
+
+    async def async_kv_partitions(self) -> list[str]:
+        return await self._run_async("kv_partitions", "*", 0, self._partitions())
 
 
 # ---------------------------------------------------------------- helpers

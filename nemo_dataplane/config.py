@@ -49,6 +49,8 @@ class ConfigError(NemoDataplaneError, ValueError):
     """A config key is unknown, mistyped or invalid; the message names its dotted path."""
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
+# The built-in ``data_plane.backend`` names, the one list of them: the factory maps each to its
+# adapter, and code that must not import Ray or TransferQueue (trainer configs) checks against it.
 BUILTIN_BACKENDS: tuple[str, ...] = ("transfer_queue", "ray", "memory")
 PackingMode = Literal["none", "sequence", "dynamic"]
 

@@ -21,19 +21,22 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from nemo_dataplane.client import DataPlaneClient
-from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.config import BUILTIN_BACKENDS, DataPlaneConfig
 from nemo_dataplane.wrappers.capacity import CapacityGuard
 from nemo_dataplane.wrappers.integrity import IntegrityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 Bootstrap = bool | Literal["auto"]
 
-_BUILTIN: dict[str, tuple[str, str]] = {
+_ADAPTERS: dict[str, tuple[str, str]] = {
     # name -> (import path, what to install if the import fails)
     "transfer_queue": ("nemo_dataplane.adapters.transfer_queue.client:TransferQueueClient", "transferqueue==0.1.11 ray"),
     "ray": ("nemo_dataplane.adapters.ray_store.client:RayStoreClient", "ray"),
     "memory": ("nemo_dataplane.adapters.memory:InMemoryClient", "nemo-dataplane"),
 }
+# Keyed by the one list of names (config.BUILTIN_BACKENDS): a name without an adapter fails here,
+# at import, and an adapter whose name is not on the list is never reached.
+_BUILTIN: dict[str, tuple[str, str]] = {name: _ADAPTERS[name] for name in BUILTIN_BACKENDS}
 
 
 def resolve_backend(name: str) -> type[DataPlaneClient]:
@@ -46,7 +49,7 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     target, hint = _BUILTIN.get(name, (name, None))
     if ":" not in target:
         raise ValueError(
-            f"data_plane.backend={name!r} is neither a built-in backend {sorted(_BUILTIN)} "
+            f"data_plane.backend={name!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
             "nor a 'pkg.module:ClassName' path"
         )
     module_name, _, attr = target.partition(":")

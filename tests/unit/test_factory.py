@@ -82,6 +82,14 @@ def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
         build_data_plane_client({"backend": "memory"}, bootstrap="yes")  # type: ignore[arg-type]
 
 
+def test_every_builtin_backend_name_resolves_to_its_adapter() -> None:
+    from nemo_dataplane.adapters import InMemoryClient, RayStoreClient, TransferQueueClient
+    from nemo_dataplane.config import BUILTIN_BACKENDS
+
+    resolved = {name: resolve_backend(name) for name in BUILTIN_BACKENDS}
+    assert resolved == {"transfer_queue": TransferQueueClient, "ray": RayStoreClient, "memory": InMemoryClient}
+
+
 def test_missing_optional_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate an environment without TransferQueue: the lazy import fails with an install hint.
     monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue.client", None)

@@ -106,7 +106,13 @@ from nemo_dataplane.adapters.transfer_queue.compat.reads import (
     get_rows,
     read_columns,
 )
-from nemo_dataplane.adapters.transfer_queue.compat.writes import field_schema, mark_produced, put_chunk, put_rows, set_tags
+from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    field_schema,
+    mark_produced,
+    put_chunk,
+    put_rows,
+    set_tags,
+)
 
 __all__ = [
     "BACKEND",

@@ -90,7 +90,7 @@ def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig)
     if debug.fail_in not in STORE_ACTORS or debug.fail_at_step != step:
         return None
     # Only a chaos run gets here: it names the store's actors, so it needs the adapter.
-    from nemo_dataplane.adapters.transfer_queue import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
+    from nemo_dataplane.adapters.transfer_queue.client import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
 
     if data_plane.backend != "transfer_queue":
         raise ValueError(f"debug.fail_in={debug.fail_in} needs data_plane.backend=transfer_queue")

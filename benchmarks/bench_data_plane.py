@@ -120,7 +120,7 @@ class Reader:
         torch.set_num_threads(1)
         self.clients: dict[str, Any] = {}
         if "tq" in backends:
-            from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+            from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
             from nemo_dataplane.config import TransferQueueConfig
 
             self.clients["tq_adapter"] = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=False)
@@ -129,7 +129,7 @@ class Reader:
             tq.init()  # attaches to the same controller; never tq.close() here (it would kill it)
             self.tq = tq
         if "ray_store" in backends:
-            from nemo_dataplane.adapters.ray_store import RayStoreClient
+            from nemo_dataplane.adapters.ray_store.client import RayStoreClient
             from nemo_dataplane.config import RayStoreConfig
 
             for method, zc in (("ray_store", False), ("ray_store_zc_reads", True)):
@@ -309,7 +309,7 @@ def _tiny_store(method: str, client: Any, reader: Any, repeats: int) -> tuple[fl
 
 
 def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.adapters.ray_store.client import RayStoreClient
     from nemo_dataplane.config import RayStoreConfig
 
     client = RayStoreClient(RayStoreConfig(op_timeout_s=120), bootstrap=True, actor_name=STORE_ACTOR)
@@ -331,7 +331,7 @@ def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple
 
 
 def bench_tq(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=True)
@@ -377,9 +377,9 @@ ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=Fal
 ray_s = time.perf_counter() - t
 t0 = time.perf_counter()
 if sys.argv[1] == "ray":
-    from nemo_dataplane.adapters.ray_store import RayStoreClient as C
+    from nemo_dataplane.adapters.ray_store.client import RayStoreClient as C
 else:
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient as C
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient as C
 t1 = time.perf_counter()
 client = C(None, bootstrap=True)
 t2 = time.perf_counter()

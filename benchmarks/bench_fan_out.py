@@ -52,7 +52,7 @@ class RankActor:
     """One simulated DP rank: attaches to the store, fetches or receives its shard, acks."""
 
     def __init__(self) -> None:
-        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+        from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
         from nemo_dataplane.worker.fetch import WorkerFetcher
 
         torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
 
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
     load_start = os.getloadavg()[0]
     t_boot = time.perf_counter()

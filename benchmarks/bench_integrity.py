@@ -3,7 +3,7 @@
 Batch as in ``bench_data_plane.py``: ``input_ids`` int64 and ``logprobs`` float32, 1024 tokens
 per sample (dense ``[B, 1024]`` or jagged, lengths 512..1536), one float32 reward; B = 1024
 (12.6 MB). One timed transfer = ``kv_batch_put`` of the batch + ``kv_batch_get`` of every field
-by its meta, through :class:`ObservedClient` with ``verify_integrity`` off and on, on the
+by its meta, through :class:`ObservedClient` without and with :class:`IntegrityCheck`, on the
 in-process ``memory`` backend (where hashing is the largest share) and on the real TransferQueue
 backend (local Ray). Off and on alternate repeat by repeat, so both see the same machine load;
 the ratio on/off of the medians is the cost.
@@ -27,7 +27,8 @@ os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 from nemo_dataplane.codec import batch_nbytes  # noqa: E402
-from nemo_dataplane.observability import ObservedClient  # noqa: E402
+from nemo_dataplane.wrappers.integrity import IntegrityCheck  # noqa: E402
+from nemo_dataplane.wrappers.observed import ObservedClient  # noqa: E402
 
 TOKENS = 1024
 FIELDS = ["input_ids", "logprobs", "reward"]
@@ -55,7 +56,7 @@ def _backend(name: str) -> Any:
         return InMemoryClient()
     import ray
 
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     if not ray.is_initialized():
@@ -82,7 +83,7 @@ def main() -> None:
     results = []
     for backend in args.backends:
         raw = _backend(backend)
-        clients = {"off": ObservedClient(raw), "on": ObservedClient(raw, verify_integrity=True)}
+        clients = {"off": ObservedClient(raw), "on": ObservedClient(IntegrityCheck(raw))}
         for layout in ("dense", "jagged"):
             batch = make_batch(args.rows, layout)
             times: dict[str, list[float]] = {"off": [], "on": []}

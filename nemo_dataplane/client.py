@@ -37,7 +37,8 @@ class DataIntegrityError(DataPlaneError):
 
 
 class ClaimsNotSupported(NemoDataplaneError, NotImplementedError):
-    """The backend implements the by-key contract but not task-mediated claims."""
+    """The backend implements the by-key contract (``kv_partitions`` included) but not
+    task-mediated claims."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class DataPlaneClient(ABC):
       layout it was put with. ``select_fields`` is always explicit: nothing fetches every field.
     * A missing key or field raises ``KeyError`` naming what is missing; nothing is dropped.
     * ``kv_clear`` of absent keys or an unknown partition is a no-op.
+    * A partition exists while it holds at least one key: ``kv_partitions`` lists exactly those.
 
     Sync methods may be called from any thread; the ``async_`` twins may be gathered
     concurrently on one event loop.
@@ -122,6 +124,14 @@ class DataPlaneClient(ABC):
         """Every key in ``partition_id`` in insertion order, with tags; ``fields`` lists the
         fields stored for every one of them. An unknown partition gives an empty meta."""
 
+    @abstractmethod
+    def kv_partitions(self) -> list[str]:
+        """Every partition holding at least one key, store-wide (whoever wrote it), each once,
+        in no particular order. A partition appears with its first key (a tags-only put counts)
+        and is gone once its last key is cleared; reads, lists, clears and claims of an unknown
+        partition never create it. With ``kv_list`` this is how a driver finds what a step left
+        in the store, and how a capacity is counted."""
+
     # ------------------------------------------------------ task-mediated claims
     # Streaming consumers (async GRPO's trainer) take rows as producers finish them. A claim is
     # per (partition, task, key): each task sees every produced row at most once, across all
@@ -164,10 +174,6 @@ class DataPlaneClient(ABC):
         """How many rows of ``partition_id`` exist, are produced for ``fields`` and are claimed by
         ``task``. An unknown partition gives all zeros."""
         raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_claim_status")
-
-    def kv_partitions(self) -> list[str]:
-        """Every partition holding at least one key (a store-wide listing for leak checks)."""
-        raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_partitions")
 
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -215,6 +221,10 @@ class DataPlaneClient(ABC):
         """Async twin of :meth:`kv_list`."""
         return await asyncio.to_thread(self.kv_list, partition_id)
 
+    async def async_kv_partitions(self) -> list[str]:
+        """Async twin of :meth:`kv_partitions`."""
+        return await asyncio.to_thread(self.kv_partitions)
+
     async def async_kv_claim(
         self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
     ) -> KVBatchMeta:
@@ -228,10 +238,6 @@ class DataPlaneClient(ABC):
     async def async_kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
         """Async twin of :meth:`kv_claim_status`."""
         return await asyncio.to_thread(self.kv_claim_status, partition_id, task, fields)
-
-    async def async_kv_partitions(self) -> list[str]:
-        """Async twin of :meth:`kv_partitions`."""
-        return await asyncio.to_thread(self.kv_partitions)
 
 
 # ---------------------------------------------------------------- argument checks

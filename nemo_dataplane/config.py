@@ -75,6 +75,8 @@ def require_positive(section: Any, *names: str, allow_zero: bool = False) -> Non
             raise FieldError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
+# The built-in ``data_plane.backend`` names, the one list of them: the factory maps each to its
+# adapter, and code that must not import Ray or TransferQueue (trainer configs) checks against it.
 BUILTIN_BACKENDS: tuple[str, ...] = ("transfer_queue", "ray", "memory")
 PackingMode = Literal["none", "sequence", "dynamic"]
 
@@ -136,7 +138,7 @@ class RayStoreConfig:
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    """Whether the factory wraps the client in :class:`~nemo_dataplane.observability.ObservedClient`."""
+    """Whether the factory wraps the client in :class:`~nemo_dataplane.wrappers.observed.ObservedClient`."""
 
     enabled: bool = False
 
@@ -183,14 +185,14 @@ class DataPlaneConfig:
     backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
     fetch_policy: FetchPolicy = "auto"
     column_max_bytes_per_sample: int = 64
-    # Per-row digests recorded at put, checked at get (nemo_dataplane.integrity); off: no cost.
+    # Per-row digests recorded at put, checked at get (nemo_dataplane.wrappers.integrity); off: no cost.
     verify_integrity: bool = False
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     packing: PackingConfig = field(default_factory=_default_packing)
     # Capacity in keys (rows), every partition together; None: unbounded. Enforced for every
-    # backend by nemo_dataplane.capacity.CapacityGuard (the factory wraps the client with it).
+    # backend by nemo_dataplane.wrappers.capacity.CapacityGuard (the factory wraps the client with it).
     max_rows: int | None = None
 
     def __post_init__(self) -> None:

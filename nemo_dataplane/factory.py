@@ -4,7 +4,7 @@ Backends are named in ``data_plane.backend``:
 
 * ``transfer_queue`` (default): the real TransferQueue on Ray (local Ray when none is running);
 * ``ray``: tensors in Ray's object store, put and read by the workers themselves, keys and tags
-  in one metadata actor (:mod:`nemo_dataplane.adapters.ray_store`);
+  in one metadata actor (:mod:`nemo_dataplane.adapters.ray_store.client`);
 * ``memory``: the in-process reference backend;
 * ``"pkg.module:ClassName"``: any :class:`DataPlaneClient` subclass. If it defines a
   ``from_config(config, bootstrap)`` classmethod that is used, else it is called with
@@ -21,17 +21,22 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from nemo_dataplane.client import DataPlaneClient
-from nemo_dataplane.config import DataPlaneConfig
-from nemo_dataplane.observability import ObservedClient, OpEvent
+from nemo_dataplane.config import BUILTIN_BACKENDS, DataPlaneConfig
+from nemo_dataplane.wrappers.capacity import CapacityGuard
+from nemo_dataplane.wrappers.integrity import IntegrityCheck
+from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 Bootstrap = bool | Literal["auto"]
 
-_BUILTIN: dict[str, tuple[str, str]] = {
+_ADAPTERS: dict[str, tuple[str, str]] = {
     # name -> (import path, what to install if the import fails)
-    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue:TransferQueueClient", "transferqueue==0.1.11 ray"),
-    "ray": ("nemo_dataplane.adapters.ray_store:RayStoreClient", "ray"),
+    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue.client:TransferQueueClient", "transferqueue==0.1.11 ray"),
+    "ray": ("nemo_dataplane.adapters.ray_store.client:RayStoreClient", "ray"),
     "memory": ("nemo_dataplane.adapters.memory:InMemoryClient", "nemo-dataplane"),
 }
+# Keyed by the one list of names (config.BUILTIN_BACKENDS): a name without an adapter fails here,
+# at import, and an adapter whose name is not on the list is never reached.
+_BUILTIN: dict[str, tuple[str, str]] = {name: _ADAPTERS[name] for name in BUILTIN_BACKENDS}
 
 
 def resolve_backend(name: str) -> type[DataPlaneClient]:
@@ -44,7 +49,7 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     target, hint = _BUILTIN.get(name, (name, None))
     if ":" not in target:
         raise ValueError(
-            f"data_plane.backend={name!r} is neither a built-in backend {sorted(_BUILTIN)} "
+            f"data_plane.backend={name!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
             "nor a 'pkg.module:ClassName' path"
         )
     module_name, _, attr = target.partition(":")
@@ -78,10 +83,12 @@ def build_data_plane_client(
             when there is nothing to attach to.
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
 
-    With ``data_plane.max_rows`` the client is wrapped in
-    :class:`~nemo_dataplane.capacity.CapacityGuard` (a put past the capacity raises
-    ``StoreFullError``); around that, in :class:`ObservedClient` when ``observability.enabled``
-    or ``verify_integrity`` (per-row digests checked at get) is set, so a refused put is recorded.
+    Wrappers (:mod:`nemo_dataplane.wrappers`), each only when its key is set, innermost first:
+    :class:`CapacityGuard` (``max_rows``: a put past the capacity raises ``StoreFullError``),
+    :class:`IntegrityCheck` (``verify_integrity``: per-row digests sealed at put, checked at get),
+    :class:`ObservedClient` (``observability.enabled``). The observer is outermost so a put the
+    guard refuses or a get that fails its check is recorded as a failed op; the integrity check
+    sits outside the guard so a malformed put fails on its fields before the store is listed.
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
@@ -93,10 +100,9 @@ def build_data_plane_client(
     else:
         client = cls(**dict(cfg.backend_kwargs))
     if cfg.max_rows is not None:
-        from nemo_dataplane.capacity import CapacityGuard
-
         client = CapacityGuard(client, cfg.max_rows)
-    if cfg.observability.enabled or cfg.verify_integrity:
-        client = ObservedClient(client, on_event if cfg.observability.enabled else None,
-                                verify_integrity=cfg.verify_integrity)
+    if cfg.verify_integrity:
+        client = IntegrityCheck(client)
+    if cfg.observability.enabled:
+        client = ObservedClient(client, on_event)
     return client

@@ -61,7 +61,7 @@ def ray_session() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def tq_client(ray_session: Any) -> Iterator[Any]:
     """A real TransferQueue store (1 storage unit, fractional CPUs) shared by the session."""
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     client = TransferQueueClient(
@@ -75,7 +75,7 @@ def tq_client(ray_session: Any) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def ray_store_client(ray_session: Any) -> Iterator[Any]:
     """A Ray object-store backend (metadata actor under its default name) shared by the session."""
-    from nemo_dataplane.adapters.ray_store import RayStoreClient
+    from nemo_dataplane.adapters.ray_store.client import RayStoreClient
     from nemo_dataplane.config import RayStoreConfig
 
     client = RayStoreClient(RayStoreConfig(bootstrap_timeout_s=60, op_timeout_s=60), bootstrap=True)

@@ -24,7 +24,7 @@ DATA_PLANE_MODULES: tuple[str, ...] = (
     "transfer_queue",
     "nemo_dataplane.client",
     "nemo_dataplane.factory",
-    "nemo_dataplane.observability",
+    "nemo_dataplane.wrappers",
     "nemo_dataplane.adapters",
     "nemo_dataplane.driver.fan_out",
     "nemo_dataplane.driver.columns",

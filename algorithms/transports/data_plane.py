@@ -35,7 +35,7 @@ from algorithms.rollouts import (
     rollout_keys,
 )
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
-from nemo_dataplane.capacity import StoreFullError
+from nemo_dataplane.wrappers.capacity import StoreFullError
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import DataPlaneConfig
 from nemo_dataplane.driver.columns import write_columns

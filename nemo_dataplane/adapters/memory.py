@@ -158,6 +158,11 @@ class InMemoryClient(DataPlaneClient):
                 fields=_common_fields(rows),
             )
 
+    def kv_partitions(self) -> list[str]:
+        self._check_open()
+        with self._lock:
+            return [p for p, rows in self._partitions.items() if rows]
+
     # ------------------------------------------------------------ claims
     def _claimable(self, partition_id: str, task: str, names: list[str], limit: int) -> list[str]:
         """Up to ``limit`` keys, oldest first, with every field in ``names`` and not claimed by
@@ -227,11 +232,6 @@ class InMemoryClient(DataPlaneClient):
                 claimed=len(claimed),
                 claimable=sum(1 for k in produced if k not in claimed),
             )
-
-    def kv_partitions(self) -> list[str]:
-        self._check_open()
-        with self._lock:
-            return [p for p, rows in self._partitions.items() if rows]
 
     def close(self) -> None:
         with self._lock:

@@ -3,9 +3,10 @@
 :class:`ClaimConformance` is a base of :class:`~nemo_dataplane.testing.conformance.DataPlaneConformance`,
 so every backend that runs the suite runs these too, against the same ``client`` and ``pid``
 fixtures. A backend without claims sets ``supports_claims = False`` on its test class: the claim
-tests are then skipped, and one test checks that ``kv_claim``, ``kv_mark_consumed``,
-``kv_claim_status`` and ``kv_partitions`` raise :class:`~nemo_dataplane.client.ClaimsNotSupported`
-(the ABC's defaults) instead of half-working. The cross-process claim test lives with the other
+tests are then skipped, and one test checks that ``kv_claim``, ``kv_mark_consumed`` and
+``kv_claim_status`` raise :class:`~nemo_dataplane.client.ClaimsNotSupported` (the ABC's defaults)
+instead of half-working. ``kv_partitions`` is part of the by-key contract, tested for every
+backend in ``conformance.py``. The cross-process claim test lives with the other
 cross-process test in ``conformance.py``.
 
 Waits are short (at most about a second each) and asserted loosely: a claim that times out
@@ -57,8 +58,6 @@ class ClaimConformance:
             client.kv_mark_consumed(["k"], pid, "t")
         with pytest.raises(ClaimsNotSupported):
             client.kv_claim_status(pid, "t", ["x"])
-        with pytest.raises(ClaimsNotSupported):
-            client.kv_partitions()
 
     # ------------------------------------------------------------- what is claimed
     def test_claim_returns_only_rows_whose_named_fields_are_stored(self, claims: tuple[DataPlaneClient, str]) -> None:
@@ -250,22 +249,6 @@ class ClaimConformance:
             client.kv_claim_status(pid, "", ["x"])
         with pytest.raises(ValueError):
             client.kv_claim_status(pid, "t", [])
-
-    # ------------------------------------------------------------------ listing
-    def test_partitions_lists_those_holding_keys(self, claims: tuple[DataPlaneClient, str]) -> None:
-        client, pid = claims
-        other = f"{pid}-b"
-        try:
-            client.kv_batch_put(["k0"], pid, {"x": torch.zeros(1)})
-            client.kv_batch_put(["k0", "k1"], other, None, tags=[{}, {}])  # tags-only keys count
-            parts = client.kv_partitions()
-            assert pid in parts and other in parts and len(parts) == len(set(parts))
-            client.kv_clear(["k0", "k1"], other)  # emptied key by key
-            client.kv_clear(None, pid)
-            parts = client.kv_partitions()
-            assert pid not in parts and other not in parts
-        finally:
-            client.kv_clear(None, other)
 
     # -------------------------------------------------------------------- async
     def test_async_claim_twins(self, claims: tuple[DataPlaneClient, str]) -> None:

@@ -256,6 +256,46 @@ class DataPlaneConformance(ClaimConformance):
         finally:
             client.kv_clear(None, other)
 
+    # -------------------------------------------------------------- partitions
+    def test_partitions_lists_exactly_the_partitions_holding_keys(self, client: DataPlaneClient, pid: str) -> None:
+        a, b, ghost = pid, f"{pid}-b", f"{pid}-ghost"
+
+        def mine() -> list[str]:
+            # The store may be shared with other tests: judge only this test's partitions.
+            listed = client.kv_partitions()
+            assert len(listed) == len(set(listed)), f"a partition is listed twice: {sorted(listed)}"
+            return sorted(p for p in listed if p.startswith(pid))
+
+        try:
+            assert mine() == []
+            client.kv_batch_put(["k0", "k1"], a, {"x": torch.zeros(2)})
+            assert mine() == [a]
+            client.kv_batch_put(["t0", "t1"], b, None, tags=[{}, {"only": "tags"}])  # keys without fields count
+            assert mine() == [a, b]
+            # Reads, lists, clears and refused puts of an unknown partition do not create it.
+            with pytest.raises(KeyError):
+                client.kv_batch_get(["k"], ["x"], partition_id=ghost)
+            client.kv_list(ghost)
+            client.kv_clear(None, ghost)
+            client.kv_clear(["k"], ghost)
+            with pytest.raises(ValueError):
+                client.kv_batch_put(["k", "k"], ghost, {"x": torch.zeros(2)})
+            assert mine() == [a, b]
+            client.kv_clear(["k0", "nope"], a)
+            assert mine() == [a, b]  # one key left
+            client.kv_clear(["k1"], a)  # its last key, cleared by name
+            assert mine() == [b]
+            client.kv_clear(["t0", "t1"], b)  # emptied key by key in one call
+            assert mine() == []
+            client.kv_batch_put(["k0"], a, {"x": torch.ones(1)})  # a new key brings it back
+            assert mine() == [a]
+            assert asyncio.run(client.async_kv_partitions()).count(a) == 1
+            client.kv_clear(None, a)
+            assert mine() == []
+        finally:
+            for p in (b, ghost):
+                client.kv_clear(None, p)
+
     # ----------------------------------------------------------------- errors
     def test_missing_keys_raise_key_error_naming_them(self, client: DataPlaneClient, pid: str) -> None:
         client.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)})
@@ -362,8 +402,9 @@ class DataPlaneConformance(ClaimConformance):
             got = _from_wire(ray.get(reader.get.remote(meta.reorder([2, 0, 1]), ["ids", "logp"]), timeout=120))
             assert_same_field("ids", got["ids"], _rows(fields["ids"], [2, 0, 1]))
             assert_same_field("logp", got["logp"], fields["logp"][[2, 0, 1]])
-            # and the driver-side client sees the same store
+            # and the driver-side client sees the same store, the partition included
             assert client.kv_list(pid).keys == tuple(_keys(3))
+            assert pid in client.kv_partitions()
         finally:
             # Both actors are killed even when a close fails or times out.
             try:

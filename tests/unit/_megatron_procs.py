@@ -146,7 +146,7 @@ def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict
     from megatron.core import parallel_state as ps
     from nemo_dataplane.adapters.memory import InMemoryClient
     from nemo_dataplane.codec import jagged_from_rows
-    from nemo_dataplane.observability import ObservedClient
+    from nemo_dataplane.wrappers.observed import ObservedClient
     from nemo_dataplane.worker.fetch import WorkerFetcher
 
     dev = _mcore_world(rank, world, port, 2)

@@ -158,7 +158,7 @@ def test_the_library_never_imports_the_trainers() -> None:
 
 
 def test_lower_layers_do_not_import_upper_ones() -> None:
-    # meta/codec/config < client < adapters < observability < factory < driver/worker
+    # meta/codec/config < client < adapters < wrappers < factory < driver/worker
     upper = {
         "nemo_dataplane/meta.py": ("nemo_dataplane.client", "nemo_dataplane.adapters", "nemo_dataplane.factory",
                                    "nemo_dataplane.driver", "nemo_dataplane.worker"),
@@ -167,7 +167,7 @@ def test_lower_layers_do_not_import_upper_ones() -> None:
         "nemo_dataplane/config.py": ("nemo_dataplane.client", "nemo_dataplane.adapters", "nemo_dataplane.factory",
                                      "nemo_dataplane.driver", "nemo_dataplane.worker"),
         "nemo_dataplane/client.py": ("nemo_dataplane.adapters", "nemo_dataplane.factory", "nemo_dataplane.driver",
-                                     "nemo_dataplane.worker", "nemo_dataplane.observability"),
+                                     "nemo_dataplane.worker", "nemo_dataplane.wrappers"),
     }
     bad = []
     for path, banned in upper.items():

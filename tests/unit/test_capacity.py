@@ -1,4 +1,4 @@
-"""nemo_dataplane.capacity: ``data_plane.max_rows`` for every backend; a put past it raises
+"""nemo_dataplane.wrappers.capacity: ``data_plane.max_rows`` for every backend; a put past it raises
 StoreFullError naming the key and writes nothing; rows of other writers count."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from nemo_dataplane.capacity import CapacityGuard, StoreFullError
+from nemo_dataplane.wrappers.capacity import CapacityGuard, StoreFullError
 
 
 def _rows(n: int) -> dict:

@@ -10,7 +10,7 @@ from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.driver.columns import read_columns, write_columns
 from nemo_dataplane.meta import KVBatchMeta
-from nemo_dataplane.observability import ObservedClient
+from nemo_dataplane.wrappers.observed import ObservedClient
 
 
 

@@ -32,7 +32,6 @@ class _ByKeyOnly(InMemoryClient):
     kv_claim = DataPlaneClient.kv_claim  # type: ignore[assignment]
     kv_mark_consumed = DataPlaneClient.kv_mark_consumed  # type: ignore[assignment]
     kv_claim_status = DataPlaneClient.kv_claim_status  # type: ignore[assignment]
-    kv_partitions = DataPlaneClient.kv_partitions  # type: ignore[assignment]
 
 
 class TestByKeyOnlyConformance(DataPlaneConformance):

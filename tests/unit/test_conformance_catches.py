@@ -1,6 +1,6 @@
 """The conformance suite catches a backend that breaks the contract, naming the clause.
 
-Three backends, each the reference store with one clause broken, run through the real suite
+Four backends, each the reference store with one clause broken, run through the real suite
 (nemo_dataplane.testing.conformance) in a pytest subprocess next to the unbroken reference:
 each fails the test that states its clause (and the unbroken reference passes), with a message
 naming what differs. The suites get pytest's assertion rewriting (nemo_dataplane.testing).
@@ -57,6 +57,18 @@ BROKEN = textwrap.dedent('''
             return TensorDict({f: torch.zeros(len(keys)) for f in select_fields}, batch_size=[len(keys)])
 
 
+    class PartitionsNeverForget(InMemoryClient):
+        """kv_partitions lists every partition ever written to, emptied ones too."""
+
+        def kv_batch_put(self, keys, partition_id, fields, tags=None):
+            meta = super().kv_batch_put(keys, partition_id, fields, tags)
+            self.__dict__.setdefault("seen", []).append(partition_id)
+            return meta
+
+        def kv_partitions(self):
+            return list(dict.fromkeys(self.__dict__.get("seen", [])))
+
+
     def _suite(cls):
         class Suite(DataPlaneConformance):
             @pytest.fixture
@@ -72,10 +84,11 @@ BROKEN = textwrap.dedent('''
     TestSorted = _suite(Sorted)
     TestClearKeepsKeys = _suite(ClearKeepsKeys)
     TestMissingIsZero = _suite(MissingIsZero)
+    TestPartitionsNeverForget = _suite(PartitionsNeverForget)
 ''')
 
 CLAUSES = ("test_rows_come_back_in_the_order_asked", "test_list_clear_semantics",
-           "test_missing_keys_raise_key_error_naming_them")
+           "test_missing_keys_raise_key_error_naming_them", "test_partitions_lists_exactly_the_partitions_holding_keys")
 
 
 def test_each_broken_clause_fails_the_test_stating_it_with_a_message_naming_what_differs(tmp_path: Path) -> None:
@@ -101,6 +114,9 @@ def test_each_broken_clause_fails_the_test_stating_it_with_a_message_naming_what
     assert "('c', 'a', 'b', 'd')" in clear_fail, out[-4000:]
     assert failed.keys() >= {"TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"}, out[-4000:]
     assert "DID NOT RAISE" in failed["TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"]
+    never_forget = failed.get("TestPartitionsNeverForget::test_partitions_lists_exactly_the_partitions_holding_keys", "")
+    assert "-b'] == ['conf-" in never_forget, out[-4000:]  # still lists the emptied partition next to b
+    assert "TestPartitionsNeverForget::test_list_clear_semantics" in passed
     # A clause a backend did not break still passes for it.
     assert "TestClearKeepsKeys::test_rows_come_back_in_the_order_asked" in passed
     assert "TestSorted::test_missing_keys_raise_key_error_naming_them" in passed

@@ -13,7 +13,7 @@ import torch
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.config import DataPlaneConfig
 from nemo_dataplane.factory import build_data_plane_client, resolve_backend
-from nemo_dataplane.observability import ObservedClient, OpEvent
+from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 
 class ConfiguredStore(InMemoryClient):
@@ -82,15 +82,23 @@ def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
         build_data_plane_client({"backend": "memory"}, bootstrap="yes")  # type: ignore[arg-type]
 
 
+def test_every_builtin_backend_name_resolves_to_its_adapter() -> None:
+    from nemo_dataplane.adapters import InMemoryClient, RayStoreClient, TransferQueueClient
+    from nemo_dataplane.config import BUILTIN_BACKENDS
+
+    resolved = {name: resolve_backend(name) for name in BUILTIN_BACKENDS}
+    assert resolved == {"transfer_queue": TransferQueueClient, "ray": RayStoreClient, "memory": InMemoryClient}
+
+
 def test_missing_optional_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate an environment without TransferQueue: the lazy import fails with an install hint.
-    monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue", None)
+    monkeypatch.setitem(sys.modules, "nemo_dataplane.adapters.transfer_queue.client", None)
     with pytest.raises(ImportError, match=r"backend='transfer_queue'.*pip install transferqueue==0.1.11 ray"):
         resolve_backend("transfer_queue")
 
 
 def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> None:
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
     client = build_data_plane_client({"backend": "transfer_queue"}, bootstrap=False)
     try:

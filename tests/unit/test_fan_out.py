@@ -19,7 +19,7 @@ from nemo_dataplane.driver.fan_out import async_fan_out_per_rank_metas, fan_out_
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
 from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
-from nemo_dataplane.observability import ObservedClient
+from nemo_dataplane.wrappers.observed import ObservedClient
 
 SEQ = PackingConfig(mode="sequence", max_tokens_per_microbatch=96)
 

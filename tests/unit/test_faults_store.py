@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _store(name: str) -> Any:
-    from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
     # No CPUs reserved: the session cluster's 2 CPUs are shared with its own store.
@@ -32,7 +32,7 @@ def _store(name: str) -> Any:
 @pytest.mark.parametrize("point, named", [("store_unit", "TransferQueue storage unit"),
                                           ("store_controller", "TransferQueue controller")])
 def test_a_killed_store_actor_fails_the_next_op_naming_it_within_the_bound(point: str, named: str, tmp_path) -> None:
-    from nemo_dataplane.adapters.transfer_queue import LIVENESS_EVERY_S, LIVENESS_PING_S, StoreLostError
+    from nemo_dataplane.adapters.transfer_queue.client import LIVENESS_EVERY_S, LIVENESS_PING_S, StoreLostError
 
     name = f"chaos_{point}_{uuid.uuid4().hex[:6]}"
     client = _store(name)

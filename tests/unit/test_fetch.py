@@ -25,7 +25,7 @@ from nemo_dataplane.driver.fan_out import fan_out_per_rank_metas
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
 from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
-from nemo_dataplane.observability import ObservedClient
+from nemo_dataplane.wrappers.observed import ObservedClient
 from nemo_dataplane.worker.fetch import WorkerFetcher
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -120,7 +120,7 @@ class _Rank:
 
         import torch.distributed as dist
 
-        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+        from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
         from nemo_dataplane.config import TransferQueueConfig
 
         torch.set_num_threads(1)

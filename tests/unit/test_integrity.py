@@ -16,8 +16,7 @@ import torch
 from nemo_dataplane.client import DataIntegrityError, DataPlaneError
 from nemo_dataplane.codec import jagged_from_rows
 from nemo_dataplane.factory import build_data_plane_client
-from nemo_dataplane.integrity import TAG_PREFIX, row_digests
-from nemo_dataplane.observability import ObservedClient
+from nemo_dataplane.wrappers.integrity import TAG_PREFIX, IntegrityCheck, row_digests
 
 
 @pytest.fixture(params=["memory", "transfer_queue", "ray"])
@@ -49,7 +48,7 @@ def test_digests_cover_dtype_shape_and_bytes() -> None:
 
 
 def test_uncorrupted_round_trips_pass_and_a_corrupted_row_names_key_and_field(raw: Any) -> None:
-    client = ObservedClient(raw, verify_integrity=True)
+    client = IntegrityCheck(raw)
     pid = f"integrity-{uuid.uuid4().hex[:8]}"
     keys = [f"k{i}" for i in range(6)]
     fields = _fields(6)
@@ -91,7 +90,7 @@ def test_uncorrupted_round_trips_pass_and_a_corrupted_row_names_key_and_field(ra
 
 
 def test_a_row_written_without_digests_is_refused(raw: Any) -> None:
-    client = ObservedClient(raw, verify_integrity=True)
+    client = IntegrityCheck(raw)
     pid = f"integrity-{uuid.uuid4().hex[:8]}"
     try:
         meta = raw.kv_batch_put(["a", "b"], pid, {"x": torch.arange(2)})
@@ -103,8 +102,8 @@ def test_a_row_written_without_digests_is_refused(raw: Any) -> None:
 
 def test_the_factory_wraps_when_the_key_is_on() -> None:
     on = build_data_plane_client({"backend": "memory", "verify_integrity": True})
-    assert isinstance(on, ObservedClient) and on.verify_integrity
+    assert isinstance(on, IntegrityCheck)
     off = build_data_plane_client({"backend": "memory"})
-    assert not isinstance(off, ObservedClient)
+    assert not isinstance(off, IntegrityCheck)
     meta = on.kv_batch_put(["a"], "p", {"x": torch.ones(1, 2)})
     assert meta.tags[0][TAG_PREFIX + "x"] == row_digests(torch.ones(1, 2))[0]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.adapters.ray_store import RayStoreClient
-from nemo_dataplane.adapters.ray_store_actors import StoreIndex
+from nemo_dataplane.adapters.ray_store.client import RayStoreClient
+from nemo_dataplane.adapters.ray_store.actors import StoreIndex
 from nemo_dataplane.client import DataPlaneError
 from nemo_dataplane.config import RayStoreConfig
 from nemo_dataplane.factory import build_data_plane_client
@@ -197,7 +197,7 @@ def test_scattered_reads_across_puts_match_the_reference(ray_store_client: RaySt
 
 def test_a_failed_write_leaves_no_keys_and_no_lock(ray_store_client: RayStoreClient, pid: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import nemo_dataplane.adapters.ray_store as rs
+    import nemo_dataplane.adapters.ray_store.client as rs
 
     def full(*_: Any, **__: Any) -> Any:
         raise MemoryError("object store full")

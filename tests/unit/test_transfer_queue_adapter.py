@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_dataplane.adapters import tq_compat
-from nemo_dataplane.adapters.transfer_queue import LAYOUT_TAG, TransferQueueClient, auto_storage_units
+from nemo_dataplane.adapters.transfer_queue import compat as tq_compat
+from nemo_dataplane.adapters.transfer_queue.client import LAYOUT_TAG, TransferQueueClient, auto_storage_units
 from nemo_dataplane.client import ClaimsNotSupported, ClaimStatus, DataPlaneError
 from nemo_dataplane.config import TransferQueueConfig
 from nemo_dataplane.testing.conformance import assert_same_field, jagged
@@ -162,7 +162,7 @@ def test_survives_a_ray_restart_in_one_process() -> None:
     script = textwrap.dedent(
         """
         import ray, torch
-        from nemo_dataplane.adapters.transfer_queue import TransferQueueClient
+        from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
         from nemo_dataplane.config import TransferQueueConfig
         cfg = TransferQueueConfig(op_timeout_s=60)
         for round in range(2):

@@ -1,5 +1,5 @@
 """Claims on TransferQueue's own bookkeeping (quirks 8-10): the sampler that runs inside the
-controller, and the requests that drive it. The adapter half is :mod:`..tq_claims`."""
+controller, and the requests that drive it. The adapter half is :mod:`..claims`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transfer_queue.utils.zmq_utils import ZMQRequestType
 
 # The marker base_config records in the controller's config (and claims_unsupported checks); the
 # package re-exports the class under this name.
-CLAIM_SAMPLER = "nemo_dataplane.adapters.tq_compat.ClaimSampler"
+CLAIM_SAMPLER = "nemo_dataplane.adapters.transfer_queue.compat.ClaimSampler"
 
 
 class ClaimSampler(SequentialSampler):

@@ -1,4 +1,4 @@
-"""The actors behind the Ray object-store backend (:mod:`nemo_dataplane.adapters.ray_store`).
+"""The actors behind the Ray object-store backend (:mod:`nemo_dataplane.adapters.ray_store.client`).
 
 * :class:`StoreIndex`, the named metadata actor: partitions -> keys -> tags and, per field, the
   object (a "chunk": fields of one put) and row that holds the key's value. It holds object
@@ -12,7 +12,7 @@ This module imports neither torch nor the client on purpose: both actors start i
 worker, and importing torch there would add seconds to the store's start-up. Chunks travel as
 numpy arrays (Ray hands those over out of band, straight from shared memory).
 
-Rows are kept as columns (:class:`~.ray_store_table.Partition`), so a put or a read of
+Rows are kept as columns (:class:`~.table.Partition`), so a put or a read of
 thousands of keys costs one dict lookup per key and a few vector operations.
 
 Put protocol (two messages, one round trip on the writer's critical path): ``begin`` checks
@@ -36,7 +36,7 @@ import numpy as np
 import ray
 
 from nemo_dataplane.adapters.locate import where_of
-from nemo_dataplane.adapters.ray_store_table import Partition
+from nemo_dataplane.adapters.ray_store.table import Partition
 
 # Errors cross the actor boundary as ("error", kind, message) replies rather than raised
 # exceptions: a raised one costs a traceback per call and arrives wrapped in RayTaskError.

@@ -17,11 +17,11 @@ Data path: writes use TransferQueue's own ZMQ protocol (dense fields one frame p
 storage unit; jagged fields too, cut into rows inside the unit). Reads ask each storage unit for
 one contiguous buffer per field through the Ray object store instead of TransferQueue's one
 frame per row; stores whose units we cannot address (made by ``tq.init()``) fall back to the
-per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.tq_compat`.
+per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.compat`.
 
 Claims (``kv_claim`` and friends) ride on TransferQueue's own production/consumption
-bookkeeping; see :mod:`.tq_claims`. Bootstrap, lifecycle and the bounded op plumbing (timeouts,
-the liveness watch that raises :class:`StoreLostError`) are :mod:`.tq_store`'s.
+bookkeeping; see :mod:`.claims`. Bootstrap, lifecycle and the bounded op plumbing (timeouts,
+the liveness watch that raises :class:`StoreLostError`) are :mod:`.store`'s.
 
 Why not ``transfer_queue.init()/kv_*``: those keep the client, controller and storage handles
 in module globals that go stale after ``ray.shutdown()`` (a second ``init`` in the same process
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.adapters.actor_store import Bootstrap
-from nemo_dataplane.adapters.tq_claims import TransferQueueClaims
-from nemo_dataplane.adapters.tq_store import (
+from nemo_dataplane.adapters.transfer_queue.claims import TransferQueueClaims
+from nemo_dataplane.adapters.transfer_queue.store import (
     LIVENESS_EVERY_S,
     LIVENESS_PING_S,
     StoreLostError,
@@ -287,7 +287,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         names = check_select_fields(select_fields)
         return await self._run_async("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
 
-    # ----------------------------------------------------------- clear / list
+    # --------------------------------------------------- clear / list / partitions
     async def _clear(self, keys: list[str] | None, partition_id: str) -> None:
         if keys is None:
             if partition_id in await self._tq.async_get_partition_list():
@@ -331,6 +331,17 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         pid = check_partition(partition_id)
         return await self._run_async("kv_list", pid, 0, self._list(pid))
 
+    async def _partitions(self) -> list[str]:
+        info = await self._tq.async_kv_list(None)  # every partition, with its keys and tags
+        # TransferQueue keeps a partition whose keys were cleared one by one: not ours to list.
+        return [p for p, keys in info.items() if keys]
+
+    def kv_partitions(self) -> list[str]:
+        return self._run("kv_partitions", "*", 0, self._partitions())
+
+    async def async_kv_partitions(self) -> list[str]:
+        return await self._run_async("kv_partitions", "*", 0, self._partitions())
+
 
 # ---------------------------------------------------------------- helpers
 def _tq_config(config: Any) -> TransferQueueConfig:
@@ -349,7 +360,7 @@ _public_tags = compat.public_tags
 
 
 def _assemble(name: str, col: compat.Column, layouts: list[str | None]) -> torch.Tensor:
-    """One field in the layout it was put with, from a :class:`~.tq_compat.Column` (no per-row ops).
+    """One field in the layout it was put with, from a :class:`~.compat.Column` (no per-row ops).
 
     Raises:
         ValueError: dense rows of different shapes, or scalar rows asked to be jagged.

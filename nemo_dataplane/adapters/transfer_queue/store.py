@@ -3,8 +3,8 @@ controller and storage units), lifecycle (teardown of what this client created, 
 the op plumbing every data op runs through (a private event loop, ``op_timeout_s`` on each op,
 and a liveness watch that turns a dead controller or storage unit into :class:`StoreLostError`
 within seconds). The data ops themselves (put/get/clear/list) are
-:class:`~nemo_dataplane.adapters.transfer_queue.TransferQueueClient`'s; every TransferQueue
-quirk worked around lives in :mod:`.tq_compat`.
+:class:`~nemo_dataplane.adapters.transfer_queue.client.TransferQueueClient`'s; every TransferQueue
+quirk worked around lives in :mod:`.compat`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.adapters.actor_store import ActorBackedClient
 from nemo_dataplane.client import DataPlaneError
 

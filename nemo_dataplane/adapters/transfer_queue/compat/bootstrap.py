@@ -14,8 +14,8 @@ from transfer_queue.client import AsyncTransferQueueClient
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.storage import SimpleStorageUnit
 
-from nemo_dataplane.adapters.tq_compat.claims import CLAIM_SAMPLER, ClaimSampler
-from nemo_dataplane.adapters.tq_compat.common import BACKEND, quiet_logs
+from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, ClaimSampler
+from nemo_dataplane.adapters.transfer_queue.compat.common import BACKEND, quiet_logs
 
 
 def base_config(num_storage_units: int) -> DictConfig:
@@ -36,7 +36,7 @@ def base_config(num_storage_units: int) -> DictConfig:
 
 def _actor_options(quiet: bool) -> dict[str, Any]:
     """Quiet actors get no ``runtime_env``, so Ray can hand each an idle prestarted worker (an
-    actor with one needs a fresh worker process: 1-10 s on a loaded 2-CPU machine); their logs
+    actor with one needs a fresh worker process, seconds on a loaded machine); their logs
     are muted from inside once they run (:func:`server_info`, quirk 6). Verbose ones keep
     ``TQ_NUM_THREADS=1``, read at import: with TransferQueue's default 8 above the core count, a
     unit warns on every request (quirk 3)."""

@@ -3,11 +3,11 @@
 Where the bytes go: each put writes its fields as (at most two) objects ("chunks": the bulk
 fields, and the narrow per-sample columns; each field as its rows of that put, dense
 ``[B, ...]`` or jagged values + offsets) with ``ray.put`` *from the putting process*, one copy
-into shared memory. A named metadata actor
-(:class:`~.ray_store_actors.StoreIndex`) maps ``(partition, key, field)`` to ``(chunk, row)``
-and holds the chunks' refs, tags, partitions and claims, never tensors. A reader asks it where
-its rows are and resolves the refs itself: on the same node that maps the writer's memory, across
-nodes Ray moves the chunk node to node. Neither the driver nor the metadata actor touches bulk.
+into shared memory. A named metadata actor (:class:`~.actors.StoreIndex`) maps
+``(partition, key, field)`` to ``(chunk, row)`` and holds the chunks' refs, tags, partitions and
+claims, never tensors. A reader asks it where its rows are and resolves the refs itself: on
+the same node that maps the writer's memory, across nodes Ray moves the chunk node to node.
+Neither the driver nor the metadata actor touches bulk.
 
 Lifetime: an object in Ray belongs to the process that put it and dies with it. With
 ``ray_store.adopt_objects`` (default) the index has a keeper actor on the writer's node copy
@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 from nemo_dataplane.adapters.actor_store import ActorBackedClient, Bootstrap
 from nemo_dataplane.adapters.chunks import assemble, bundles, decode, encode
-from nemo_dataplane.adapters.ray_store_actors import StoreIndex
+from nemo_dataplane.adapters.ray_store.actors import StoreIndex
 from nemo_dataplane.client import (
     ClaimStatus,
     DataPlaneError,
@@ -218,7 +218,7 @@ class RayStoreClient(ActorBackedClient):
             self._index.abort.remote(txn)
             raise
         # Not awaited: anyone who touches these keys waits for it at the index (see
-        # ray_store_actors); a refusal surfaces at the next put or flush().
+        # actors.py); a refusal surfaces at the next put or flush().
         committed = self._index.commit.remote(txn, chunks, self._writer, self._node)
         with self._lock:
             self._commits[committed] = f"put of {len(keys)} key(s) to {pid!r} (e.g. {keys[0]!r})"
@@ -271,6 +271,10 @@ class RayStoreClient(ActorBackedClient):
         _, keys, tags, fields = self._call("kv_list", pid, 0, self._index.list.remote(pid))
         return KVBatchMeta(keys=keys, tags=tags, partition_id=pid, fields=fields)
 
+    def kv_partitions(self) -> list[str]:
+        self._check_open()
+        return list(self._call("kv_partitions", "*", 0, self._index.partitions.remote()))
+
     # ---------------------------------------------------------------- claims
     def kv_claim(
         self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
@@ -300,7 +304,3 @@ class RayStoreClient(ActorBackedClient):
             "kv_claim_status", pid, 0, self._index.claim_status.remote(pid, task, names)
         )
         return ClaimStatus(pid, task, rows, produced, claimed, claimable)
-
-    def kv_partitions(self) -> list[str]:
-        self._check_open()
-        return list(self._call("kv_partitions", "*", 0, self._index.partitions.remote()))

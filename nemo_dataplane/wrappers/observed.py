@@ -12,14 +12,10 @@ Two views of what is left in the store:
   cleared.
 * :meth:`ObservedClient.store_snapshot` - every key in the store, by partition, listed through
   ``kv_partitions`` + ``kv_list`` (one event, op ``store_snapshot``). Sees every writer; costs
-  one listing per partition; needs a backend with ``kv_partitions``.
+  one listing per partition.
 
-With ``verify_integrity`` (``data_plane.verify_integrity``) the wrapper also records a digest
-per row and field at every put and checks the fields of every get against them
-(:mod:`nemo_dataplane.integrity`): a mismatch raises :class:`DataIntegrityError` naming key and
-field. A get checks the digests its meta carries; when a meta lacks one or disagrees (it
-predates a later put of that field) or only keys were given, the current tags are read once
-with ``kv_list`` before judging, so a stale meta never raises a false alarm.
+The factory puts it outside every other wrapper, so what they refuse (a full store, a corrupted
+row) is recorded as the failed op the caller made, and their own store reads are not.
 """
 
 from __future__ import annotations
@@ -34,11 +30,12 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from nemo_dataplane.client import ClaimStatus, DataIntegrityError, DataPlaneClient, Fields
+from nemo_dataplane.client import ClaimStatus, DataPlaneClient, Fields
 from nemo_dataplane.codec import batch_nbytes, normalize_fields, tensor_nbytes
-from nemo_dataplane.integrity import mismatches, with_digests
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.wrappers.base import ForwardingClient
 
+__all__ = ["ObservedClient", "OpEvent", "Outstanding"]
 
 
 @dataclass(frozen=True)
@@ -65,13 +62,12 @@ class Outstanding:
     bytes: int
 
 
-class ObservedClient(DataPlaneClient):
-    """Records ``{op, partition_id, n_keys, n_bytes, wall_ms, status}`` for every call."""
+class ObservedClient(ForwardingClient):
+    """Records ``{op, partition_id, n_keys, n_bytes, wall_ms, status}`` for every call of the
+    contract (``close`` aside) and passes each :class:`OpEvent` to ``on_event``."""
 
-    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None, *,
-                 verify_integrity: bool = False) -> None:
-        self.inner = inner
-        self.verify_integrity = verify_integrity
+    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None) -> None:
+        super().__init__(inner)
         self._on_event = on_event
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], dict[str, int]] = {}
@@ -116,52 +112,6 @@ class ObservedClient(DataPlaneClient):
                 if held:
                     self.bytes_outstanding -= sum(held.values())
 
-    # ------------------------------------------------------------- integrity
-    def _sealed_tags(self, keys: Sequence[str], fields: Fields | None,
-                     tags: Sequence[Mapping[str, Any]] | None) -> Sequence[Mapping[str, Any]] | None:
-        if not self.verify_integrity or fields is None:
-            return tags
-        return with_digests(normalize_fields(fields, len(keys)), tags, len(keys))
-
-    @staticmethod
-    def _target(meta_or_keys: KVBatchMeta | Sequence[str], pid: str | None) -> tuple[list[str], Any, str | None]:
-        if isinstance(meta_or_keys, KVBatchMeta):
-            return list(meta_or_keys.keys), list(meta_or_keys.tags), meta_or_keys.partition_id or pid
-        return list(meta_or_keys), None, pid
-
-    @staticmethod
-    def _judge(out: TensorDict, keys: list[str], tags: Any, fields: Sequence[str], pid: str | None,
-               fresh: KVBatchMeta | None) -> bool:
-        """True when every row checks out; raises on a mismatch against fresh tags; False when
-        the caller's tags do not settle it (fetch fresh ones and call again)."""
-        if fresh is not None:
-            by_key = dict(zip(fresh.keys, fresh.tags))
-            tags = [by_key.get(k, {}) for k in keys]
-        if tags is None:
-            return False
-        bad = mismatches(out, keys, tags, fields)
-        if not bad:
-            return True
-        if fresh is None:
-            return False
-        key, name, why = bad[0]
-        more = f" (and {len(bad) - 1} more row/field pairs)" if len(bad) > 1 else ""
-        raise DataIntegrityError(
-            f"integrity check failed in partition {pid!r}: key {key!r}, field {name!r}: {why}{more}"
-        )
-
-    def _verify(self, out: TensorDict, meta_or_keys: KVBatchMeta | Sequence[str], fields: Sequence[str],
-                pid: str | None) -> None:
-        keys, tags, pid = self._target(meta_or_keys, pid)
-        if not self._judge(out, keys, tags, fields, pid, None):
-            self._judge(out, keys, tags, fields, pid, self.inner.kv_list(pid))  # type: ignore[arg-type]
-
-    async def _async_verify(self, out: TensorDict, meta_or_keys: KVBatchMeta | Sequence[str],
-                            fields: Sequence[str], pid: str | None) -> None:
-        keys, tags, pid = self._target(meta_or_keys, pid)
-        if not self._judge(out, keys, tags, fields, pid, None):
-            self._judge(out, keys, tags, fields, pid, await self.inner.async_kv_list(pid))  # type: ignore[arg-type]
-
     @staticmethod
     def _get_target(meta_or_keys: KVBatchMeta | Sequence[str], pid: str | None) -> tuple[int, str | None]:
         if isinstance(meta_or_keys, KVBatchMeta):
@@ -189,7 +139,7 @@ class ObservedClient(DataPlaneClient):
     ) -> KVBatchMeta:
         keys = list(keys)
         with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
-            meta = self.inner.kv_batch_put(keys, partition_id, fields, self._sealed_tags(keys, fields, tags))
+            meta = self.inner.kv_batch_put(keys, partition_id, fields, tags)
             self._account_put(keys, partition_id, fields)
             return meta
 
@@ -203,8 +153,6 @@ class ObservedClient(DataPlaneClient):
         with self._recording("kv_batch_get", pid, n_keys) as tally:
             out = self.inner.kv_batch_get(meta_or_keys, select_fields, partition_id)
             tally.n_bytes = batch_nbytes(out)
-            if self.verify_integrity:
-                self._verify(out, meta_or_keys, select_fields, partition_id)
             return out
 
     def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
@@ -258,8 +206,7 @@ class ObservedClient(DataPlaneClient):
         """Every key in the whole store, by partition (``kv_partitions`` then ``kv_list`` of
         each), whoever wrote it: what a driver checks for leaks at the end of a step.
 
-        Not atomic across partitions. Raises ``ClaimsNotSupported`` from a backend without
-        ``kv_partitions``.
+        Not atomic across partitions.
         """
         with self._recording("store_snapshot", None, 0) as tally:
             listing = {pid: self.inner.kv_list(pid).keys for pid in self.inner.kv_partitions()}
@@ -277,8 +224,7 @@ class ObservedClient(DataPlaneClient):
     ) -> KVBatchMeta:
         keys = list(keys)
         with self._recording("kv_batch_put", partition_id, len(keys), _nbytes(fields)):
-            meta = await self.inner.async_kv_batch_put(keys, partition_id, fields,
-                                                       self._sealed_tags(keys, fields, tags))
+            meta = await self.inner.async_kv_batch_put(keys, partition_id, fields, tags)
             self._account_put(keys, partition_id, fields)
             return meta
 
@@ -292,8 +238,6 @@ class ObservedClient(DataPlaneClient):
         with self._recording("kv_batch_get", pid, n_keys) as tally:
             out = await self.inner.async_kv_batch_get(meta_or_keys, select_fields, partition_id)
             tally.n_bytes = batch_nbytes(out)
-            if self.verify_integrity:
-                await self._async_verify(out, meta_or_keys, select_fields, partition_id)
             return out
 
     async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
@@ -330,9 +274,6 @@ class ObservedClient(DataPlaneClient):
     async def async_kv_partitions(self) -> list[str]:
         with self._recording("kv_partitions", None, 0):
             return await self.inner.async_kv_partitions()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass

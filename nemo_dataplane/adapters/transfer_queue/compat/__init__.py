@@ -1,10 +1,11 @@
 """Every workaround for a TransferQueue 0.1.11 quirk, in one package.
 
-The adapter (:mod:`nemo_dataplane.adapters.transfer_queue`) talks to TransferQueue only through
-this package (import it as a whole: ``from nemo_dataplane.adapters import tq_compat``; every name
-below is re-exported here). Nothing here patches the dependency: each function calls a
-TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a way
-that sidesteps one of the behaviours below, each seen on a 2-CPU machine. By responsibility:
+The adapter (:mod:`nemo_dataplane.adapters.transfer_queue.client` and its store and claims
+halves) talks to TransferQueue only through this package (import it as a whole:
+``from nemo_dataplane.adapters.transfer_queue import compat``; every name below is re-exported
+here). Nothing here patches the dependency: each function calls a TransferQueue API (public
+or, where the public one misbehaves, the internal one it wraps) in a way that sidesteps one of
+the behaviours below, each seen on a 2-CPU machine. By responsibility:
 
 * :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients);
 * :mod:`.writes`: rows into the units, tags and production notices to the controller;
@@ -71,7 +72,7 @@ The quirks:
    object again from a row's address and map it themselves (:func:`read_columns`).
 """
 
-from nemo_dataplane.adapters.tq_compat.bootstrap import (
+from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
     base_config,
     create_controller,
     create_storage_units,
@@ -81,7 +82,7 @@ from nemo_dataplane.adapters.tq_compat.bootstrap import (
     unit_handles,
     unit_nodes,
 )
-from nemo_dataplane.adapters.tq_compat.claims import (
+from nemo_dataplane.adapters.transfer_queue.compat.claims import (
     CLAIM_SAMPLER,
     ClaimSampler,
     claim_rows,
@@ -89,7 +90,7 @@ from nemo_dataplane.adapters.tq_compat.claims import (
     keys_of,
     mark_rows,
 )
-from nemo_dataplane.adapters.tq_compat.common import (
+from nemo_dataplane.adapters.transfer_queue.compat.common import (
     BACKEND,
     LAYOUT_TAG,
     loop_thread,
@@ -97,7 +98,7 @@ from nemo_dataplane.adapters.tq_compat.common import (
     public_tags,
     quiet_logs,
 )
-from nemo_dataplane.adapters.tq_compat.reads import (
+from nemo_dataplane.adapters.transfer_queue.compat.reads import (
     BatchMeta,
     Column,
     StorageKeyNotFoundError,
@@ -105,7 +106,13 @@ from nemo_dataplane.adapters.tq_compat.reads import (
     get_rows,
     read_columns,
 )
-from nemo_dataplane.adapters.tq_compat.writes import field_schema, mark_produced, put_chunk, put_rows, set_tags
+from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    field_schema,
+    mark_produced,
+    put_chunk,
+    put_rows,
+    set_tags,
+)
 
 __all__ = [
     "BACKEND",

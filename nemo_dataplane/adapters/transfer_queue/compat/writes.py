@@ -17,7 +17,7 @@ from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleSt
 from transfer_queue.utils.zmq_utils import ZMQRequestType
 
 from nemo_dataplane.adapters.chunks import decode, encode, rows_of
-from nemo_dataplane.adapters.tq_compat.mapped import register
+from nemo_dataplane.adapters.transfer_queue.compat.mapped import register
 from nemo_dataplane.rows import take_rows
 
 UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (local, or one transfer)

@@ -4,7 +4,7 @@ The controller already tracks, per partition, which rows hold which fields (prod
 and which rows each task has consumed. A claim is one ``fetch`` request to the controller, which
 scans, picks and marks the rows consumed in a single step on its one request thread; so
 concurrent claimers of a task, in any process, never get the same row. How the request is
-shaped (polling mode, our sampler) is in :mod:`.tq_compat` (quirks 8-10).
+shaped (polling mode, our sampler) is in :mod:`.compat` (quirks 8-10).
 
 * Waiting: the adapter polls with a short backoff (5 ms doubling to 50 ms) until ``batch_size``
   rows are claimable or the deadline passes, then takes what is there. The whole call is
@@ -19,8 +19,8 @@ shaped (polling mode, our sampler) is in :mod:`.tq_compat` (quirks 8-10).
 Limits: a claim whose request is cancelled in flight (``op_timeout_s`` on a stalled controller,
 or a cancelled ``async_kv_claim``) may consume rows without returning them; a row cleared
 between the claim and the key lookup that follows it is left out of the result. Claims need a
-store started by this adapter (:func:`.tq_compat.claims_unsupported`); ``kv_claim_status`` and
-``kv_partitions`` work on any TransferQueue store.
+store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` works
+on any TransferQueue store.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from nemo_dataplane.adapters import tq_compat as compat
+from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import (
     ClaimsNotSupported,
     ClaimStatus,
@@ -47,7 +47,7 @@ POLL_MAX_S = 0.05
 
 
 class TransferQueueClaims(DataPlaneClient):
-    """The claim half of :class:`~.transfer_queue.TransferQueueClient` (a mixin: it uses the
+    """The claim half of :class:`~.client.TransferQueueClient` (a mixin: it uses the
     adapter's TransferQueue client ``_tq``, its op runners and ``_claims_unsupported``)."""
 
     # Provided by TransferQueueClient: its TransferQueue client, config, op runners (which take
@@ -131,10 +131,6 @@ class TransferQueueClaims(DataPlaneClient):
             claimable=len(produced - consumed),
         )
 
-    async def _partitions(self) -> list[str]:
-        info = await self._tq.async_kv_list(None)
-        return [p for p, keys in info.items() if keys]
-
     # ------------------------------------------------------------ API
     def kv_claim(
         self, partition_id: str, task: str, fields: Sequence[str], batch_size: int, timeout_s: float
@@ -165,9 +161,3 @@ class TransferQueueClaims(DataPlaneClient):
     async def async_kv_claim_status(self, partition_id: str, task: str, fields: Sequence[str]) -> ClaimStatus:
         pid, task, names = self._status_args(partition_id, task, fields)
         return await self._run_async("kv_claim_status", pid, 0, self._status(pid, task, names))
-
-    def kv_partitions(self) -> list[str]:
-        return self._run("kv_partitions", "*", 0, self._partitions())
-
-    async def async_kv_partitions(self) -> list[str]:
-        return await self._run_async("kv_partitions", "*", 0, self._partitions())

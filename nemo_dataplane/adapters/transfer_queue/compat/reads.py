@@ -19,7 +19,7 @@ from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleSt
 
 from nemo_dataplane.adapters.chunks import assemble, decode
 from nemo_dataplane.adapters.locate import where_of
-from nemo_dataplane.adapters.tq_compat.mapped import locate
+from nemo_dataplane.adapters.transfer_queue.compat.mapped import locate
 from nemo_dataplane.dtypes import check_lengths, view_bytes
 
 

@@ -1,0 +1,44 @@
+"""Clients that wrap a :class:`~nemo_dataplane.client.DataPlaneClient` and change one thing.
+
+* :mod:`.base`: :class:`ForwardingClient`, which forwards every call; the others override only
+  what they change;
+* :mod:`.capacity`: :class:`CapacityGuard` (``data_plane.max_rows``; a put past it raises
+  :class:`StoreFullError`);
+* :mod:`.integrity`: :class:`IntegrityCheck` (``data_plane.verify_integrity``: per-row digests
+  sealed at put, checked at get);
+* :mod:`.observed`: :class:`ObservedClient` (``observability.enabled``: one :class:`OpEvent` per
+  op, bytes outstanding, snapshots).
+
+The factory composes them as ``ObservedClient(IntegrityCheck(CapacityGuard(backend)))``, each
+only when its key is set (see :func:`~nemo_dataplane.factory.build_data_plane_client`). Names
+resolve on first access (PEP 562).
+"""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nemo_dataplane.wrappers.base import ForwardingClient
+    from nemo_dataplane.wrappers.capacity import CapacityGuard, StoreFullError
+    from nemo_dataplane.wrappers.integrity import IntegrityCheck
+    from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
+
+__all__ = ["CapacityGuard", "ForwardingClient", "IntegrityCheck", "ObservedClient", "OpEvent", "Outstanding",
+           "StoreFullError"]
+
+_WHERE = {
+    "ForwardingClient": "base",
+    "CapacityGuard": "capacity",
+    "StoreFullError": "capacity",
+    "IntegrityCheck": "integrity",
+    "ObservedClient": "observed",
+    "OpEvent": "observed",
+    "Outstanding": "observed",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"nemo_dataplane.wrappers.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'nemo_dataplane.wrappers' has no attribute {name!r}")

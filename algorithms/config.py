@@ -72,13 +72,13 @@ class PolicyConfig:
 class VLLMEngineConfig:
     """vLLM engine settings (``generation.backend=vllm``; docs/generation.md)."""
 
-    # float32 matches the trainer's log-probs (bfloat16: up to ~1e-2 per token off, bench_generation).
+    # float32 matches the trainer's log-probs; bfloat16 differs per token (docs/generation.md).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # KV cache size; explicit because vLLM's CPU default reserves 90% of host memory.
     kv_cache_memory_bytes: int = 256 << 20
     max_num_seqs: int = 256  # sequences decoded together
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up time)
-    # false: the engine runs inside the generator process (CPU: starts 1.5-5x faster; docs/generation.md).
+    # false: the engine runs inside the generator process (starts faster on CPU; docs/generation.md).
     multiprocessing: bool = False
 
     def __post_init__(self) -> None:

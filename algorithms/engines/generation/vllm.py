@@ -17,15 +17,12 @@ weights, sampled from token ids, refit in place.
   old weights would otherwise be reused for prompts sharing a prefix). The base class's lock
   keeps refits between generations.
 * In-process by default (``generation.vllm.multiprocessing=false``): the engine core and its
-  worker run in the generator's own process. On this project's CPU machines that started in
-  5.5-18 s instead of 18-75 s (no EngineCore/worker processes that re-import everything),
-  generated 1.5-3.7x faster at toy size, and leaves no child process that could outlive the
-  generator (docs/generation.md). The
-  multiprocess engine is the same code path (the refit runs in its worker process through
-  ``collective_rpc``).
+  worker run in the generator's own process, which starts faster (no EngineCore/worker
+  processes that re-import everything), is faster at small sizes, and leaves no child process
+  that could outlive the generator (docs/generation.md). The multiprocess engine is the same
+  code path (the refit runs in its worker process through ``collective_rpc``).
 * GPU: the same worker extension with ``refit.backend=nccl`` receives over NCCL or CUDA IPC
-  into staging tensors on the worker's GPU. Written against vLLM's API; not run in this
-  project's CI (docs/generation.md).
+  into staging tensors on the worker's GPU (docs/generation.md).
 """
 
 from __future__ import annotations

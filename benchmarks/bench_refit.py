@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
-from nemo_dataplane.refit.ipc import PeerCopier  # noqa: E402
+from nemo_dataplane.refit.cuda.ipc import PeerCopier  # noqa: E402
 
 FIRST_CALL_BYTES = PeerCopier.FIRST_CALL_BYTES
 

@@ -18,7 +18,7 @@ Ways: ``torch-open + copy-engine`` (torch's rebuild, a contiguous row block: ``c
 ``writer-ctx-open + kernel`` (the handle opened with the writer's GPU current, the lazy peer
 flag, the pointer wrapped as a tensor through ``__cuda_array_interface__``, same kernel).
 ``writer-ctx-open (bindings) + kernel``: the same open through cuda-bindings (what
-``nemo_dataplane.refit.ipc.PeerMapping`` does). Prints a table, writes JSON; exits 2 without 2
+``nemo_dataplane.refit.cuda.ipc.PeerMapping`` does). Prints a table, writes JSON; exits 2 without 2
 GPUs. Session 7, 2x H200: the copy-engine write and the bindings open + kernel are bit-exact;
 torch's open + kernel faults; the ctypes open is refused (``cudaErrorInvalidValue``, also with
 the owner's GPU current: the ctypes call, not the context; torch's handle is 66 bytes, version
@@ -233,7 +233,7 @@ def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, st
     moved = RATE_BYTES if not width else RATE_BYTES // 2
     copier = None
     if streams == 0:
-        from nemo_dataplane.refit.ipc import PeerCopier
+        from nemo_dataplane.refit.cuda.ipc import PeerCopier
 
         copier = PeerCopier()
         runs = [[d0 + k * size, s0 + k * size, size, []] for k in range(n)]

@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nemo_dataplane.distributed import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
-from nemo_dataplane.refit import reshard as _reshard  # noqa: E402
-from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
-from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender  # noqa: E402
+from nemo_dataplane.refit.reshard import plan as _reshard  # noqa: E402
+from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
+from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
 from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
 
 HOST = "127.0.0.1"

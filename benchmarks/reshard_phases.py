@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from nemo_dataplane.refit.sharded import phase_durations
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+from nemo_dataplane.refit.reshard import phase_durations
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 
 MODES = ("sender 0 alone", "sender 1 alone", "both senders, 2 processes", "both shards, 1 process")
 

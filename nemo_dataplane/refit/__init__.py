@@ -1,11 +1,18 @@
-"""Weight refit trainer -> generator over a ``StatelessProcessGroup``.
+"""Weight refit trainer -> generator over a ``StatelessProcessGroup``, in two families.
 
-``RefitSender`` / ``RefitReceiver``: one trainer rank holding the whole model sends it to every
-generator rank. ``ReshardSender`` / ``ReshardReceiver``: trainer and generator both sharded (by
-``Layout``), each rank moving only the bytes it owns (docs/refit.md, section 6).
+* ``packed`` (``refit/packed/``): ``RefitSender`` / ``RefitReceiver``: one trainer rank
+  holding the whole model sends it to every generator rank.
+* ``reshard`` (``refit/reshard/``): ``ReshardSender`` / ``ReshardReceiver``: trainer and
+  generator both sharded (by ``Layout``), each rank moving only the bytes it owns.
+
+``protocol.py`` holds what both share (errors, ``TensorSpec``, the refit header's constants)
+and ``cuda/`` the CUDA IPC pieces both IPC transports use (docs/refit.md).
 """
 
-from nemo_dataplane.refit.layout import (
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.packed import RefitInfo, RefitReceiver, RefitSender
+from nemo_dataplane.refit.protocol import RefitError, RefitMismatchError, TensorSpec
+from nemo_dataplane.refit.reshard import (
     DEFAULT_FUSIONS,
     DEFAULT_RULES,
     Layout,
@@ -13,22 +20,15 @@ from nemo_dataplane.refit.layout import (
     Mesh,
     Only,
     Replicate,
+    ReshardPlan,
+    ReshardPlanError,
+    ReshardReceiver,
+    ReshardSender,
     Shard,
     build_layout,
     layer_stages,
+    plan_reshard,
 )
-from nemo_dataplane.refit.packed import (
-    DEFAULT_BUCKET_BYTES_CPU,
-    DEFAULT_BUCKET_BYTES_GPU,
-    RefitError,
-    RefitInfo,
-    RefitMismatchError,
-    RefitReceiver,
-    RefitSender,
-    TensorSpec,
-)
-from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",

@@ -112,7 +112,7 @@ RESHARD_CASES: dict[str, tuple[dict[str, int], dict[str, int], bool, bool]] = {
 
 
 def reshard_layouts(case: str, *, extra_receiver_param: bool = False) -> tuple[Any, Any]:
-    from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Mesh, build_layout, layer_stages
+    from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout, layer_stages
 
     sdims, rdims, moe, fused = RESHARD_CASES[case]
     ns, nr = math.prod(sdims.values()), math.prod(rdims.values())
@@ -152,7 +152,7 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
     late; a receiver reports whether its current stream still had work pending when the refit
     returned (``pending_at_return``). ``open_mode``: ``NEMO_DATAPLANE_IPC_OPEN`` for this call
     (how a sender opens a receiver on another GPU)."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     if open_mode is not None:  # pool workers outlive the call: set for it, restored after
         before = os.environ.get("NEMO_DATAPLANE_IPC_OPEN")
@@ -286,7 +286,7 @@ def reshard_failures(rank: int, world: int, port: int, what: str) -> dict[str, A
     """``what="missing"``: a receiver parameter no sender has: prepare fails everywhere naming
     it. ``what="abort"``: sender rank 1's tensor changes shape after prepare: every rank raises
     before any bulk moves and the next refit (layout restored) works."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     g = _group(rank, world, port, "gloo", timeout=10.0)
     src, dst = reshard_layouts("tp2->tp1", extra_receiver_param=what == "missing")
@@ -335,7 +335,7 @@ def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: fl
     ``"silent"``: it returns after the header without copying or signalling (as if it died
     there). Every rank reports what refit 3 raised and how long it took; then refit 4 (new
     values) runs normally and the receiver compares its bits."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 
-from nemo_dataplane.refit.transports.exchange_ipc import pitched_copies
+from nemo_dataplane.refit.reshard.ipc_push import pitched_copies
 
 
 def _run(ops: list) -> None:
@@ -55,7 +55,7 @@ def test_pitched_copies_edge_cases() -> None:
 
 
 def test_widened_views_copy_the_same_bits() -> None:
-    from nemo_dataplane.refit.transports.exchange_ipc import _widened
+    from nemo_dataplane.refit.reshard.ipc_push import _widened
     src = torch.randn(6, 16).to(torch.bfloat16)
     dst = torch.zeros(6, 32, dtype=torch.bfloat16)
     d, s = _widened(dst[:, 8:24], src)  # a column block: 32 bytes per row, 8-byte aligned
@@ -69,8 +69,8 @@ def test_widened_views_copy_the_same_bits() -> None:
 def test_the_ipc_modes_follow_placement_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     """The event done signal on every placement (a peer on another GPU included) unless the
     environment forces either way; a bad value names its variable."""
-    from nemo_dataplane.refit.sharded_ipc import CROSS_GPU, agreed_done
-    from nemo_dataplane.refit.transports.exchange_ipc import PITCHED, env_choice
+    from nemo_dataplane.refit.reshard.ipc_control import CROSS_GPU, agreed_done
+    from nemo_dataplane.refit.reshard.ipc_push import PITCHED, env_choice
 
     assert agreed_done(["ok", "ok", "ok"], None) == "event"
     assert agreed_done(["ok", CROSS_GPU, "ok"], None) == "event"  # the event bridge ran across GPUs
@@ -129,7 +129,7 @@ class _FakeRuntime:
 
 @pytest.mark.parametrize("refuse_batch", [False, True], ids=["batched", "refused-then-loop"])
 def test_pitched_copier_moves_column_blocks_batched_or_one_call_each(refuse_batch: bool) -> None:
-    from nemo_dataplane.refit.transports.pitched import PitchedCopier
+    from nemo_dataplane.refit.reshard.pitched import PitchedCopier
 
     class _Stream:
         cuda_stream = 7
@@ -156,7 +156,7 @@ def test_peer_mapping_reads_torchs_handle_format_and_refuses_others() -> None:
     cudaIpcMemHandle_t (66 bytes, seen on 2x H200 with torch 2.11); a bare 64-byte handle is
     taken as is; another kind (e.g. expandable segments) or length is refused, naming it, so the
     sender falls back to torch's open. Opening needs a GPU (test_sharded_gpu.py)."""
-    from nemo_dataplane.refit.ipc import PeerMapping
+    from nemo_dataplane.refit.cuda.ipc import PeerMapping
 
     h = bytes(range(64))
     assert PeerMapping._mem_handle(b"\x02c" + h) == h

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Mesh, build_layout
-from nemo_dataplane.refit.reshard import ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.transports.exchange import Exchange
+from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout
+from nemo_dataplane.refit.reshard.plan import ReshardPlanError, plan_reshard
+from nemo_dataplane.refit.reshard.p2p import Exchange
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402

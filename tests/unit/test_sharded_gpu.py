@@ -68,8 +68,8 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
 def test_pitched_copier_is_bit_exact_on_the_gpu(monkeypatch: pytest.MonkeyPatch, batch: str) -> None:
     """The 2D copies of column blocks (and a box) through the real runtime, batched or not,
     across GPUs where there are two (plain memory, peer access as torch turns it on)."""
-    from nemo_dataplane.refit.ipc import _cudart
-    from nemo_dataplane.refit.transports.pitched import PitchedCopier, pitched_copies
+    from nemo_dataplane.refit.cuda.copy_engine import _cudart
+    from nemo_dataplane.refit.reshard.pitched import PitchedCopier, pitched_copies
 
     rt = _cudart()
     if rt is None:

@@ -55,9 +55,8 @@ from collections.abc import Mapping
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup
-from nemo_dataplane.refit import ipc as _ipc
-from nemo_dataplane.refit.layout import Layout, LayoutError, LocalTensor
-from nemo_dataplane.refit.plan import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU, RESHARD_TRANSPORTS
+from nemo_dataplane.refit.cuda import ipc as _ipc
 from nemo_dataplane.refit.protocol import (
     MAGIC,
     STATUS_ABORT,
@@ -69,14 +68,14 @@ from nemo_dataplane.refit.protocol import (
     clip,
     dtype_name,
 )
-from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.sharded_ipc import IpcRefit, get_all, has_key, mark
-from nemo_dataplane.refit.transports.exchange import Exchange
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+from nemo_dataplane.refit.reshard.ipc_control import IpcRefit, get_all, has_key, mark
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush
+from nemo_dataplane.refit.reshard.layout import Layout, LayoutError, LocalTensor
+from nemo_dataplane.refit.reshard.p2p import Exchange
+from nemo_dataplane.refit.reshard.plan import ReshardPlan, ReshardPlanError, plan_reshard
 
 __all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender", "phase_durations"]
 
-RESHARD_TRANSPORTS = ("auto", "p2p", "ipc")
 # Contiguous pieces at least this large go unpacked (zero-copy): fewer copies, while smaller ones
 # share a bucket (on gloo every send/recv costs a helper thread; measured: sending every
 # contiguous piece on its own made a 24 MB TP=2 -> TP=1 refit 10x slower than this).
@@ -92,7 +91,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
                  device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
         super().__init__(group, named_tensors, channel)
         if not isinstance(layout, Layout):
-            raise TypeError(f"layout must be a nemo_dataplane.refit.layout.Layout, got {type(layout).__name__}")
+            raise TypeError(f"layout must be a nemo_dataplane.refit.Layout, got {type(layout).__name__}")
         if group.rank not in layout.mesh.coords:
             raise ValueError(f"group rank {group.rank} is not in the layout's mesh (ranks {list(layout.mesh.ranks)})")
         self.layout = layout

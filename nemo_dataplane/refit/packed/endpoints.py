@@ -1,13 +1,14 @@
 """Packed weight refit: trainer rank ``src`` sends its parameters to every generator rank.
 
-``RefitSender`` / ``RefitReceiver`` tie the pieces together (docs/refit.md):
+``RefitSender`` / ``RefitReceiver`` tie the pieces of this family together (docs/refit.md):
 
-* ``protocol.py``: ``RefitInfo``, the handshake of ``prepare_refit_info()``, headers, errors;
-* ``plan.py``: the schedule (buckets of small tensors, large ones on their own);
-* ``transports/collective.py``: broadcast or p2p over NCCL / gloo, double-buffered buckets;
-* ``transports/cuda_ipc.py``: ``transport="ipc"``, CUDA IPC peer copies on one host.
+* ``base.py``: the handshake of ``prepare_refit_info()``, headers (the family-neutral errors
+  and header constants are ``refit/protocol.py``);
+* ``plan.py``: ``RefitInfo`` and the schedule (buckets of small tensors, large ones on their own);
+* ``collective.py``: broadcast or p2p over NCCL / gloo, double-buffered buckets;
+* ``cuda_ipc.py``: ``transport="ipc"``, CUDA IPC peer copies on one host.
 
-The shard-to-shard refit (trainer and generator sharded differently) is ``reshard.py``.
+The shard-to-shard family (trainer and generator sharded differently) is ``refit/reshard/``.
 """
 
 from __future__ import annotations
@@ -17,61 +18,17 @@ import json
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.config import PACKED_TRANSPORTS as TRANSPORTS
 from nemo_dataplane.refit.copies import ALIGN as _ALIGN
-from nemo_dataplane.refit.plan import (
-    DEFAULT_BUCKET_BYTES_CPU,
-    DEFAULT_BUCKET_BYTES_GPU,
-    DEFAULT_GROUP_BYTES,
-    Bucket,
-    Direct,
-    build_plan,
-    group_directs,
-)
-from nemo_dataplane.refit.protocol import (
-    DEFAULT_TRANSPORT_GPU,
-    STATUS_ABORT,
-    TRANSPORTS,
-    NamedTensors,
-    RefitError,
-    RefitInfo,
-    RefitMismatchError,
-    TensorSpec,
-    diff_specs,
-)
+from nemo_dataplane.refit.packed.base import diff_specs
+from nemo_dataplane.refit.packed.collective import CollectiveReceiver, CollectiveSender
+from nemo_dataplane.refit.packed.cuda_ipc import IPC_COPY_ON, IPC_DIRECTIONS, IpcReceiver, IpcSender
+from nemo_dataplane.refit.packed.plan import DEFAULT_GROUP_BYTES, DEFAULT_TRANSPORT_GPU, RefitInfo
+from nemo_dataplane.refit.protocol import STATUS_ABORT, NamedTensors, RefitError, RefitMismatchError
 from nemo_dataplane.refit.protocol import clip as _clip
-from nemo_dataplane.refit.transports.collective import CollectiveReceiver, CollectiveSender
-from nemo_dataplane.refit.transports.cuda_ipc import (
-    AUTO_IPC_MAX_RECEIVERS,
-    AUTO_PICKS_IPC,
-    IPC_COPY_ON,
-    IPC_DIRECTIONS,
-    IpcReceiver,
-    IpcSender,
-)
 
-__all__ = [
-    "AUTO_IPC_MAX_RECEIVERS",
-    "AUTO_PICKS_IPC",
-    "DEFAULT_BUCKET_BYTES_CPU",
-    "DEFAULT_BUCKET_BYTES_GPU",
-    "DEFAULT_GROUP_BYTES",
-    "DEFAULT_TRANSPORT_GPU",
-    "IPC_COPY_ON",
-    "IPC_DIRECTIONS",
-    "TRANSPORTS",
-    "Bucket",
-    "Direct",
-    "NamedTensors",
-    "RefitError",
-    "RefitInfo",
-    "RefitMismatchError",
-    "RefitReceiver",
-    "RefitSender",
-    "TensorSpec",
-    "build_plan",
-    "diff_specs",
-    "group_directs",
-]
+__all__ = ["TRANSPORTS", "RefitReceiver", "RefitSender"]
 
 
 class RefitSender(CollectiveSender, IpcSender):

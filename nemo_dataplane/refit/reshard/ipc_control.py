@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup, Work
-from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.protocol import RefitError, clip
-from nemo_dataplane.refit.reshard import ReshardPlan
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush, env_choice
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush, env_choice
+from nemo_dataplane.refit.reshard.layout import LocalTensor
+from nemo_dataplane.refit.reshard.plan import ReshardPlan
 
 __all__ = ["CROSS_GPU", "DONE_SIGNALS", "IpcRefit", "agreed_done", "get_all", "has_key", "mark"]
 

@@ -41,11 +41,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from nemo_dataplane.refit import ipc as _ipc
 from nemo_dataplane.refit.copies import copy_all
-from nemo_dataplane.refit.layout import LocalTensor
-from nemo_dataplane.refit.reshard import ReshardPlan
-from nemo_dataplane.refit.transports.pitched import Copy, PitchedCopier, pitched_copies
+from nemo_dataplane.refit.cuda import ipc as _ipc
+from nemo_dataplane.refit.reshard.layout import LocalTensor
+from nemo_dataplane.refit.reshard.pitched import Copy, PitchedCopier, pitched_copies
+from nemo_dataplane.refit.reshard.plan import ReshardPlan
 
 __all__ = ["ORDERS", "PITCHED", "IpcPush", "env_choice", "pitched_copies"]
 

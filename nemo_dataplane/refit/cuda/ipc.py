@@ -26,7 +26,7 @@ import torch
 
 from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
-from nemo_dataplane.refit.copy_engine import PeerCopier, _cudart
+from nemo_dataplane.refit.cuda.copy_engine import PeerCopier, _cudart
 
 __all__ = ["PeerCopier", "PeerMapping", "PushSource", "PushTargets", "export_tensors", "exporter_device",
            "host_record", "ipc_problems", "open_tensors", "probe", "signature"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nemo_dataplane.refit.copy_engine import batch_allowed
+from nemo_dataplane.refit.cuda.copy_engine import batch_allowed
 
 __all__ = ["Copy", "PitchedCopier", "pitched_copies"]
 

@@ -5,9 +5,9 @@
 Why: on 2x H200 the reshard IPC push faulted (``illegal memory access``) when a torch strided
 copy kernel on the sender's GPU wrote into a receiver's tensor on the other GPU, opened with
 torch's IPC rebuild; the same pieces as ``cudaMemcpy2DAsync`` were bit-exact
-(``exchange_ipc.py`` therefore sends 2D copies across GPUs). The suspected cause: torch opens
-an IPC handle in the *owning* GPU's context, so kernels of the writer's GPU have no mapping of
-it; ``cudaIpcOpenMemHandle`` called with the writer's GPU current and
+(``refit/reshard/ipc_push.py`` therefore sends 2D copies where torch opened the memory). The
+suspected cause: torch opens an IPC handle in the *owning* GPU's context, so kernels of the
+writer's GPU have no mapping of it; ``cudaIpcOpenMemHandle`` called with the writer's GPU current and
 ``cudaIpcMemLazyEnablePeerAccess`` should give one. This probe checks that, one fresh pair of
 processes per way (a fault poisons a CUDA context): a receiver on GPU 0 exports a zeroed
 bf16 matrix, a writer on GPU 1 opens it and writes a known pattern into a column block, the

@@ -1,6 +1,6 @@
 """``bench_refit.py --reshard`` diagnostics: where a resharding refit's time goes.
 
-* **Host phases** (every scenario): each endpoint's opt-in ``timings`` (``refit/sharded.py``)
+* **Host phases** (every scenario): each endpoint's opt-in ``timings`` (``refit/reshard/endpoints.py``)
   over the timed refits; per rank, the median duration of each phase and the median time its
   end comes after the first rank's start of that refit (host clocks are one clock: same host).
 * **Copies only** (GPU, ``transport="ipc"``, two senders): the senders' copies of one refit,

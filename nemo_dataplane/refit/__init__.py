@@ -9,7 +9,7 @@
 and ``cuda/`` the CUDA IPC pieces both IPC transports use (docs/refit.md).
 """
 
-from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU, WeightTransferConfig
 from nemo_dataplane.refit.packed import RefitInfo, RefitReceiver, RefitSender
 from nemo_dataplane.refit.protocol import RefitError, RefitMismatchError, TensorSpec
 from nemo_dataplane.refit.reshard import (
@@ -51,6 +51,7 @@ __all__ = [
     "ReshardSender",
     "Shard",
     "TensorSpec",
+    "WeightTransferConfig",
     "build_layout",
     "layer_stages",
     "plan_reshard",

@@ -6,7 +6,6 @@ process pool, the stateless-group and packed-refit bodies), which they build on.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -150,21 +149,9 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
     done signal to use (default: the endpoint's). ``delay_cycles``: each sender queues a GPU
     sleep of that many cycles on its current stream before each refit, so its copies start
     late; a receiver reports whether its current stream still had work pending when the refit
-    returned (``pending_at_return``). ``open_mode``: ``NEMO_DATAPLANE_IPC_OPEN`` for this call
-    (how a sender opens a receiver on another GPU)."""
+    returned (``pending_at_return``). ``open_mode``: ``"torch"`` has senders open receivers on
+    another GPU with torch's IPC open (``ipc_map_peers=False``) instead of mapping them."""
     from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
-
-    if open_mode is not None:  # pool workers outlive the call: set for it, restored after
-        before = os.environ.get("NEMO_DATAPLANE_IPC_OPEN")
-        os.environ["NEMO_DATAPLANE_IPC_OPEN"] = open_mode
-        try:
-            return reshard_roundtrip(rank, world, port, case, versions, bucket_bytes, direct_bytes, backend, gpus,
-                                     transport, timings, done, delay_cycles)
-        finally:
-            if before is None:
-                os.environ.pop("NEMO_DATAPLANE_IPC_OPEN", None)
-            else:
-                os.environ["NEMO_DATAPLANE_IPC_OPEN"] = before
 
     dev = torch.device("cpu")
     if gpus is not None:
@@ -179,7 +166,7 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         # A strided source exercises packing from views.
         mine = {k: (_noncontig(v) if k.endswith("o_proj.weight") else v) for k, v in mine.items()}
         ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes, transport=transport,
-                                device=dev)
+                                device=dev, ipc_map_peers=open_mode != "torch")
         plan = ep.prepare_refit_info()
         if timings:
             ep.timings = []

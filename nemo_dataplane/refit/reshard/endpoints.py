@@ -20,13 +20,14 @@ shards its layout gives it; fused ones included) and carry them over the group
 
    * ``transport="p2p"``: each rank's part of the exchange (``transports/exchange.py``:
      send/recv per round over NCCL or gloo, packed buckets and direct pieces);
-   * ``transport="ipc"`` (CUDA, every pair on one host; ``sharded_ipc.py``): receivers
-     exported their tensors at prepare; each sender writes its pieces straight into them with
-     copy-engine copies, then signals them: by default through an interprocess CUDA event the
-     receiver's stream waits on, so ``receive_weights()`` returns with the weights valid on
-     the receiver's current stream (not yet on the host); ``NEMO_DATAPLANE_RESHARD_DONE=host``:
-     a host-side ``done`` exchange after the copies. The group only carries control, so it may
-     be a gloo group even when several ranks share a GPU.
+   * ``transport="ipc"`` (CUDA, every pair on one host; ``ipc_control.py``, ``ipc_push.py``):
+     receivers exported their tensors at prepare; each sender writes its pieces straight into
+     them with copy-engine copies, then signals them: with ``ipc_done="event"`` (default)
+     through an interprocess CUDA event the receiver's stream waits on, so
+     ``receive_weights()`` returns with the weights valid on the receiver's current stream
+     (not yet on the host); ``ipc_done="host"``: a host-side ``done`` exchange after the
+     copies. The group only carries control, so it may be a gloo group even when several
+     ranks share a GPU.
 
 ``timings``: opt-in host-side phase timing (``None`` by default: nothing is recorded). Set it to
 a list and every refit appends a dict of ``time.perf_counter()`` marks, ``"start"`` then the end
@@ -48,14 +49,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import time
 from collections.abc import Mapping
 
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup
-from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU, RESHARD_TRANSPORTS
+from nemo_dataplane.refit.config import (
+    DEFAULT_BUCKET_BYTES_CPU,
+    DEFAULT_BUCKET_BYTES_GPU,
+    MIN_BUCKET_BYTES,
+    RESHARD_TRANSPORTS,
+)
 from nemo_dataplane.refit.cuda import ipc as _ipc
 from nemo_dataplane.refit.protocol import (
     MAGIC,
@@ -88,7 +93,8 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
     sender = False
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
-                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+                 device: torch.device | str | int | None = None, channel: str = "reshard",
+                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
         super().__init__(group, named_tensors, channel)
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a nemo_dataplane.refit.Layout, got {type(layout).__name__}")
@@ -114,12 +120,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         # Opt-in phase marks of each refit (see the module doc); None: off.
         self.timings: list[dict[str, float]] | None = None
         self._nmax = 0  # control exchanges (_max) since prepare
-        # How _max exchanges: "store" (default) or "gloo" (the group's all_reduce, the earlier
-        # way, kept for comparison); the same on every rank.
-        self.control = os.environ.get("NEMO_DATAPLANE_RESHARD_CONTROL", "store")
-        if self.control not in ("store", "gloo"):
-            raise ValueError(f"NEMO_DATAPLANE_RESHARD_CONTROL={self.control!r}: expected 'store' or 'gloo'")
-        self._init_ipc()
+        # How _max exchanges: "store" or "gloo" (the group's all_reduce, which
+        # benchmarks/reshard_bench.py times against it by setting this); the same on every rank.
+        self.control = "store"
+        self._init_ipc(ipc_done, ipc_map_peers)
 
     # -- prepare
 
@@ -291,7 +295,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
         if d_max != -neg_d_min:
             raise RefitError(f"rank {g.rank}: the ranks disagree on the ipc done signal (this rank: "
-                             f"{self.done!r}); set NEMO_DATAPLANE_RESHARD_DONE alike on every rank")
+                             f"{self.done!r}); configure ipc_done alike on every rank")
         return v_max
 
     def _max(self, vals: list[int], what: str) -> list[int]:
@@ -299,11 +303,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
         Each rank posts its values under a key numbered by the exchange, then one blocking
         ``wait`` (answered by the store server when the last key lands; no polling) and one
-        ``multi_get`` of the others' keys (one round trip instead of one per rank). Measured on
-        one H200 (3 ranks): a gloo ``all_reduce`` of these 6 int64 took 0.6-0.9 ms after the last
-        rank joined, on the critical path twice per ipc refit
-        (docs/refit.md, section 6). A rank's key of two exchanges ago is deleted: every rank has
-        read it, since each posts exchange n only after reading every key of n - 1."""
+        ``multi_get`` of the others' keys (one round trip instead of one per rank): cheaper on
+        the critical path than a gloo ``all_reduce`` (docs/refit.md, section 6.4). A rank's key
+        of two exchanges ago is deleted: every rank has read it, since each posts exchange n
+        only after reading every key of n - 1."""
         g = self.group
         if self.control == "gloo":
             t = torch.tensor(vals, dtype=torch.int64, device=g.device)
@@ -396,20 +399,25 @@ class ReshardSender(_ReshardEndpoint):
             else p2p on an NCCL group; CPU: p2p). Receivers follow the senders'.
         device: where the tensors live (default: the group's device).
         channel: store namespace, for several refits on one group.
+        ipc_done: ipc: ``"event"`` or ``"host"``, as ``WeightTransferConfig.ipc_done``; the
+            same on every rank (receivers take it too).
+        ipc_map_peers: ipc: as ``WeightTransferConfig.ipc_map_peers`` (senders only).
     """
 
     sender = True
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None, transport: str = "auto",
-                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
-        super().__init__(group, named_tensors, layout, device=device, channel=channel)
+                 device: torch.device | str | int | None = None, channel: str = "reshard",
+                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
+        super().__init__(group, named_tensors, layout, device=device, channel=channel, ipc_done=ipc_done,
+                         ipc_map_peers=ipc_map_peers)
         if transport not in RESHARD_TRANSPORTS:
             raise ValueError(f"transport must be one of {RESHARD_TRANSPORTS}, got {transport!r}")
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
-        if bucket_bytes < 256:
-            raise ValueError(f"bucket_bytes must be >= 256, got {bucket_bytes}")
+        if bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be >= {MIN_BUCKET_BYTES}, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
         if direct_bytes is None:
             direct_bytes = min(DEFAULT_DIRECT_BYTES, self.bucket_bytes + 1)
@@ -428,13 +436,14 @@ class ReshardReceiver(_ReshardEndpoint):
     """Generator side of a resharding refit: receives into this rank's tensors in place.
 
     ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under
-    their fused name). ``version`` holds the last completed refit's version.
+    their fused name). ``version`` holds the last completed refit's version. Keywords as
+    ``_ReshardEndpoint`` (``device``, ``channel``, ``ipc_done``; ``ipc_map_peers`` is unused here).
     """
 
     def receive_weights(self) -> int:
         """Receive this rank's pieces of one refit; return (and store) its version.
 
-        With ``transport="ipc"`` and the default ``done="event"`` the weights are valid on the
+        With ``transport="ipc"`` and the default ``ipc_done="event"`` the weights are valid on the
         stream current at the call (work queued on it afterwards runs after every copy), not
         yet on the host: synchronise that stream before reading them elsewhere."""
         return self._refit(None)
@@ -448,7 +457,6 @@ def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
         out[name] = marks[name] - marks[prev]
     out["total"] = marks[names[-1]] - marks[names[0]]
     return out
-
 
 def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
                  device: torch.device) -> list[str]:

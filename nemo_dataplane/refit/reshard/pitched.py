@@ -69,12 +69,12 @@ class PitchedCopier:
     """Issues ``Copy`` lists on a stream through the CUDA runtime bindings ``rt``
     (``cuda.bindings.runtime``): batched (``mode == "batch"``) until the batched call is
     refused once, then one ``cudaMemcpy2DAsync`` per copy for good (``batch_error`` says why).
-    ``NEMO_DATAPLANE_IPC_BATCH=0`` turns the batched call off, as for ``ipc.PeerCopier``.
+    ``batch=False`` skips the batched call, as for ``cuda.copy_engine.PeerCopier``.
     A refused ``cudaMemcpy2DAsync`` raises (the caller falls back to torch copies)."""
 
-    def __init__(self, rt: Any) -> None:
+    def __init__(self, rt: Any, batch: bool = True) -> None:
         self._rt = rt
-        self.batch = batch_allowed(rt, "cudaMemcpy3DBatchAsync")
+        self.batch = batch and batch_allowed(rt, "cudaMemcpy3DBatchAsync")
         self.batch_error: str | None = None
         self._ops: tuple[list[Copy], list[Any]] | None = None  # the op list of the last copies
 

@@ -71,8 +71,8 @@ from nemo_dataplane.refit.protocol import (
     RefitError,
     RefitMismatchError,
     clip,
-    dtype_name,
 )
+from nemo_dataplane.refit.reshard.checks import diff_layouts, diff_locals
 from nemo_dataplane.refit.reshard.ipc_control import IpcRefit, get_all, has_key, mark
 from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 from nemo_dataplane.refit.reshard.layout import Layout, LayoutError, LocalTensor
@@ -168,8 +168,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         if src is not None and dst is not None:
             mine = src if self.sender else dst
             if mine.to_json() != self.layout.to_json():
+                diff = diff_layouts(self.layout, mine)
                 problems.append(f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
-                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})")
+                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})"
+                                + (f": {clip(diff)}" if diff else ""))
             if self.sender and opts != self._options():
                 problems.append(f"options {self._options()} differ from the first sender's {opts}")
             missing = sorted(set(range(g.world_size)) - set(src.mesh.ranks) - set(dst.mesh.ranks))
@@ -227,7 +229,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         except (LayoutError, TypeError, ValueError) as e:
             return [str(e)]
         self._locals = want
-        return _diff_locals(want, tensors, self.device)
+        return diff_locals(want, tensors, self.device)
 
     def _agree(self, problems: list[str]) -> None:
         """Post this rank's status, wait for every rank's, raise if any failed. Ranks with the
@@ -267,7 +269,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
     def _checked(self) -> Mapping[str, torch.Tensor]:
         tensors = self._tensors()
-        problems = _diff_locals(self._locals, tensors, self.device)
+        problems = diff_locals(self._locals, tensors, self.device)
         if problems:
             raise RefitMismatchError(f"rank {self.group.rank}: tensors changed since prepare_refit_info(): "
                                      f"{clip(problems)}")
@@ -456,21 +458,4 @@ def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
     for prev, name in zip(names, names[1:]):
         out[name] = marks[name] - marks[prev]
     out["total"] = marks[names[-1]] - marks[names[0]]
-    return out
-
-def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
-                 device: torch.device) -> list[str]:
-    out = []
-    for name, lt in want.items():
-        t = tensors.get(name)
-        if t is None:
-            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, but it has no such tensor")
-            continue
-        shape, dt = tuple(t.shape), dtype_name(t.dtype)
-        if shape != lt.shape or dt != lt.dtype:
-            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is "
-                       f"{list(shape)} {dt}")
-        if t.device != device:
-            out.append(f"{name}: on {t.device}, expected {device}")
-    out += [f"{n}: tensor not in the layout (it would go stale)" for n in tensors if n not in want]
     return out

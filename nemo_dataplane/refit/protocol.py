@@ -8,7 +8,9 @@
   magic, a fingerprint of what was agreed at prepare, the version and a status, so a receiver
   learns of an abort or a stale layout before any bulk data moves (docs/refit.md, sections 2-3);
 * ``Endpoint``: store keys under the group's prefix and a channel, a counter per prepare and
-  per refit, and error reports between ranks.
+  per refit, and error reports between ranks;
+* the facade: ``WeightSender`` / ``WeightReceiver``, the one interface every family
+  implements, which ``nemo_dataplane.refit.factory`` builds from a ``WeightTransferConfig``.
 
 No family module is imported here; the families import this one.
 """
@@ -16,6 +18,7 @@ No family module is imported here; the families import this one.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
@@ -36,9 +39,13 @@ __all__ = [
     "RefitError",
     "RefitMismatchError",
     "TensorSpec",
+    "WeightReceiver",
+    "WeightSender",
     "clip",
+    "current_tensors",
     "dtype_from_name",
     "dtype_name",
+    "reusable",
     "to_dict",
 ]
 
@@ -104,9 +111,11 @@ def clip(lines: list[str]) -> str:
     return "; ".join(shown) + more
 
 
-def _materialize(source: NamedTensors) -> NamedTensors:
-    # A generator (e.g. module.named_parameters()) can be iterated once only; callables are
-    # re-evaluated at every refit so they may return fresh views.
+def reusable(source: NamedTensors) -> NamedTensors:
+    """``source`` in a form that can be read again at every refit: a mapping or a callable as
+    it is (a callable is re-evaluated each time, so it may return fresh views), any other
+    iterable of pairs as a dict (a generator such as ``module.named_parameters()`` can be
+    iterated once only)."""
     if callable(source) or isinstance(source, Mapping):
         return source
     return to_dict(source)
@@ -125,6 +134,12 @@ def to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor
     return out
 
 
+def current_tensors(source: NamedTensors) -> dict[str, torch.Tensor]:
+    """What ``source`` holds now (a callable is called once), as a dict."""
+    got = source() if callable(source) else source
+    return dict(got) if isinstance(got, Mapping) else to_dict(got)
+
+
 class Endpoint:
     """What every refit endpoint shares: its tensors, store keys, counters, error reports.
 
@@ -136,7 +151,7 @@ class Endpoint:
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, channel: str) -> None:
         self.group = group
         self.channel = channel
-        self._source = _materialize(named_tensors)
+        self._source = reusable(named_tensors)
         self._gen = 0
         self._seq = 0
         # Fingerprint of what the ranks agreed on at prepare; every refit header carries it.
@@ -172,3 +187,63 @@ class Endpoint:
         """
         self.release_buffers()
 
+
+# ---------------------------------------------------------------- the facade
+
+
+class WeightSender(ABC):
+    """Trainer side of a weight transfer, whatever the family (``factory.build_weight_sender``).
+
+    Every method is collective with every rank of the group (each receiver calls the matching
+    ``WeightReceiver`` method). Contract, checked by
+    ``nemo_dataplane.testing.weight_transfer_conformance``:
+
+    * ``prepare_refit_info()`` once before the first refit (and again after ``close()`` or
+      whenever the tensors' names, shapes or dtypes change): agrees on them with every
+      receiver; a disagreement raises ``RefitMismatchError`` on every rank, naming the
+      parameters, before any weights move;
+    * ``send_weights(version)`` moves the current values, tagged with ``version``; if this
+      rank's tensors no longer match what was prepared it raises (``RefitMismatchError``), every
+      receiver raises ``RefitError`` without touching its tensors, and the next refit works;
+    * ``close()`` frees what the sender holds; idempotent; call on every rank before destroying
+      the group.
+    """
+
+    version: int | None
+
+    @abstractmethod
+    def prepare_refit_info(self) -> object:
+        """Agree on the tensors with every receiver; returns the family's description of it."""
+
+    @abstractmethod
+    def send_weights(self, version: int) -> None:
+        """Send the current weights as refit ``version``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release handles and buffers (idempotent)."""
+
+
+class WeightReceiver(ABC):
+    """Generator side of a weight transfer (``factory.build_weight_receiver``): writes into its
+    tensors in place, so whoever holds them (an inference engine) sees the new values.
+
+    ``receive_weights()`` returns the version the sender passed and stores it in ``version``
+    (``None`` before the first refit); otherwise as ``WeightSender``. Some transports leave the
+    values valid on the stream that was current at the call rather than on the host (the
+    family documents it); synchronise that stream before reading them elsewhere.
+    """
+
+    version: int | None
+
+    @abstractmethod
+    def prepare_refit_info(self) -> object:
+        """Agree on the tensors with the senders and every other receiver."""
+
+    @abstractmethod
+    def receive_weights(self) -> int:
+        """Receive one refit into the tensors in place; return its version."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release handles and buffers (idempotent)."""

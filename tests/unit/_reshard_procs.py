@@ -376,3 +376,40 @@ def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: fl
     g.barrier()
     g.destroy()
     return out
+
+
+def facade_reshard(rank: int, world: int, port: int, versions: tuple[int, ...] = (7, 8)) -> dict[str, Any]:
+    """TP=2 -> TP=1 through the facade, as the trainer uses it: ranks 0 and 1 pass their TP
+    shards (HF names, hand-sharded) with the full shapes; rank 2 passes whole tensors. The
+    receiver compares its bits with the unsharded weights after each refit."""
+    from nemo_dataplane.refit import WeightTransferConfig, build_weight_receiver, build_weight_sender
+
+    cfg = WeightTransferConfig(family="reshard", bucket_bytes=1024, direct_bytes=512)
+    g = _group(rank, world, port, "gloo")
+    shapes = reshard_shapes()
+    out: dict[str, Any] = {}
+    if rank < 2:
+        mine = hand_shards(reshard_full(0), tp=2, tpr=rank)
+        ep: Any = build_weight_sender(cfg, g, mine, senders=2, full_shapes=shapes)
+        ep.prepare_refit_info()
+        for i, v in enumerate(versions):
+            if i:
+                for k, t in hand_shards(reshard_full(i), tp=2, tpr=rank).items():
+                    mine[k].copy_(t)
+            ep.send_weights(v)
+        out["sent"] = ep.bytes_moved
+    else:
+        mine = {n: torch.zeros(s, dtype=dt) for n, (s, dt) in shapes.items()}
+        ep = build_weight_receiver(cfg, g, mine, senders=2)
+        ep.prepare_refit_info()
+        out["refits"] = []
+        for i in range(len(versions)):
+            v = ep.receive_weights()
+            want = reshard_full(i)
+            out["refits"].append({"version": v, "wrong": sorted(k for k in want
+                                                                if not torch.equal(_bytes(mine[k]), _bytes(want[k])))})
+    out["kind"] = type(ep).__name__
+    g.barrier()
+    ep.close()
+    g.destroy()
+    return out

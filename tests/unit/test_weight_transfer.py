@@ -1,13 +1,35 @@
-"""The weight-transfer options (``WeightTransferConfig``)."""
+"""The weight-transfer facade: its options (``WeightTransferConfig``), the factory and registry."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
 from nemo_dataplane.config import ConfigError
+from nemo_dataplane.refit import (
+    Mesh,
+    RefitReceiver,
+    RefitSender,
+    ReshardReceiver,
+    ReshardSender,
+    WeightReceiver,
+    WeightSender,
+    build_weight_receiver,
+    build_weight_sender,
+    register_weight_transfer,
+    weight_transfer_families,
+)
 from nemo_dataplane.refit.config import BUILTIN_TRANSPORTS, MIN_BUCKET_BYTES, WeightTransferConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _refit_procs as P  # noqa: E402
+import _reshard_procs as R  # noqa: E402
 
 # ---------------------------------------------------------------- options
 
@@ -54,3 +76,81 @@ def test_a_third_party_family_may_name_its_own_transport() -> None:
     # Checked against the family's registered choices when it is built (factory), not here.
     assert WeightTransferConfig(family="mine", transport="rdma").transport == "rdma"
     assert set(BUILTIN_TRANSPORTS) == {"packed", "reshard"}
+
+
+# ---------------------------------------------------------------- factory and registry
+
+
+def _fake_group(rank: int, world: int) -> Any:
+    # Building an endpoint does not communicate: a stand-in group is enough for these checks.
+    return SimpleNamespace(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"), prefix="t")
+
+
+def test_the_factory_builds_either_built_in_family_from_the_config_alone() -> None:
+    whole = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 2), "model.norm.weight": torch.zeros(2)}
+    packed = WeightTransferConfig(bucket_bytes=4096, transport="broadcast")
+    snd = build_weight_sender(packed, _fake_group(0, 3), whole)
+    rcv = build_weight_receiver(packed, _fake_group(2, 3), whole)
+    assert isinstance(snd, RefitSender) and isinstance(rcv, RefitReceiver)
+    assert isinstance(snd, WeightSender) and isinstance(rcv, WeightReceiver)
+    assert (snd.bucket_bytes, snd.transport, rcv.src) == (4096, "broadcast", 0)
+
+    reshard = {"family": "reshard", "transport": "p2p", "ipc_done": "host"}  # a mapping works too
+    shard = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2), "model.norm.weight": torch.zeros(2)}
+    full = {n: (tuple(t.shape), t.dtype) for n, t in whole.items()}
+    snd = build_weight_sender(reshard, _fake_group(1, 3), shard, senders=2, full_shapes=full)
+    rcv = build_weight_receiver(reshard, _fake_group(2, 3), (p for p in whole.items()), senders=2)  # a generator
+    assert isinstance(snd, ReshardSender) and isinstance(rcv, ReshardReceiver)
+    assert snd.layout.mesh == Mesh.of([0, 1], tp=2) and snd.done == rcv.done == "host"
+    assert snd.layout.local_tensors(1)["model.layers.0.self_attn.q_proj.weight"].shape == (2, 2)  # column-parallel
+    assert rcv.layout.mesh == Mesh.of([2], dp=1, tp=1) and sorted(rcv._tensors()) == sorted(whole)
+
+
+def test_the_factory_refuses_what_no_family_can_do() -> None:
+    t = {"w": torch.zeros(2)}
+    with pytest.raises(ConfigError, match=r"refit\.family='nope' is not a registered"):
+        build_weight_sender(WeightTransferConfig(family="nope"), _fake_group(0, 2), t)
+    with pytest.raises(ValueError, match="group rank 1 cannot be a sender with senders=1"):
+        build_weight_sender(WeightTransferConfig(), _fake_group(1, 2), t)
+    with pytest.raises(ValueError, match="group rank 0 cannot be a receiver"):
+        build_weight_receiver(WeightTransferConfig(), _fake_group(0, 2), t)
+    with pytest.raises(ValueError, match=r"senders must be an int in \[1, 1\]"):
+        build_weight_sender(WeightTransferConfig(), _fake_group(0, 2), t, senders=2)
+    with pytest.raises(ValueError, match="packed family sends whole weights from one rank"):
+        build_weight_sender(WeightTransferConfig(), _fake_group(0, 3), t, senders=2)
+    with pytest.raises(ValueError, match="pass full_shapes"):
+        build_weight_sender(WeightTransferConfig(family="reshard"), _fake_group(0, 3), t, senders=2)
+
+
+def test_a_third_party_family_registers_by_name() -> None:
+    built: list[tuple[str, int]] = []
+
+    def sender(config: WeightTransferConfig, group: Any, named: Any, *, senders: int, full_shapes: Any,
+               device: Any) -> Any:
+        built.append(("sender", senders))
+        return RefitSender(group, named)
+
+    def receiver(config: WeightTransferConfig, group: Any, named: Any, *, senders: int, device: Any) -> Any:
+        built.append(("receiver", senders))
+        return object()  # not a WeightReceiver
+
+    register_weight_transfer("test-only", sender, receiver, transports=("auto", "carrier"), replace=True)
+    assert "test-only" in weight_transfer_families()
+    with pytest.raises(ValueError, match="already registered"):
+        register_weight_transfer("test-only", sender, receiver)
+    cfg = WeightTransferConfig(family="test-only", transport="carrier")
+    assert isinstance(build_weight_sender(cfg, _fake_group(0, 2), {"w": torch.zeros(1)}), RefitSender)
+    with pytest.raises(TypeError, match="not a WeightReceiver"):
+        build_weight_receiver(cfg, _fake_group(1, 2), {"w": torch.zeros(1)})
+    with pytest.raises(ConfigError, match=r"refit\.transport must be one of \['auto', 'carrier'\]"):
+        build_weight_sender(WeightTransferConfig(family="test-only", transport="rdma"), _fake_group(0, 2), {})
+    assert built == [("sender", 1), ("receiver", 1)]
+
+
+def test_the_facade_reshards_tp2_to_tp1_as_the_trainer_uses_it(pool: P.Pool) -> None:
+    res = P.run_ranks(pool, R.facade_reshard, [0, 1, 2], world=3, port=P.free_port())
+    for r, out in res.items():
+        assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
+    assert [res[r]["kind"] for r in (0, 1, 2)] == ["ReshardSender", "ReshardSender", "ReshardReceiver"]
+    assert res[2]["refits"] == [{"version": 7, "wrong": []}, {"version": 8, "wrong": []}]
+    assert res[0]["sent"] > 0 and res[1]["sent"] > 0  # each TP rank sent its own shards

@@ -25,13 +25,20 @@ from nemo_dataplane.refit.packed.base import diff_specs
 from nemo_dataplane.refit.packed.collective import CollectiveReceiver, CollectiveSender
 from nemo_dataplane.refit.packed.cuda_ipc import IPC_COPY_ON, IPC_DIRECTIONS, IpcReceiver, IpcSender
 from nemo_dataplane.refit.packed.plan import DEFAULT_GROUP_BYTES, DEFAULT_TRANSPORT_GPU, RefitInfo
-from nemo_dataplane.refit.protocol import STATUS_ABORT, NamedTensors, RefitError, RefitMismatchError
+from nemo_dataplane.refit.protocol import (
+    STATUS_ABORT,
+    NamedTensors,
+    RefitError,
+    RefitMismatchError,
+    WeightReceiver,
+    WeightSender,
+)
 from nemo_dataplane.refit.protocol import clip as _clip
 
 __all__ = ["TRANSPORTS", "RefitReceiver", "RefitSender"]
 
 
-class RefitSender(CollectiveSender, IpcSender):
+class RefitSender(CollectiveSender, IpcSender, WeightSender):
     """Trainer side: broadcasts ``named_tensors`` from this rank (the group's ``src``).
 
     Args:
@@ -166,7 +173,7 @@ class RefitSender(CollectiveSender, IpcSender):
         self.version = version
 
 
-class RefitReceiver(CollectiveReceiver, IpcReceiver):
+class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
     """Generator side: receives into ``named_tensors`` in place from rank ``src``.
 
     ``version`` holds the version of the last completed refit (``None`` before the first).

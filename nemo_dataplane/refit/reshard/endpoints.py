@@ -70,6 +70,8 @@ from nemo_dataplane.refit.protocol import (
     NamedTensors,
     RefitError,
     RefitMismatchError,
+    WeightReceiver,
+    WeightSender,
     clip,
 )
 from nemo_dataplane.refit.reshard.checks import diff_layouts, diff_locals
@@ -383,7 +385,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             self._push = None
 
 
-class ReshardSender(_ReshardEndpoint):
+class ReshardSender(_ReshardEndpoint, WeightSender):
     """Trainer side of a resharding refit: this rank's shards, as its ``layout`` gives them.
 
     Args:
@@ -434,7 +436,7 @@ class ReshardSender(_ReshardEndpoint):
         self._refit(int(version))
 
 
-class ReshardReceiver(_ReshardEndpoint):
+class ReshardReceiver(_ReshardEndpoint, WeightReceiver):
     """Generator side of a resharding refit: receives into this rank's tensors in place.
 
     ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under

@@ -1,4 +1,6 @@
-"""The weight-transfer facade: its options (``WeightTransferConfig``), the factory and registry."""
+"""The weight-transfer facade: its options (``WeightTransferConfig``), the factory and registry,
+and the conformance suite applied to both built-in families, a third-party toy, and broken toys
+that it must fail."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from nemo_dataplane.refit import (
     weight_transfer_families,
 )
 from nemo_dataplane.refit.config import BUILTIN_TRANSPORTS, MIN_BUCKET_BYTES, WeightTransferConfig
+from nemo_dataplane.testing.weight_transfer_conformance import WeightTransferConformance
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # _toy_transport, for the suite's rank processes too
 import _refit_procs as P  # noqa: E402
 import _reshard_procs as R  # noqa: E402
 
@@ -154,3 +157,39 @@ def test_the_facade_reshards_tp2_to_tp1_as_the_trainer_uses_it(pool: P.Pool) -> 
     assert [res[r]["kind"] for r in (0, 1, 2)] == ["ReshardSender", "ReshardSender", "ReshardReceiver"]
     assert res[2]["refits"] == [{"version": 7, "wrong": []}, {"version": 8, "wrong": []}]
     assert res[0]["sent"] > 0 and res[1]["sent"] > 0  # each TP rank sent its own shards
+
+
+# ---------------------------------------------------------------- the conformance suite, applied
+
+
+class TestPackedFamilyConforms(WeightTransferConformance):
+    # Small buckets: the model goes as several buckets plus tensors on their own.
+    config = WeightTransferConfig(family="packed", bucket_bytes=1024)
+
+
+class TestReshardFamilyConforms(WeightTransferConformance):
+    config = WeightTransferConfig(family="reshard", bucket_bytes=1024, direct_bytes=512)
+
+
+class TestToyThirdPartyFamilyConforms(WeightTransferConformance):
+    # tests/unit/_toy_transport.py: a family written against the facade alone.
+    config = WeightTransferConfig(family="toy")
+    setup_modules = ("_toy_transport",)
+
+
+@pytest.mark.parametrize(
+    ("family", "check", "message"),
+    [
+        ("toy-int32-version", "check_a_second_refit_delivers_new_weights_and_its_version",
+         r"refit 1 returned version 3, the sender sent 1099511627779"),
+        ("toy-lossy", "check_weights_arrive_bit_exact",
+         r"differ from the sender's bits: \['model\.embed_tokens\.weight'"),
+        ("toy-names-only", "check_a_shape_mismatch_raises_naming_the_parameter",
+         r"expected RefitMismatchError, nothing was raised"),
+    ],
+)
+def test_the_suite_fails_a_broken_transport(family: str, check: str, message: str) -> None:
+    suite = WeightTransferConformance.for_config(WeightTransferConfig(family=family), setup_modules=("_toy_transport",))
+    with pytest.raises(AssertionError, match=message):
+        getattr(suite, check)()
+    suite.check_a_refit_before_prepare_raises()  # the rest of the contract may well hold

@@ -98,9 +98,8 @@ class PeerCopier:
         """The copies as argument lists for (at most) two calls: the first copies up to
         ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host time
         per copy in a batched call and starts copying only once it returns, so a short first
-        call gets the bytes moving while the second is still being issued (measured 0.1 ms
-        faster end to end). Kept while the same plan is issued again: their host cost is on the
-        critical path of every refit."""
+        call gets the bytes moving while the second is still being issued. Kept while the same
+        plan is issued again: their host cost is on the critical path of every refit."""
         cached = self._chunks
         if cached is not None and cached[0] is runs:
             return cached[1]

@@ -30,7 +30,7 @@ __all__ = ["AUTO_IPC_MAX_RECEIVERS", "AUTO_PICKS_IPC", "IPC_COPY_ON", "IPC_DIREC
 # GPU (falling back to DEFAULT_TRANSPORT_GPU if opening the handles fails anywhere), for at most
 # AUTO_IPC_MAX_RECEIVERS receivers: each receiver pulls its own copy out of the sender's GPU,
 # so several share the sender's NVLink bandwidth, where a broadcast forwards along a ring
-# (measured: one receiver on 2x H200, docs/refit.md section 5).
+# (docs/refit.md, section 5).
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
 IPC_COPY_ON = ("src", "dst")

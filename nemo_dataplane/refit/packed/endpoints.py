@@ -48,12 +48,12 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
         bucket_bytes: bucket size (default 1 GiB on GPU, 64 MiB on CPU).
         direct_bytes: tensors at least this large skip the buckets and go on their own; ``0``
             sends every tensor on its own. Default: ``0`` on GPU when ``bucket_bytes`` is not
-            given (per-tensor measured fastest over NVLink, docs/refit.md section 5), otherwise
-            only tensors larger than a bucket.
+            given (per tensor is faster than packing over NVLink, docs/refit.md section 5),
+            otherwise only tensors larger than a bucket.
         group_bytes: on GPU, direct tensors are issued in NCCL groups of about this many bytes.
         transport: ``"broadcast"`` (one broadcast per transfer), ``"p2p"`` (send/recv from the
-            source to each receiver; measured no faster than broadcast on 2x H200, kept for
-            comparison), ``"ipc"`` (same host, NCCL group: receivers copy from this process's
+            source to each receiver; no faster than broadcast over NVLink, docs/refit.md
+            section 5), ``"ipc"`` (same host, NCCL group: receivers copy from this process's
             tensors through CUDA IPC handles with copy-engine peer copies; raises if a rank is
             elsewhere or cannot open the handles) or ``"auto"`` (on NCCL with at most
             ``AUTO_IPC_MAX_RECEIVERS`` receivers: ``"ipc"`` when every rank is on this host and
@@ -68,7 +68,7 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
             reached their host) or ``None`` (push where this process sees every receiver's GPU,
             else pull). docs/refit.md, section 3.
         ipc_copy_on: pull only: the receiver issues its copies on a stream of the sender's GPU
-            (``"src"``) or of its own (``"dst"``); measured equal.
+            (``"src"``) or of its own (``"dst"``); equally fast (docs/refit.md, section 5).
         channel: store namespace, for several senders on one group.
     """
 

@@ -208,8 +208,8 @@ class IpcPush:
 
         An IPC event is waited on only by a stream of the GPU it was made on (where it was
         opened): for a sender on another GPU a stream there waits on it and records a plain
-        event, which ``stream`` waits on (cross-GPU waits on plain events are supported); run
-        bit-exact and ordered after late copies on 2x H200 (test_sharded_gpu.py)."""
+        event, which ``stream`` waits on (cross-GPU waits on plain events are supported;
+        tests/unit/test_sharded_gpu.py checks the ordering after late copies)."""
         for r, ev in self.sender_events.items():
             side = self._bridges.get(r)
             if side is None:

@@ -440,8 +440,8 @@ class ReshardReceiver(_ReshardEndpoint, WeightReceiver):
     """Generator side of a resharding refit: receives into this rank's tensors in place.
 
     ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under
-    their fused name). ``version`` holds the last completed refit's version. Keywords as
-    ``_ReshardEndpoint`` (``device``, ``channel``, ``ipc_done``; ``ipc_map_peers`` is unused here).
+    their fused name). ``version`` holds the last completed refit's version. ``device``,
+    ``channel`` and ``ipc_done`` as for ``ReshardSender`` (``ipc_map_peers`` is unused here).
     """
 
     def receive_weights(self) -> int:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
-from nemo_dataplane.refit.ipc import PeerCopier  # noqa: E402
+from nemo_dataplane.refit.cuda.ipc import PeerCopier  # noqa: E402
 
 FIRST_CALL_BYTES = PeerCopier.FIRST_CALL_BYTES
 
@@ -256,7 +256,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
             ("refit ipc push, all copies in one batched call",
              dict(transport="ipc", ipc_direction="push", _first_call_bytes=1 << 62)),
             ("refit ipc push, one cudaMemcpyAsync per run",
-             dict(transport="ipc", ipc_direction="push", _env={"NEMO_DATAPLANE_IPC_BATCH": "0"})),
+             dict(transport="ipc", ipc_direction="push", _batch=False)),
             ("refit ipc pull (receiver copies, on the sender's GPU)", dict(transport="ipc", ipc_direction="pull")),
             ("refit ipc pull (receiver copies, on its own GPU)",
              dict(transport="ipc", ipc_direction="pull", ipc_copy_on="dst")),
@@ -277,7 +277,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     for name, kw in modes:
         reset_receiver()
         kw = dict(kw)
-        env = kw.pop("_env", {})  # read by the copier when prepare_refit_info() creates it
+        batch = kw.pop("_batch", True)  # the copier's batched call (made by prepare_refit_info())
         PeerCopier.FIRST_CALL_BYTES = kw.pop("_first_call_bytes", FIRST_CALL_BYTES)
         if rank == 0:
             ep = RefitSender(g, tensors, channel=name, **kw)
@@ -285,12 +285,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         else:
             ep = RefitReceiver(g, tensors, src=0, channel=name)
             ep.ipc_timing = True  # CUDA events around the copies and the ack (ipc only)
-        os.environ.update(env)
-        try:
-            ep.prepare_refit_info()
-        finally:
-            for k in env:
-                os.environ.pop(k, None)
+        ep.prepare_refit_info()
+        if ep._copier is not None:
+            ep._copier.batch = ep._copier.batch and batch
         versions: list[int] = []
         timed(name, lambda i, ep=ep: ep.send_weights(i), lambda i, ep=ep: versions.append(ep.receive_weights()),
               nbytes, ep=ep)

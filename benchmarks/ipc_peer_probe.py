@@ -5,9 +5,9 @@
 Why: on 2x H200 the reshard IPC push faulted (``illegal memory access``) when a torch strided
 copy kernel on the sender's GPU wrote into a receiver's tensor on the other GPU, opened with
 torch's IPC rebuild; the same pieces as ``cudaMemcpy2DAsync`` were bit-exact
-(``exchange_ipc.py`` therefore sends 2D copies across GPUs). The suspected cause: torch opens
-an IPC handle in the *owning* GPU's context, so kernels of the writer's GPU have no mapping of
-it; ``cudaIpcOpenMemHandle`` called with the writer's GPU current and
+(``refit/reshard/ipc_push.py`` therefore sends 2D copies where torch opened the memory). The
+suspected cause: torch opens an IPC handle in the *owning* GPU's context, so kernels of the
+writer's GPU have no mapping of it; ``cudaIpcOpenMemHandle`` called with the writer's GPU current and
 ``cudaIpcMemLazyEnablePeerAccess`` should give one. This probe checks that, one fresh pair of
 processes per way (a fault poisons a CUDA context): a receiver on GPU 0 exports a zeroed
 bf16 matrix, a writer on GPU 1 opens it and writes a known pattern into a column block, the
@@ -18,7 +18,7 @@ Ways: ``torch-open + copy-engine`` (torch's rebuild, a contiguous row block: ``c
 ``writer-ctx-open + kernel`` (the handle opened with the writer's GPU current, the lazy peer
 flag, the pointer wrapped as a tensor through ``__cuda_array_interface__``, same kernel).
 ``writer-ctx-open (bindings) + kernel``: the same open through cuda-bindings (what
-``nemo_dataplane.refit.ipc.PeerMapping`` does). Prints a table, writes JSON; exits 2 without 2
+``nemo_dataplane.refit.cuda.ipc.PeerMapping`` does). Prints a table, writes JSON; exits 2 without 2
 GPUs. Session 7, 2x H200: the copy-engine write and the bindings open + kernel are bit-exact;
 torch's open + kernel faults; the ctypes open is refused (``cudaErrorInvalidValue``, also with
 the owner's GPU current: the ctypes call, not the context; torch's handle is 66 bytes, version
@@ -233,7 +233,7 @@ def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, st
     moved = RATE_BYTES if not width else RATE_BYTES // 2
     copier = None
     if streams == 0:
-        from nemo_dataplane.refit.ipc import PeerCopier
+        from nemo_dataplane.refit.cuda.ipc import PeerCopier
 
         copier = PeerCopier()
         runs = [[d0 + k * size, s0 + k * size, size, []] for k in range(n)]

@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nemo_dataplane.distributed import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
-from nemo_dataplane.refit import reshard as _reshard  # noqa: E402
-from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
-from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender  # noqa: E402
+from nemo_dataplane.refit.reshard import plan as _reshard  # noqa: E402
+from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
+from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
 from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -234,17 +234,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
               "issued first)")
         if sender:
             ep._push.order = first
-        # The done signal on the host (the earlier way): a done exchange after the copies.
+        # The done signal on the host (ipc_done="host"): a done exchange after the copies.
         done = ep.done
         ep.done = "host"
-        if done != "host":  # across GPUs the host signal is already the default (sharded_ipc)
+        if done != "host":  # already timed above if the endpoints were configured with it
             again(f"reshard ({transport}, done on the host)")
         # ... with control over the group's gloo all_reduce instead of the store (earlier still).
         ep.control = "gloo"
         again(f"reshard ({transport}, done on the host, control as gloo all_reduce)")
         ep.control = "store"
         ep.done = done
-        if rank == 0:  # what the placement chose (sharded_ipc / exchange_ipc module docs)
+        if rank == 0:  # what the placement chose (reshard/ipc_control.py, reshard/ipc_push.py module docs)
             out["ipc_modes"] = {"done": done, "pitched": ep._push.pitched, "cross_gpu": ep._push.cross_gpu}
         if (tp_train, tp_gen) == (2, 1):
             # The same copies with no control, from 1 or 2 processes (reshard_phases.py).

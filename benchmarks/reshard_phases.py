@@ -1,6 +1,6 @@
 """``bench_refit.py --reshard`` diagnostics: where a resharding refit's time goes.
 
-* **Host phases** (every scenario): each endpoint's opt-in ``timings`` (``refit/sharded.py``)
+* **Host phases** (every scenario): each endpoint's opt-in ``timings`` (``refit/reshard/endpoints.py``)
   over the timed refits; per rank, the median duration of each phase and the median time its
   end comes after the first rank's start of that refit (host clocks are one clock: same host).
 * **Copies only** (GPU, ``transport="ipc"``, two senders): the senders' copies of one refit,
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from nemo_dataplane.refit.sharded import phase_durations
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+from nemo_dataplane.refit.reshard import phase_durations
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 
 MODES = ("sender 0 alone", "sender 1 alone", "both senders, 2 processes", "both shards, 1 process")
 

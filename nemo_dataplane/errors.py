@@ -14,7 +14,7 @@ family                                 where                                    
 ``StatelessGroupError``                ``nemo_dataplane.distributed.work``         ``RuntimeError``
 ``StoreAuthError``                     ``nemo_dataplane.distributed.auth``         ``RuntimeError``
 ``RefitError``                         ``nemo_dataplane.refit.protocol``           ``RuntimeError``
-``LayoutError``                        ``nemo_dataplane.refit.layout``             ``ValueError``
+``LayoutError``                        ``nemo_dataplane.refit.reshard.layout``     ``ValueError``
 =====================================  ==========================================  ===================
 """
 

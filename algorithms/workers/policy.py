@@ -131,7 +131,7 @@ class PolicyWorker:
         )
         if reshard:
             from nemo_dataplane.refit import Mesh, build_layout
-            from nemo_dataplane.refit.sharded import ReshardSender
+            from nemo_dataplane.refit.reshard import ReshardSender
 
             layout = build_layout(Mesh.of(list(range(self.tp)), tp=self.tp), self.engine.refit_shapes())
             # Where the shards live, not the group's device: an ipc refit's control group is gloo.

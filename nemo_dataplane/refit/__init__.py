@@ -1,11 +1,29 @@
-"""Weight refit trainer -> generator over a ``StatelessProcessGroup``.
+"""Weight refit trainer -> generator over a ``StatelessProcessGroup``, in two families.
 
-``RefitSender`` / ``RefitReceiver``: one trainer rank holding the whole model sends it to every
-generator rank. ``ReshardSender`` / ``ReshardReceiver``: trainer and generator both sharded (by
-``Layout``), each rank moving only the bytes it owns (docs/refit.md, section 6).
+* ``packed`` (``refit/packed/``): ``RefitSender`` / ``RefitReceiver``: one trainer rank
+  holding the whole model sends it to every generator rank.
+* ``reshard`` (``refit/reshard/``): ``ReshardSender`` / ``ReshardReceiver``: trainer and
+  generator both sharded (by ``Layout``), each rank moving only the bytes it owns.
+
+Callers need neither: ``build_weight_sender`` / ``build_weight_receiver`` (``factory.py``)
+build either family, or a third party's registered with ``register_weight_transfer``, from a
+``WeightTransferConfig`` (``config.py``), as a ``WeightSender`` / ``WeightReceiver``
+(``protocol.py``, which also holds what every family shares: errors, ``TensorSpec``, the refit
+header's constants). ``cuda/`` holds the CUDA IPC pieces both IPC transports use
+(docs/refit.md).
 """
 
-from nemo_dataplane.refit.layout import (
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU, WeightTransferConfig
+from nemo_dataplane.refit.factory import (
+    WeightTransferFamily,
+    build_weight_receiver,
+    build_weight_sender,
+    register_weight_transfer,
+    weight_transfer_families,
+)
+from nemo_dataplane.refit.packed import RefitInfo, RefitReceiver, RefitSender
+from nemo_dataplane.refit.protocol import RefitError, RefitMismatchError, TensorSpec, WeightReceiver, WeightSender
+from nemo_dataplane.refit.reshard import (
     DEFAULT_FUSIONS,
     DEFAULT_RULES,
     Layout,
@@ -13,22 +31,15 @@ from nemo_dataplane.refit.layout import (
     Mesh,
     Only,
     Replicate,
+    ReshardPlan,
+    ReshardPlanError,
+    ReshardReceiver,
+    ReshardSender,
     Shard,
     build_layout,
     layer_stages,
+    plan_reshard,
 )
-from nemo_dataplane.refit.packed import (
-    DEFAULT_BUCKET_BYTES_CPU,
-    DEFAULT_BUCKET_BYTES_GPU,
-    RefitError,
-    RefitInfo,
-    RefitMismatchError,
-    RefitReceiver,
-    RefitSender,
-    TensorSpec,
-)
-from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES_CPU",
@@ -51,7 +62,15 @@ __all__ = [
     "ReshardSender",
     "Shard",
     "TensorSpec",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightTransferConfig",
+    "WeightTransferFamily",
     "build_layout",
+    "build_weight_receiver",
+    "build_weight_sender",
     "layer_stages",
     "plan_reshard",
+    "register_weight_transfer",
+    "weight_transfer_families",
 ]

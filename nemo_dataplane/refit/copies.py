@@ -24,8 +24,8 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
 
     GPU: as few kernel launches as torch allows. CPU: numpy copies of the raw bits, single
     threaded on purpose: every torch CPU copy of a mid-size tensor wakes the OpenMP pool, and
-    with gloo's threads and a second rank on the same cores those wake-ups cost milliseconds
-    each (measured: 0.6 s instead of 10 ms for 147 tensors).
+    with gloo's threads and a second rank on the same cores those wake-ups cost far more than
+    the copies (docs/refit.md, section 3).
     """
     if not dst:
         return

@@ -1,60 +1,57 @@
-"""What refit endpoints agree on: metadata, the handshake, versions, fingerprints, errors.
+"""What every weight-transfer family shares, whatever moves its bytes.
 
-``prepare_refit_info()`` (once, collective): the sender publishes a ``RefitInfo`` (names,
-shapes, dtypes, schedule parameters) in the group's store; each receiver checks it against its
-own tensors and posts ``ok`` or its list of mismatches; every rank waits for all posts and
-raises if any rank failed, so no bulk transfer starts on a bad layout. Each refit then carries
-a 4-int header ``[magic, fingerprint, version, status]`` (docs/refit.md, sections 2-3).
+* errors: ``RefitError`` (a refit failed; the message names the ranks and tensors at fault)
+  and ``RefitMismatchError`` (sender and receiver disagree on names, shapes or dtypes; raised
+  on every rank before any bulk data moves);
+* ``TensorSpec`` and ``NamedTensors``: how endpoints describe and accept their tensors;
+* the refit header's constants (``MAGIC``, ``STATUS_*``): every refit carries the sender's
+  magic, a fingerprint of what was agreed at prepare, the version and a status, so a receiver
+  learns of an abort or a stale layout before any bulk data moves (docs/refit.md, sections 2-3);
+* ``Endpoint``: store keys under the group's prefix and a channel, a counter per prepare and
+  per refit, and error reports between ranks;
+* the facade: ``WeightSender`` / ``WeightReceiver``, the one interface every family
+  implements, which ``nemo_dataplane.refit.factory`` builds from a ``WeightTransferConfig``.
 
-``Endpoint`` is the part every transport shares: store keys, the status handshake, error
-reports between ranks, the reusable device header, side streams.
+No family module is imported here; the families import this one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Union
 
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-from nemo_dataplane.dtypes import check_shape, dtype_name
 from nemo_dataplane.dtypes import dtype_from_name as _dtype_from_name
-from nemo_dataplane.refit.plan import DEFAULT_GROUP_BYTES, Bucket, Direct, build_plan, group_directs
+from nemo_dataplane.dtypes import dtype_name
 from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
-    "DEFAULT_TRANSPORT_GPU",
     "MAGIC",
     "STATUS_ABORT",
-    "STATUS_NEW_HANDLES",
     "STATUS_OK",
-    "TRANSPORTS",
     "Endpoint",
     "NamedTensors",
     "RefitError",
-    "RefitInfo",
     "RefitMismatchError",
     "TensorSpec",
+    "WeightReceiver",
+    "WeightSender",
     "clip",
-    "diff_specs",
+    "current_tensors",
     "dtype_from_name",
     "dtype_name",
+    "reusable",
     "to_dict",
 ]
 
 MAGIC = 0x52454649  # "REFI"
 STATUS_OK = 0
 STATUS_ABORT = 1
-# ipc: the sender's tensors moved to new storage; new handles are in the store for this refit.
-STATUS_NEW_HANDLES = 2
-TRANSPORTS = ("auto", "broadcast", "p2p", "ipc")
-# What transport="auto" picks on NCCL when CUDA IPC is not possible (gloo: always "broadcast").
-DEFAULT_TRANSPORT_GPU = "broadcast"
 # Mismatch messages list at most this many lines per rank.
 MAX_LISTED = 20
 
@@ -107,88 +104,6 @@ class TensorSpec:
         return self.numel * self.torch_dtype.itemsize
 
 
-@dataclass(frozen=True)
-class RefitInfo:
-    """What the sender announces once. Later protocol versions add fields (e.g. layouts)."""
-
-    tensors: tuple[TensorSpec, ...]
-    bucket_bytes: int
-    direct_bytes: int
-    src: int
-    group_bytes: int = DEFAULT_GROUP_BYTES
-    # "broadcast": every transfer is one broadcast from ``src``; "p2p": ``src`` sends to each
-    # receiver with NCCL/gloo send/recv (one NCCL group per transfer); "ipc": receivers copy
-    # from the sender's memory through CUDA IPC handles (same host).
-    transport: str = "broadcast"
-    protocol: int = 1
-    extra: dict[str, object] = field(default_factory=dict)
-
-    def to_bytes(self) -> bytes:
-        d = asdict(self)
-        d["tensors"] = [[t.name, list(t.shape), t.dtype] for t in self.tensors]
-        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RefitInfo:
-        """Decode and validate (dtype from the fixed table, shapes of non-negative ints, sizes).
-
-        Raises:
-            RefitError: a malformed or out-of-range field (message names it).
-        """
-        try:
-            d = json.loads(data)
-            tensors = []
-            for i, (n, s, dt) in enumerate(d.pop("tensors")):
-                where = f"refit info tensors[{i}] ({n!r})"
-                dtype_from_name(dt, f"{where} dtype")
-                tensors.append(TensorSpec(str(n), check_shape(s, f"{where} shape", RefitError), dt))
-            info = cls(tensors=tuple(tensors), **d)
-        except RefitError:
-            raise
-        except (TypeError, ValueError, KeyError) as e:
-            raise RefitError(f"malformed refit info: {type(e).__name__}: {e}") from e
-        for name in ("bucket_bytes", "direct_bytes", "src", "group_bytes", "protocol"):
-            v = getattr(info, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise RefitError(f"refit info {name}: must be a non-negative int, got {v!r}")
-        return info
-
-    def fingerprint(self) -> int:
-        """A 31-bit checksum of the metadata; travels in every refit header."""
-        return zlib.crc32(self.to_bytes()) & 0x7FFFFFFF
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then: str = "",
-               now: str = "") -> list[str]:
-    """Human-readable differences between the sender's and a receiver's tensors (empty if none).
-
-    With ``then``/``now`` labels it instead compares one side's tensors over time.
-    """
-    mine = {s.name: s for s in local}
-    theirs = {s.name: s for s in sent}
-    a, b = (then, now) if then else ("sender", "receiver")
-    out: list[str] = []
-    for s in sent:
-        m = mine.get(s.name)
-        if m is None:
-            out.append(f"{s.name}: gone since prepare_refit_info()" if then
-                       else f"{s.name}: sent by the trainer, but the receiver has no such tensor")
-            continue
-        if m.shape != s.shape:
-            out.append(f"{s.name}: shape {a} {list(s.shape)} != {b} {list(m.shape)}")
-        if m.dtype != s.dtype:
-            out.append(f"{s.name}: dtype {a} {s.dtype} != {b} {m.dtype}")
-    for m in local:
-        if m.name not in theirs:
-            out.append(f"{m.name}: new since prepare_refit_info()" if then
-                       else f"{m.name}: receiver tensor not sent by the trainer (it would go stale)")
-    return out
-
-
 def clip(lines: list[str]) -> str:
     """``lines`` joined, at most ``MAX_LISTED`` of them."""
     shown = lines[:MAX_LISTED]
@@ -196,9 +111,11 @@ def clip(lines: list[str]) -> str:
     return "; ".join(shown) + more
 
 
-def _materialize(source: NamedTensors) -> NamedTensors:
-    # A generator (e.g. module.named_parameters()) can be iterated once only; callables are
-    # re-evaluated at every refit so they may return fresh views.
+def reusable(source: NamedTensors) -> NamedTensors:
+    """``source`` in a form that can be read again at every refit: a mapping or a callable as
+    it is (a callable is re-evaluated each time, so it may return fresh views), any other
+    iterable of pairs as a dict (a generator such as ``module.named_parameters()`` can be
+    iterated once only)."""
     if callable(source) or isinstance(source, Mapping):
         return source
     return to_dict(source)
@@ -217,30 +134,28 @@ def to_dict(items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor
     return out
 
 
+def current_tensors(source: NamedTensors) -> dict[str, torch.Tensor]:
+    """What ``source`` holds now (a callable is called once), as a dict."""
+    got = source() if callable(source) else source
+    return dict(got) if isinstance(got, Mapping) else to_dict(got)
+
+
 class Endpoint:
-    """What every refit endpoint shares: store keys, plan, buffers, streams, the handshake."""
+    """What every refit endpoint shares: its tensors, store keys, counters, error reports.
+
+    Keys live under ``<group prefix>/refit/<channel>/``; ``_gen`` counts ``prepare_refit_info()``
+    calls (a new prepare never reads an earlier one's keys) and ``_seq`` counts refits (error
+    keys carry it, so a failed refit's report cannot stop the next one).
+    """
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, channel: str) -> None:
         self.group = group
         self.channel = channel
-        self._source = _materialize(named_tensors)
+        self._source = reusable(named_tensors)
         self._gen = 0
-        self.info: RefitInfo | None = None
-        self.plan: list[Bucket | Direct] = []
-        self._bufs: list[torch.Tensor] = []
-        self._wire: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor]] | None = None
-        self._fp = 0
-        # Refits so far; error keys carry it so a failed refit's report cannot stop the next.
         self._seq = 0
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._cuda = group.backend == "nccl"
-        # Reused refit header: pinned host copy (no blocking host-to-device copy per refit).
-        self._hdr_host: torch.Tensor | None = None
-        self._hdr_dev: torch.Tensor | None = None
-        self._last_status = STATUS_OK
-
-    # -- helpers
+        # Fingerprint of what the ranks agreed on at prepare; every refit header carries it.
+        self._fp = 0
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.group.prefix, "refit", self.channel, *(str(p) for p in parts)])
@@ -248,42 +163,6 @@ class Endpoint:
     def _tensors(self) -> Mapping[str, torch.Tensor]:
         src = self._source() if callable(self._source) else self._source
         return src if isinstance(src, Mapping) else to_dict(src)
-
-    def _specs_and_tensors(self) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
-        tensors = self._tensors()
-        dev = self.group.device
-        bad = [f"{n} on {t.device}" for n, t in tensors.items() if t.device != dev]
-        if bad:
-            raise RefitError(f"rank {self.group.rank}: tensors must be on the group's device {dev}: {clip(bad)}")
-        return [TensorSpec.of(n, t) for n, t in tensors.items()], tensors
-
-    def _compile(self, info: RefitInfo) -> None:
-        """Precompute everything a refit needs from ``info`` so the hot path is plain lookups."""
-        self.info = info
-        self.plan = build_plan(info)
-        self._fp = info.fingerprint()
-        self._names = [t.name for t in info.tensors]
-        self._shapes = [torch.Size(t.shape) for t in info.tensors]
-        self._dtypes = [t.torch_dtype for t in info.tensors]
-        self._bucket_idx = [[i for i, _ in b.entries] for b in self.plan if isinstance(b, Bucket)]
-        self._launches = group_directs(self.plan, [t.nbytes for t in info.tensors], info.group_bytes)
-        self.release_buffers()
-
-    def _ordered(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors in ``info`` order, checked against ``info`` (layout may not change after prepare)."""
-        assert self.info is not None
-        out = []
-        for name, shape, dt in zip(self._names, self._shapes, self._dtypes):
-            t = tensors.get(name)
-            if t is None or t.shape != shape or t.dtype != dt:
-                break
-            out.append(t)
-        if len(out) == len(self._names) and len(tensors) == len(out):
-            return out
-        problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()],
-                              then="at prepare_refit_info()", now="now")
-        raise RefitMismatchError(
-            f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {clip(problems)}")
 
     def _publish_error(self, msg: str) -> None:
         with contextlib.suppress(Exception):
@@ -298,83 +177,8 @@ class Endpoint:
                 found.append(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
         return "; ".join(found) or None
 
-    def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        if self._streams is None:
-            dev = self.group.device
-            self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
-        return self._streams
-
-    def _header_on(self, stream: torch.cuda.Stream, version: int = 0, status: int = STATUS_OK,
-                   fill: bool = True) -> torch.Tensor:
-        """The reusable device header, written on ``stream`` (sender: the values; receiver: zeros).
-
-        Only one refit is in flight per endpoint and each ends with a host sync of the stream
-        the header travelled on, so the pinned source is free again by the next call.
-        """
-        with torch.cuda.stream(stream):
-            if self._hdr_dev is None:
-                # Made on ``stream``: an initialising kernel on another stream could land after
-                # the header written here (seen on 2x H200: a receiver read an all-zero header).
-                self._hdr_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-                self._hdr_dev = torch.empty(4, dtype=torch.int64, device=self.group.device)
-            if fill:
-                self._hdr_host.numpy()[:] = (MAGIC, self._fp, version, status)  # type: ignore[union-attr]
-                self._hdr_dev.copy_(self._hdr_host, non_blocking=True)  # type: ignore[arg-type]
-            else:
-                self._hdr_dev.zero_()
-        return self._hdr_dev
-
-    def _check_header(self, header: torch.Tensor) -> int:
-        """Receiver: the version in ``header``; raises on an abort or a wrong magic/fingerprint."""
-        assert self.info is not None
-        magic, fp, version, status = (int(x) for x in header.tolist())
-        g = self.group
-        src = self.info.src
-        self._last_status = status
-        if status == STATUS_ABORT:
-            why = self._errors_of([src]) or "no reason posted"
-            raise RefitError(f"rank {g.rank}: sender rank {src} aborted refit of version {version}: {why}")
-        if magic != MAGIC or fp != self._fp:
-            msg = (f"refit header mismatch (magic {magic:#x}, fingerprint {fp} vs ours "
-                   f"{self._fp}): sender and receiver prepared different layouts")
-            self._publish_error(msg)
-            raise RefitError(f"rank {g.rank}: {msg}")
-        return version
-
-    def _watch(self) -> str | None:
-        """What a peer reported failing in this refit: the sender watches every receiver, a
-        receiver the sender."""
-        src = self.info.src  # type: ignore[union-attr]
-        g = self.group
-        return self._errors_of([src] if g.rank != src else (r for r in range(g.world_size) if r != src))
-
-    def _peers(self) -> list[int]:
-        return [r for r in range(self.group.world_size) if r != self.info.src]  # type: ignore[union-attr]
-
-    def _handshake(self, my_status: str, what: str) -> None:
-        """Post this rank's status, wait for everyone's, raise if any rank failed.
-
-        The error lists this rank's own problems first, then every other failing rank's.
-        """
-        g = self.group
-        g.store.set(self._key(self._gen, "status", g.rank), my_status.encode())
-        g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size), what)
-        others = []
-        for r in range(g.world_size):
-            st = g.store.get(self._key(self._gen, "status", r)).decode()
-            if st != "ok" and r != g.rank:
-                others.append(f"rank {r}: {st}")
-        if my_status == "ok" and not others:
-            return
-        mine = [] if my_status == "ok" else [f"this rank: {my_status}"]
-        raise RefitMismatchError(
-            f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(mine + others))
-
     def release_buffers(self) -> None:
-        """Free the bucket buffers (they are re-allocated by the next refit)."""
-        self._bufs = []
-        self._wire = []
-        self._views = None
+        """Free staging buffers (re-allocated by the next refit); none at this level."""
 
     def close(self) -> None:
         """Free buffers (and whatever a transport holds). Idempotent.
@@ -382,3 +186,64 @@ class Endpoint:
         Call before destroying the group; a later ``prepare_refit_info()`` sets up again.
         """
         self.release_buffers()
+
+
+# ---------------------------------------------------------------- the facade
+
+
+class WeightSender(ABC):
+    """Trainer side of a weight transfer, whatever the family (``factory.build_weight_sender``).
+
+    Every method is collective with every rank of the group (each receiver calls the matching
+    ``WeightReceiver`` method). Contract, checked by
+    ``nemo_dataplane.testing.weight_transfer_conformance``:
+
+    * ``prepare_refit_info()`` once before the first refit (and again after ``close()`` or
+      whenever the tensors' names, shapes or dtypes change): agrees on them with every
+      receiver; a disagreement raises ``RefitMismatchError`` on every rank, naming the
+      parameters, before any weights move;
+    * ``send_weights(version)`` moves the current values, tagged with ``version``; if this
+      rank's tensors no longer match what was prepared it raises (``RefitMismatchError``), every
+      receiver raises ``RefitError`` without touching its tensors, and the next refit works;
+    * ``close()`` frees what the sender holds; idempotent; call on every rank before destroying
+      the group.
+    """
+
+    version: int | None
+
+    @abstractmethod
+    def prepare_refit_info(self) -> object:
+        """Agree on the tensors with every receiver; returns the family's description of it."""
+
+    @abstractmethod
+    def send_weights(self, version: int) -> None:
+        """Send the current weights as refit ``version``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release handles and buffers (idempotent)."""
+
+
+class WeightReceiver(ABC):
+    """Generator side of a weight transfer (``factory.build_weight_receiver``): writes into its
+    tensors in place, so whoever holds them (an inference engine) sees the new values.
+
+    ``receive_weights()`` returns the version the sender passed and stores it in ``version``
+    (``None`` before the first refit); otherwise as ``WeightSender``. Some transports leave the
+    values valid on the stream that was current at the call rather than on the host (the
+    family documents it); synchronise that stream before reading them elsewhere.
+    """
+
+    version: int | None
+
+    @abstractmethod
+    def prepare_refit_info(self) -> object:
+        """Agree on the tensors with the senders and every other receiver."""
+
+    @abstractmethod
+    def receive_weights(self) -> int:
+        """Receive one refit into the tensors in place; return its version."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release handles and buffers (idempotent)."""

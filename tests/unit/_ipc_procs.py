@@ -176,7 +176,7 @@ def refit_ipc_setup_fails(rank: int, world: int, port: int, direction: str, tran
     sender's handles; push, it cannot export its own). ``transport="auto"`` must fall back to
     broadcast on every rank and still refit bit-exactly; ``"ipc"`` must fail on every rank,
     naming the rank and the reason, with no weights moved."""
-    from nemo_dataplane.refit import ipc as ipc_mod
+    from nemo_dataplane.refit.cuda import ipc as ipc_mod
 
     g = _group(rank, world, port, "nccl")
     dev = g.device

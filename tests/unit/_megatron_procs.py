@@ -25,7 +25,7 @@ def refit_tp2_to_tp1(rank: int, world: int, port: int) -> dict[str, Any]:
     from algorithms.engines.training.mcore_convert import hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config
     from algorithms.engines.training.megatron import hf_full_shapes
     from nemo_dataplane.refit import Mesh, build_layout
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     ref = [tiny_hf(seed) for seed in (0, 1)]
     shape = shape_from_hf_config(ref[0].config)

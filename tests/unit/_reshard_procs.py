@@ -6,7 +6,6 @@ process pool, the stateless-group and packed-refit bodies), which they build on.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -112,7 +111,7 @@ RESHARD_CASES: dict[str, tuple[dict[str, int], dict[str, int], bool, bool]] = {
 
 
 def reshard_layouts(case: str, *, extra_receiver_param: bool = False) -> tuple[Any, Any]:
-    from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Mesh, build_layout, layer_stages
+    from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout, layer_stages
 
     sdims, rdims, moe, fused = RESHARD_CASES[case]
     ns, nr = math.prod(sdims.values()), math.prod(rdims.values())
@@ -150,21 +149,9 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
     done signal to use (default: the endpoint's). ``delay_cycles``: each sender queues a GPU
     sleep of that many cycles on its current stream before each refit, so its copies start
     late; a receiver reports whether its current stream still had work pending when the refit
-    returned (``pending_at_return``). ``open_mode``: ``NEMO_DATAPLANE_IPC_OPEN`` for this call
-    (how a sender opens a receiver on another GPU)."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
-
-    if open_mode is not None:  # pool workers outlive the call: set for it, restored after
-        before = os.environ.get("NEMO_DATAPLANE_IPC_OPEN")
-        os.environ["NEMO_DATAPLANE_IPC_OPEN"] = open_mode
-        try:
-            return reshard_roundtrip(rank, world, port, case, versions, bucket_bytes, direct_bytes, backend, gpus,
-                                     transport, timings, done, delay_cycles)
-        finally:
-            if before is None:
-                os.environ.pop("NEMO_DATAPLANE_IPC_OPEN", None)
-            else:
-                os.environ["NEMO_DATAPLANE_IPC_OPEN"] = before
+    returned (``pending_at_return``). ``open_mode``: ``"torch"`` has senders open receivers on
+    another GPU with torch's IPC open (``ipc_map_peers=False``) instead of mapping them."""
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     dev = torch.device("cpu")
     if gpus is not None:
@@ -179,7 +166,7 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         # A strided source exercises packing from views.
         mine = {k: (_noncontig(v) if k.endswith("o_proj.weight") else v) for k, v in mine.items()}
         ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes, transport=transport,
-                                device=dev)
+                                device=dev, ipc_map_peers=open_mode != "torch")
         plan = ep.prepare_refit_info()
         if timings:
             ep.timings = []
@@ -286,7 +273,7 @@ def reshard_failures(rank: int, world: int, port: int, what: str) -> dict[str, A
     """``what="missing"``: a receiver parameter no sender has: prepare fails everywhere naming
     it. ``what="abort"``: sender rank 1's tensor changes shape after prepare: every rank raises
     before any bulk moves and the next refit (layout restored) works."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     g = _group(rank, world, port, "gloo", timeout=10.0)
     src, dst = reshard_layouts("tp2->tp1", extra_receiver_param=what == "missing")
@@ -335,7 +322,7 @@ def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: fl
     ``"silent"``: it returns after the header without copying or signalling (as if it died
     there). Every rank reports what refit 3 raised and how long it took; then refit 4 (new
     values) runs normally and the receiver compares its bits."""
-    from nemo_dataplane.refit.sharded import ReshardReceiver, ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -387,5 +374,42 @@ def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: fl
     g.barrier()
     ep.close()
     g.barrier()
+    g.destroy()
+    return out
+
+
+def facade_reshard(rank: int, world: int, port: int, versions: tuple[int, ...] = (7, 8)) -> dict[str, Any]:
+    """TP=2 -> TP=1 through the facade, as the trainer uses it: ranks 0 and 1 pass their TP
+    shards (HF names, hand-sharded) with the full shapes; rank 2 passes whole tensors. The
+    receiver compares its bits with the unsharded weights after each refit."""
+    from nemo_dataplane.refit import WeightTransferConfig, build_weight_receiver, build_weight_sender
+
+    cfg = WeightTransferConfig(family="reshard", bucket_bytes=1024, direct_bytes=512)
+    g = _group(rank, world, port, "gloo")
+    shapes = reshard_shapes()
+    out: dict[str, Any] = {}
+    if rank < 2:
+        mine = hand_shards(reshard_full(0), tp=2, tpr=rank)
+        ep: Any = build_weight_sender(cfg, g, mine, senders=2, full_shapes=shapes)
+        ep.prepare_refit_info()
+        for i, v in enumerate(versions):
+            if i:
+                for k, t in hand_shards(reshard_full(i), tp=2, tpr=rank).items():
+                    mine[k].copy_(t)
+            ep.send_weights(v)
+        out["sent"] = ep.bytes_moved
+    else:
+        mine = {n: torch.zeros(s, dtype=dt) for n, (s, dt) in shapes.items()}
+        ep = build_weight_receiver(cfg, g, mine, senders=2)
+        ep.prepare_refit_info()
+        out["refits"] = []
+        for i in range(len(versions)):
+            v = ep.receive_weights()
+            want = reshard_full(i)
+            out["refits"].append({"version": v, "wrong": sorted(k for k in want
+                                                                if not torch.equal(_bytes(mine[k]), _bytes(want[k])))})
+    out["kind"] = type(ep).__name__
+    g.barrier()
+    ep.close()
     g.destroy()
     return out

@@ -10,9 +10,10 @@ import torch
 
 from nemo_dataplane.adapters.chunks import decode, encode
 from nemo_dataplane.dtypes import DTYPES, check_shape, check_span, dtype_from_name, view_bytes
-from nemo_dataplane.refit.ipc import _check_view
-from nemo_dataplane.refit.layout import Layout, LayoutError
-from nemo_dataplane.refit.protocol import RefitError, RefitInfo, TensorSpec
+from nemo_dataplane.refit.cuda.ipc import _check_view
+from nemo_dataplane.refit.reshard.layout import Layout, LayoutError
+from nemo_dataplane.refit.packed import RefitInfo
+from nemo_dataplane.refit.protocol import RefitError, TensorSpec
 
 FORGED = ["Tensor", "load", "__class__", "nn", "float33", "", None, 3]
 

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import ctypes
+import socket
+from pathlib import Path
 
 import pytest
 import torch
 
-from nemo_dataplane.refit.transports.exchange_ipc import pitched_copies
+import nemo_dataplane.refit as refit
+from nemo_dataplane.refit.reshard.ipc_push import pitched_copies
 
 
 def _run(ops: list) -> None:
@@ -55,7 +58,7 @@ def test_pitched_copies_edge_cases() -> None:
 
 
 def test_widened_views_copy_the_same_bits() -> None:
-    from nemo_dataplane.refit.transports.exchange_ipc import _widened
+    from nemo_dataplane.refit.reshard.ipc_push import _widened
     src = torch.randn(6, 16).to(torch.bfloat16)
     dst = torch.zeros(6, 32, dtype=torch.bfloat16)
     d, s = _widened(dst[:, 8:24], src)  # a column block: 32 bytes per row, 8-byte aligned
@@ -66,25 +69,52 @@ def test_widened_views_copy_the_same_bits() -> None:
     assert d.dtype == torch.bfloat16
 
 
-def test_the_ipc_modes_follow_placement_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The event done signal on every placement (a peer on another GPU included) unless the
-    environment forces either way; a bad value names its variable."""
-    from nemo_dataplane.refit.sharded_ipc import CROSS_GPU, agreed_done
-    from nemo_dataplane.refit.transports.exchange_ipc import PITCHED, env_choice
+def test_ipc_push_options_come_from_arguments_not_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push's modes are options (the placement picks the pitched copies; benchmarks set
+    ``order``); the environment variables that used to force them are ignored."""
+    from nemo_dataplane.refit.reshard.ipc_push import ORDERS, PITCHED, IpcPush
+    from nemo_dataplane.refit.reshard.layout import Mesh, build_layout
+    from nemo_dataplane.refit.reshard.plan import plan_reshard
 
-    assert agreed_done(["ok", "ok", "ok"], None) == "event"
-    assert agreed_done(["ok", CROSS_GPU, "ok"], None) == "event"  # the event bridge ran across GPUs
-    assert agreed_done(["ok", CROSS_GPU], "event") == "event"
-    assert agreed_done(["ok"], "host") == "host"
-    monkeypatch.delenv("NEMO_DATAPLANE_RESHARD_PITCHED", raising=False)
-    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) is None
-    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "")
-    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) is None
-    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "memcpy2d")
-    assert env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED) == "memcpy2d"
-    monkeypatch.setenv("NEMO_DATAPLANE_RESHARD_PITCHED", "fast")
-    with pytest.raises(ValueError, match=r"NEMO_DATAPLANE_RESHARD_PITCHED='fast'.*kernel"):
-        env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED)
+    for name, value in (("NEMO_DATAPLANE_IPC_OPEN", "torch"), ("NEMO_DATAPLANE_RESHARD_PITCHED", "memcpy2d"),
+                        ("NEMO_DATAPLANE_RESHARD_ORDER", "strided_first"), ("NEMO_DATAPLANE_IPC_BATCH", "0")):
+        monkeypatch.setenv(name, value)
+    shapes = {"model.layers.0.self_attn.o_proj.weight": ((4, 4), torch.bfloat16)}
+    src, dst = build_layout(Mesh.of([0], tp=1), shapes), build_layout(Mesh.of([1], tp=1), shapes)
+    plan = plan_reshard(src, dst, bucket_bytes=1024)
+    cpu = torch.device("cpu")
+    push = IpcPush(plan, 0, True, src.local_tensors(0), cpu)
+    assert (push.pitched, push.order) == ("kernel", "batched_first") and push.order in ORDERS and push.pitched in PITCHED
+    off = IpcPush(plan, 0, True, src.local_tensors(0), cpu, map_peers=False)
+    assert off._open_here(b"never parsed") is None and off.map_error == "ipc_map_peers=False"
+
+
+def test_refit_code_reads_no_environment_variable() -> None:
+    """Refit behaviour is chosen by arguments (``WeightTransferConfig``), never by the environment."""
+    root = Path(refit.__file__).parent
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if "os.environ" in line or "getenv" in line or "NEMO_DATAPLANE_" in line]
+    assert offenders == []
+
+
+def test_reshard_endpoints_check_the_ipc_done_option() -> None:
+    from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+    from nemo_dataplane.refit.reshard import Mesh, ReshardReceiver, build_layout
+    from nemo_dataplane.refit.reshard.ipc_control import DONE_SIGNALS
+
+    assert DONE_SIGNALS == ("event", "host")
+    layout = build_layout(Mesh.of([0], tp=1), {"w": ((2,), torch.float32)})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = StatelessProcessGroup("127.0.0.1", port, 0, 1, "gloo", 10.0)
+    try:
+        assert ReshardReceiver(g, {"w": torch.zeros(2)}, layout, ipc_done="host").done == "host"
+        with pytest.raises(ValueError, match="ipc_done must be one of"):
+            ReshardReceiver(g, {"w": torch.zeros(2)}, layout, ipc_done="sideways")
+    finally:
+        g.destroy()
 
 
 class _FakeRuntime:
@@ -129,7 +159,7 @@ class _FakeRuntime:
 
 @pytest.mark.parametrize("refuse_batch", [False, True], ids=["batched", "refused-then-loop"])
 def test_pitched_copier_moves_column_blocks_batched_or_one_call_each(refuse_batch: bool) -> None:
-    from nemo_dataplane.refit.transports.pitched import PitchedCopier
+    from nemo_dataplane.refit.reshard.pitched import PitchedCopier
 
     class _Stream:
         cuda_stream = 7
@@ -156,7 +186,7 @@ def test_peer_mapping_reads_torchs_handle_format_and_refuses_others() -> None:
     cudaIpcMemHandle_t (66 bytes, seen on 2x H200 with torch 2.11); a bare 64-byte handle is
     taken as is; another kind (e.g. expandable segments) or length is refused, naming it, so the
     sender falls back to torch's open. Opening needs a GPU (test_sharded_gpu.py)."""
-    from nemo_dataplane.refit.ipc import PeerMapping
+    from nemo_dataplane.refit.cuda.ipc import PeerMapping
 
     h = bytes(range(64))
     assert PeerMapping._mem_handle(b"\x02c" + h) == h

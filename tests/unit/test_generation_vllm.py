@@ -31,7 +31,7 @@ from algorithms.engines.generation.vllm import VLLMEngine, prompt_seed  # noqa: 
 from algorithms.models import build_model, pad_batch, sequence_logprobs  # noqa: E402
 from algorithms.tasks import CharTokenizer  # noqa: E402
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
-from nemo_dataplane.refit.packed import RefitMismatchError, RefitSender  # noqa: E402
+from nemo_dataplane.refit import RefitMismatchError, RefitSender  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TOK = CharTokenizer()
@@ -200,7 +200,7 @@ def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEn
     from algorithms.engines.training.mcore_convert import hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config
     from algorithms.engines.training.megatron import hf_full_shapes
     from nemo_dataplane.refit import Mesh, build_layout
-    from nemo_dataplane.refit.sharded import ReshardSender
+    from nemo_dataplane.refit.reshard import ReshardSender
 
     trainer = _trainer(seed=4, noise=0.5)
     shape = shape_from_hf_config(trainer.config)

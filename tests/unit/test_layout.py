@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nemo_dataplane.refit.layout import (
+from nemo_dataplane.refit.reshard.layout import (
     DEFAULT_FUSIONS,
     Fused,
     Layout,

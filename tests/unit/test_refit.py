@@ -150,7 +150,7 @@ def test_receiver_that_never_prepares_is_named(pool: P.Pool) -> None:
 
 
 def test_ipc_host_check_names_the_rank_and_reason() -> None:
-    from nemo_dataplane.refit.ipc import ipc_problems
+    from nemo_dataplane.refit.cuda.ipc import ipc_problems
 
     me = {"host": "a", "boot_id": "b1", "cuda": True, "uuid": "GPU-0", "visible": ["GPU-0", "GPU-1"]}
     ok = {"host": "a", "boot_id": "b1", "cuda": True, "uuid": "GPU-1", "visible": ["GPU-0", "GPU-1"]}
@@ -164,7 +164,7 @@ def test_ipc_host_check_names_the_rank_and_reason() -> None:
 
 
 def test_ipc_handle_encoding_roundtrips() -> None:
-    from nemo_dataplane.refit.ipc import _dec, _enc
+    from nemo_dataplane.refit.cuda.ipc import _dec, _enc
 
     args = (torch.Tensor, torch.Size([3, 4]), (4, 1), 5, torch.storage.TypedStorage, torch.bfloat16, 1,
             b"\x00\xffhandle", 4096, 512, False, b"/torch_1_2", 0, None, True)

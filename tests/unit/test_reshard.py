@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_dataplane.refit.layout import DEFAULT_FUSIONS, Mesh, build_layout
-from nemo_dataplane.refit.reshard import ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.transports.exchange import Exchange
+from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout
+from nemo_dataplane.refit.reshard.p2p import Exchange
+from nemo_dataplane.refit.reshard.plan import ReshardPlanError, plan_reshard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
@@ -161,3 +161,22 @@ def test_every_staging_slot_is_aligned_for_its_dtype(bucket: int) -> None:
             for rnd in ex._view_plan(tensors):  # raises if a slot is misaligned for its dtype
                 for _, _, slots, views in rnd[0]:
                     assert [s.shape for s in slots] == [v.shape for v in views]
+
+
+def test_a_layout_that_differs_from_its_sides_names_the_parameters() -> None:
+    from nemo_dataplane.refit.reshard.checks import diff_layouts
+
+    shapes = {"model.norm.weight": ((16,), torch.float32),
+              "model.layers.0.self_attn.q_proj.weight": ((8, 4), torch.bfloat16)}
+    published = build_layout(Mesh.of([2, 3], dp=2, tp=1), shapes)
+    assert diff_layouts(published, published) == []
+    other = dict(shapes)
+    other["model.norm.weight"] = ((17,), torch.float32)
+    other.pop("model.layers.0.self_attn.q_proj.weight")
+    other["model.extra.bias"] = ((2,), torch.float32)
+    got = diff_layouts(build_layout(Mesh.of([2, 3], dp=2, tp=1), other), published)
+    assert got == ["model.norm.weight: [17] float32 here, [16] float32 published",
+                   "model.extra.bias: in this rank's layout only",
+                   "model.layers.0.self_attn.q_proj.weight: missing from this rank's layout"]
+    tp2 = diff_layouts(build_layout(Mesh.of([2, 3], tp=2), shapes), published)
+    assert tp2[0].startswith("mesh ") and "placements" in tp2[1]

@@ -43,7 +43,7 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     res = P.run_ranks(pool, R.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
                       case=case, gpus=gpus, transport="ipc", limit=120, timings=True, open_mode=open_mode)
     R.check_reshard(res, case)
-    # Placement picks the copies (exchange_ipc doc): strided kernels wherever the sender's views
+    # Placement picks the copies (ipc_push doc): strided kernels wherever the sender's views
     # are in its own GPU's context (a receiver elsewhere mapped there, ipc.PeerMapping); 2D copies
     # where torch opened them on the receiver's GPU (kernels faulted there); event done on all.
     cross = {r: res[r]["cross_gpu"] for r in res}
@@ -65,16 +65,15 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
 
 
 @pytest.mark.parametrize("batch", ["1", "0"], ids=["batched", "one-call-each"])
-def test_pitched_copier_is_bit_exact_on_the_gpu(monkeypatch: pytest.MonkeyPatch, batch: str) -> None:
+def test_pitched_copier_is_bit_exact_on_the_gpu(batch: str) -> None:
     """The 2D copies of column blocks (and a box) through the real runtime, batched or not,
     across GPUs where there are two (plain memory, peer access as torch turns it on)."""
-    from nemo_dataplane.refit.ipc import _cudart
-    from nemo_dataplane.refit.transports.pitched import PitchedCopier, pitched_copies
+    from nemo_dataplane.refit.cuda.copy_engine import _cudart
+    from nemo_dataplane.refit.reshard.pitched import PitchedCopier, pitched_copies
 
     rt = _cudart()
     if rt is None:
         pytest.skip("cuda-bindings not installed")
-    monkeypatch.setenv("NEMO_DATAPLANE_IPC_BATCH", batch)
     there = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     gen = torch.Generator(device="cuda:0").manual_seed(3)
     src = torch.randn(4, 96, 40, generator=gen, device="cuda:0").to(torch.bfloat16)
@@ -85,7 +84,7 @@ def test_pitched_copier_is_bit_exact_on_the_gpu(monkeypatch: pytest.MonkeyPatch,
     torch.cuda.synchronize()
     copies = (pitched_copies(dst[:, 16:112, 20:60], src) or []) + (pitched_copies(dst[1, :, 70:80], col) or [])
     assert len(copies) == 5 and all(c[5] > 1 for c in copies), copies  # 4 column blocks of a box + 1
-    pc = PitchedCopier(rt)
+    pc = PitchedCopier(rt, batch=batch == "1")
     s = torch.cuda.Stream(0)
     with torch.cuda.device(0):
         pc.issue(copies, s)

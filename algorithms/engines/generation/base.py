@@ -151,7 +151,7 @@ class GenerationEngine(ABC):
         what every engine receives a TP>1 trainer's shards with. ``device``: where ``tensors``
         live (not the group's: an ipc refit's control group is gloo)."""
         from nemo_dataplane.refit import Mesh, build_layout
-        from nemo_dataplane.refit.sharded import ReshardReceiver
+        from nemo_dataplane.refit.reshard import ReshardReceiver
 
         layout = build_layout(Mesh.of([group.rank], tp=1), {n: (t.shape, t.dtype) for n, t in tensors.items()})
         return ReshardReceiver(group, dict(tensors), layout, device=device)

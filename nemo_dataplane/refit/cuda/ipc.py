@@ -26,7 +26,7 @@ import torch
 
 from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
-from nemo_dataplane.refit.copy_engine import PeerCopier, _cudart
+from nemo_dataplane.refit.cuda.copy_engine import PeerCopier, _cudart
 
 __all__ = ["PeerCopier", "PeerMapping", "PushSource", "PushTargets", "export_tensors", "exporter_device",
            "host_record", "ipc_problems", "open_tensors", "probe", "signature"]
@@ -213,10 +213,10 @@ class _ArrayInterface:
 class PeerMapping:
     """Another process's CUDA memory mapped into the context of *our* GPU ``device``.
 
-    Why: torch opens a handle in the context of the memory's own GPU, and on 2x H200 a kernel
-    of another GPU writing through such a view faulted (illegal address); the same memory opened
-    with ``device`` current and ``cudaIpcMemLazyEnablePeerAccess`` (cuda-bindings) took torch's
-    strided copy kernel bit-exact (``benchmarks/ipc_peer_probe.py``, session 7). Each caching-
+    Why: torch opens a handle in the context of the memory's own GPU, and a kernel of another
+    GPU writing through such a view faults (illegal address); the same memory opened with
+    ``device`` current and ``cudaIpcMemLazyEnablePeerAccess`` (cuda-bindings) takes torch's
+    strided copy kernel bit-exact (``benchmarks/ipc_peer_probe.py`` shows both). Each caching-
     allocator block (one handle) is opened once per mapping and closed by ``close()``; the views
     do not own their memory (torch's IPC refcounts do not cover them), so the exporter must keep
     the tensors alive: a receiver whose tensors moved aborts the refit (``IpcPush.moved``).

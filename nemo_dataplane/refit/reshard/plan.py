@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from nemo_dataplane.refit.layout import Box, Layout, Mesh, Placement, param_box
 from nemo_dataplane.refit.protocol import RefitMismatchError, clip
+from nemo_dataplane.refit.reshard.layout import Box, Layout, Mesh, Placement, param_box
 
 __all__ = [
     "Entry",

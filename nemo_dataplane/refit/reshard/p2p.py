@@ -24,9 +24,9 @@ import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.copies import copy_all
-from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.protocol import dtype_from_name
-from nemo_dataplane.refit.reshard import Entry, Message
+from nemo_dataplane.refit.reshard.layout import LocalTensor
+from nemo_dataplane.refit.reshard.plan import Entry, Message
 
 __all__ = ["Exchange"]
 

@@ -3,13 +3,11 @@ contiguous run on both sides (a column block of a row-parallel weight), without 
 
 ``pitched_copies`` turns ``dst.copy_(src)`` into ``cudaMemcpy2D`` arguments; ``PitchedCopier``
 issues a list of them: as one ``cudaMemcpy3DBatchAsync`` (depth 1) where the bindings and
-driver have it (CUDA >= 12.8), otherwise as one ``cudaMemcpy2DAsync`` each. Why batched:
-across GPUs each separate copy-engine copy costs ~10 us of GPU time, which a batched call
-amortises for contiguous copies (2x H200, ``benchmarks/ipc_peer_probe.py --rates``: 1 GiB as
-512 copies of 2 MiB ran at 145 GB/s separately, 332 GB/s batched). For the reshard's column
-blocks it made no measurable difference (0.47 GB in 1.76 ms batched vs 1.74 ms one call each;
-their narrow rows bound them); it is kept as the same code path. These copies serve the
-reshard only where a receiver on another GPU could not be mapped into the sender's context.
+driver have it (CUDA >= 12.8), otherwise as one ``cudaMemcpy2DAsync`` each. Why batched: across
+GPUs each separate copy-engine copy costs GPU time of its own, which a batched call amortises
+(the same path as the contiguous copies; docs/refit.md, section 6.4, has the measurements).
+These copies serve the reshard only where a receiver on another GPU could not be mapped into
+the sender's context.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nemo_dataplane.refit.copy_engine import batch_allowed
+from nemo_dataplane.refit.cuda.copy_engine import batch_allowed
 
 __all__ = ["Copy", "PitchedCopier", "pitched_copies"]
 
@@ -69,12 +67,12 @@ class PitchedCopier:
     """Issues ``Copy`` lists on a stream through the CUDA runtime bindings ``rt``
     (``cuda.bindings.runtime``): batched (``mode == "batch"``) until the batched call is
     refused once, then one ``cudaMemcpy2DAsync`` per copy for good (``batch_error`` says why).
-    ``NEMO_DATAPLANE_IPC_BATCH=0`` turns the batched call off, as for ``ipc.PeerCopier``.
+    ``batch=False`` skips the batched call, as for ``cuda.copy_engine.PeerCopier``.
     A refused ``cudaMemcpy2DAsync`` raises (the caller falls back to torch copies)."""
 
-    def __init__(self, rt: Any) -> None:
+    def __init__(self, rt: Any, batch: bool = True) -> None:
         self._rt = rt
-        self.batch = batch_allowed(rt, "cudaMemcpy3DBatchAsync")
+        self.batch = batch and batch_allowed(rt, "cudaMemcpy3DBatchAsync")
         self.batch_error: str | None = None
         self._ops: tuple[list[Copy], list[Any]] | None = None  # the op list of the last copies
 

@@ -14,13 +14,14 @@ import contextlib
 import torch
 
 from nemo_dataplane.refit.copies import copy_all
-from nemo_dataplane.refit.plan import Bucket
-from nemo_dataplane.refit.protocol import MAGIC, STATUS_OK, Endpoint, RefitError
+from nemo_dataplane.refit.packed.base import PackedEndpoint
+from nemo_dataplane.refit.packed.plan import Bucket
+from nemo_dataplane.refit.protocol import MAGIC, STATUS_OK, RefitError
 
 __all__ = ["CollectiveEndpoint", "CollectiveReceiver", "CollectiveSender"]
 
 
-class CollectiveEndpoint(Endpoint):
+class CollectiveEndpoint(PackedEndpoint):
     """Bucket buffers and the per-transfer operation (broadcast, or p2p send/recv)."""
 
     def _bucket_views(self) -> list[list[torch.Tensor]]:

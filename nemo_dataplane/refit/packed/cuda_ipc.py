@@ -1,7 +1,7 @@
 """CUDA IPC transport of the packed refit (``transport="ipc"``, same host; docs/refit.md, section 3a).
 
 No bulk data goes through the group: CUDA IPC handles are exchanged once, and every refit is
-copy-engine peer copies between the two processes' tensors (``nemo_dataplane/refit/ipc.py``
+copy-engine peer copies between the two processes' tensors (``nemo_dataplane/refit/cuda/ipc.py``
 holds the handles, the copy plan, ``PushSource`` / ``PushTargets``). ``push`` (default where
 possible): the sender writes into the receivers' exported tensors, gated on the GPU by a
 readiness ``all_reduce``, then sends the header and a verdict. ``pull``: receivers copy out of
@@ -18,17 +18,10 @@ from dataclasses import replace
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-from nemo_dataplane.refit import ipc as _ipc
-from nemo_dataplane.refit.protocol import (
-    DEFAULT_TRANSPORT_GPU,
-    STATUS_ABORT,
-    STATUS_NEW_HANDLES,
-    STATUS_OK,
-    Endpoint,
-    NamedTensors,
-    RefitError,
-    clip,
-)
+from nemo_dataplane.refit.cuda import ipc as _ipc
+from nemo_dataplane.refit.packed.base import STATUS_NEW_HANDLES, PackedEndpoint
+from nemo_dataplane.refit.packed.plan import DEFAULT_TRANSPORT_GPU
+from nemo_dataplane.refit.protocol import STATUS_ABORT, STATUS_OK, NamedTensors, RefitError, clip
 
 __all__ = ["AUTO_IPC_MAX_RECEIVERS", "AUTO_PICKS_IPC", "IPC_COPY_ON", "IPC_DIRECTIONS", "IpcEndpoint",
            "IpcReceiver", "IpcSender"]
@@ -37,7 +30,7 @@ __all__ = ["AUTO_IPC_MAX_RECEIVERS", "AUTO_PICKS_IPC", "IPC_COPY_ON", "IPC_DIREC
 # GPU (falling back to DEFAULT_TRANSPORT_GPU if opening the handles fails anywhere), for at most
 # AUTO_IPC_MAX_RECEIVERS receivers: each receiver pulls its own copy out of the sender's GPU,
 # so several share the sender's NVLink bandwidth, where a broadcast forwards along a ring
-# (measured: one receiver on 2x H200, docs/refit.md section 5).
+# (docs/refit.md, section 5).
 AUTO_PICKS_IPC = True
 AUTO_IPC_MAX_RECEIVERS = 1
 IPC_COPY_ON = ("src", "dst")
@@ -49,7 +42,7 @@ IPC_COPY_ON = ("src", "dst")
 IPC_DIRECTIONS = ("push", "pull")
 
 
-class IpcEndpoint(Endpoint):
+class IpcEndpoint(PackedEndpoint):
     """The handles and streams both sides of the IPC transport hold, and their agreement step."""
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, channel: str) -> None:

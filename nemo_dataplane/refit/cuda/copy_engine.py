@@ -4,7 +4,6 @@ bindings: ``PeerCopier`` batches the contiguous ones (used by both IPC refits)."
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,9 +13,8 @@ __all__ = ["PeerCopier", "_cudart", "batch_allowed"]
 
 
 def batch_allowed(rt: Any, call: str) -> bool:
-    """Whether the runtime bindings ``rt`` have the batched copy ``call`` and
-    ``NEMO_DATAPLANE_IPC_BATCH=0`` (one call per copy, for comparison) is not set."""
-    return rt is not None and hasattr(rt, call) and os.environ.get("NEMO_DATAPLANE_IPC_BATCH", "1") != "0"
+    """Whether the runtime bindings ``rt`` have the batched copy ``call``."""
+    return rt is not None and hasattr(rt, call)
 
 
 def _cudart() -> Any:
@@ -39,17 +37,17 @@ class PeerCopier:
     ``cudaMemcpyBatchAsync`` calls (CUDA >= 12.8) where the bindings and driver have it, otherwise
     (or once it was refused) as one ``cudaMemcpyAsync`` per run. Other pairs use
     ``dst.copy_(src)`` with the caller's streams current. Without cuda-bindings, or if a raw
-    call is refused, everything goes through ``copy_``. ``NEMO_DATAPLANE_IPC_BATCH=0`` turns
-    the batched call off (for comparison).
+    call is refused, everything goes through ``copy_``. ``batch=False`` (or setting ``batch``
+    before ``issue``) skips the batched call: one call per run (benchmarks compare the two).
     """
 
     FIRST_CALL_BYTES = 64 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, batch: bool = True) -> None:
         self._rt = _cudart()
         self.raw = self._rt is not None
         self.raw_error: str | None = None
-        self.batch = batch_allowed(self._rt, "cudaMemcpyBatchAsync")
+        self.batch = batch and batch_allowed(self._rt, "cudaMemcpyBatchAsync")
         self.batch_error: str | None = None
         self._attrs: list | None = None
         self._chunks: tuple | None = None
@@ -100,9 +98,8 @@ class PeerCopier:
         """The copies as argument lists for (at most) two calls: the first copies up to
         ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host time
         per copy in a batched call and starts copying only once it returns, so a short first
-        call gets the bytes moving while the second is still being issued (measured 0.1 ms
-        faster end to end). Kept while the same plan is issued again: their host cost is on the
-        critical path of every refit."""
+        call gets the bytes moving while the second is still being issued. Kept while the same
+        plan is issued again: their host cost is on the critical path of every refit."""
         cached = self._chunks
         if cached is not None and cached[0] is runs:
             return cached[1]

@@ -1,34 +1,33 @@
 """Same-host transport of a resharding refit: CUDA IPC push with copy-engine copies.
 
-Every receiver exports its local tensors once (``ipc.PushTargets``: a non-contiguous one as a
-slot of a staging buffer, copied into it after each refit). Every sender opens the exports of
-the receivers it has pieces for and, at each refit, writes each piece straight from its own
+Every receiver exports its local tensors once (``cuda.ipc.PushTargets``: a non-contiguous one
+as a slot of a staging buffer, copied into it after each refit). Every sender opens the exports
+of the receivers it has pieces for and, at each refit, writes each piece straight from its own
 tensor into the receiver's memory: the pieces contiguous on both sides (row blocks, whole
-shards) as batched copy-engine copies (``ipc.PeerCopier``) on a copy stream of its GPU, the
-others (column blocks of row-parallel weights) as torch strided copy kernels on a second
-stream, so both run at once, and no bulk data touches the group. That is the default where a
-sender and all its receivers share one GPU, and across GPUs too: a sender maps the tensors of
-a receiver on **another GPU** into its own GPU's context (``ipc.PeerMapping``), where its
-kernels can write them. Torch's own open maps them into the receiver GPU's context instead; on
-2x H200 a strided kernel of the sender's GPU writing through such a view faulted (illegal
-address) while copy-engine copies were bit-exact, so where the mapping is refused (no
-cuda-bindings, a handle kind it does not know) or ``NEMO_DATAPLANE_IPC_OPEN=torch``, torch
-opens them and the column blocks go as 2D copy-engine copies instead (``pitched.py``: one
-batched call, on the second stream). ``NEMO_DATAPLANE_RESHARD_PITCHED=kernel|memcpy2d`` forces
-one way (``kernel`` only where the views are ours). Pieces are the plan's entries
-(``reshard.py``); messages and buckets do not matter here. Copy-engine copies across GPUs need
-peer access (``ipc.probe`` has torch turn it on; the mapping's lazy flag does too): without
-it they ran at 38 GB/s instead of 395 (``benchmarks/ipc_peer_probe.py --rates``).
+shards) as batched copy-engine copies (``cuda.copy_engine.PeerCopier``) on a copy stream of
+its GPU, the others (column blocks of row-parallel weights) as torch strided copy kernels on a
+second stream, so both run at once, and no bulk data touches the group. Pieces are the plan's
+entries (``plan.py``); messages and buckets do not matter here.
+
+A receiver on **another GPU** is mapped into the sender's own GPU context
+(``cuda.ipc.PeerMapping``), where its kernels can write it. Torch's own open maps it into the
+receiver GPU's context instead, where a strided kernel of the sender's GPU faults (illegal
+address) while copy-engine copies work; so where the mapping is refused (no cuda-bindings, a
+handle kind it does not know) or ``map_peers`` is off (``WeightTransferConfig.ipc_map_peers``),
+torch opens them and the column blocks go as 2D copy-engine copies instead (``pitched.py``: one
+batched call, on the second stream). Copy-engine copies across GPUs need peer access
+(``cuda.ipc.probe`` has torch turn it on; the mapping's lazy flag does too): without it they
+run several times slower.
 
 The group carries only host-side control (works on gloo, so several processes may share a
 GPU, which an NCCL communicator refuses): each refit is the header max exchange (receivers
 join it once their queued GPU work is done, so nothing they still read is overwritten), the
-senders' copies, then the done signal (``sharded_ipc.py``). By default (``done="event"``) each
-sender records an interprocess CUDA event after its copies (``signal_blob()``: made and shared
-once at prepare) and posts one small status per refit to the store right after enqueueing
-them; each receiver's stream waits on its senders' events on the GPU (``wait_signals()``), so
-no host waits for the copies on the receiver's critical path. ``done="host"``: a ``done`` max
-exchange once every sender's copies finished (the earlier way, kept for comparison).
+senders' copies, then the done signal (``ipc_control.py``). With ``done="event"`` (default)
+each sender records an interprocess CUDA event after its copies (``signal_blob()``: made and
+shared once at prepare) and posts one small status per refit to the store right after
+enqueueing them; each receiver's stream waits on its senders' events on the GPU
+(``wait_signals()``), so no host waits for the copies on the receiver's critical path.
+``done="host"``: a ``done`` max exchange once every sender's copies finished.
 """
 
 from __future__ import annotations
@@ -36,30 +35,21 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from nemo_dataplane.refit import ipc as _ipc
 from nemo_dataplane.refit.copies import copy_all
-from nemo_dataplane.refit.layout import LocalTensor
-from nemo_dataplane.refit.reshard import ReshardPlan
-from nemo_dataplane.refit.transports.pitched import Copy, PitchedCopier, pitched_copies
+from nemo_dataplane.refit.cuda import ipc as _ipc
+from nemo_dataplane.refit.reshard.layout import LocalTensor
+from nemo_dataplane.refit.reshard.pitched import Copy, PitchedCopier, pitched_copies
+from nemo_dataplane.refit.reshard.plan import ReshardPlan
 
-__all__ = ["ORDERS", "PITCHED", "IpcPush", "env_choice", "pitched_copies"]
+__all__ = ["ORDERS", "PITCHED", "IpcPush", "pitched_copies"]
 
+# Values of ``IpcPush.order`` and ``IpcPush.pitched`` (see ``issue()``).
 ORDERS = ("batched_first", "strided_first")
 PITCHED = ("kernel", "memcpy2d")
-
-
-def env_choice(name: str, allowed: Sequence[str]) -> str | None:
-    """Environment variable ``name``: None if unset or empty, else its value, which must be one
-    of ``allowed`` (a ValueError names the variable otherwise)."""
-    value = os.environ.get(name) or None
-    if value is not None and value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {tuple(allowed)}")
-    return value
 
 
 def _index(dev: torch.device) -> int:
@@ -83,7 +73,7 @@ class IpcPush:
     views of its receivers and its copies (planned once per placement of its tensors)."""
 
     def __init__(self, plan: ReshardPlan, rank: int, sender: bool, locals_: Mapping[str, LocalTensor],
-                 device: torch.device) -> None:
+                 device: torch.device, *, map_peers: bool = True) -> None:
         self.plan = plan
         self.rank = rank
         self.sender = sender
@@ -98,13 +88,12 @@ class IpcPush:
         self._slow: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._runs: list = []
         self._copier = _ipc.PeerCopier()
-        # How non-contiguous pieces are copied: see issue(); None: by placement (use_views()).
-        self._pitched_forced = env_choice("NEMO_DATAPLANE_RESHARD_PITCHED", PITCHED)
-        self.pitched = self._pitched_forced or "kernel"
+        # How non-contiguous pieces are copied (see issue()); use_views() picks it by placement.
+        self.pitched = "kernel"
         # Whether a peer (receiver's view or sender's event) lives on another GPU than ours.
         self.cross_gpu = False
-        # Which kind of copies the host enqueues first (see issue()).
-        self.order = env_choice("NEMO_DATAPLANE_RESHARD_ORDER", ORDERS) or "batched_first"
+        # Which kind of copies the host enqueues first (see issue()); benchmarks time the other.
+        self.order = "batched_first"
         # The done signal (done="event", see signal_blob()): the sender's interprocess event,
         # recorded after its copies; a receiver's opened events of its senders.
         self.done_event: torch.cuda.Event | None = None
@@ -116,8 +105,8 @@ class IpcPush:
         self._rt = _ipc._cudart()
         self.raw = self._rt is not None
         self._copier2d = PitchedCopier(self._rt)
-        # Receivers on another GPU: mapped into our GPU's context (open()) unless forced to torch's.
-        self._open_mode = env_choice("NEMO_DATAPLANE_IPC_OPEN", ("here", "torch")) or "here"
+        # Receivers on another GPU: mapped into our GPU's context (open()) unless map_peers is off.
+        self._map_peers = map_peers
         self._mapping: _ipc.PeerMapping | None = None
         self.map_error: str | None = None
         self.mapped = False  # whether a receiver's tensors were mapped into our GPU's context
@@ -138,7 +127,7 @@ class IpcPush:
     def open(self, blobs: Mapping[int, bytes], peer_names: Mapping[int, Sequence[str]]) -> None:
         """Sender: open every peer receiver's exported tensors (``peer_names``: their order); those
         of a receiver on another GPU in our GPU's context (``ipc.PeerMapping``) unless that is
-        refused or ``NEMO_DATAPLANE_IPC_OPEN=torch`` (then torch opens them on their GPU)."""
+        refused or ``map_peers`` is off (then torch opens them on their GPU)."""
         here = _index(self.device)
         remote = False
         for r, blob in blobs.items():
@@ -156,8 +145,8 @@ class IpcPush:
 
     def _open_here(self, blob: bytes) -> list[torch.Tensor | None] | None:
         """A receiver's tensors mapped into our GPU's context, or None (``map_error`` says why)."""
-        if self._open_mode == "torch":
-            self.map_error = "NEMO_DATAPLANE_IPC_OPEN=torch"
+        if not self._map_peers:
+            self.map_error = "ipc_map_peers=False"
             return None
         try:
             if self._mapping is None:
@@ -184,8 +173,7 @@ class IpcPush:
                                "(nemo-dataplane[gpu]) or use transport='p2p'")
         self.foreign = foreign
         self.cross_gpu = foreign if cross_gpu is None else cross_gpu
-        if self._pitched_forced is None:
-            self.pitched = "memcpy2d" if foreign else "kernel"
+        self.pitched = "memcpy2d" if foreign else "kernel"
         self._key = None
         self._stream = torch.cuda.Stream(self.device)
         self._stream2 = torch.cuda.Stream(self.device)
@@ -220,8 +208,8 @@ class IpcPush:
 
         An IPC event is waited on only by a stream of the GPU it was made on (where it was
         opened): for a sender on another GPU a stream there waits on it and records a plain
-        event, which ``stream`` waits on (cross-GPU waits on plain events are supported); run
-        bit-exact and ordered after late copies on 2x H200 (test_sharded_gpu.py)."""
+        event, which ``stream`` waits on (cross-GPU waits on plain events are supported;
+        tests/unit/test_sharded_gpu.py checks the ordering after late copies)."""
         for r, ev in self.sender_events.items():
             side = self._bridges.get(r)
             if side is None:

@@ -20,13 +20,14 @@ shards its layout gives it; fused ones included) and carry them over the group
 
    * ``transport="p2p"``: each rank's part of the exchange (``transports/exchange.py``:
      send/recv per round over NCCL or gloo, packed buckets and direct pieces);
-   * ``transport="ipc"`` (CUDA, every pair on one host; ``sharded_ipc.py``): receivers
-     exported their tensors at prepare; each sender writes its pieces straight into them with
-     copy-engine copies, then signals them: by default through an interprocess CUDA event the
-     receiver's stream waits on, so ``receive_weights()`` returns with the weights valid on
-     the receiver's current stream (not yet on the host); ``NEMO_DATAPLANE_RESHARD_DONE=host``:
-     a host-side ``done`` exchange after the copies. The group only carries control, so it may
-     be a gloo group even when several ranks share a GPU.
+   * ``transport="ipc"`` (CUDA, every pair on one host; ``ipc_control.py``, ``ipc_push.py``):
+     receivers exported their tensors at prepare; each sender writes its pieces straight into
+     them with copy-engine copies, then signals them: with ``ipc_done="event"`` (default)
+     through an interprocess CUDA event the receiver's stream waits on, so
+     ``receive_weights()`` returns with the weights valid on the receiver's current stream
+     (not yet on the host); ``ipc_done="host"``: a host-side ``done`` exchange after the
+     copies. The group only carries control, so it may be a gloo group even when several
+     ranks share a GPU.
 
 ``timings``: opt-in host-side phase timing (``None`` by default: nothing is recorded). Set it to
 a list and every refit appends a dict of ``time.perf_counter()`` marks, ``"start"`` then the end
@@ -48,16 +49,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import time
 from collections.abc import Mapping
 
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup
-from nemo_dataplane.refit import ipc as _ipc
-from nemo_dataplane.refit.layout import Layout, LayoutError, LocalTensor
-from nemo_dataplane.refit.plan import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.config import (
+    DEFAULT_BUCKET_BYTES_CPU,
+    DEFAULT_BUCKET_BYTES_GPU,
+    MIN_BUCKET_BYTES,
+    RESHARD_TRANSPORTS,
+)
+from nemo_dataplane.refit.cuda import ipc as _ipc
 from nemo_dataplane.refit.protocol import (
     MAGIC,
     STATUS_ABORT,
@@ -66,17 +70,19 @@ from nemo_dataplane.refit.protocol import (
     NamedTensors,
     RefitError,
     RefitMismatchError,
+    WeightReceiver,
+    WeightSender,
     clip,
-    dtype_name,
 )
-from nemo_dataplane.refit.reshard import ReshardPlan, ReshardPlanError, plan_reshard
-from nemo_dataplane.refit.sharded_ipc import IpcRefit, get_all, has_key, mark
-from nemo_dataplane.refit.transports.exchange import Exchange
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush
+from nemo_dataplane.refit.reshard.checks import diff_layouts, diff_locals
+from nemo_dataplane.refit.reshard.ipc_control import IpcRefit, get_all, has_key, mark
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush
+from nemo_dataplane.refit.reshard.layout import Layout, LayoutError, LocalTensor
+from nemo_dataplane.refit.reshard.p2p import Exchange
+from nemo_dataplane.refit.reshard.plan import ReshardPlan, ReshardPlanError, plan_reshard
 
 __all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender", "phase_durations"]
 
-RESHARD_TRANSPORTS = ("auto", "p2p", "ipc")
 # Contiguous pieces at least this large go unpacked (zero-copy): fewer copies, while smaller ones
 # share a bucket (on gloo every send/recv costs a helper thread; measured: sending every
 # contiguous piece on its own made a 24 MB TP=2 -> TP=1 refit 10x slower than this).
@@ -89,10 +95,11 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
     sender = False
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
-                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
+                 device: torch.device | str | int | None = None, channel: str = "reshard",
+                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
         super().__init__(group, named_tensors, channel)
         if not isinstance(layout, Layout):
-            raise TypeError(f"layout must be a nemo_dataplane.refit.layout.Layout, got {type(layout).__name__}")
+            raise TypeError(f"layout must be a nemo_dataplane.refit.Layout, got {type(layout).__name__}")
         if group.rank not in layout.mesh.coords:
             raise ValueError(f"group rank {group.rank} is not in the layout's mesh (ranks {list(layout.mesh.ranks)})")
         self.layout = layout
@@ -115,12 +122,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         # Opt-in phase marks of each refit (see the module doc); None: off.
         self.timings: list[dict[str, float]] | None = None
         self._nmax = 0  # control exchanges (_max) since prepare
-        # How _max exchanges: "store" (default) or "gloo" (the group's all_reduce, the earlier
-        # way, kept for comparison); the same on every rank.
-        self.control = os.environ.get("NEMO_DATAPLANE_RESHARD_CONTROL", "store")
-        if self.control not in ("store", "gloo"):
-            raise ValueError(f"NEMO_DATAPLANE_RESHARD_CONTROL={self.control!r}: expected 'store' or 'gloo'")
-        self._init_ipc()
+        # How _max exchanges: "store" or "gloo" (the group's all_reduce, which
+        # benchmarks/reshard_bench.py times against it by setting this); the same on every rank.
+        self.control = "store"
+        self._init_ipc(ipc_done, ipc_map_peers)
 
     # -- prepare
 
@@ -165,8 +170,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         if src is not None and dst is not None:
             mine = src if self.sender else dst
             if mine.to_json() != self.layout.to_json():
+                diff = diff_layouts(self.layout, mine)
                 problems.append(f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
-                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})")
+                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})"
+                                + (f": {clip(diff)}" if diff else ""))
             if self.sender and opts != self._options():
                 problems.append(f"options {self._options()} differ from the first sender's {opts}")
             missing = sorted(set(range(g.world_size)) - set(src.mesh.ranks) - set(dst.mesh.ranks))
@@ -224,7 +231,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         except (LayoutError, TypeError, ValueError) as e:
             return [str(e)]
         self._locals = want
-        return _diff_locals(want, tensors, self.device)
+        return diff_locals(want, tensors, self.device)
 
     def _agree(self, problems: list[str]) -> None:
         """Post this rank's status, wait for every rank's, raise if any failed. Ranks with the
@@ -264,7 +271,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
     def _checked(self) -> Mapping[str, torch.Tensor]:
         tensors = self._tensors()
-        problems = _diff_locals(self._locals, tensors, self.device)
+        problems = diff_locals(self._locals, tensors, self.device)
         if problems:
             raise RefitMismatchError(f"rank {self.group.rank}: tensors changed since prepare_refit_info(): "
                                      f"{clip(problems)}")
@@ -292,7 +299,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
         if d_max != -neg_d_min:
             raise RefitError(f"rank {g.rank}: the ranks disagree on the ipc done signal (this rank: "
-                             f"{self.done!r}); set NEMO_DATAPLANE_RESHARD_DONE alike on every rank")
+                             f"{self.done!r}); configure ipc_done alike on every rank")
         return v_max
 
     def _max(self, vals: list[int], what: str) -> list[int]:
@@ -300,11 +307,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
         Each rank posts its values under a key numbered by the exchange, then one blocking
         ``wait`` (answered by the store server when the last key lands; no polling) and one
-        ``multi_get`` of the others' keys (one round trip instead of one per rank). Measured on
-        one H200 (3 ranks): a gloo ``all_reduce`` of these 6 int64 took 0.6-0.9 ms after the last
-        rank joined, on the critical path twice per ipc refit
-        (docs/refit.md, section 6). A rank's key of two exchanges ago is deleted: every rank has
-        read it, since each posts exchange n only after reading every key of n - 1."""
+        ``multi_get`` of the others' keys (one round trip instead of one per rank): cheaper on
+        the critical path than a gloo ``all_reduce`` (docs/refit.md, section 6.4). A rank's key
+        of two exchanges ago is deleted: every rank has read it, since each posts exchange n
+        only after reading every key of n - 1."""
         g = self.group
         if self.control == "gloo":
             t = torch.tensor(vals, dtype=torch.int64, device=g.device)
@@ -379,7 +385,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             self._push = None
 
 
-class ReshardSender(_ReshardEndpoint):
+class ReshardSender(_ReshardEndpoint, WeightSender):
     """Trainer side of a resharding refit: this rank's shards, as its ``layout`` gives them.
 
     Args:
@@ -397,20 +403,25 @@ class ReshardSender(_ReshardEndpoint):
             else p2p on an NCCL group; CPU: p2p). Receivers follow the senders'.
         device: where the tensors live (default: the group's device).
         channel: store namespace, for several refits on one group.
+        ipc_done: ipc: ``"event"`` or ``"host"``, as ``WeightTransferConfig.ipc_done``; the
+            same on every rank (receivers take it too).
+        ipc_map_peers: ipc: as ``WeightTransferConfig.ipc_map_peers`` (senders only).
     """
 
     sender = True
 
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout,
                  bucket_bytes: int | None = None, *, direct_bytes: int | None = None, transport: str = "auto",
-                 device: torch.device | str | int | None = None, channel: str = "reshard") -> None:
-        super().__init__(group, named_tensors, layout, device=device, channel=channel)
+                 device: torch.device | str | int | None = None, channel: str = "reshard",
+                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
+        super().__init__(group, named_tensors, layout, device=device, channel=channel, ipc_done=ipc_done,
+                         ipc_map_peers=ipc_map_peers)
         if transport not in RESHARD_TRANSPORTS:
             raise ValueError(f"transport must be one of {RESHARD_TRANSPORTS}, got {transport!r}")
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if self._cuda else DEFAULT_BUCKET_BYTES_CPU
-        if bucket_bytes < 256:
-            raise ValueError(f"bucket_bytes must be >= 256, got {bucket_bytes}")
+        if bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be >= {MIN_BUCKET_BYTES}, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
         if direct_bytes is None:
             direct_bytes = min(DEFAULT_DIRECT_BYTES, self.bucket_bytes + 1)
@@ -425,17 +436,18 @@ class ReshardSender(_ReshardEndpoint):
         self._refit(int(version))
 
 
-class ReshardReceiver(_ReshardEndpoint):
+class ReshardReceiver(_ReshardEndpoint, WeightReceiver):
     """Generator side of a resharding refit: receives into this rank's tensors in place.
 
     ``named_tensors``: the rank's local tensors as its ``layout`` gives them (fused ones under
-    their fused name). ``version`` holds the last completed refit's version.
+    their fused name). ``version`` holds the last completed refit's version. ``device``,
+    ``channel`` and ``ipc_done`` as for ``ReshardSender`` (``ipc_map_peers`` is unused here).
     """
 
     def receive_weights(self) -> int:
         """Receive this rank's pieces of one refit; return (and store) its version.
 
-        With ``transport="ipc"`` and the default ``done="event"`` the weights are valid on the
+        With ``transport="ipc"`` and the default ``ipc_done="event"`` the weights are valid on the
         stream current at the call (work queued on it afterwards runs after every copy), not
         yet on the host: synchronise that stream before reading them elsewhere."""
         return self._refit(None)
@@ -448,22 +460,4 @@ def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
     for prev, name in zip(names, names[1:]):
         out[name] = marks[name] - marks[prev]
     out["total"] = marks[names[-1]] - marks[names[0]]
-    return out
-
-
-def _diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
-                 device: torch.device) -> list[str]:
-    out = []
-    for name, lt in want.items():
-        t = tensors.get(name)
-        if t is None:
-            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, but it has no such tensor")
-            continue
-        shape, dt = tuple(t.shape), dtype_name(t.dtype)
-        if shape != lt.shape or dt != lt.dtype:
-            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is "
-                       f"{list(shape)} {dt}")
-        if t.device != device:
-            out.append(f"{name}: on {t.device}, expected {device}")
-    out += [f"{n}: tensor not in the layout (it would go stale)" for n in tensors if n not in want]
     return out

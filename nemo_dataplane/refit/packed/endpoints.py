@@ -1,13 +1,14 @@
 """Packed weight refit: trainer rank ``src`` sends its parameters to every generator rank.
 
-``RefitSender`` / ``RefitReceiver`` tie the pieces together (docs/refit.md):
+``RefitSender`` / ``RefitReceiver`` tie the pieces of this family together (docs/refit.md):
 
-* ``protocol.py``: ``RefitInfo``, the handshake of ``prepare_refit_info()``, headers, errors;
-* ``plan.py``: the schedule (buckets of small tensors, large ones on their own);
-* ``transports/collective.py``: broadcast or p2p over NCCL / gloo, double-buffered buckets;
-* ``transports/cuda_ipc.py``: ``transport="ipc"``, CUDA IPC peer copies on one host.
+* ``base.py``: the handshake of ``prepare_refit_info()``, headers (the family-neutral errors
+  and header constants are ``refit/protocol.py``);
+* ``plan.py``: ``RefitInfo`` and the schedule (buckets of small tensors, large ones on their own);
+* ``collective.py``: broadcast or p2p over NCCL / gloo, double-buffered buckets;
+* ``cuda_ipc.py``: ``transport="ipc"``, CUDA IPC peer copies on one host.
 
-The shard-to-shard refit (trainer and generator sharded differently) is ``reshard.py``.
+The shard-to-shard family (trainer and generator sharded differently) is ``refit/reshard/``.
 """
 
 from __future__ import annotations
@@ -17,64 +18,27 @@ import json
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit.config import DEFAULT_BUCKET_BYTES_CPU, DEFAULT_BUCKET_BYTES_GPU
+from nemo_dataplane.refit.config import PACKED_TRANSPORTS as TRANSPORTS
 from nemo_dataplane.refit.copies import ALIGN as _ALIGN
-from nemo_dataplane.refit.plan import (
-    DEFAULT_BUCKET_BYTES_CPU,
-    DEFAULT_BUCKET_BYTES_GPU,
-    DEFAULT_GROUP_BYTES,
-    Bucket,
-    Direct,
-    build_plan,
-    group_directs,
-)
+from nemo_dataplane.refit.packed.base import diff_specs
+from nemo_dataplane.refit.packed.collective import CollectiveReceiver, CollectiveSender
+from nemo_dataplane.refit.packed.cuda_ipc import IPC_COPY_ON, IPC_DIRECTIONS, IpcReceiver, IpcSender
+from nemo_dataplane.refit.packed.plan import DEFAULT_GROUP_BYTES, DEFAULT_TRANSPORT_GPU, RefitInfo
 from nemo_dataplane.refit.protocol import (
-    DEFAULT_TRANSPORT_GPU,
     STATUS_ABORT,
-    TRANSPORTS,
     NamedTensors,
     RefitError,
-    RefitInfo,
     RefitMismatchError,
-    TensorSpec,
-    diff_specs,
+    WeightReceiver,
+    WeightSender,
 )
 from nemo_dataplane.refit.protocol import clip as _clip
-from nemo_dataplane.refit.transports.collective import CollectiveReceiver, CollectiveSender
-from nemo_dataplane.refit.transports.cuda_ipc import (
-    AUTO_IPC_MAX_RECEIVERS,
-    AUTO_PICKS_IPC,
-    IPC_COPY_ON,
-    IPC_DIRECTIONS,
-    IpcReceiver,
-    IpcSender,
-)
 
-__all__ = [
-    "AUTO_IPC_MAX_RECEIVERS",
-    "AUTO_PICKS_IPC",
-    "DEFAULT_BUCKET_BYTES_CPU",
-    "DEFAULT_BUCKET_BYTES_GPU",
-    "DEFAULT_GROUP_BYTES",
-    "DEFAULT_TRANSPORT_GPU",
-    "IPC_COPY_ON",
-    "IPC_DIRECTIONS",
-    "TRANSPORTS",
-    "Bucket",
-    "Direct",
-    "NamedTensors",
-    "RefitError",
-    "RefitInfo",
-    "RefitMismatchError",
-    "RefitReceiver",
-    "RefitSender",
-    "TensorSpec",
-    "build_plan",
-    "diff_specs",
-    "group_directs",
-]
+__all__ = ["TRANSPORTS", "RefitReceiver", "RefitSender"]
 
 
-class RefitSender(CollectiveSender, IpcSender):
+class RefitSender(CollectiveSender, IpcSender, WeightSender):
     """Trainer side: broadcasts ``named_tensors`` from this rank (the group's ``src``).
 
     Args:
@@ -84,12 +48,12 @@ class RefitSender(CollectiveSender, IpcSender):
         bucket_bytes: bucket size (default 1 GiB on GPU, 64 MiB on CPU).
         direct_bytes: tensors at least this large skip the buckets and go on their own; ``0``
             sends every tensor on its own. Default: ``0`` on GPU when ``bucket_bytes`` is not
-            given (per-tensor measured fastest over NVLink, docs/refit.md section 5), otherwise
-            only tensors larger than a bucket.
+            given (per tensor is faster than packing over NVLink, docs/refit.md section 5),
+            otherwise only tensors larger than a bucket.
         group_bytes: on GPU, direct tensors are issued in NCCL groups of about this many bytes.
         transport: ``"broadcast"`` (one broadcast per transfer), ``"p2p"`` (send/recv from the
-            source to each receiver; measured no faster than broadcast on 2x H200, kept for
-            comparison), ``"ipc"`` (same host, NCCL group: receivers copy from this process's
+            source to each receiver; no faster than broadcast over NVLink, docs/refit.md
+            section 5), ``"ipc"`` (same host, NCCL group: receivers copy from this process's
             tensors through CUDA IPC handles with copy-engine peer copies; raises if a rank is
             elsewhere or cannot open the handles) or ``"auto"`` (on NCCL with at most
             ``AUTO_IPC_MAX_RECEIVERS`` receivers: ``"ipc"`` when every rank is on this host and
@@ -104,7 +68,7 @@ class RefitSender(CollectiveSender, IpcSender):
             reached their host) or ``None`` (push where this process sees every receiver's GPU,
             else pull). docs/refit.md, section 3.
         ipc_copy_on: pull only: the receiver issues its copies on a stream of the sender's GPU
-            (``"src"``) or of its own (``"dst"``); measured equal.
+            (``"src"``) or of its own (``"dst"``); equally fast (docs/refit.md, section 5).
         channel: store namespace, for several senders on one group.
     """
 
@@ -209,7 +173,7 @@ class RefitSender(CollectiveSender, IpcSender):
         self.version = version
 
 
-class RefitReceiver(CollectiveReceiver, IpcReceiver):
+class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
     """Generator side: receives into ``named_tensors`` in place from rank ``src``.
 
     ``version`` holds the version of the last completed refit (``None`` before the first).

@@ -1,5 +1,5 @@
 """The CUDA IPC refit of ``ReshardSender`` / ``ReshardReceiver`` (``transport="ipc"``): setup and
-each refit's control; the copies themselves are ``transports/exchange_ipc.IpcPush``.
+each refit's control; the copies themselves are ``ipc_push.IpcPush``.
 
 Setup (in ``prepare_refit_info``): receivers export their tensors, senders open them; each
 sender also makes an interprocess CUDA event and shares its handle once through the group's
@@ -8,7 +8,8 @@ store; every rank posts whether its part worked and all agree before a refit may
 Each refit: the receiver waits (host, bounded by the group timeout) for the work already queued
 on its current stream, so nothing it still reads is overwritten; the header exchange (abort,
 plan, version, done-signal agreement); the senders enqueue their copies; then the done signal,
-one of (``done``, the same on every rank; the header checks it):
+one of (``done``, from ``WeightTransferConfig.ipc_done``; the same on every rank, the header
+checks it):
 
 * ``"event"`` (default): a sender records its event
   after its copies, then posts one status key per refit to the store (``ok`` or its error) and
@@ -19,12 +20,11 @@ one of (``done``, the same on every rank; the header checks it):
   returns with the weights valid **on the receiver's current stream** (the stream current when
   it was called): work queued there later runs after every copy; a host read or another stream
   must synchronise with that stream first.
-  Across GPUs ``IpcPush.wait_signals`` bridges a sender's event through a stream of its GPU
-  (run bit-exact and ordered after late copies on 2x H200, session 7).
+  Across GPUs ``IpcPush.wait_signals`` bridges a sender's event through a stream of its GPU.
 * ``"host"``: every rank joins a ``done`` max exchange once each sender's copies finished (host
-  wait), the earlier way, kept for comparison (0.3-0.8 ms slower across 2x H200 at 4 GB).
-  ``NEMO_DATAPLANE_RESHARD_DONE=event|host`` forces one on every rank. Every rank also posts
-  with its setup status whether it has a peer on another GPU (``CROSS_GPU``, for reports).
+  wait), so ``receive_weights()`` returns with the weights complete; slower than ``"event"``
+  by that wait (docs/refit.md, section 6.4). Every rank also posts with its setup status
+  whether it has a peer on another GPU (``CROSS_GPU``).
 
 Why the event path is safe without more handshakes: a sender re-records its event (next refit)
 only after that refit's header, which every receiver joins only after ``receive_weights()``
@@ -50,30 +50,21 @@ from typing import Any
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup, Work
-from nemo_dataplane.refit.layout import LocalTensor
 from nemo_dataplane.refit.protocol import RefitError, clip
-from nemo_dataplane.refit.reshard import ReshardPlan
-from nemo_dataplane.refit.transports.exchange_ipc import IpcPush, env_choice
+from nemo_dataplane.refit.config import IPC_DONE_SIGNALS
+from nemo_dataplane.refit.reshard.ipc_push import IpcPush
+from nemo_dataplane.refit.reshard.layout import LocalTensor
+from nemo_dataplane.refit.reshard.plan import ReshardPlan
 
-__all__ = ["CROSS_GPU", "DONE_SIGNALS", "IpcRefit", "agreed_done", "get_all", "has_key", "mark"]
+__all__ = ["CROSS_GPU", "DONE_SIGNALS", "IpcRefit", "get_all", "has_key", "mark"]
 
-DONE_SIGNALS = ("event", "host")
-
+DONE_SIGNALS = IPC_DONE_SIGNALS
 
 CROSS_GPU = "ok cross-gpu"  # a rank's IPC setup status when one of its peers is on another GPU
 
 
-def agreed_done(statuses: list[str], forced: str | None) -> str:
-    """The done signal every rank uses (each computes it from every rank's IPC setup status,
-    so all agree): ``forced`` (``NEMO_DATAPLANE_RESHARD_DONE``) if set, else ``"event"`` on every
-    placement. (Session 6 picked ``"host"`` once any rank was ``CROSS_GPU``, until the event
-    bridge had run across GPUs; ``statuses`` stays the input so a placement rule can return.)"""
-    del statuses
-    return forced if forced is not None else "event"
-
-
 class IpcRefit:
-    """The ``transport="ipc"`` steps of a reshard endpoint (a mixin of ``sharded._ReshardEndpoint``,
+    """The ``transport="ipc"`` steps of a reshard endpoint (a mixin of ``endpoints._ReshardEndpoint``,
     which provides the attributes declared here)."""
 
     group: StatelessProcessGroup
@@ -97,11 +88,16 @@ class IpcRefit:
     _header: Callable[[int | None, BaseException | None], int]
     _max: Callable[[list[int], str], list[int]]
 
-    def _init_ipc(self) -> None:
-        # How a receiver learns the copies landed (module doc); may be changed between refits,
-        # alike on every rank (the header refuses a disagreement). Unforced, setup picks it.
-        self._done_forced = env_choice("NEMO_DATAPLANE_RESHARD_DONE", DONE_SIGNALS)
-        self.done = self._done_forced or "event"
+    def _init_ipc(self, done: str, map_peers: bool) -> None:
+        """``done``: how a receiver learns the copies landed (module doc); ``map_peers``: whether
+        a sender maps receivers on other GPUs into its own context (``ipc_push.IpcPush``)."""
+        if done not in DONE_SIGNALS:
+            raise ValueError(f"ipc_done must be one of {DONE_SIGNALS}, got {done!r}")
+        # ``done`` may be changed between refits, alike on every rank (the header refuses a
+        # disagreement); each prepare starts again from the configured one.
+        self._done_configured = done
+        self.done = done
+        self._map_peers = map_peers
 
     @property
     def _done_code(self) -> int:
@@ -112,7 +108,7 @@ class IpcRefit:
         """Receivers export their tensors, senders open their receivers' and share their done
         events, receivers open those; all agree it worked."""
         g = self.group
-        push = IpcPush(plan, g.rank, self.sender, self._locals, self.device)
+        push = IpcPush(plan, g.rank, self.sender, self._locals, self.device, map_peers=self._map_peers)
         status = "ok"
         dst_key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
         ev_key = lambda r: self._key(self._gen, "ipc_event", r)  # noqa: E731
@@ -140,7 +136,7 @@ class IpcRefit:
         if not bad:
             self._push = push
             self._peers_watch = push.peers
-            self.done = agreed_done(statuses, self._done_forced)
+            self.done = self._done_configured
             return
         push.close()
         if fallback and g.backend == "nccl":

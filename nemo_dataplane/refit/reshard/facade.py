@@ -1,0 +1,57 @@
+"""The reshard family behind the weight-transfer facade (``refit/factory.py``).
+
+Senders are group ranks ``0 .. senders - 1``, the trainer's tensor-parallel ranks (group rank =
+TP rank), each holding its TP shard of every parameter under its Hugging Face name; every other
+rank receives whole tensors (generator data-parallel replicas at TP=1). The layouts follow
+``build_layout``'s default rules for those meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit.config import WeightTransferConfig
+from nemo_dataplane.refit.protocol import NamedTensors, current_tensors, reusable
+from nemo_dataplane.refit.reshard.endpoints import ReshardReceiver, ReshardSender
+from nemo_dataplane.refit.reshard.layout import Mesh, build_layout
+
+__all__ = ["build_receiver", "build_sender"]
+
+FullShapes = Mapping[str, tuple[Sequence[int], torch.dtype | str]]
+
+
+def _shapes(source: NamedTensors) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {n: (tuple(t.shape), t.dtype) for n, t in current_tensors(source).items()}
+
+
+def build_sender(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
+                 senders: int = 1, full_shapes: FullShapes | None = None,
+                 device: torch.device | str | int | None = None) -> ReshardSender:
+    """A ``ReshardSender`` of this TP rank's shards (``named_tensors``) under a ``tp=senders`` layout.
+
+    ``full_shapes``: the unsharded name -> (shape, dtype), identical on every sender; may be
+    left out only when ``senders == 1`` (the tensors are then whole). ``device``: where the
+    shards live (default: the group's device; with ``transport="ipc"`` the group may be gloo).
+    """
+    named_tensors = reusable(named_tensors)
+    if full_shapes is None:
+        if senders != 1:
+            raise ValueError(f"reshard with senders={senders}: pass full_shapes (the unsharded shapes and dtypes)")
+        full_shapes = _shapes(named_tensors)
+    layout = build_layout(Mesh.of(range(senders), tp=senders), full_shapes)
+    return ReshardSender(group, named_tensors, layout, config.bucket_bytes, direct_bytes=config.direct_bytes,
+                         transport=config.transport, device=device, ipc_done=config.ipc_done,
+                         ipc_map_peers=config.ipc_map_peers)
+
+
+def build_receiver(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
+                   senders: int = 1, device: torch.device | str | int | None = None) -> ReshardReceiver:
+    """A ``ReshardReceiver`` into ``named_tensors`` (whole tensors), one replica of the receiving
+    side: every rank from ``senders`` on holds the same whole tensors."""
+    named_tensors = reusable(named_tensors)
+    receivers = list(range(senders, group.world_size))
+    layout = build_layout(Mesh.of(receivers, dp=len(receivers), tp=1), _shapes(named_tensors))
+    return ReshardReceiver(group, named_tensors, layout, device=device, ipc_done=config.ipc_done)

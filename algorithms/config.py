@@ -33,6 +33,7 @@ from nemo_dataplane.config import (
     plain,
     require_positive,
 )
+from nemo_dataplane.refit.config import WeightTransferConfig
 
 __all__ = ["ConfigError", "TrainerConfig", "check_devices", "load_config"]
 
@@ -198,8 +199,8 @@ class RefitConfig:
     """Trainer -> generator weights after every step over a stateless process group."""
 
     backend: Literal["gloo", "nccl"] = "gloo"
-    # packed: policy rank 0 broadcasts whole weights (refit/packed.py); reshard: every TP rank
-    # of the first replica sends its shards to the generator's layout (refit/sharded.py);
+    # packed: policy rank 0 broadcasts whole weights (nemo_dataplane/refit/packed/); reshard: every
+    # TP rank of the first replica sends its shards to the generator's layout (refit/reshard/);
     # auto: reshard when policy.tensor_parallel_size > 1, else packed.
     mode: Literal["auto", "packed", "reshard"] = "auto"
     # reshard only: ipc (CUDA, one host: copies into the generator's tensors, the group carries
@@ -315,6 +316,18 @@ class TrainerConfig:
         return "reshard" if self.policy.tensor_parallel_size > 1 else "packed"
 
     @property
+    def refit_senders(self) -> int:
+        """Policy ranks that send each refit, group ranks ``0..n-1``: the first replica's TP ranks
+        for a reshard, else policy rank 0 alone (whole weights)."""
+        return self.policy.tensor_parallel_size if self.refit_mode == "reshard" else 1
+
+    @property
+    def weight_transfer(self) -> WeightTransferConfig:
+        """The library's weight-transfer options for this run (``refit.mode`` resolved to a family)."""
+        return WeightTransferConfig(family=self.refit_mode, transport=self.refit.transport,
+                                    bucket_bytes=self.refit.bucket_bytes)
+
+    @property
     def reshard_may_use_ipc(self) -> bool:
         """A resharding refit whose transport may be CUDA IPC (``ipc``, or ``auto`` on one host)."""
         return self.refit_mode == "reshard" and self.refit.transport != "p2p"
@@ -334,6 +347,7 @@ class TrainerConfig:
 
 
 def _cross_checks(cfg: TrainerConfig) -> None:
+    cfg.weight_transfer  # the library's own checks of the refit options (ConfigError names refit.*)
     if not cfg.policy.model:
         raise ConfigError("policy.model is empty: give {arch, hf_config, seed} or {path: /local/hf/dir}")
     if cfg.policy.model.get("path") not in (None, "") and cfg.policy.model.get("hf_config") is not None:

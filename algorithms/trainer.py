@@ -165,7 +165,7 @@ class Trainer:
         if tp > 1:
             dispatch = ReplicaDispatch(dispatch, tp)
         # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
-        senders = policy[:tp] if cfg.refit_mode == "reshard" else policy[:1]
+        senders = policy[: cfg.refit_senders]
         self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch,
                                refit_senders=senders)
 
@@ -196,7 +196,6 @@ class Trainer:
         gather([*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)], timeout,
                f"{self.transport.name} transport attach")
         senders = self.workers.refit_senders
-        reshard = cfg.refit_mode == "reshard"
         world = len(senders) + 1  # the generator is the last refit rank
         if cfg.refit.port:
             host, port = cfg.refit.host, cfg.refit.port
@@ -205,8 +204,8 @@ class Trainer:
                                "refit group rendezvous")
             host, port = refit_at
         gather(
-            [*(s.init_refit.remote(host, port, world, reshard) for s in senders),
-             generator.init_refit.remote(host, port, world, world - 1, reshard)],
+            [*(s.init_refit.remote(host, port, world) for s in senders),
+             generator.init_refit.remote(host, port, world, world - 1)],
             timeout,
             "refit group set-up",
         )

@@ -60,12 +60,12 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
     import torch
 
     torch.set_num_threads(1)
-    from algorithms.engines.generation import SamplingSpec
+    from algorithms.engines.generation import RefitSpec, SamplingSpec
     from algorithms.engines.generation.hf import HFEngine
     from algorithms.models import build_model, pad_batch, sequence_logprobs
     from algorithms.tasks import CharTokenizer
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-    from nemo_dataplane.refit.packed import RefitSender
+    from nemo_dataplane.refit import RefitSender, WeightTransferConfig
 
     import transformers.models.llama.modeling_llama  # noqa: F401 - both engines build the policy's model
 
@@ -126,7 +126,7 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
 
         th = threading.Thread(target=sender, daemon=True)
         th.start()
-        engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=120)
+        engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 120, WeightTransferConfig(), senders=1))
         refits = []
         for v in range(repeats):
             go.release()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from algorithms.config import TrainerConfig
-from algorithms.engines.generation import SamplingSpec, build_engine
+from algorithms.engines.generation import RefitSpec, SamplingSpec, build_engine
 from algorithms.faults import maybe_fail
 from algorithms.workers.gpus import worker_device
 
@@ -35,11 +35,12 @@ class GeneratorWorker:
     def ready(self) -> bool:
         return True
 
-    def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, reshard: bool = False) -> None:
-        """Join the refit group as its receiver ``rank`` (collective with the policy's senders:
-        rank 0, or with ``reshard`` the TP ranks ``0..rank-1`` of the first replica)."""
-        r = self.cfg.refit
-        self.engine.init_refit(host, port, world_size, rank, backend=r.backend, timeout_s=r.timeout_s, reshard=reshard)
+    def init_refit(self, host: str, port: int, world_size: int, rank: int) -> None:
+        """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
+        group ranks ``0..refit_senders-1``)."""
+        c = self.cfg
+        self.engine.init_refit(host, port, world_size, rank, RefitSpec(backend=c.refit.backend, timeout_s=c.refit.timeout_s,
+                                                                       transfer=c.weight_transfer, senders=c.refit_senders))
 
     def receive_weights(self, version: int | None = None) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the

@@ -2,7 +2,7 @@
 
 Ray normally narrows each GPU actor's ``CUDA_VISIBLE_DEVICES`` to the GPU(s) it was given, so
 every actor sees its GPU as ``cuda:0``. A CUDA IPC refit needs more: a sender opens the
-generator's memory, so it must see the generator's GPU too (``nemo_dataplane.refit.ipc``
+generator's memory, so it must see the generator's GPU too (``nemo_dataplane.refit.cuda.ipc``
 refuses otherwise, naming ``CUDA_VISIBLE_DEVICES``). For that layout the trainer starts the
 policy and generator actors with :data:`ALL_GPUS_ENV` set (every GPU visible) and each actor
 makes the GPU Ray assigned it current (:func:`worker_device`).

@@ -37,6 +37,7 @@ from algorithms.workers.gpus import worker_device
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit import WeightSender, build_weight_sender
 
 
 def pad_float_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
@@ -77,7 +78,7 @@ class PolicyWorker:
         self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
         self._io: BatchIO | None = None
         self._refit_group: StatelessProcessGroup | None = None
-        self._sender: Any = None
+        self._sender: WeightSender | None = None
 
     # ---------------------------------------------------------------- set-up
     def ready(self) -> dict[str, int]:
@@ -119,33 +120,26 @@ class PolicyWorker:
         io.open(self.rank, self.engine.tp_group, self.timeout_s)
         self._io = io
 
-    def init_refit(self, host: str, port: int, world_size: int, reshard: bool = False) -> None:
-        """Join the refit group (collective with the generator): rank 0 as the source of whole
-        weights, or with ``reshard`` every TP rank of the first replica (refit rank = TP rank)
-        as a ``ReshardSender`` of its shards under HF names, the generator being rank ``tp``."""
+    def init_refit(self, host: str, port: int, world_size: int) -> None:
+        """Join the refit group as sender ``tp_rank`` (collective with the generator): policy rank 0
+        with whole weights, or every TP rank of the first replica with its shards under HF names
+        (``refit_senders`` of them), the generator being the last rank."""
         r = self.cfg.refit
         self._refit_group = StatelessProcessGroup(
-            host, port, self.tp_rank if reshard else 0, world_size, backend=r.backend, timeout=r.timeout_s,
-            group_name="refit",
+            host, port, self.tp_rank, world_size, backend=r.backend, timeout=r.timeout_s, group_name="refit",
             store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )
-        if reshard:
-            from nemo_dataplane.refit import Mesh, build_layout
-            from nemo_dataplane.refit.reshard import ReshardSender
-
-            layout = build_layout(Mesh.of(list(range(self.tp)), tp=self.tp), self.engine.refit_shapes())
-            # Where the shards live, not the group's device: an ipc refit's control group is gloo.
-            dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-            self._sender = ReshardSender(self._refit_group, self.engine.named_for_refit, layout,
-                                         bucket_bytes=max(r.bucket_bytes, 256), transport=r.transport, device=dev)
-        else:
-            from nemo_dataplane.refit.packed import RefitSender
-
-            self._sender = RefitSender(self._refit_group, self.engine.named_for_refit, bucket_bytes=r.bucket_bytes)
+        # Where the weights live, not the group's device: an ipc refit's control group is gloo.
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        self._sender = build_weight_sender(self.cfg.weight_transfer, self._refit_group, self.engine.named_for_refit,
+                                           senders=self.cfg.refit_senders, full_shapes=self.engine.refit_shapes(),
+                                           device=dev)
         self._sender.prepare_refit_info()
 
     def send_weights(self, version: int) -> float:
         """Broadcast the current weights to the generator (collective); returns seconds."""
+        if self._sender is None:
+            raise RuntimeError(f"policy rank {self.rank}: send_weights() before init_refit()")
         t0 = time.perf_counter()
         self._sender.send_weights(version)
         return time.perf_counter() - t0

@@ -294,3 +294,25 @@ def test_each_choice_is_read_in_one_module() -> None:
             if key in reads:
                 where[key].add(rel)
     assert where == DECISIONS
+
+
+# A family, engine or backend compared by name outside the one module that chooses it is the
+# same `if` written a second time.
+CHOICE_NAMES = {
+    "packed": {"algorithms/config.py"}, "reshard": {"algorithms/config.py"},
+    "megatron": {"algorithms/config.py", "algorithms/engines/training/__init__.py"},
+    "vllm": {"algorithms/config.py", "algorithms/engines/generation/__init__.py"},
+    "hf": {"algorithms/config.py", "algorithms/engines/generation/__init__.py"},
+}
+
+
+def test_no_family_engine_or_backend_is_compared_by_name_outside_its_factory() -> None:
+    where: dict[str, set[str]] = {k: set() for k in CHOICE_NAMES}
+    for f in sorted((REPO / "algorithms").rglob("*.py")):
+        rel = str(f.relative_to(REPO))
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Compare):
+                for c in (n.left, *n.comparators):
+                    if isinstance(c, ast.Constant) and c.value in CHOICE_NAMES:
+                        where[c.value].add(rel)
+    assert {k: v - CHOICE_NAMES[k] for k, v in where.items()} == {k: set() for k in CHOICE_NAMES}

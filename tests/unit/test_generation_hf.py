@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from algorithms.config import ConfigError, load_config
-from algorithms.engines.generation import SamplingSpec, build_engine
+from algorithms.engines.generation import RefitSpec, SamplingSpec, build_engine
 from algorithms.engines.generation.hf import HFEngine
 from algorithms.models import build_model, generate
 from algorithms.tasks import CharTokenizer
 from algorithms.workers.generator import GeneratorWorker
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-from nemo_dataplane.refit.packed import RefitSender
+from nemo_dataplane.refit import RefitSender, WeightTransferConfig
 
 TOK = CharTokenizer()
 MODEL: dict[str, Any] = {
@@ -77,7 +77,7 @@ def test_refit_installs_the_senders_weights_and_labels_later_batches() -> None:
         eng.receive_weights()
     t = threading.Thread(target=send)
     t.start()
-    eng.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+    eng.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
     assert eng.receive_weights() == 4
     t.join(60)
     assert not errors, errors

@@ -26,12 +26,12 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 from algorithms.config import VLLMEngineConfig  # noqa: E402
-from algorithms.engines.generation import Rollouts, SamplingSpec  # noqa: E402
+from algorithms.engines.generation import RefitSpec, Rollouts, SamplingSpec  # noqa: E402
 from algorithms.engines.generation.vllm import VLLMEngine, prompt_seed  # noqa: E402
 from algorithms.models import build_model, pad_batch, sequence_logprobs  # noqa: E402
 from algorithms.tasks import CharTokenizer  # noqa: E402
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
-from nemo_dataplane.refit import RefitMismatchError, RefitSender  # noqa: E402
+from nemo_dataplane.refit import RefitMismatchError, RefitSender, WeightTransferConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TOK = CharTokenizer()
@@ -139,7 +139,7 @@ def _refit(engine: VLLMEngine, model: torch.nn.Module, version: int) -> int:
     port = _free_port()
     sender = _Sender(model, port)
     try:
-        engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+        engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
         sender.send(version)
         got = engine.receive_weights()
     finally:
@@ -195,7 +195,7 @@ def test_refit_changes_outputs_and_logprobs_match_the_trainer_forward(engine: VL
 def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEngine) -> None:
     """A TP=2 trainer (Megatron's shards of the trainer model, exported under HF names by the
     converter, which needs no megatron-core) refits vLLM through ``ReshardSender`` x 2 ->
-    the worker's ``ReshardReceiver`` (``init_refit(reshard=True)``, the trainer's path at TP > 1):
+    the worker's ``ReshardReceiver`` (``init_refit`` with the reshard family, the trainer's path at TP > 1):
     vLLM's log-probs are then the whole trainer model's."""
     from algorithms.engines.training.mcore_convert import hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config
     from algorithms.engines.training.megatron import hf_full_shapes
@@ -210,7 +210,8 @@ def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEn
     senders = [_Sender(None, port, rank=r, world=3, make=lambda g, r=r: ReshardSender(g, shards[r], layout, 4096))
                for r in (0, 1)]
     try:
-        engine.init_refit("127.0.0.1", port, 3, 2, backend="gloo", timeout_s=60, reshard=True)
+        engine.init_refit("127.0.0.1", port, 3, 2,
+                          RefitSpec("gloo", 60, WeightTransferConfig(family="reshard"), senders=2))
         for s in senders:
             s.send(13)
         assert engine.receive_weights() == 13
@@ -231,7 +232,7 @@ def test_layout_mismatch_at_refit_names_the_parameter_and_leaves_the_engine_usab
     sender = _Sender(_trainer(model=wider), port)
     try:
         with pytest.raises(RefitMismatchError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: shape"):
-            engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+            engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
     finally:
         sender.close()
     assert isinstance(sender.error, RefitMismatchError), "the trainer side fails too, before any transfer"
@@ -249,7 +250,7 @@ def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(engi
     results: dict[str, Any] = {}
     spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=21)
     try:
-        engine.init_refit("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=60)
+        engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
         refit = threading.Thread(target=lambda: results.setdefault("version", engine.receive_weights()))
         refit.start()
         deadline = time.monotonic() + 30

@@ -10,11 +10,11 @@ optional dependency) is imported only by a vLLM engine's methods, so ``hf`` neve
 from __future__ import annotations
 
 from algorithms.config import TrainerConfig
-from algorithms.engines.generation.base import BACKENDS, GenerationEngine, Rollouts, SamplingSpec
+from algorithms.engines.generation.base import BACKENDS, GenerationEngine, RefitSpec, Rollouts, SamplingSpec
 from algorithms.engines.generation.hf import HFEngine
 from algorithms.engines.generation.vllm import VLLMEngine
 
-__all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec", "build_engine"]
+__all__ = ["BACKENDS", "GenerationEngine", "RefitSpec", "Rollouts", "SamplingSpec", "build_engine"]
 
 
 def build_engine(cfg: TrainerConfig) -> GenerationEngine:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    import torch
+from nemo_dataplane.refit import WeightTransferConfig
 
-__all__ = ["BACKENDS", "GenerationEngine", "Rollouts", "SamplingSpec"]
+__all__ = ["BACKENDS", "GenerationEngine", "RefitSpec", "Rollouts", "SamplingSpec"]
 
 BACKENDS = ("hf", "vllm")
 
@@ -43,6 +42,19 @@ class SamplingSpec:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class RefitSpec:
+    """How an engine joins the refit: the group's ``backend`` and its bound on every wait
+    (``timeout_s``), the weight-transfer options (``transfer``: the family and its transport),
+    and how many group ranks send (``senders``: ranks ``0..senders-1``; the engine is one of the
+    others)."""
+
+    backend: str
+    timeout_s: float
+    transfer: WeightTransferConfig
+    senders: int
 
 
 @dataclass(frozen=True)
@@ -100,17 +112,15 @@ class GenerationEngine(ABC):
                     f"(max_new_tokens={spec.max_new_tokens})")
         return Rollouts(tokens, logprobs, version)
 
-    def init_refit(self, host: str, port: int, world_size: int, rank: int = 1, *, backend: str = "gloo",
-                   timeout_s: float = 300.0, reshard: bool = False) -> None:
+    def init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         """Join the refit group at ``host:port`` as receiver ``rank`` and agree on the layout
-        (collective with the senders' ``prepare_refit_info``). ``reshard``: ranks ``0..rank-1``
-        are the trainer's TP shards (``ReshardSender``) and this engine receives into its own
-        (TP=1) layout; else the trainer's rank 0 sends whole weights (``RefitSender``). A name,
-        shape or dtype mismatch raises ``RefitMismatchError`` naming the parameter(s)."""
+        (collective with the senders' ``prepare_refit_info``): group ranks ``0..spec.senders-1``
+        are the trainer's senders, whatever the weight-transfer family (``spec.transfer``). A
+        name, shape or dtype mismatch raises ``RefitMismatchError`` naming the parameter(s)."""
         self._check_open()
         with self._lock:
             self._refit_ready = False
-            self._init_refit(host, int(port), int(world_size), int(rank), backend, float(timeout_s), bool(reshard))
+            self._init_refit(host, int(port), int(world_size), int(rank), spec)
             self._refit_ready = True
 
     def receive_weights(self) -> int:
@@ -145,21 +155,10 @@ class GenerationEngine(ABC):
                   spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and per-token log-probs, group-major."""
 
-    @staticmethod
-    def reshard_receiver(group: Any, tensors: Mapping[str, torch.Tensor], device: torch.device) -> Any:
-        """A ``ReshardReceiver`` into ``tensors`` (whole, HF names) as one TP=1 rank of ``group``:
-        what every engine receives a TP>1 trainer's shards with. ``device``: where ``tensors``
-        live (not the group's: an ipc refit's control group is gloo)."""
-        from nemo_dataplane.refit import Mesh, build_layout
-        from nemo_dataplane.refit.reshard import ReshardReceiver
-
-        layout = build_layout(Mesh.of([group.rank], tp=1), {n: (t.shape, t.dtype) for n, t in tensors.items()})
-        return ReshardReceiver(group, dict(tensors), layout, device=device)
-
     @abstractmethod
-    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
-                    reshard: bool) -> None:
-        """Create the receiver and run its ``prepare_refit_info``."""
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
+        """Create the group and the receiver (``nemo_dataplane.refit.build_weight_receiver``) and
+        run its ``prepare_refit_info``."""
 
     @abstractmethod
     def _receive_weights(self) -> int:

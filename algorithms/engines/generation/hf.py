@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from algorithms.config import TrainerConfig
-from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
+from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.models import build_model, generate
 from algorithms.tasks import CharTokenizer
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
 
 __all__ = ["HFEngine"]
 
@@ -36,8 +38,8 @@ class HFEngine(GenerationEngine):
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._group: Any = None
-        self._receiver: Any = None
+        self._group: StatelessProcessGroup | None = None
+        self._receiver: WeightReceiver | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> HFEngine:
@@ -55,22 +57,18 @@ class HFEngine(GenerationEngine):
                                     self.eos_id, self.pad_id, return_logprobs=True)
         return tokens, logprobs
 
-    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
-                    reshard: bool) -> None:
-        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-
-        self._group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
-                                            group_name="refit")
-        if reshard:
-            dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-            self._receiver = self.reshard_receiver(self._group, dict(self.model.named_parameters()), dev)
-        else:
-            from nemo_dataplane.refit.packed import RefitReceiver
-
-            self._receiver = RefitReceiver(self._group, self.model.named_parameters, src=0)
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
+        self._group = StatelessProcessGroup(host, port, rank, world_size, backend=spec.backend,
+                                            timeout=spec.timeout_s, group_name="refit")
+        # Where the parameters live, not the group's device: an ipc refit's control group is gloo.
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        self._receiver = build_weight_receiver(spec.transfer, self._group, self.model.named_parameters,
+                                               senders=spec.senders, device=dev)
         self._receiver.prepare_refit_info()
 
     def _receive_weights(self) -> int:
+        if self._receiver is None:
+            raise RuntimeError("hf engine: no refit receiver")
         return int(self._receiver.receive_weights())
 
     def _shutdown(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from algorithms.config import TrainerConfig, VLLMEngineConfig
-from algorithms.engines.generation.base import GenerationEngine, SamplingSpec
+from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
 from algorithms.models import build_model, save_pretrained_dir
 from algorithms.tasks import CharTokenizer
@@ -122,12 +122,11 @@ class VLLMEngine(GenerationEngine):
                 logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
         return tokens, logprobs
 
-    def _init_refit(self, host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float,
-                    reshard: bool) -> None:
+    def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
-        self._rpc_timeout_s = 2 * timeout_s + 60
+        self._rpc_timeout_s = 2 * spec.timeout_s + 60
         self.llm.collective_rpc("ndp_refit_init", timeout=self._rpc_timeout_s,
-                                args=(self.param_specs, host, port, world_size, rank, backend, timeout_s, reshard))
+                                args=(self.param_specs, host, port, world_size, rank, spec))
 
     def _receive_weights(self) -> int:
         (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)

@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+from algorithms.engines.generation.base import RefitSpec
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.dtypes import check_shape, dtype_from_name
+from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
+
 __all__ = ["RefitWorkerExtension", "WORKER_EXTENSION"]
 
 WORKER_EXTENSION = f"{__name__}.RefitWorkerExtension"
@@ -29,37 +34,27 @@ WORKER_EXTENSION = f"{__name__}.RefitWorkerExtension"
 class RefitWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.device``, ``self.reload_weights``)."""
 
-    _ndp_group: Any = None
-    _ndp_receiver: Any = None
+    _ndp_group: StatelessProcessGroup | None = None
+    _ndp_receiver: WeightReceiver | None = None
     _ndp_staging: dict[str, torch.Tensor] | None = None
 
     def ndp_refit_init(self, specs: Sequence[tuple[str, Sequence[int], str]], host: str, port: int,
-                       world_size: int, rank: int, backend: str, timeout_s: float, reshard: bool = False) -> None:
+                       world_size: int, rank: int, spec: RefitSpec) -> None:
         """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters,
-        whole), join the refit group and agree on the layout with the sender(s) (collective):
-        policy rank 0's whole tensors (``RefitReceiver``), or with ``reshard`` the trainer's TP
-        shards from refit ranks ``0..rank-1`` (``ReshardReceiver`` into the staging as one TP=1
-        rank; an NCCL group or CUDA IPC keeps the staging on the worker's GPU)."""
-        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
-        from nemo_dataplane.dtypes import check_shape, dtype_from_name
-
+        whole) on the worker's device, join the refit group as receiver ``rank`` and agree on the
+        layout with the senders, group ranks ``0..spec.senders-1`` (collective), through the
+        weight-transfer facade (``spec.transfer``: whichever family the trainer sends with)."""
         self.ndp_refit_close()
-        own = torch.device(self.device)  # type: ignore[attr-defined]
-        device = own if backend == "nccl" or (reshard and own.type == "cuda") else torch.device("cpu")
+        # The worker's own device: a CUDA worker's refit is NCCL or CUDA IPC (a gloo group then
+        # carries control only), both of which write GPU tensors; a CPU worker's is gloo.
+        device = torch.device(self.device)  # type: ignore[attr-defined]
         staging = {name: torch.empty(check_shape(shape, f"param {name!r} shape"),
                                      dtype=dtype_from_name(dtype, f"param {name!r} dtype"), device=device)
                    for name, shape, dtype in specs}
-        group = StatelessProcessGroup(host, port, rank, world_size, backend=backend, timeout=timeout_s,
-                                      device=device if backend == "nccl" else None, group_name="refit")
+        group = StatelessProcessGroup(host, port, rank, world_size, backend=spec.backend, timeout=spec.timeout_s,
+                                      device=device if spec.backend == "nccl" else None, group_name="refit")
         try:
-            if reshard:
-                from algorithms.engines.generation.base import GenerationEngine
-
-                receiver: Any = GenerationEngine.reshard_receiver(group, staging, device)
-            else:
-                from nemo_dataplane.refit.packed import RefitReceiver
-
-                receiver = RefitReceiver(group, staging, src=0)
+            receiver = build_weight_receiver(spec.transfer, group, staging, senders=spec.senders, device=device)
             receiver.prepare_refit_info()
         except BaseException:
             group.destroy()

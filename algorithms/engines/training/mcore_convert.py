@@ -172,7 +172,7 @@ def mcore_shard_to_hf(mc: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1,
     """One TP rank's Megatron-core tensors -> that rank's shards under HF names, as views where
     the layout allows (norms and row/column/vocab shards are the same tensors; q/k/v and
     gate/up are views into the fused ones). Sharding of each HF name is what
-    ``nemo_dataplane.refit.layout.build_layout``'s default rules give for TP=``tp``, so these
+    ``nemo_dataplane.refit.build_layout``'s default rules give for TP=``tp``, so these
     feed a :class:`~nemo_dataplane.refit.ReshardSender` directly. Unknown keys raise ``KeyError``.
     """
     ln_in, ln_mlp = _norm_names(te)

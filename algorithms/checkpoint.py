@@ -45,8 +45,10 @@ def load_trusted(path: str | Path, **kwargs: Any) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"refusing to load checkpoint file {str(path)!r}: it holds objects "
-                                     f"other than tensors, containers and {_safe_globals()} ({e})") from e
+        raise pickle.UnpicklingError(
+            f"refusing to load checkpoint file {str(path)!r}: it holds objects "
+            f"other than tensors, containers and {_safe_globals()} ({e})"
+        ) from e
 
 
 def step_dir(root: str | Path, steps_done: int) -> Path:

@@ -107,8 +107,10 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < 1 and self.backend != "vllm":
-            raise ValueError(f"generation.top_p={self.top_p} needs generation.backend=vllm (the hf backend "
-                             "samples the full distribution)")
+            raise ValueError(
+                f"generation.top_p={self.top_p} needs generation.backend=vllm (the hf backend "
+                "samples the full distribution)"
+            )
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,9 @@ class TrainerSection:
     dispatch_idle_teardown_s: float | None = 30.0
 
     def __post_init__(self) -> None:
-        require_positive(self, "steps", "dp_size", "num_threads", "step_timeout_s", "startup_timeout_s",
-                         "dispatch_idle_teardown_s")
+        require_positive(
+            self, "steps", "dp_size", "num_threads", "step_timeout_s", "startup_timeout_s", "dispatch_idle_teardown_s"
+        )
         require_positive(self, "val_every", allow_zero=True)
 
 
@@ -251,12 +254,16 @@ class AsyncConfig:
     claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
 
     def __post_init__(self) -> None:
-        require_positive(self, "groups_per_generation", "num_collectors", "is_cap", "claim_poll_s",
-                         "max_inflight_groups")
+        require_positive(
+            self, "groups_per_generation", "num_collectors", "is_cap", "claim_poll_s", "max_inflight_groups"
+        )
         require_positive(self, "max_staleness", allow_zero=True)
         if self.max_inflight_groups is not None and self.max_inflight_groups < self.groups_per_generation:
-            raise FieldError("max_inflight_groups", f"={self.max_inflight_groups} is below async.groups_per_generation="
-                             f"{self.groups_per_generation}: a collector could never write a generation")
+            raise FieldError(
+                "max_inflight_groups",
+                f"={self.max_inflight_groups} is below async.groups_per_generation="
+                f"{self.groups_per_generation}: a collector could never write a generation",
+            )
 
     def inflight_groups(self, groups_per_step: int) -> int:
         return self.max_inflight_groups or (self.max_staleness + 1) * groups_per_step
@@ -272,8 +279,21 @@ class DebugConfig:
     environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
-    fail_in: Literal["collect", "generate", "logprobs", "train", "put", "reward", "generator", "refit",
-                     "store_controller", "store_unit"] | None = None
+    fail_in: (
+        Literal[
+            "collect",
+            "generate",
+            "logprobs",
+            "train",
+            "put",
+            "reward",
+            "generator",
+            "refit",
+            "store_controller",
+            "store_unit",
+        ]
+        | None
+    ) = None
     fail_rank: int = 0
     fail_at_group: int | None = None
     fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
@@ -300,8 +320,14 @@ class TrainerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; ``TrainerConfig.from_dict(cfg.to_dict()) == cfg``."""
-        return plain({config_key(f): getattr(self, f.name) if not dataclasses.is_dataclass(getattr(self, f.name))
-                       else dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return plain(
+            {
+                config_key(f): getattr(self, f.name)
+                if not dataclasses.is_dataclass(getattr(self, f.name))
+                else dataclasses.asdict(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+            }
+        )
 
     @property
     def policy_ranks(self) -> int:
@@ -324,8 +350,9 @@ class TrainerConfig:
     @property
     def weight_transfer(self) -> WeightTransferConfig:
         """The library's weight-transfer options for this run (``refit.mode`` resolved to a family)."""
-        return WeightTransferConfig(family=self.refit_mode, transport=self.refit.transport,
-                                    bucket_bytes=self.refit.bucket_bytes)
+        return WeightTransferConfig(
+            family=self.refit_mode, transport=self.refit.transport, bucket_bytes=self.refit.bucket_bytes
+        )
 
     @property
     def reshard_may_use_ipc(self) -> bool:
@@ -347,7 +374,7 @@ class TrainerConfig:
 
 
 def _cross_checks(cfg: TrainerConfig) -> None:
-    cfg.weight_transfer  # the library's own checks of the refit options (ConfigError names refit.*)
+    _ = cfg.weight_transfer  # the library's own checks of the refit options (ConfigError names refit.*)
     if not cfg.policy.model:
         raise ConfigError("policy.model is empty: give {arch, hf_config, seed} or {path: /local/hf/dir}")
     if cfg.policy.model.get("path") not in (None, "") and cfg.policy.model.get("hf_config") is not None:
@@ -388,18 +415,29 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     if cfg.refit.backend == "gloo" and "cuda" in (cfg.policy.device, cfg.generation.device) and not reshard_ipc:
         # The gloo group moves CPU tensors only; both ends hand it their parameters in place.
         key = "policy.device" if cfg.policy.device == "cuda" else "generation.device"
-        raise ConfigError(f"refit.backend=gloo moves CPU tensors but {key}=cuda: use refit.backend=nccl with "
-                          "both devices on cuda, refit.mode=reshard with refit.transport=ipc (one host), or "
-                          "both devices on cpu")
-    if cfg.refit.transport == "ipc" and not (cfg.refit_mode == "reshard" and cfg.policy.device == "cuda"
-                                             == cfg.generation.device):
-        raise ConfigError("refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
-                          "and policy.device=cuda and generation.device=cuda")
-    if cfg.refit.backend == "nccl" and cfg.generation.device == "cuda" and cfg.generation.num_gpus < 1 \
-            and not reshard_ipc:
+        raise ConfigError(
+            f"refit.backend=gloo moves CPU tensors but {key}=cuda: use refit.backend=nccl with "
+            "both devices on cuda, refit.mode=reshard with refit.transport=ipc (one host), or "
+            "both devices on cpu"
+        )
+    if cfg.refit.transport == "ipc" and not (
+        cfg.refit_mode == "reshard" and cfg.policy.device == "cuda" == cfg.generation.device
+    ):
+        raise ConfigError(
+            "refit.transport=ipc needs refit.mode=reshard (or policy.tensor_parallel_size > 1) "
+            "and policy.device=cuda and generation.device=cuda"
+        )
+    if (
+        cfg.refit.backend == "nccl"
+        and cfg.generation.device == "cuda"
+        and cfg.generation.num_gpus < 1
+        and not reshard_ipc
+    ):
         # A fractional generator shares a GPU with policy ranks; NCCL refuses two ranks on one device.
-        raise ConfigError(f"generation.num_gpus={cfg.generation.num_gpus:g} shares a GPU with the policy, which "
-                          "NCCL cannot refit across: use refit.mode=reshard with refit.transport=ipc")
+        raise ConfigError(
+            f"generation.num_gpus={cfg.generation.num_gpus:g} shares a GPU with the policy, which "
+            "NCCL cannot refit across: use refit.mode=reshard with refit.transport=ipc"
+        )
     if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
         raise ConfigError(
             f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size} needs policy.backend=megatron "
@@ -410,21 +448,27 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             raise ConfigError("policy.backend=megatron needs policy.device=cuda")
         tp = cfg.policy.tensor_parallel_size
         if tp > 1 and cfg.refit_mode != "reshard":
-            raise ConfigError(f"policy.tensor_parallel_size={tp} needs refit.mode=reshard (or auto): the packed "
-                              "refit sends whole weights from one rank, which holds 1/TP of them")
-    if cfg.policy.dist_backend == "nccl" and cfg.policy.device == "cuda" and cfg.policy_ranks > 1 \
-            and cfg.policy_gpus_per_rank() <= 0.5:
+            raise ConfigError(
+                f"policy.tensor_parallel_size={tp} needs refit.mode=reshard (or auto): the packed "
+                "refit sends whole weights from one rank, which holds 1/TP of them"
+            )
+    if (
+        cfg.policy.dist_backend == "nccl"
+        and cfg.policy.device == "cuda"
+        and cfg.policy_ranks > 1
+        and cfg.policy_gpus_per_rank() <= 0.5
+    ):
         # NCCL refuses two ranks of one communicator on one device; above half a GPU each, Ray
         # cannot put two policy ranks on one.
-        raise ConfigError(f"policy.dist_backend=nccl with {cfg.policy_ranks} policy ranks sharing GPUs (policy."
-                          f"gpus_per_rank={cfg.policy_gpus_per_rank():g}): give each more than 0.5 or set "
-                          "policy.dist_backend=gloo")
+        raise ConfigError(
+            f"policy.dist_backend=nccl with {cfg.policy_ranks} policy ranks sharing GPUs (policy."
+            f"gpus_per_rank={cfg.policy_gpus_per_rank():g}): give each more than 0.5 or set "
+            "policy.dist_backend=gloo"
+        )
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
     if cfg.data_plane.enabled:
         _check_backend(cfg.data_plane.backend)
-
-
 
 
 def _check_max_rows(cfg: TrainerConfig) -> None:
@@ -435,8 +479,10 @@ def _check_max_rows(cfg: TrainerConfig) -> None:
         return
     batch = cfg.grpo.prompts_per_step * cfg.generation.n
     if cap < batch:
-        raise ConfigError(f"data_plane.max_rows={cap} is below one step's batch (grpo.prompts_per_step * "
-                          f"generation.n = {batch} rows): no step could ever be stored")
+        raise ConfigError(
+            f"data_plane.max_rows={cap} is below one step's batch (grpo.prompts_per_step * "
+            f"generation.n = {batch} rows): no step could ever be stored"
+        )
 
 
 def async_min_rows(cfg: TrainerConfig) -> int:
@@ -490,7 +536,8 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
             f"policy.device={cfg.policy.device} and generation.device={cfg.generation.device} need "
             f"{math.ceil(need - 1e-9)} CUDA devices ({cfg.policy_ranks} policy rank(s) x policy.gpus_per_rank="
             f"{cfg.policy_gpus_per_rank():g} + generation.num_gpus={cfg.generation.num_gpus:g}); this machine has "
-            f"{cuda_devices}")
+            f"{cuda_devices}"
+        )
 
 
 # --------------------------------------------------------------------------- loading

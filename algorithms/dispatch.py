@@ -136,8 +136,15 @@ class CompiledGraphDispatch:
     name = "compiled_graph"
     failed_grace_s = 1.0  # close() after a failed call: how long the loops get to leave before the kill
 
-    def __init__(self, policy: Sequence[Any], *, warmup_calls: int = len(KINDS), fail_compile: bool = False,
-                 idle_teardown_s: float | None = None, log: Any = None) -> None:
+    def __init__(
+        self,
+        policy: Sequence[Any],
+        *,
+        warmup_calls: int = len(KINDS),
+        fail_compile: bool = False,
+        idle_teardown_s: float | None = None,
+        log: Any = None,
+    ) -> None:
         if idle_teardown_s is not None and idle_teardown_s <= 0:
             raise ValueError(f"idle_teardown_s must be > 0 or None, got {idle_teardown_s}")
         self.policy = list(policy)
@@ -184,12 +191,13 @@ class CompiledGraphDispatch:
             self._last_call = time.monotonic()
             self._lock.release()
 
-    def _call(self, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float,
-              what: str) -> list[Any]:
+    def _call(self, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float, what: str) -> list[Any]:
         self.calls += 1
         if self.failed is not None:
-            raise StepError(f"{what}: an earlier call through the compiled graph failed ({self.failed}); its ranks "
-                            "may still be inside it, so the dispatcher serves no more calls")
+            raise StepError(
+                f"{what}: an earlier call through the compiled graph failed ({self.failed}); its ranks "
+                "may still be inside it, so the dispatcher serves no more calls"
+            )
         if self.fallback_reason is not None or self._stop.is_set() or self.calls <= self.warmup_calls:
             return self.actors.call(kind, inputs, step, flag, timeout_s, what)  # warm-up, fallback, after close
         if self.graph is None:
@@ -207,8 +215,9 @@ class CompiledGraphDispatch:
         self.graph_calls += 1
         return out
 
-    def _get(self, ref: Any, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float,
-             what: str) -> list[Any]:
+    def _get(
+        self, ref: Any, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float, what: str
+    ) -> list[Any]:
         try:
             return list(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.RayTaskError as e:
@@ -220,14 +229,16 @@ class CompiledGraphDispatch:
             self.failed = f"{what}: {type(cause).__name__}: {cause}"
             raise StepError(self.failed) from cause
         except (ray.exceptions.RayChannelTimeoutError, ray.exceptions.GetTimeoutError) as e:
-            self.failed = (f"{what}: {len(inputs)} worker call(s) through the compiled graph did not finish "
-                           f"within {timeout_s}s")
+            self.failed = (
+                f"{what}: {len(inputs)} worker call(s) through the compiled graph did not finish within {timeout_s}s"
+            )
             raise StepError(self.failed) from e
         except ray.exceptions.RayError as e:  # channel closed, actor died: the graph cannot serve
             return self._after_graph_failure(e, kind, inputs, step, flag, timeout_s, what)
 
-    def _after_graph_failure(self, e: BaseException, kind: str, inputs: Sequence[Any], step: int, flag: bool,
-                             timeout_s: float, what: str) -> list[Any]:
+    def _after_graph_failure(
+        self, e: BaseException, kind: str, inputs: Sequence[Any], step: int, flag: bool, timeout_s: float, what: str
+    ) -> list[Any]:
         self._fall_back(f"execution failed: {type(e).__name__}: {e}")
         if kind == "logprobs":  # recomputes and rewrites the same values: safe to redo
             return self.actors.call(kind, inputs, step, flag, timeout_s, what)
@@ -274,8 +285,12 @@ class CompiledGraphDispatch:
                     continue
                 try:
                     # Re-checked under the lock: a call that ran meanwhile moved _last_call.
-                    if (self.graph is not None and self.failed is None and not self._stop.is_set()
-                            and time.monotonic() - self._last_call >= idle):
+                    if (
+                        self.graph is not None
+                        and self.failed is None
+                        and not self._stop.is_set()
+                        and time.monotonic() - self._last_call >= idle
+                    ):
                         self._teardowns.append(_Teardown(self.graph))
                         self.graph = None
                         self.idle_teardowns += 1
@@ -297,10 +312,17 @@ class CompiledGraphDispatch:
     def report(self) -> dict[str, Any]:
         """For summary.json: the mode, calls through the graph, compile time, why it fell back,
         the idle setting with its teardowns and recompiles, and whether close killed the actors."""
-        return {"mode": self.name, "graph_calls": self.graph_calls, "compile_s": self.compile_s,
-                "fallback": self.fallback_reason, "idle_teardown_s": self.idle_teardown_s,
-                "idle_teardowns": self.idle_teardowns, "recompiles": self.recompiles,
-                "recompile_s": self.recompile_s, "killed_actors": self.killed_actors}
+        return {
+            "mode": self.name,
+            "graph_calls": self.graph_calls,
+            "compile_s": self.compile_s,
+            "fallback": self.fallback_reason,
+            "idle_teardown_s": self.idle_teardown_s,
+            "idle_teardowns": self.idle_teardowns,
+            "recompiles": self.recompiles,
+            "recompile_s": self.recompile_s,
+            "killed_actors": self.killed_actors,
+        }
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the idle teardown and tear the graph down, before the actors are killed (a teardown

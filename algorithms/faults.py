@@ -51,8 +51,15 @@ class InjectedFailure(RuntimeError):
     """Raised by the ``debug.fail_*`` hook (tests of the failure path)."""
 
 
-def maybe_fail(debug: DebugConfig, where: str, *, step: int | None = None, rank: int | None = None,
-               group: int | None = None, what: str = "") -> None:
+def maybe_fail(
+    debug: DebugConfig,
+    where: str,
+    *,
+    step: int | None = None,
+    rank: int | None = None,
+    group: int | None = None,
+    what: str = "",
+) -> None:
     """Fail here if ``debug`` asks for it: ``debug.fail_in == where`` and each of
     ``fail_at_step``/``fail_rank``/``fail_at_group`` that is set (and given here) matches.
 
@@ -101,8 +108,9 @@ def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig)
     handle = ray.get_actor(name, namespace=kwargs.get("namespace", DEFAULT_NAMESPACE))
     # Its process, if on this node: Ray calls an actor dead ~10 ms before the process is gone
     # (measured), and a store actor can still serve a request in that window.
-    pid, node = ray.get(handle.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id())),
-                        timeout=30)
+    pid, node = ray.get(
+        handle.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id())), timeout=30
+    )
     local_pid = pid if node == ray.get_runtime_context().get_node_id() else None
     _mark(debug)
     ray.kill(handle, no_restart=True)

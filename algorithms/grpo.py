@@ -36,9 +36,7 @@ def _check_groups(rewards: Tensor, group_size: int, fn: str) -> Tensor:
     return rewards.reshape(-1, group_size)
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Per-sample advantage ``(r - mean_group) / (std_group + eps)`` (float32, shape ``[B]``).
 
     ``std`` is the unbiased sample std of the group; with ``normalize_std=False`` the advantage is
@@ -131,9 +129,7 @@ def policy_loss(
         (("ref_logprobs", ref_logprobs),) if ref_logprobs is not None else ()
     ):
         if t.shape != logprobs.shape:
-            raise ValueError(
-                f"policy_loss: {name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}"
-            )
+            raise ValueError(f"policy_loss: {name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape != (logprobs.shape[0],):
         raise ValueError(
             f"policy_loss: advantages must be [N]={logprobs.shape[0]}, got shape {tuple(advantages.shape)}"
@@ -183,7 +179,9 @@ def policy_loss(
 
     if loss_agg == "token_mean":
         # An all-masked micro-batch contributes 0, not NaN.
-        denom = m.sum().clamp_min(1.0) if global_token_count is None else torch.as_tensor(global_token_count, dtype=m.dtype)
+        denom = (
+            m.sum().clamp_min(1.0) if global_token_count is None else torch.as_tensor(global_token_count, dtype=m.dtype)
+        )
 
         def agg(x: Tensor) -> Tensor:
             return (x * m).sum() / denom

@@ -80,8 +80,11 @@ class AsyncTrainer(Trainer):
         G, n = cfg.grpo.prompts_per_step, cfg.generation.n
         pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
         buffer = RolloutBuffer(cfg, pool, self.transport, self.ledger)
-        gather([c.start.remote(a.inflight_groups(G), a.groups_per_generation)
-                for c in self.workers.collectors], cfg.trainer.startup_timeout_s, "collector start")
+        gather(
+            [c.start.remote(a.inflight_groups(G), a.groups_per_generation) for c in self.workers.collectors],
+            cfg.trainer.startup_timeout_s,
+            "collector start",
+        )
         bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.groups_per_generation) * n
         self.summary["keys_outstanding_bound"] = bound
         self._banner(f", max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}")
@@ -96,14 +99,27 @@ class AsyncTrainer(Trainer):
                     batch = buffer.next_batch(step)
                 st = buffer.stats
                 batch.row.update(
-                    staleness_mean=sum(st.staleness) / len(st.staleness), staleness_max=max(st.staleness),
-                    groups_dropped_stale=st.dropped_stale, groups_requeued_failed=st.requeued_failed,
+                    staleness_mean=sum(st.staleness) / len(st.staleness),
+                    staleness_max=max(st.staleness),
+                    groups_dropped_stale=st.dropped_stale,
+                    groups_requeued_failed=st.requeued_failed,
                     trainer_idle_s=st.wait_s,
                 )
-                result = train_on_batch(cfg, self.workers, self.transport, batch, step, timer, behaviour=True, t_start=t0)
+                result = train_on_batch(
+                    cfg, self.workers, self.transport, batch, step, timer, behaviour=True, t_start=t0
+                )
                 jobs = self.ledger.trained(batch.group_ids)
-                trained_log.write(json.dumps({"step": step, "handouts": [j.handout for j in jobs],
-                                              "groups": batch.group_ids, "versions": batch.versions}) + "\n")
+                trained_log.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "handouts": [j.handout for j in jobs],
+                            "groups": batch.group_ids,
+                            "versions": batch.versions,
+                        }
+                    )
+                    + "\n"
+                )
                 trained_log.flush()
                 buffer.top_up()
                 row = result.row

@@ -56,7 +56,7 @@ def payload_bytes(obj: Any) -> int:
         return sum(len(pickle.dumps(k)) + payload_bytes(v) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in obj):
         return sum(payload_bytes(v) for v in obj)
-    if hasattr(obj, "data") and hasattr(obj, "plan") and isinstance(getattr(obj, "data"), TensorDictBase):
+    if hasattr(obj, "data") and hasattr(obj, "plan") and isinstance(obj.data, TensorDictBase):
         return payload_bytes(obj.data) + len(pickle.dumps(obj.plan))  # a legacy shard
     try:
         return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -111,8 +111,13 @@ class MetricsLogger:
             from tqdm import tqdm  # extra `train`, loaded only when asked for
 
             self._bar = tqdm(
-                total=total_steps, initial=start_step, desc="grpo", unit="step", file=stream or sys.stderr,
-                dynamic_ncols=True, leave=True,
+                total=total_steps,
+                initial=start_step,
+                desc="grpo",
+                unit="step",
+                file=stream or sys.stderr,
+                dynamic_ncols=True,
+                leave=True,
             )
 
     def _read_rows(self) -> list[dict[str, Any]]:
@@ -212,8 +217,10 @@ def summary_line(
     best = f", best val reward {max(vals):.3f}" if vals else ""
     stale = ""
     if any(r.get("staleness_max") is not None for r in rows):
-        stale = (f", staleness max {max(r.get('staleness_max') or 0 for r in rows)}, "
-                 f"stale groups dropped {sum(r.get('groups_dropped_stale') or 0 for r in rows)}")
+        stale = (
+            f", staleness max {max(r.get('staleness_max') or 0 for r in rows)}, "
+            f"stale groups dropped {sum(r.get('groups_dropped_stale') or 0 for r in rows)}"
+        )
     return (
         f"{name} {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
         f"(first/last {head} steps){best}, loss {_fmt(last.get('loss'))}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, overload, Literal
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -115,7 +115,9 @@ def pad_batch(
             raise ValueError(f"pad_batch: a dense tensor must be [N, L], got shape {tuple(seqs.shape)}")
         rows = [r.long() for r in seqs]
     else:
-        rows = [s.reshape(-1).long() if isinstance(s, Tensor) else torch.tensor(list(s), dtype=torch.long) for s in seqs]
+        rows = [
+            s.reshape(-1).long() if isinstance(s, Tensor) else torch.tensor(list(s), dtype=torch.long) for s in seqs
+        ]
     n = len(rows)
     longest = max((r.numel() for r in rows), default=0)
     L = longest if length is None else length

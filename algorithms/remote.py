@@ -17,7 +17,9 @@ class StepError(NemoDataplaneError, RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
 
 
-def gather(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker") -> list[Any]:
+def gather(
+    refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker"
+) -> list[Any]:
     """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
     that failed would otherwise leave its peers blocked in a collective until they time out).
     A worker that died (no error of its own) is named as ``{who} {its index in refs}``, or

@@ -79,9 +79,14 @@ class PromptLedger:
         """In-flight and retry prompts in handout order (they are regenerated first on resume,
         in-flight ones under their group ids), the stream position and the id counters."""
         pending = sorted([(j.handout, j.record) for j in self.inflight.values()] + list(self.retry), key=lambda t: t[0])
-        return {"stream": self.stream.state_dict(), "next_group_id": self.next_group_id,
-                "next_handout": self.next_handout, "pending": pending, "trained_handouts": self.trained_handouts,
-                "inflight_group_ids": {**self._resumed_ids, **{j.handout: j.group_id for j in self.inflight.values()}}}
+        return {
+            "stream": self.stream.state_dict(),
+            "next_group_id": self.next_group_id,
+            "next_handout": self.next_handout,
+            "pending": pending,
+            "trained_handouts": self.trained_handouts,
+            "inflight_group_ids": {**self._resumed_ids, **{j.handout: j.group_id for j in self.inflight.values()}},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -132,7 +137,12 @@ class CollectorPool:
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         per = max(timeout_s / len(self.collectors), 0.05)
-        outs = gather([c.take.remote(max_groups, per) for c in self.collectors], timeout_s + 60, "taking rollouts", who="collector")
+        outs = gather(
+            [c.take.remote(max_groups, per) for c in self.collectors],
+            timeout_s + 60,
+            "taking rollouts",
+            who="collector",
+        )
         return [g for out in outs for g in out]
 
 
@@ -167,7 +177,7 @@ class RolloutBuffer:
         if not jobs:
             return 0
         chunk = self.cfg.async_.groups_per_generation
-        self.pool.submit([jobs[i:i + chunk] for i in range(0, len(jobs), chunk)])
+        self.pool.submit([jobs[i : i + chunk] for i in range(0, len(jobs), chunk)])
         return len(jobs)
 
     # ------------------------------------------------------------------ claims
@@ -182,8 +192,10 @@ class RolloutBuffer:
                 if gid in self.ledger.inflight:
                     self.ledger.requeue(gid)
                     self.stats.requeued_failed += 1
-        self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls)
-                                for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")}
+        self.collector_stats = {
+            k: sum(float(p.get(k, 0)) for p in polls)
+            for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")
+        }
 
     def _drop(self, group: ClaimedGroup) -> None:
         self.source.drop(group)

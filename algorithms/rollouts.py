@@ -26,8 +26,19 @@ import torch
 from algorithms.remote import StepError
 
 __all__ = [
-    "ROLLOUTS", "ROLLOUT_FIELDS", "TRAINER_TASK", "ClaimedGroup", "GroupAssembler", "Job", "RolloutBatch",
-    "RolloutKey", "generation_seed", "group_from_tags", "parse_rollout_key", "rollout_keys", "rollout_tags",
+    "ROLLOUTS",
+    "ROLLOUT_FIELDS",
+    "TRAINER_TASK",
+    "ClaimedGroup",
+    "GroupAssembler",
+    "Job",
+    "RolloutBatch",
+    "RolloutKey",
+    "generation_seed",
+    "group_from_tags",
+    "parse_rollout_key",
+    "rollout_keys",
+    "rollout_tags",
 ]
 
 ROLLOUTS = "rollouts"  # the one partition rollouts live in; keys are released one batch at a time
@@ -81,13 +92,25 @@ def parse_rollout_key(key: str) -> RolloutKey:
         raise ValueError(f"{key!r} is not a rollout key (v<version>/g<group>/s<sample>)") from None
 
 
-def rollout_tags(seq_len: Sequence[int], prompt_len: Sequence[int], jobs: Sequence[Job], version: int,
-                 rewards: Sequence[float], group_size: int) -> list[dict[str, Any]]:
+def rollout_tags(
+    seq_len: Sequence[int],
+    prompt_len: Sequence[int],
+    jobs: Sequence[Job],
+    version: int,
+    rewards: Sequence[float],
+    group_size: int,
+) -> list[dict[str, Any]]:
     """Per-row tags of ``jobs``' groups (group-major): what the driver reads without fetching a
     row (sequence lengths for packing, rewards, the group and its version, the prompt handout)."""
     return [
-        {"seq_len": int(seq_len[i]), "prompt_len": int(prompt_len[i]), "group": int(jobs[i // group_size].group_id),
-         "weight_version": int(version), "reward": float(rewards[i]), "handout": int(jobs[i // group_size].handout)}
+        {
+            "seq_len": int(seq_len[i]),
+            "prompt_len": int(prompt_len[i]),
+            "group": int(jobs[i // group_size].group_id),
+            "weight_version": int(version),
+            "reward": float(rewards[i]),
+            "handout": int(jobs[i // group_size].handout),
+        }
         for i in range(len(seq_len))
     ]
 
@@ -108,7 +131,9 @@ class ClaimedGroup:
 def group_from_tags(group_id: int, rows: Any, tags: Sequence[Mapping[str, Any]]) -> ClaimedGroup:
     """A :class:`ClaimedGroup` from its rows and their tags (in sample order)."""
     return ClaimedGroup(
-        group_id=int(group_id), version=int(tags[0]["weight_version"]), rows=rows,
+        group_id=int(group_id),
+        version=int(tags[0]["weight_version"]),
+        rows=rows,
         rewards=[float(t["reward"]) for t in tags],
         response_len=sum(int(t["seq_len"]) - int(t["prompt_len"]) for t in tags) / max(len(tags), 1),
     )

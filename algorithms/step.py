@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,16 +83,27 @@ def collect(
         transport.driver_bytes += payload_bytes(res)
     gids = list(res["group_ids"])
     batch = RolloutBatch(
-        handle=res["handle"], rewards=res["rewards"], group_size=cfg.generation.n, group_ids=gids,
-        versions=[int(res["weight_version"])] * len(gids), response_len=float(res["response_len"]),
+        handle=res["handle"],
+        rewards=res["rewards"],
+        group_size=cfg.generation.n,
+        group_ids=gids,
+        versions=[int(res["weight_version"])] * len(gids),
+        response_len=float(res["response_len"]),
     )
     batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
     return batch
 
 
 def train_on_batch(
-    cfg: TrainerConfig, workers: Workers, transport: Transport, batch: RolloutBatch, step: int,
-    timer: PhaseTimer, *, behaviour: bool, t_start: float | None = None,
+    cfg: TrainerConfig,
+    workers: Workers,
+    transport: Transport,
+    batch: RolloutBatch,
+    step: int,
+    timer: PhaseTimer,
+    *,
+    behaviour: bool,
+    t_start: float | None = None,
 ) -> StepResult:
     """Train step ``step`` on ``batch``, release its keys, refit the generator to ``step + 1``.
 
@@ -112,15 +123,21 @@ def train_on_batch(
     handle = batch.handle
     rewards = batch.rewards
     row: dict[str, Any] = {"step": step, **batch.row}
-    row.update(reward=float(rewards.mean()), response_len=batch.response_len, samples=int(rewards.numel()),
-               weight_version=min(batch.versions) if batch.versions else None)
+    row.update(
+        reward=float(rewards.mean()),
+        response_len=batch.response_len,
+        samples=int(rewards.numel()),
+        weight_version=min(batch.versions) if batch.versions else None,
+    )
     trained = True
     try:
         with timer("advantages"):
             if rewards.shape != (len(handle),):
                 raise StepError(f"step {step}: {tuple(rewards.shape)} rewards for {len(handle)} rows")
             keep_mask = (
-                dynamic_sampling_mask(rewards, n) if cfg.grpo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+                dynamic_sampling_mask(rewards, n)
+                if cfg.grpo.dynamic_sampling
+                else torch.ones_like(rewards, dtype=torch.bool)
             )
             keep_idx = [i for i, k in enumerate(keep_mask.tolist()) if k]
             drop_idx = [i for i, k in enumerate(keep_mask.tolist()) if not k]
@@ -138,15 +155,24 @@ def train_on_batch(
                 inputs = transport.rank_inputs(handle, preshards, step)
             with timer("logprobs"):
                 # Proximal (current weights) and reference log-probs from one fetch per rank.
-                out = ranks.call(transport, workers.dispatch, "logprobs", inputs, step, True, timeout,
-                                 f"step {step} logprobs")
+                out = ranks.call(
+                    transport, workers.dispatch, "logprobs", inputs, step, True, timeout, f"step {step} logprobs"
+                )
                 handle = transport.absorb(handle, preshards, "prev_logprobs", out)
                 handle = transport.absorb(handle, preshards, "ref_logprobs", out)
             with timer("train"):
                 inputs = transport.rank_inputs(handle, preshards, step)
-                metrics = ranks.call(transport, workers.dispatch, "train", inputs, step, behaviour, timeout,
-                                     f"step {step} train")
-            for k in ("loss", "pg_loss", "kl", "clip_frac", "entropy", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
+                metrics = ranks.call(
+                    transport, workers.dispatch, "train", inputs, step, behaviour, timeout, f"step {step} train"
+                )
+            for k in (
+                "loss",
+                "pg_loss",
+                "kl",
+                "clip_frac",
+                "entropy",
+                *(("is_truncated_frac", "behaviour_kl") if behaviour else ()),
+            ):
                 row[k] = float(sum(m[k] for m in metrics))
             row["grad_norm"] = float(metrics[0]["grad_norm"])
             row["tokens"] = int(sum(m["tokens"] for m in metrics))
@@ -191,16 +217,20 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
     recv = workers.generator.receive_weights.remote(version)
     what = f"refit of version {version}"
     try:
-        *_, (got, _) = gather([*sends, recv], cfg.trainer.step_timeout_s, what,
-                              who=[*(f"policy rank {r} (refit sender)" for r in range(len(sends))),
-                                   "the generator (refit receiver)"])
+        *_, (got, _) = gather(
+            [*sends, recv],
+            cfg.trainer.step_timeout_s,
+            what,
+            who=[*(f"policy rank {r} (refit sender)" for r in range(len(sends))), "the generator (refit receiver)"],
+        )
     except StepError as e:
         # The sender may see the broken pair before Ray reports the receiver dead: ask the receiver.
         try:
             ray.get(recv, timeout=2.0)
         except ray.exceptions.RayActorError as dead:
-            raise StepError(f"{what}: the generator (refit receiver) died or was lost: {type(dead).__name__}: "
-                            f"{dead}") from dead
+            raise StepError(
+                f"{what}: the generator (refit receiver) died or was lost: {type(dead).__name__}: {dead}"
+            ) from dead
         except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
             pass
         cause = e.__cause__
@@ -209,8 +239,10 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
         said = str(cause).lower() if cause is not None else ""
         if isinstance(cause, TimeoutError) or "timeout" in said or "timed out" in said:
             # The sender's group wait ran out: its one peer, the generator, never took part.
-            raise StepError(f"{what}: the generator (refit rank {len(sends)}) never took part within refit.timeout_s="
-                            f"{cfg.refit.timeout_s:g}s: {cause}") from e
+            raise StepError(
+                f"{what}: the generator (refit rank {len(sends)}) never took part within refit.timeout_s="
+                f"{cfg.refit.timeout_s:g}s: {cause}"
+            ) from e
         raise
     if got != version:
         raise StepError(f"refit: generator reports weight version {got}, expected {version}")
@@ -225,8 +257,17 @@ class _RankTotals:
     io_s: float = 0.0  # per phase, the slowest rank's time to get its rows and write results back
     compute_s: float = 0.0  # per phase, the slowest rank's forward/backward time
 
-    def call(self, transport: Transport, dispatch: Any, kind: str, inputs: Sequence[Any], step: int, flag: bool,
-             timeout_s: float, what: str) -> list[Any]:
+    def call(
+        self,
+        transport: Transport,
+        dispatch: Any,
+        kind: str,
+        inputs: Sequence[Any],
+        step: int,
+        flag: bool,
+        timeout_s: float,
+        what: str,
+    ) -> list[Any]:
         """Run ``kind`` on every policy rank through ``dispatch`` (``algorithms.dispatch``); count
         the bytes through the driver and add the ranks' ``dp_bytes``, ``io_s`` and ``compute_s``."""
         transport.driver_bytes += transport.input_bytes(inputs)

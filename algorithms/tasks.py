@@ -37,7 +37,7 @@ _SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
 # Fixed vocabulary shipped in code: digits, a few letters and symbols. Kept small on purpose: the
 # chance of sampling the right character from a random model is ~1/len(vocab), which decides how
 # fast a model learns from scratch.
-_CHARS: tuple[str, ...] = tuple("0123456789" "abcdefghij" " +-*/=<>:,.")
+_CHARS: tuple[str, ...] = tuple("0123456789abcdefghij +-*/=<>:,.")
 
 
 class CharTokenizer:
@@ -110,7 +110,7 @@ class CharTokenizer:
         return path
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> "CharTokenizer":
+    def load(cls, directory: str | os.PathLike[str]) -> CharTokenizer:
         path = os.path.join(directory, "char_tokenizer.json")
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -315,7 +315,7 @@ class PromptIterator:
             self._pos += take
         return batch
 
-    def __iter__(self) -> "PromptIterator":
+    def __iter__(self) -> PromptIterator:
         return self
 
     def __next__(self) -> list[PromptRecord]:

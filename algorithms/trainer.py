@@ -1,7 +1,8 @@
 """What the sync and async GRPO trainers share: set-up, workers, checkpoints, shutdown, summary.
 
 :class:`Trainer` owns one run: config -> Ray cluster (owned by the run) -> the store (data-plane
-path) -> workers (``dp_size * policy.tensor_parallel_size`` policy ranks, one generator, ``async.num_collectors`` rollout
+path) -> workers (``dp_size * policy.tensor_parallel_size`` policy ranks, one generator,
+``async.num_collectors`` rollout
 collectors) -> ``_loop`` (the subclass: :mod:`algorithms.grpo_sync` or
 :mod:`algorithms.grpo_async`) -> metrics, checkpoints, plot, summary. It makes the run's
 choices once: the transport (:func:`algorithms.transports.make_transport`: ``data_plane.enabled``
@@ -111,7 +112,9 @@ class Trainer:
         if self.cfg.ray.address:
             ray.init(address=self.cfg.ray.address, **kwargs)
         else:
-            num_gpus = torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
+            num_gpus = (
+                torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
+            )
             for attempt in (1, 2):
                 try:
                     # address="local": a cluster of this run's own, even if `ray start` left one running.
@@ -121,8 +124,9 @@ class Trainer:
                     # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.
                     if attempt == 2 or "timed out during startup" not in str(e):
                         raise
-                    print(f"{self.name}: local Ray did not start within its 30 s ({e}); trying once more",
-                          file=sys.stderr)
+                    print(
+                        f"{self.name}: local Ray did not start within its 30 s ({e}); trying once more", file=sys.stderr
+                    )
                     ray.shutdown()
             self._ray_started = True
 
@@ -136,8 +140,14 @@ class Trainer:
         pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
         # The job secret that authenticates rendezvous-store records travels through Ray, never
         # through a store (docs/reliability.md, "Trust boundary").
-        env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), "TOKENIZERS_PARALLELISM": "false",
-                            "PYTHONPATH": pythonpath, SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret()}}
+        env = {
+            "env_vars": {
+                "OMP_NUM_THREADS": str(cfg.trainer.num_threads),
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": pythonpath,
+                SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret(),
+            }
+        }
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         gpu_env = env
         if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
@@ -145,29 +155,42 @@ class Trainer:
             gpu_env = {**env, "env_vars": {**env["env_vars"], ALL_GPUS_ENV: "1"}}
         policy_cls = ray.remote(PolicyWorker)
         policy = [
-            policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env,
-                               name=None).remote(r, ranks, cfg)
+            policy_cls.options(
+                num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env, name=None
+            ).remote(r, ranks, cfg)
             for r in range(ranks)
         ]
-        generator = ray.remote(GeneratorWorker).options(
-            num_cpus=cpus, num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
-            runtime_env=gpu_env,
-        ).remote(cfg)
+        generator = (
+            ray.remote(GeneratorWorker)
+            .options(
+                num_cpus=cpus,
+                num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
+                runtime_env=gpu_env,
+            )
+            .remote(cfg)
+        )
         # Several concurrent calls: submit/poll/take while the producer thread generates.
         collectors = [
-            ray.remote(RolloutCollector).options(num_cpus=0, runtime_env=env, max_concurrency=4).remote(cfg, generator, i)
+            ray.remote(RolloutCollector)
+            .options(num_cpus=0, runtime_env=env, max_concurrency=4)
+            .remote(cfg, generator, i)
             for i in range(num_collectors)
         ]
         self.actors = [*policy, generator, *collectors]
-        dispatch = make_dispatcher(cfg.trainer.dispatch, policy, fail_compile=cfg.debug.fail_dispatch_compile,
-                                   idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s)
+        dispatch = make_dispatcher(
+            cfg.trainer.dispatch,
+            policy,
+            fail_compile=cfg.debug.fail_dispatch_compile,
+            idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s,
+        )
         tp = cfg.policy.tensor_parallel_size
         if tp > 1:
             dispatch = ReplicaDispatch(dispatch, tp)
         # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
         senders = policy[: cfg.refit_senders]
-        self.workers = Workers(policy=policy, generator=generator, collectors=collectors, dispatch=dispatch,
-                               refit_senders=senders)
+        self.workers = Workers(
+            policy=policy, generator=generator, collectors=collectors, dispatch=dispatch, refit_senders=senders
+        )
 
     def _connect_workers(self) -> None:
         """Wait for the launched workers, then form the train group, attach the store and form the
@@ -179,33 +202,46 @@ class Trainer:
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
-        names = [f"policy{r}" for r in range(ranks)] + ["generator"] + [
-            f"collector{i}" if i else "collector" for i in range(len(collectors))
-        ]
+        names = (
+            [f"policy{r}" for r in range(ranks)]
+            + ["generator"]
+            + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
+        )
         nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
         self.summary["worker_nodes"] = dict(zip(names, nodes))
-        self.summary["policy_layout"] = {"dp": cfg.trainer.dp_size, "tp": cfg.policy.tensor_parallel_size,
-                                         "refit": cfg.refit_mode}
+        self.summary["policy_layout"] = {
+            "dp": cfg.trainer.dp_size,
+            "tp": cfg.policy.tensor_parallel_size,
+            "refit": cfg.refit_mode,
+        }
         # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
         # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
         # Every worker on one node: the stores listen on loopback only.
         local = len(set(nodes)) == 1
-        (train_at,) = gather([policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous")
+        (train_at,) = gather(
+            [policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous"
+        )
         gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
         io, sink = self.transport.batch_io(), self.transport.sink()
-        gather([*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)], timeout,
-               f"{self.transport.name} transport attach")
+        gather(
+            [*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)],
+            timeout,
+            f"{self.transport.name} transport attach",
+        )
         senders = self.workers.refit_senders
         world = len(senders) + 1  # the generator is the last refit rank
         if cfg.refit.port:
             host, port = cfg.refit.host, cfg.refit.port
         else:
-            (refit_at,) = gather([policy[0].host_rendezvous.remote("refit", world, local)], timeout,
-                               "refit group rendezvous")
+            (refit_at,) = gather(
+                [policy[0].host_rendezvous.remote("refit", world, local)], timeout, "refit group rendezvous"
+            )
             host, port = refit_at
         gather(
-            [*(s.init_refit.remote(host, port, world) for s in senders),
-             generator.init_refit.remote(host, port, world, world - 1)],
+            [
+                *(s.init_refit.remote(host, port, world) for s in senders),
+                generator.init_refit.remote(host, port, world, world - 1),
+            ],
             timeout,
             "refit group set-up",
         )
@@ -225,7 +261,11 @@ class Trainer:
         root = checkpoint_root(self.cfg)
         d = step_dir(root, step_done)
         d.mkdir(parents=True, exist_ok=True)
-        gather([w.save_checkpoint.remote(str(d)) for w in self.workers.policy], self.cfg.trainer.step_timeout_s, "checkpoint")
+        gather(
+            [w.save_checkpoint.remote(str(d)) for w in self.workers.policy],
+            self.cfg.trainer.step_timeout_s,
+            "checkpoint",
+        )
         save_driver_state(d, step_done, self._driver_state(), self.cfg.to_dict())
         mark_complete(d, step_done, root=root, keep=self.cfg.checkpoint.keep)
         return d
@@ -265,18 +305,26 @@ class Trainer:
             # The store comes up while the workers' processes start: "workers" is what is left of
             # their start-up once the store is up.
             summary["startup_s"] = {
-                "ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2],
+                "ray": marks[1] - marks[0],
+                "data_plane": marks[2] - marks[1],
+                "workers": marks[3] - marks[2],
             }
             assert self.workers is not None
             if resume is not None:
-                gather([w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
-                       cfg.trainer.startup_timeout_s, "checkpoint load")
+                gather(
+                    [w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
+                    cfg.trainer.startup_timeout_s,
+                    "checkpoint load",
+                )
                 self.transport.clear_all()  # rollouts of the interrupted run are regenerated
             refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
             summary["policy_params"] = self.policy_params
             summary["prompts"] = {"train": len(train), "val": len(val)}
             self.logger = MetricsLogger(
-                self.out, total_steps=cfg.trainer.steps, start_step=start, progress=cfg.logging.progress,
+                self.out,
+                total_steps=cfg.trainer.steps,
+                start_step=start,
+                progress=cfg.logging.progress,
                 tensorboard=cfg.logging.tensorboard,
             )
             code = self._loop(start, val)
@@ -311,7 +359,9 @@ class Trainer:
             driver_data_plane_modules=data_plane_modules_loaded(sys.modules),
         )
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        print(summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name), flush=True)
+        print(
+            summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name), flush=True
+        )
         return code
 
     def _num_collectors(self) -> int:
@@ -333,7 +383,8 @@ class Trainer:
             t = time.perf_counter()
             (row["val_reward"],) = gather(
                 [self.workers.collector.validate.remote(val, cfg.trainer.seed * 7919 + step)],
-                cfg.trainer.step_timeout_s, "validation",
+                cfg.trainer.step_timeout_s,
+                "validation",
             )
             row["time/validate"] = time.perf_counter() - t
         row["elapsed_s"] = time.perf_counter() - self.t0  # since the trainer started (incl. start-up)
@@ -351,7 +402,8 @@ class Trainer:
         cfg = self.cfg
         if not cfg.logging.quiet and self.logger is not None:
             self.logger.write(
-                f"{self.name}: {cfg.trainer.steps} steps, dp_size={cfg.trainer.dp_size}, transport={self.transport.name}, "
+                f"{self.name}: {cfg.trainer.steps} steps, dp_size={cfg.trainer.dp_size}, "
+                f"transport={self.transport.name}, "
                 f"{cfg.grpo.prompts_per_step} prompts x {cfg.generation.n} samples per step{what}, output {self.out}"
             )
 
@@ -381,8 +433,11 @@ class Trainer:
         if self.workers is not None and ray.is_initialized():
             # Producers stop first, so nothing is written after the store is emptied.
             try:
-                ray.wait([c.stop.remote(5.0) for c in self.workers.collectors], num_returns=len(self.workers.collectors),
-                         timeout=10)
+                ray.wait(
+                    [c.stop.remote(5.0) for c in self.workers.collectors],
+                    num_returns=len(self.workers.collectors),
+                    timeout=10,
+                )
             except Exception:  # noqa: BLE001 - a dead collector is killed below
                 pass
         if self._transport_started:
@@ -403,9 +458,11 @@ class Trainer:
             # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
             # a wedged worker is killed below either way.
             w = self.workers
-            refs = [p.shutdown.remote() for p in w.policy] + [w.generator.shutdown.remote()] + [
-                c.close.remote() for c in w.collectors
-            ]
+            refs = (
+                [p.shutdown.remote() for p in w.policy]
+                + [w.generator.shutdown.remote()]
+                + [c.close.remote() for c in w.collectors]
+            )
             try:
                 ray.wait(refs, num_returns=len(refs), timeout=10)
             except Exception:  # noqa: BLE001 - a dead actor cannot shut down; it is killed below

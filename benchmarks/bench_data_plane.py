@@ -154,7 +154,9 @@ class Reader:
             c.close()
 
 
-def timed_pair(put: Callable[[], Any], get: Callable[[Any], Any], cleanup: Callable[[Any], Any], repeats: int) -> tuple[float, float, float]:
+def timed_pair(
+    put: Callable[[], Any], get: Callable[[Any], Any], cleanup: Callable[[Any], Any], repeats: int
+) -> tuple[float, float, float]:
     """Median put and get seconds and the fastest put+get; ``put`` returns what ``get`` needs."""
     puts, gets = [], []
     for i in range(repeats + 1):
@@ -198,9 +200,19 @@ def _gather(refs: list[Any]) -> list[Any]:
     return ray.get(refs, timeout=RAY_TIMEOUT_S)
 
 
-def _row(method: str, b: int, layout: str, readers: int, nbytes: int, put: float, get: float, best: float) -> dict[str, Any]:
-    return {"method": method, "batch": b, "layout": layout, "readers": readers, "bytes": nbytes,
-            "put_s": put, "get_s": get, "best_s": best}
+def _row(
+    method: str, b: int, layout: str, readers: int, nbytes: int, put: float, get: float, best: float
+) -> dict[str, Any]:
+    return {
+        "method": method,
+        "batch": b,
+        "layout": layout,
+        "readers": readers,
+        "bytes": nbytes,
+        "put_s": put,
+        "get_s": get,
+        "best_s": best,
+    }
 
 
 def bench_ray(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -226,18 +238,31 @@ def bench_ray(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[
         reader = actors[0]
         lat = {
             "ray_actor_call": latency(lambda: ray.get(reader.ping.remote(), timeout=RAY_TIMEOUT_S), repeats * 4),
-            "ray": latency(lambda: ray.get(reader.ray_handoff.remote(ray.put(tiny)), timeout=RAY_TIMEOUT_S), repeats * 4),
+            "ray": latency(
+                lambda: ray.get(reader.ray_handoff.remote(ray.put(tiny)), timeout=RAY_TIMEOUT_S), repeats * 4
+            ),
         }
     finally:
         _close(actors)
     return rows, lat
 
 
-def ray_zero_copy_subprocess(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def ray_zero_copy_subprocess(
+    sizes: list[int], readers: list[int], repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     env = {**os.environ, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, __file__, "--ray-only", "--repeats", str(repeats), "--sizes", *map(str, sizes),
-           "--readers", *map(str, readers)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--ray-only",
+        "--repeats",
+        str(repeats),
+        "--sizes",
+        *map(str, sizes),
+        "--readers",
+        *map(str, readers),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"zero-copy run failed:\n{proc.stderr[-3000:]}")
@@ -398,8 +423,14 @@ def startup_once(backend: str, preload: bool = False) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_preload_python_modules", None)
-    proc = subprocess.run([sys.executable, "-c", STARTUP, backend, str(REPO), "preload" if preload else "-"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", STARTUP, backend, str(REPO), "preload" if preload else "-"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"start-up run of {backend} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -434,12 +465,16 @@ def measure_startup(runs: int, preload: bool) -> dict[str, Any]:
 BEFORE_VS_ZC = {"256/dense": 0.33, "256/jagged": 0.25, "1024/dense": 0.25, "1024/jagged": 0.20}
 
 
-def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any], sizes: list[int], readers: list[int]) -> dict[str, Any]:
+def report(
+    rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any], sizes: list[int], readers: list[int]
+) -> dict[str, Any]:
     for r in rows:
         r["total_s"] = r["put_s"] + r["get_s"]
         r["mb_s"] = r["bytes"] / 1e6 / r["total_s"]
         r["best_mb_s"] = r["bytes"] / 1e6 / r["best_s"]
-    base = {(r["method"], r["batch"], r["layout"], r["readers"]): r for r in rows if r["method"] in ("ray", "ray_zero_copy")}
+    base = {
+        (r["method"], r["batch"], r["layout"], r["readers"]): r for r in rows if r["method"] in ("ray", "ray_zero_copy")
+    }
     for r in rows:
         k = (r["batch"], r["layout"], r["readers"])
         for m, col in (("ray", "vs_ray"), ("ray_zero_copy", "vs_zc")):
@@ -448,14 +483,19 @@ def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any
             r[f"best_{col}"] = r["best_mb_s"] / b["best_mb_s"]
     rows.sort(key=lambda r: (r["readers"], r["batch"], r["layout"], ORDER.index(r["method"])))
 
-    header = (f"{'rd':>2} {'batch':>5} {'layout':>6} {'method':>18} {'MB':>6} {'put ms':>7} {'get ms':>7} {'MB/s':>6}"
-              f" {'vs ray':>6} {'vs zc':>6} {'best MB/s':>9} {'best vs zc':>10}")
+    header = (
+        f"{'rd':>2} {'batch':>5} {'layout':>6} {'method':>18} {'MB':>6} {'put ms':>7} {'get ms':>7} {'MB/s':>6}"
+        f" {'vs ray':>6} {'vs zc':>6} {'best MB/s':>9} {'best vs zc':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['readers']:>2} {r['batch']:>5} {r['layout']:>6} {r['method']:>18} {r['bytes'] / 1e6:>6.1f} "
-              f"{r['put_s'] * 1e3:>7.1f} {r['get_s'] * 1e3:>7.1f} {r['mb_s']:>6.0f} {r['vs_ray']:>6.2f} {r['vs_zc']:>6.2f}"
-              f" {r['best_mb_s']:>9.0f} {r['best_vs_zc']:>10.2f}")
+        print(
+            f"{r['readers']:>2} {r['batch']:>5} {r['layout']:>6} {r['method']:>18} {r['bytes'] / 1e6:>6.1f} "
+            f"{r['put_s'] * 1e3:>7.1f} {r['get_s'] * 1e3:>7.1f} {r['mb_s']:>6.0f} {r['vs_ray']:>6.2f} "
+            f"{r['vs_zc']:>6.2f}"
+            f" {r['best_mb_s']:>9.0f} {r['best_vs_zc']:>10.2f}"
+        )
 
     def ratio(method: str, b: int, lay: str, rd: int, col: str) -> float | None:
         hit = [r[col] for r in rows if (r["method"], r["batch"], r["layout"], r["readers"]) == (method, b, lay, rd)]
@@ -475,7 +515,10 @@ def report(rows: list[dict[str, Any]], lat: dict[str, Any], start: dict[str, Any
                 before = BEFORE_VS_ZC.get(f"{b}/{lay}")
                 if before is not None and rd == 1:
                     targets[k]["tq_adapter_vs_zc_needed_for_half_gap"] = 1 - (1 - before) / 2
-    print("\nTargets (readers=1): ray_store >= 0.9x zero-copy at >= 1024; tq_adapter >= 1.0x ray and gap to zero-copy halved")
+    print(
+        "\nTargets (readers=1): ray_store >= 0.9x zero-copy at >= 1024; "
+        "tq_adapter >= 1.0x ray and gap to zero-copy halved"
+    )
     for k, v in targets.items():
         if k.endswith("/r1"):
             print(f"  {k:>16}: " + ", ".join(f"{n}={x:.2f}" for n, x in v.items() if x is not None))
@@ -493,8 +536,10 @@ def report_startup(start: dict[str, Any]) -> None:
     print("\nStore start-up after Ray (import + create; torch and Ray already loaded), median s:")
     for name, v in start.items():
         runs = " ".join(f"{x:.2f}" for x in v["store_up_s_runs"])
-        print(f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
-              f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}; runs: {runs}")
+        print(
+            f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
+            f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}; runs: {runs}"
+        )
 
 
 def main() -> None:
@@ -505,8 +550,11 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["tq", "ray_store", "startup"])
     ap.add_argument("--startup-runs", type=int, default=3, help="fresh interpreters per backend for start-up")
     ap.add_argument("--only-startup", action="store_true", help="measure only the store start-up (no JSON written)")
-    ap.add_argument("--startup-preload", action="store_true",
-                    help="also start-up of transfer_queue on a Ray whose workers preload torch and transfer_queue")
+    ap.add_argument(
+        "--startup-preload",
+        action="store_true",
+        help="also start-up of transfer_queue on a Ray whose workers preload torch and transfer_queue",
+    )
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_startup:
@@ -555,12 +603,19 @@ def main() -> None:
                 "repeats": args.repeats,
                 "loadavg_1min_start_end": [load_start[0], os.getloadavg()[0]],
                 "wall_s": time.perf_counter() - t_start,
-                "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__},
+                "host": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "ray": ray.__version__,
+                },
             },
             indent=2,
         )
     )
-    print(f"load average (1 min) at start / end: {load_start[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"load average (1 min) at start / end: {load_start[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print(f"wrote {out}  ({time.perf_counter() - t_start:.0f} s)")
 
 

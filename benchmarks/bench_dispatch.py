@@ -91,10 +91,16 @@ def bench_overhead(ranks: int, calls: int, idle_teardown_s: float) -> dict[str, 
     cls = ray.remote(num_cpus=0)(NoOpRank)
     actors = [cls.remote(r) for r in range(ranks)]
     pids = ray.get([a.pid.remote() for a in actors], timeout=120)
-    inputs = [KVBatchMeta(keys=tuple(f"r{r}k{i}" for i in range(32)), tags=tuple({"seq_len": 40} for _ in range(32)),
-                          partition_id="rollouts", fields=("input_ids", "prompt_len"),
-                          extra_info={"packing": {"microbatches": [list(range(16)), list(range(16, 32))]}})
-              for r in range(ranks)]
+    inputs = [
+        KVBatchMeta(
+            keys=tuple(f"r{r}k{i}" for i in range(32)),
+            tags=tuple({"seq_len": 40} for _ in range(32)),
+            partition_id="rollouts",
+            fields=("input_ids", "prompt_len"),
+            extra_info={"packing": {"microbatches": [list(range(16)), list(range(16, 32))]}},
+        )
+        for r in range(ranks)
+    ]
     out: dict[str, Any] = {"ranks": ranks}
     graph = CompiledGraphDispatch(actors, warmup_calls=0, idle_teardown_s=idle_teardown_s)
     try:
@@ -139,10 +145,22 @@ def bench_overhead(ranks: int, calls: int, idle_teardown_s: float) -> dict[str, 
 
 
 def run_trainer(config: str, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", config, *overrides, f"logging.output_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "algorithms.grpo_sync",
+        "--config",
+        config,
+        *overrides,
+        f"logging.output_dir={out_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-4000:]}")
@@ -153,14 +171,24 @@ def run_trainer(config: str, overrides: list[str], out_dir: Path, timeout: float
 
 
 def bench_step(config: str, steps: int, overrides: list[str], timeout: float) -> dict[str, Any]:
-    base = [f"trainer.steps={steps}", "trainer.val_every=0", "checkpoint.every=0", "logging.progress=false",
-            "logging.plot=false", "logging.quiet=true", *overrides]
+    base = [
+        f"trainer.steps={steps}",
+        "trainer.val_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.quiet=true",
+        *overrides,
+    ]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("actors", "compiled_graph"):
             rows = run_trainer(config, [*base, f"trainer.dispatch={mode}"], Path(tmp) / mode, timeout)[2:]
-            out[mode] = {"step_s": statistics.median(r["step_s"] for r in rows), "steps": len(rows),
-                         **{f"time/{p}": statistics.median(r.get(f"time/{p}", 0.0) for r in rows) for p in PHASES}}
+            out[mode] = {
+                "step_s": statistics.median(r["step_s"] for r in rows),
+                "steps": len(rows),
+                **{f"time/{p}": statistics.median(r.get(f"time/{p}", 0.0) for r in rows) for p in PHASES},
+            }
     out["ratio_step_s"] = out["compiled_graph"]["step_s"] / out["actors"]["step_s"]
     return out
 
@@ -171,8 +199,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--steps", type=int, default=6, help="trainer steps per mode (the first two are not counted)")
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_tiny.yaml"))
-    ap.add_argument("--idle-teardown-s", type=float, default=6.0,
-                    help="the graph's idle teardown in part 1 (> 3 s: the graph's idle probe runs before it)")
+    ap.add_argument(
+        "--idle-teardown-s",
+        type=float,
+        default=6.0,
+        help="the graph's idle teardown in part 1 (> 3 s: the graph's idle probe runs before it)",
+    )
     ap.add_argument("--no-step", action="store_true", help="skip part 2 (the trainer runs)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_dispatch.json"))
@@ -187,27 +219,41 @@ def main() -> int:
     # then not import Ray itself and never start).
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ["OMP_NUM_THREADS"] = "1"
-    ray.init(address="local", num_cpus=max(args.ranks) + 2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=max(args.ranks) + 2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
     try:
         overhead = [bench_overhead(n, args.calls, args.idle_teardown_s) for n in args.ranks]
     finally:
         ray.shutdown()
 
     print(f"dispatch overhead, no-op ranks, median of {args.calls} calls ({os.cpu_count()} CPUs, {platform.node()})")
-    print(f"{'ranks':>5} {'actors us':>10} {'graph us':>10} {'graph/actors':>12} {'actors us/rank':>14} "
-          f"{'graph us/rank':>13} {'idle cpu% actors':>16} {'idle cpu% graph':>15} {'idle cpu% torn down':>19} "
-          f"{'recompile ms':>12}")
+    print(
+        f"{'ranks':>5} {'actors us':>10} {'graph us':>10} {'graph/actors':>12} {'actors us/rank':>14} "
+        f"{'graph us/rank':>13} {'idle cpu% actors':>16} {'idle cpu% graph':>15} {'idle cpu% torn down':>19} "
+        f"{'recompile ms':>12}"
+    )
     for o in overhead:
-        print(f"{o['ranks']:>5} {o['actors_us']:>10.0f} {o['compiled_graph_us']:>10.0f} {o['ratio']:>12.2f} "
-              f"{o['actors_per_rank_us']:>14.0f} {o['compiled_graph_per_rank_us']:>13.0f} "
-              f"{o['idle_cpu_pct_actors']:>16.1f} {o['idle_cpu_pct_graph']:>15.1f} "
-              f"{o['idle_cpu_pct_torn_down']:>19.1f} {o['recompile_ms']:>12.0f}")
-    print(f"idle cpu% torn down: {args.idle_teardown_s}s after the last call the idle teardown ended the graph; "
-          "recompile ms: the next call, recompiling it")
+        print(
+            f"{o['ranks']:>5} {o['actors_us']:>10.0f} {o['compiled_graph_us']:>10.0f} {o['ratio']:>12.2f} "
+            f"{o['actors_per_rank_us']:>14.0f} {o['compiled_graph_per_rank_us']:>13.0f} "
+            f"{o['idle_cpu_pct_actors']:>16.1f} {o['idle_cpu_pct_graph']:>15.1f} "
+            f"{o['idle_cpu_pct_torn_down']:>19.1f} {o['recompile_ms']:>12.0f}"
+        )
+    print(
+        f"idle cpu% torn down: {args.idle_teardown_s}s after the last call the idle teardown ended the graph; "
+        "recompile ms: the next call, recompiling it"
+    )
     step = None if args.no_step else bench_step(args.config, args.steps, args.overrides, args.timeout)
     if step is not None:
-        print(f"\nwhole step, sync trainer, {args.config} {' '.join(args.overrides)}, median over steps 2..{args.steps - 1}")
+        print(
+            f"\nwhole step, sync trainer, {args.config} {' '.join(args.overrides)}, "
+            f"median over steps 2..{args.steps - 1}"
+        )
         print(f"{'dispatch':>15} {'step_s':>8} " + " ".join(f"{p:>9}" for p in PHASES))
         for mode in ("actors", "compiled_graph"):
             s = step[mode]
@@ -215,9 +261,20 @@ def main() -> int:
         print(f"compiled_graph / actors step_s: {step['ratio_step_s']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overhead": overhead, "step": step, "calls": args.calls, "cpus": os.cpu_count(),
-                               "idle_teardown_s": args.idle_teardown_s,
-                               "host": platform.node(), "ray": ray.__version__}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "overhead": overhead,
+                "step": step,
+                "calls": args.calls,
+                "cpus": os.cpu_count(),
+                "idle_teardown_s": args.idle_teardown_s,
+                "host": platform.node(),
+                "ray": ray.__version__,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

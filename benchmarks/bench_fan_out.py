@@ -92,7 +92,9 @@ def make_batch(n: int, lo: int, hi: int, seed: int) -> TensorDict:
             "input_ids": torch.nested.nested_tensor_from_jagged(
                 torch.randint(0, 150_000, (total,), generator=g), offsets=offsets
             ),
-            "logprobs": torch.nested.nested_tensor_from_jagged(torch.randn(total, generator=g), offsets=offsets.clone()),
+            "logprobs": torch.nested.nested_tensor_from_jagged(
+                torch.randn(total, generator=g), offsets=offsets.clone()
+            ),
             "seq_len": lens,
         },
         batch_size=[n],
@@ -124,7 +126,9 @@ def main() -> None:
     client = None
     actors: list[Any] = []
     try:
-        client = TransferQueueClient(TransferQueueConfig(num_storage_units=args.storage_units, op_timeout_s=120), bootstrap=True)
+        client = TransferQueueClient(
+            TransferQueueConfig(num_storage_units=args.storage_units, op_timeout_s=120), bootstrap=True
+        )
         env = {"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TQ_LOGGING_LEVEL": "ERROR"}}
         actor_cls = ray.remote(num_cpus=0, runtime_env=env)(RankActor)
         actors = [actor_cls.remote() for _ in range(max(args.dp))]
@@ -147,7 +151,13 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         for dp in args.dp:
             ranks = actors[:dp]
-            times: dict[str, list[float]] = {"data_plane": [], "legacy": [], "dp_driver": [], "dp_fetch": [], "legacy_driver": []}
+            times: dict[str, list[float]] = {
+                "data_plane": [],
+                "legacy": [],
+                "dp_driver": [],
+                "dp_fetch": [],
+                "legacy_driver": [],
+            }
             drv: dict[str, int] = {}
             for rep in range(args.repeats + 1):  # first round is warm-up
 
@@ -235,16 +245,30 @@ def main() -> None:
         f"bench_fan_out: {args.samples} samples, seq_len {args.min_len}..{args.max_len}, fields {FIELDS} "
         f"(payload {payload / 2**20:.2f} MiB), packing=sequence/{args.max_tokens_per_microbatch}, "
         f"{args.storage_units} TQ storage unit(s), "
-        f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {load_start:.1f}->{os.getloadavg()[0]:.1f}, boot {boot_s:.0f}s"
+        f"median of {args.repeats}, {os.cpu_count()} CPUs, load avg {load_start:.1f}->{os.getloadavg()[0]:.1f}, "
+        f"boot {boot_s:.0f}s"
     )
-    cols = ["DP", "mb/rank", "data plane ms", "(driver / slowest fetch)", "legacy ms", "(driver shard+put)", "ratio dp/legacy (paired)", "driver bytes dp", "% payload", "driver bytes legacy", "% payload"]
+    cols = [
+        "DP",
+        "mb/rank",
+        "data plane ms",
+        "(driver / slowest fetch)",
+        "legacy ms",
+        "(driver shard+put)",
+        "ratio dp/legacy (paired)",
+        "driver bytes dp",
+        "% payload",
+        "driver bytes legacy",
+        "% payload",
+    ]
     table = [header, "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         table.append(
             f"| {r['dp']} | {r['microbatches_per_rank']} | {r['data_plane_ms']:.1f} | "
             f"{r['data_plane_driver_plan_fan_out_ms']:.1f} / {r['data_plane_slowest_rank_fetch_ms']:.1f} | "
             f"{r['legacy_ms']:.1f} | {r['legacy_driver_shard_put_ms']:.1f} | "
-            f"{r['ratio_dp_over_legacy']:.2f} ({r['paired_ratio_dp_over_legacy']:.2f}) | {r['data_plane_driver_bytes']:,} | {r['data_plane_driver_pct_payload']:.3f}% | "
+            f"{r['ratio_dp_over_legacy']:.2f} ({r['paired_ratio_dp_over_legacy']:.2f}) | "
+            f"{r['data_plane_driver_bytes']:,} | {r['data_plane_driver_pct_payload']:.3f}% | "
             f"{r['legacy_driver_bytes']:,} | {r['legacy_driver_pct_payload']:.1f}% |"
         )
     print("\n".join(table))

@@ -37,12 +37,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 SIZES: dict[str, dict[str, Any]] = {
     # The trainer's toy model (examples/configs/grpo_tiny.yaml) with 2 heads of 32.
-    "toy": {"arch": "llama", "seed": 0, "hf_config": {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "max_position_embeddings": 128}},
-    "4x512": {"arch": "llama", "seed": 0, "hf_config": {
-        "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 8, "max_position_embeddings": 128}},
+    "toy": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        },
+    },
+    "4x512": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 128,
+        },
+    },
 }
 ENGINES = ("hf", "vllm", "vllm-mp", "vllm-bf16")
 
@@ -60,14 +78,14 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
     import torch
 
     torch.set_num_threads(1)
+    import transformers.models.llama.modeling_llama  # noqa: F401 - both engines build the policy's model
+
     from algorithms.engines.generation import RefitSpec, SamplingSpec
     from algorithms.engines.generation.hf import HFEngine
     from algorithms.models import build_model, pad_batch, sequence_logprobs
     from algorithms.tasks import CharTokenizer
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
     from nemo_dataplane.refit import RefitSender, WeightTransferConfig
-
-    import transformers.models.llama.modeling_llama  # noqa: F401 - both engines build the policy's model
 
     tok = CharTokenizer()
     model_cfg = SIZES[size]
@@ -82,10 +100,12 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
         from algorithms.config import VLLMEngineConfig
         from algorithms.engines.generation.vllm import VLLMEngine
 
-        args = VLLMEngineConfig(multiprocessing=engine_name == "vllm-mp",
-                                dtype="bfloat16" if engine_name == "vllm-bf16" else "float32")
-        engine = VLLMEngine(model_cfg, vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
-                            pad_id=tok.pad_id, engine=args)
+        args = VLLMEngineConfig(
+            multiprocessing=engine_name == "vllm-mp", dtype="bfloat16" if engine_name == "vllm-bf16" else "float32"
+        )
+        engine = VLLMEngine(
+            model_cfg, vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id, pad_id=tok.pad_id, engine=args
+        )
     startup = time.perf_counter() - t1
     try:
         batch = [[tok.bos_id, *[3 + (5 * i + j) % 30 for j in range(6 + i % 5)]] for i in range(prompts)]
@@ -144,22 +164,32 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
         ids, attn = pad_batch([p + t for p, t in zip(rows, out.tokens)], tok.pad_id)
         resp = torch.zeros_like(ids)
         for i, (p, t) in enumerate(zip(rows, out.tokens)):
-            resp[i, len(p):len(p) + len(t)] = 1
+            resp[i, len(p) : len(p) + len(t)] = 1
         with torch.no_grad():
             ref = sequence_logprobs(trainer, ids, attn, resp, temperature=1.0)
-        deltas = torch.cat([
-            (ref[i, len(p) - 1:len(p) - 1 + len(t)] - torch.tensor(lp)).abs()
-            for i, (p, t, lp) in enumerate(zip(rows, out.tokens, out.logprobs)) if t
-        ])
+        deltas = torch.cat(
+            [
+                (ref[i, len(p) - 1 : len(p) - 1 + len(t)] - torch.tensor(lp)).abs()
+                for i, (p, t, lp) in enumerate(zip(rows, out.tokens, out.logprobs))
+                if t
+            ]
+        )
         params = sum(p.numel() for p in trainer.parameters())
     finally:
         engine.shutdown()
     return {
-        "size": size, "engine": engine_name, "params": params, "import_s": t_import, "startup_s": startup,
-        "gen_s": gen_s, "tokens_per_s": tokens_per_s, "tokens": gens[0][1],
-        "refit_s": statistics.median(refits), "refit_bytes": sum(p.numel() * p.element_size()
-                                                                 for p in trainer.parameters()),
-        "logprob_mean_abs_delta": float(deltas.mean()), "logprob_max_abs_delta": float(deltas.max()),
+        "size": size,
+        "engine": engine_name,
+        "params": params,
+        "import_s": t_import,
+        "startup_s": startup,
+        "gen_s": gen_s,
+        "tokens_per_s": tokens_per_s,
+        "tokens": gens[0][1],
+        "refit_s": statistics.median(refits),
+        "refit_bytes": sum(p.numel() * p.element_size() for p in trainer.parameters()),
+        "logprob_mean_abs_delta": float(deltas.mean()),
+        "logprob_max_abs_delta": float(deltas.max()),
         "logprob_tokens": int(deltas.numel()),
     }
 
@@ -184,44 +214,82 @@ def main() -> int:
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     results: list[dict[str, Any]] = []
     for size in args.sizes.split(","):
         for eng in args.engines.split(","):
             if eng == "vllm-bf16" and size != "toy":
                 continue
-            cmd = [sys.executable, __file__, "--case", f"{size}:{eng}", "--prompts", str(args.prompts), "--n",
-                   str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--case",
+                f"{size}:{eng}",
+                "--prompts",
+                str(args.prompts),
+                "--n",
+                str(args.n),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--repeats",
+                str(args.repeats),
+            ]
             print(f"[bench_generation] {size} {eng} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 raise RuntimeError(f"case {size}:{eng} failed:\n{proc.stderr[-4000:]}")
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
 
     base = {r["size"]: r for r in results if r["engine"] == "hf"}
-    head = (f"{'size':<6} {'engine':<10} {'params':>8} {'start s':>8} {'tok/s':>8} {'x hf':>6} {'refit ms':>9} "
-            f"{'x hf':>6} {'mean|dlp|':>10} {'max|dlp|':>10}")
-    print(f"bench_generation: {args.prompts} prompts x n={args.n}, max_new_tokens={args.max_new_tokens}, "
-          f"temperature 1, {args.repeats} repeats (medians), OMP_NUM_THREADS=1")
+    head = (
+        f"{'size':<6} {'engine':<10} {'params':>8} {'start s':>8} {'tok/s':>8} {'x hf':>6} {'refit ms':>9} "
+        f"{'x hf':>6} {'mean|dlp|':>10} {'max|dlp|':>10}"
+    )
+    print(
+        f"bench_generation: {args.prompts} prompts x n={args.n}, max_new_tokens={args.max_new_tokens}, "
+        f"temperature 1, {args.repeats} repeats (medians), OMP_NUM_THREADS=1"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         b = base.get(r["size"])
         tok_x = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}" if b else "-"
         ref_x = f"{r['refit_s'] / b['refit_s']:.2f}" if b else "-"
-        print(f"{r['size']:<6} {r['engine']:<10} {r['params']:>8} {r['startup_s']:>8.2f} {r['tokens_per_s']:>8.0f} "
-              f"{tok_x:>6} {1000 * r['refit_s']:>9.1f} {ref_x:>6} {r['logprob_mean_abs_delta']:>10.2e} "
-              f"{r['logprob_max_abs_delta']:>10.2e}")
+        print(
+            f"{r['size']:<6} {r['engine']:<10} {r['params']:>8} {r['startup_s']:>8.2f} {r['tokens_per_s']:>8.0f} "
+            f"{tok_x:>6} {1000 * r['refit_s']:>9.1f} {ref_x:>6} {r['logprob_mean_abs_delta']:>10.2e} "
+            f"{r['logprob_max_abs_delta']:>10.2e}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "bench": "bench_generation",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-                     "repeats": args.repeats, "temperature": 1.0, "omp_num_threads": 1},
-        "baseline": "hf", "results": results,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "bench": "bench_generation",
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "settings": {
+                    "prompts": args.prompts,
+                    "n": args.n,
+                    "max_new_tokens": args.max_new_tokens,
+                    "repeats": args.repeats,
+                    "temperature": 1.0,
+                    "omp_num_threads": 1,
+                },
+                "baseline": "hf",
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

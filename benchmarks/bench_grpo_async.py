@@ -30,10 +30,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(module: str, config: str, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(REPO / "examples" / "configs" / config),
-           *overrides, f"logging.output_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"algorithms.{module}",
+        "--config",
+        str(REPO / "examples" / "configs" / config),
+        *overrides,
+        f"logging.output_dir={out_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{module} failed:\n{proc.stderr[-4000:]}")
@@ -44,9 +56,13 @@ def summarize(rows: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
     t_begin = rows[0]["elapsed_s"] - rows[0]["step_s"]  # the loop's start (start-up excluded)
     loop_s = rows[-1]["elapsed_s"] - t_begin
     rewards = [r["reward"] for r in rows]
-    reach = next((rows[i]["elapsed_s"] - t_begin for i in range(2, len(rows))
-                  if sum(rewards[i - 2:i + 1]) / 3 >= threshold), None)
-    stale = collections.Counter(s for r in rows for s in ([r["staleness_max"]] if r.get("staleness_max") is not None else []))
+    reach = next(
+        (rows[i]["elapsed_s"] - t_begin for i in range(2, len(rows)) if sum(rewards[i - 2 : i + 1]) / 3 >= threshold),
+        None,
+    )
+    stale = collections.Counter(
+        s for r in rows for s in ([r["staleness_max"]] if r.get("staleness_max") is not None else [])
+    )
     return {
         "steps": len(rows),
         "loop_s": loop_s,
@@ -55,7 +71,9 @@ def summarize(rows: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
         "final_reward": sum(rewards[-3:]) / 3,
         "trainer_idle_frac": sum(r.get("trainer_idle_s") or 0.0 for r in rows) / loop_s,
         "collector_idle_frac": sum(r.get("collector_idle_s") or 0.0 for r in rows) / loop_s,
-        "staleness_mean": (sum(r["staleness_mean"] for r in rows) / len(rows)) if rows[0].get("staleness_mean") is not None else 0.0,
+        "staleness_mean": (sum(r["staleness_mean"] for r in rows) / len(rows))
+        if rows[0].get("staleness_mean") is not None
+        else 0.0,
         "staleness_max_hist": dict(sorted(stale.items())),
         "groups_dropped_stale": sum(r.get("groups_dropped_stale") or 0 for r in rows),
         "response_len": sum(r["response_len"] for r in rows) / len(rows),
@@ -72,8 +90,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_grpo_async.json"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    common = [f"trainer.steps={args.steps}", "trainer.val_every=0", "checkpoint.every=0", "logging.progress=false",
-              "logging.plot=false", "logging.quiet=true", "data_plane.enabled=true", *args.overrides]
+    common = [
+        f"trainer.steps={args.steps}",
+        "trainer.val_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.quiet=true",
+        "data_plane.enabled=true",
+        *args.overrides,
+    ]
     plan = [("sync", "grpo_sync", "grpo_tiny.yaml", [])] + [
         (f"async s={s}", "grpo_async", "grpo_async_tiny.yaml", [f"async.max_staleness={s}"]) for s in args.staleness
     ]
@@ -82,29 +108,40 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         for name, module, config, extra in plan:
             print(f"[bench_grpo_async] {name} ...", file=sys.stderr, flush=True)
-            rows = run(module, config, [*common, *extra], Path(tmp) / name.replace(" ", "_").replace("=", ""), args.timeout)
+            rows = run(
+                module, config, [*common, *extra], Path(tmp) / name.replace(" ", "_").replace("=", ""), args.timeout
+            )
             results[name] = summarize(rows, args.threshold)
     base = results["sync"]
     for r in results.values():
         r["throughput_vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["time_to_threshold_vs_sync"] = (
             base["time_to_threshold_s"] / r["time_to_threshold_s"]
-            if r["time_to_threshold_s"] and base["time_to_threshold_s"] else None
+            if r["time_to_threshold_s"] and base["time_to_threshold_s"]
+            else None
         )
-    head = (f"{'run':11s} {'samples/s':>9s} {'x sync':>7s} {'t->thr s':>8s} {'x sync':>7s} {'final rw':>8s} "
-            f"{'trainer idle':>12s} {'coll idle':>9s} {'stale mean':>10s} {'stale max hist':>16s} {'dropped':>7s} "
-            f"{'resp len':>8s} {'step_s':>7s}")
-    print(f"\nbench_grpo_async: {args.steps} steps, threshold {args.threshold}, {os.cpu_count()} CPUs, "
-          f"{platform.processor() or platform.machine()}")
+    head = (
+        f"{'run':11s} {'samples/s':>9s} {'x sync':>7s} {'t->thr s':>8s} {'x sync':>7s} {'final rw':>8s} "
+        f"{'trainer idle':>12s} {'coll idle':>9s} {'stale mean':>10s} {'stale max hist':>16s} {'dropped':>7s} "
+        f"{'resp len':>8s} {'step_s':>7s}"
+    )
+    print(
+        f"\nbench_grpo_async: {args.steps} steps, threshold {args.threshold}, {os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}"
+    )
     print(head)
+
     def fmt(x: float | None, spec: str) -> str:
         return format("-", ">" + spec.split(".")[0]) if x is None else format(x, spec)
 
     for name, r in results.items():
-        print(f"{name:11s} {r['samples_per_s']:9.1f} {r['throughput_vs_sync']:7.2f} {fmt(r['time_to_threshold_s'], '8.1f')} "
-              f"{fmt(r['time_to_threshold_vs_sync'], '7.2f')} {r['final_reward']:8.3f} {r['trainer_idle_frac']:12.2f} "
-              f"{r['collector_idle_frac']:9.2f} {r['staleness_mean']:10.2f} {str(r['staleness_max_hist']):>16s} "
-              f"{r['groups_dropped_stale']:7d} {r['response_len']:8.2f} {r['step_s_median']:7.3f}")
+        print(
+            f"{name:11s} {r['samples_per_s']:9.1f} {r['throughput_vs_sync']:7.2f} "
+            f"{fmt(r['time_to_threshold_s'], '8.1f')} "
+            f"{fmt(r['time_to_threshold_vs_sync'], '7.2f')} {r['final_reward']:8.3f} {r['trainer_idle_frac']:12.2f} "
+            f"{r['collector_idle_frac']:9.2f} {r['staleness_mean']:10.2f} {str(r['staleness_max_hist']):>16s} "
+            f"{r['groups_dropped_stale']:7d} {r['response_len']:8.2f} {r['step_s_median']:7.3f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "wall_s": time.time() - t0, "results": results}, indent=2))

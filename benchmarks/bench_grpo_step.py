@@ -9,7 +9,8 @@ Ray cluster) four times: {legacy, data_plane} x {default, large} where "large" m
 initialised model's responses) by the given factors. Every number is a mean over the steps after
 ``--warmup`` (median), read from each run's metrics.jsonl; ``worker_io`` is the slowest
 rank's time to get its rows and write results back (store fetch + write-back, or splitting the
-shipped shard), summed over the log-prob and train phases (it is part of those phases). The legacy run at the same size is the baseline:
+shipped shard), summed over the log-prob and train phases (it is part of those phases). The legacy
+run at the same size is the baseline:
 the table reports ``data_plane / legacy`` ratios. Prints a table and writes
 ``benchmarks/results/bench_grpo_step.json``. Learning is irrelevant here (random init, no
 validation, no checkpoints).
@@ -34,10 +35,22 @@ PHASES = ("generate", "advantages", "preshard", "logprobs", "train", "release", 
 
 
 def run_once(config: Path, overrides: list[str], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "algorithms.grpo_sync", "--config", str(config), *overrides,
-           f"logging.output_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "algorithms.grpo_sync",
+        "--config",
+        str(config),
+        *overrides,
+        f"logging.output_dir={out_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-4000:]}")
@@ -74,8 +87,13 @@ def main() -> int:
 
     base_cfg = load_config(args.config, args.overrides)
     common = [
-        f"trainer.steps={args.steps}", "trainer.val_every=0", "checkpoint.every=0", "logging.progress=false",
-        "logging.plot=false", "logging.quiet=true", *args.overrides,
+        f"trainer.steps={args.steps}",
+        "trainer.val_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.quiet=true",
+        *args.overrides,
     ]
     sizes = {
         "default": [],
@@ -93,12 +111,16 @@ def main() -> int:
                 flag = "true" if path == "data_plane" else "false"
                 out_dir = Path(tmp) / f"{size}_{path}"
                 print(f"[bench] {size:8s} {path:10s} ...", file=sys.stderr, flush=True)
-                rows = run_once(Path(args.config), [*common, *extra, f"data_plane.enabled={flag}"], out_dir,
-                                args.timeout)
+                rows = run_once(
+                    Path(args.config), [*common, *extra, f"data_plane.enabled={flag}"], out_dir, args.timeout
+                )
                 results[size][path] = summarize(rows, args.warmup)
 
-    header = f"{'size':8s} {'path':10s} {'samples':>7s} {'resp_len':>8s} {'step_s':>7s} " + " ".join(
-        f"{p[:8]:>8s}" for p in PHASES) + f" {'driver_B':>10s} {'store_B':>10s}"
+    header = (
+        f"{'size':8s} {'path':10s} {'samples':>7s} {'resp_len':>8s} {'step_s':>7s} "
+        + " ".join(f"{p[:8]:>8s}" for p in PHASES)
+        + f" {'driver_B':>10s} {'store_B':>10s}"
+    )
     lines = [header, "-" * len(header)]
     ratios: dict[str, dict[str, float | None]] = {}
     for size, by_path in results.items():
@@ -118,23 +140,30 @@ def main() -> int:
         lines.append(
             f"{size:8s} {'dp/legacy':10s} {'':7s} {'':8s} {r['step_s']:7.2f} "
             + " ".join(f"{r[f'time/{p}']:8.2f}" if r[f"time/{p}"] is not None else f"{'-':>8s}" for p in PHASES)
-            + f" {r['driver_bytes']:10.4f}" if r["driver_bytes"] is not None else ""
+            + f" {r['driver_bytes']:10.4f}"
+            if r["driver_bytes"] is not None
+            else ""
         )
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "bench_grpo_step",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "args": vars(args),
-        "sizes": sizes,
-        "results": results,
-        "ratios_data_plane_over_legacy": ratios,
-        "table": table,
-        "wall_s": time.time() - t0,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "bench_grpo_step",
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                "args": vars(args),
+                "sizes": sizes,
+                "results": results,
+                "ratios_data_plane_over_legacy": ratios,
+                "table": table,
+                "wall_s": time.time() - t0,
+            },
+            indent=2,
+        )
+    )
     print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
 

@@ -38,15 +38,21 @@ def make_batch(b: int, layout: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     reward = torch.randn(b, generator=g)
     if layout == "dense":
-        return {"input_ids": torch.randint(0, 50_000, (b, TOKENS), generator=g),
-                "logprobs": torch.randn(b, TOKENS, generator=g), "reward": reward}
+        return {
+            "input_ids": torch.randint(0, 50_000, (b, TOKENS), generator=g),
+            "logprobs": torch.randn(b, TOKENS, generator=g),
+            "reward": reward,
+        }
     lengths = torch.randint(TOKENS // 2, TOKENS + TOKENS // 2 + 1, (b,), generator=g)
     offsets = torch.zeros(b + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     n = int(offsets[-1])
     nt = torch.nested.nested_tensor_from_jagged
-    return {"input_ids": nt(torch.randint(0, 50_000, (n,), generator=g), offsets=offsets),
-            "logprobs": nt(torch.randn(n, generator=g), offsets=offsets.clone()), "reward": reward}
+    return {
+        "input_ids": nt(torch.randint(0, 50_000, (n,), generator=g), offsets=offsets),
+        "logprobs": nt(torch.randn(n, generator=g), offsets=offsets.clone()),
+        "reward": reward,
+    }
 
 
 def _backend(name: str) -> Any:
@@ -93,19 +99,31 @@ def main() -> None:
                 for mode, c in clients.items():
                     times[mode].append(_once(c, batch, args.rows, f"{mode}{r}"))
             off, on = statistics.median(times["off"]), statistics.median(times["on"])
-            results.append({"backend": backend, "layout": layout, "rows": args.rows, "mb": batch_nbytes(batch) / 1e6,
-                            "off_ms": off * 1e3, "on_ms": on * 1e3, "ratio_on_off": on / off,
-                            "best_ratio": min(times["on"]) / min(times["off"])})
+            results.append(
+                {
+                    "backend": backend,
+                    "layout": layout,
+                    "rows": args.rows,
+                    "mb": batch_nbytes(batch) / 1e6,
+                    "off_ms": off * 1e3,
+                    "on_ms": on * 1e3,
+                    "ratio_on_off": on / off,
+                    "best_ratio": min(times["on"]) / min(times["off"]),
+                }
+            )
         raw.close()
     print(f"put + get of {args.rows} rows, median of {args.repeats} (load avg {os.getloadavg()[0]:.1f})")
     print(f"{'backend':16} {'layout':7} {'MB':>6} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'best':>6}")
     for r in results:
-        print(f"{r['backend']:16} {r['layout']:7} {r['mb']:6.1f} {r['off_ms']:8.1f} {r['on_ms']:8.1f} "
-              f"{r['ratio_on_off']:7.2f} {r['best_ratio']:6.2f}")
+        print(
+            f"{r['backend']:16} {r['layout']:7} {r['mb']:6.1f} {r['off_ms']:8.1f} {r['on_ms']:8.1f} "
+            f"{r['ratio_on_off']:7.2f} {r['best_ratio']:6.2f}"
+        )
     out = Path(__file__).resolve().parent / "results" / "bench_integrity.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"load_avg_1m": os.getloadavg()[0], "repeats": args.repeats, "results": results},
-                              indent=2))
+    out.write_text(
+        json.dumps({"load_avg_1m": os.getloadavg()[0], "repeats": args.repeats, "results": results}, indent=2)
+    )
     print(f"wrote {out}")
 
 

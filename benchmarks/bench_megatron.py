@@ -37,20 +37,30 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grpo_step import REPO, run_once  # noqa: E402
 
-KEYS = ("step_s", "time/refit", "time/logprobs", "time/train", "time/generate", "time/worker_compute",
-        "time/worker_io")
+KEYS = ("step_s", "time/refit", "time/logprobs", "time/train", "time/generate", "time/worker_compute", "time/worker_io")
 
 
 def layout_overrides(layout: str, tp: int) -> list[str]:
-    common = ["policy.device=cuda", "generation.device=cuda", "refit.mode=reshard", "refit.transport=ipc",
-              "refit.backend=gloo"]
+    common = [
+        "policy.device=cuda",
+        "generation.device=cuda",
+        "refit.mode=reshard",
+        "refit.transport=ipc",
+        "refit.backend=gloo",
+    ]
     if layout == "one-gpu":
         return common + ["policy.dist_backend=gloo", "generation.num_gpus=0.5", f"policy.gpus_per_rank={0.5 / tp:g}"]
     if layout == "separate":
-        return common + ["policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo", "generation.num_gpus=1",
-                         "policy.gpus_per_rank=1"]
-    return common + ["policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo", "generation.num_gpus=0.25",
-                     "policy.gpus_per_rank=0.75"]
+        return common + [
+            "policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo",
+            "generation.num_gpus=1",
+            "policy.gpus_per_rank=1",
+        ]
+    return common + [
+        "policy.dist_backend=nccl" if tp > 1 else "policy.dist_backend=gloo",
+        "generation.num_gpus=0.25",
+        "policy.gpus_per_rank=0.75",
+    ]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,8 +80,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--layout", choices=("auto", "one-gpu", "two-gpu", "separate"), default="auto")
     ap.add_argument("--no-resume", action="store_true")
-    ap.add_argument("--runs", default="torch tp1,megatron tp1,megatron tp2",
-                    help="comma-separated subset of the runs (the torch run is the baseline and always included)")
+    ap.add_argument(
+        "--runs",
+        default="torch tp1,megatron tp1,megatron tp2",
+        help="comma-separated subset of the runs (the torch run is the baseline and always included)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "bench_megatron.json"))
     ap.add_argument("overrides", nargs="*")
@@ -83,10 +96,17 @@ def main() -> int:
     if gpus == 0:
         print("bench_megatron: needs a CUDA device", file=sys.stderr)
         return 2
-    layout = args.layout if args.layout != "auto" else \
-        ("separate" if gpus >= 3 else "two-gpu" if gpus == 2 else "one-gpu")
-    base = ["trainer.dp_size=1", f"trainer.steps={args.steps}", "trainer.val_every=0", "logging.quiet=true",
-            "data_plane.enabled=true", *args.overrides]
+    layout = (
+        args.layout if args.layout != "auto" else ("separate" if gpus >= 3 else "two-gpu" if gpus == 2 else "one-gpu")
+    )
+    base = [
+        "trainer.dp_size=1",
+        f"trainer.steps={args.steps}",
+        "trainer.val_every=0",
+        "logging.quiet=true",
+        "data_plane.enabled=true",
+        *args.overrides,
+    ]
     every = {"torch tp1": ("torch", 1), "megatron tp1": ("megatron", 1), "megatron tp2": ("megatron", 2)}
     wanted = {"torch tp1", *(x.strip() for x in args.runs.split(",") if x.strip())}
     if unknown := sorted(wanted - set(every)):
@@ -106,22 +126,34 @@ def main() -> int:
             if name == "megatron tp2" and not args.no_resume:
                 ckpt = out_dir / "checkpoints" / "step_000008"
                 files = sorted(p.name for p in ckpt.glob("policy*.pt"))
-                resumed = run_once(Path(args.config), base + extra[:-1] + [f"checkpoint.resume={ckpt}"],
-                                   Path(tmp) / "resumed", args.timeout)
+                resumed = run_once(
+                    Path(args.config),
+                    base + extra[:-1] + [f"checkpoint.resume={ckpt}"],
+                    Path(tmp) / "resumed",
+                    args.timeout,
+                )
                 tail = [r for r in rows if r["step"] >= 8]
-                same = [r["loss"] for r in resumed] == [r["loss"] for r in tail] and \
-                       [r["reward"] for r in resumed] == [r["reward"] for r in tail]
-                results["tp2_resume"] = {"policy_files": files, "steps": [r["step"] for r in resumed],
-                                         "bitwise_equal_tail": same}
+                same = [r["loss"] for r in resumed] == [r["loss"] for r in tail] and [r["reward"] for r in resumed] == [
+                    r["reward"] for r in tail
+                ]
+                results["tp2_resume"] = {
+                    "policy_files": files,
+                    "steps": [r["step"] for r in resumed],
+                    "bitwise_equal_tail": same,
+                }
     base_step = results["torch tp1"]["step_s"]
     print(f"\nlayout {layout}, {gpus} GPU(s), {args.steps} steps, medians over steps 1..{args.steps - 1}")
-    print(f"{'run':14} {'reward 3->3':>14} {'step_s':>8} {'vs torch':>8} {'refit ms':>9} {'logprobs':>9} {'train':>8} "
-          f"{'compute':>8} {'io':>7}")
+    print(
+        f"{'run':14} {'reward 3->3':>14} {'step_s':>8} {'vs torch':>8} {'refit ms':>9} {'logprobs':>9} {'train':>8} "
+        f"{'compute':>8} {'io':>7}"
+    )
     for name in runs:
         r = results[name]
-        print(f"{name:14} {r['reward_first3']:6.3f}->{r['reward_last3']:6.3f} {r['step_s']:8.4f} "
-              f"{r['step_s'] / base_step:8.2f} {1e3 * r['time/refit']:9.2f} {r['time/logprobs']:9.4f} "
-              f"{r['time/train']:8.4f} {r['time/worker_compute']:8.4f} {r['time/worker_io']:7.4f}")
+        print(
+            f"{name:14} {r['reward_first3']:6.3f}->{r['reward_last3']:6.3f} {r['step_s']:8.4f} "
+            f"{r['step_s'] / base_step:8.2f} {1e3 * r['time/refit']:9.2f} {r['time/logprobs']:9.4f} "
+            f"{r['time/train']:8.4f} {r['time/worker_compute']:8.4f} {r['time/worker_io']:7.4f}"
+        )
     for name in runs:
         print(f"{name} rewards {results[name]['rewards']}")
     if "tp2_resume" in results:

@@ -84,8 +84,12 @@ def free_port() -> int:
 
 def summarize(times_s: list[float], nbytes: int) -> dict[str, float]:
     med = statistics.median(times_s)
-    return {"median_ms": med * 1e3, "best_ms": min(times_s) * 1e3, "gbps_median": nbytes / med / 1e9,
-            "iters": len(times_s)}
+    return {
+        "median_ms": med * 1e3,
+        "best_ms": min(times_s) * 1e3,
+        "gbps_median": nbytes / med / 1e9,
+        "iters": len(times_s),
+    }
 
 
 def peer_copy_ceiling(nbytes: int, device: str, iters: int) -> dict[str, float]:
@@ -139,23 +143,43 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     t0 = time.perf_counter()
-    g = StatelessProcessGroup(HOST, port, rank, 2, backend, timeout=120, device=rank if cuda else None,
-                              group_name="bench", nccl_config=args.nccl_config)
+    g = StatelessProcessGroup(
+        HOST,
+        port,
+        rank,
+        2,
+        backend,
+        timeout=120,
+        device=rank if cuda else None,
+        group_name="bench",
+        nccl_config=args.nccl_config,
+    )
     out["init_cold_s"] = time.perf_counter() - t0  # includes waiting for the peer process to start
     g.barrier()
     out["init_warm_s"] = float("nan")
     if not args.matrix:
         t0 = time.perf_counter()
-        g2 = StatelessProcessGroup(HOST, port, rank, 2, backend, timeout=120, device=rank if cuda else None,
-                                   group_name="bench-warm", store=g.store, nccl_config=args.nccl_config)
+        g2 = StatelessProcessGroup(
+            HOST,
+            port,
+            rank,
+            2,
+            backend,
+            timeout=120,
+            device=rank if cuda else None,
+            group_name="bench-warm",
+            store=g.store,
+            nccl_config=args.nccl_config,
+        )
         out["init_warm_s"] = time.perf_counter() - t0
         g2.destroy()
 
     shapes = llama_shapes(args.params)
     gen = torch.Generator(device=dev).manual_seed(0)
     if rank == 0:
-        tensors = {n: torch.randn(s, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16)
-                   for n, s in shapes}
+        tensors = {
+            n: torch.randn(s, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes
+        }
     else:
         tensors = {n: torch.zeros(s, device=dev, dtype=torch.bfloat16) for n, s in shapes}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -182,9 +206,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                 sph = dict(getattr(ep, "ipc_phases", {}) or {})
                 pushed = "copy_gpu_ms" in sph and i >= args.warmup
                 if pushed:
-                    phases.append({"gate_host": (sph["t_gate"] - sph["t_enter"]) * 1e3,
-                                   "issue_host": (sph["t_issued"] - sph["t_enter"]) * 1e3,
-                                   "copy_gpu": sph["copy_gpu_ms"]})
+                    phases.append(
+                        {
+                            "gate_host": (sph["t_gate"] - sph["t_enter"]) * 1e3,
+                            "issue_host": (sph["t_issued"] - sph["t_enter"]) * 1e3,
+                            "copy_gpu": sph["copy_gpu_ms"],
+                        }
+                    )
                     out.setdefault("copy_mode", {})[name] = sph.get("copy_mode")
                 key = f"bench/{name}/{i}"
                 if ep is not None and "t_header_sent" in getattr(ep, "ipc_phases", {}):
@@ -209,16 +237,24 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                     hs = float(g.store.get(key + "/hs")) if g.store.check([key + "/hs"]) else float("nan")
                     total = (t_end - t0) * 1e3
                     header = (ph["t_header"] - t0) * 1e3
-                    phases.append({"sender_to_header_sent": (hs - t0) * 1e3, "header_on_receiver_host": header,
-                                   "issue_host": (ph["t_issued"] - ph["t_header"]) * 1e3,
-                                   "copy_gpu": ph["copy_gpu_ms"], "ack_gpu": ph["ack_gpu_ms"],
-                                   "rest": total - header - ph["copy_gpu_ms"], "total": total})
+                    phases.append(
+                        {
+                            "sender_to_header_sent": (hs - t0) * 1e3,
+                            "header_on_receiver_host": header,
+                            "issue_host": (ph["t_issued"] - ph["t_header"]) * 1e3,
+                            "copy_gpu": ph["copy_gpu_ms"],
+                            "ack_gpu": ph["ack_gpu_ms"],
+                            "rest": total - header - ph["copy_gpu_ms"],
+                            "total": total,
+                        }
+                    )
                     out.setdefault("copy_mode", {})[name] = ph.get("copy_mode")
         if rank == 0:
             out.setdefault("results", {})[name] = summarize(times, nbytes_moved)
             if phases:
-                out.setdefault("push_phases", {})[name] = {k: statistics.median(p[k] for p in phases)
-                                                           for k in phases[0]}
+                out.setdefault("push_phases", {})[name] = {
+                    k: statistics.median(p[k] for p in phases) for k in phases[0]
+                }
         elif phases:
             out.setdefault("phases", {})[name] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
 
@@ -241,10 +277,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
 
     default_bucket = (1 << 30) if cuda else (64 << 20)
     modes = [
-        (f"refit packed ({default_bucket >> 20} MiB buckets)", dict(bucket_bytes=default_bucket,
-                                                                  transport="broadcast")),
-        ("refit packed (256 MiB buckets)" if cuda else "refit packed (16 MiB buckets)",
-         dict(bucket_bytes=(256 << 20) if cuda else (16 << 20), transport="broadcast")),
+        (
+            f"refit packed ({default_bucket >> 20} MiB buckets)",
+            dict(bucket_bytes=default_bucket, transport="broadcast"),
+        ),
+        (
+            "refit packed (256 MiB buckets)" if cuda else "refit packed (16 MiB buckets)",
+            dict(bucket_bytes=(256 << 20) if cuda else (16 << 20), transport="broadcast"),
+        ),
         ("refit per-tensor", dict(bucket_bytes=default_bucket, direct_bytes=0, transport="broadcast")),
         ("refit per-tensor, p2p send/recv", dict(bucket_bytes=default_bucket, direct_bytes=0, transport="p2p")),
     ]
@@ -253,13 +293,16 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
             ("refit packed (256 MiB buckets), p2p send/recv", dict(bucket_bytes=256 << 20, transport="p2p")),
             ("refit defaults (RefitSender(group, tensors))", dict()),
             ("refit ipc push (sender writes into the receiver's tensors)", dict(transport="ipc", ipc_direction="push")),
-            ("refit ipc push, all copies in one batched call",
-             dict(transport="ipc", ipc_direction="push", _first_call_bytes=1 << 62)),
-            ("refit ipc push, one cudaMemcpyAsync per run",
-             dict(transport="ipc", ipc_direction="push", _batch=False)),
+            (
+                "refit ipc push, all copies in one batched call",
+                dict(transport="ipc", ipc_direction="push", _first_call_bytes=1 << 62),
+            ),
+            ("refit ipc push, one cudaMemcpyAsync per run", dict(transport="ipc", ipc_direction="push", _batch=False)),
             ("refit ipc pull (receiver copies, on the sender's GPU)", dict(transport="ipc", ipc_direction="pull")),
-            ("refit ipc pull (receiver copies, on its own GPU)",
-             dict(transport="ipc", ipc_direction="pull", ipc_copy_on="dst")),
+            (
+                "refit ipc pull (receiver copies, on its own GPU)",
+                dict(transport="ipc", ipc_direction="pull", ipc_copy_on="dst"),
+            ),
         ]
     if cuda and args.matrix:
         modes = [m for m in modes if m[0] in ("refit per-tensor", "refit per-tensor, p2p send/recv")]
@@ -267,12 +310,18 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         modes = [m for m in modes if "ipc" in m[0] or "defaults" in m[0] or m[0] == "refit per-tensor"]
     elif cuda:
         modes += [
-            ("refit per-tensor (64 MiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
-                                                         group_bytes=64 << 20, transport="broadcast")),
-            ("refit per-tensor (1 GiB NCCL groups)", dict(bucket_bytes=default_bucket, direct_bytes=0,
-                                                        group_bytes=1 << 30, transport="broadcast")),
-            ("refit hybrid (>=16 MiB direct, rest in 64 MiB buckets)",
-             dict(bucket_bytes=64 << 20, direct_bytes=16 << 20, transport="broadcast")),
+            (
+                "refit per-tensor (64 MiB NCCL groups)",
+                dict(bucket_bytes=default_bucket, direct_bytes=0, group_bytes=64 << 20, transport="broadcast"),
+            ),
+            (
+                "refit per-tensor (1 GiB NCCL groups)",
+                dict(bucket_bytes=default_bucket, direct_bytes=0, group_bytes=1 << 30, transport="broadcast"),
+            ),
+            (
+                "refit hybrid (>=16 MiB direct, rest in 64 MiB buckets)",
+                dict(bucket_bytes=64 << 20, direct_bytes=16 << 20, transport="broadcast"),
+            ),
         ]
     for name, kw in modes:
         reset_receiver()
@@ -289,8 +338,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
         if ep._copier is not None:
             ep._copier.batch = ep._copier.batch and batch
         versions: list[int] = []
-        timed(name, lambda i, ep=ep: ep.send_weights(i), lambda i, ep=ep: versions.append(ep.receive_weights()),
-              nbytes, ep=ep)
+        timed(
+            name,
+            lambda i, ep=ep: ep.send_weights(i),
+            lambda i, ep=ep: versions.append(ep.receive_weights()),
+            nbytes,
+            ep=ep,
+        )
         if rank == 1:
             assert versions == list(range(args.warmup + args.iters)), versions
         verify(name)
@@ -328,8 +382,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     # torch.distributed in its own world (on a prefix of the same store).
     import torch.distributed as dist
 
-    dist.init_process_group(backend, store=dist.PrefixStore("bench-dist", g.store), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120), **({"device_id": dev} if cuda else {}))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("bench-dist", g.store),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+        **({"device_id": dev} if cuda else {}),
+    )
     dist.barrier()
 
     def dist_per_tensor(_: int) -> None:
@@ -366,8 +426,11 @@ MATRIX: list[tuple[str, dict[str, str], dict[str, int]]] = [
     ("P2P_NVL_CHUNKSIZE=2M BUFFSIZE=16M", {"NCCL_P2P_NVL_CHUNKSIZE": str(2 << 20), "NCCL_BUFFSIZE": str(16 << 20)}, {}),
     ("P2P_READ_ENABLE=1", {"NCCL_P2P_READ_ENABLE": "1"}, {}),
     ("NTHREADS=512", {"NCCL_NTHREADS": "512"}, {}),
-    ("P2P channels 32 (MIN/MAX_P2P_NCHANNELS, NCHANNELS_PER_NET_PEER)",
-     {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MAX_P2P_NCHANNELS": "32", "NCCL_NCHANNELS_PER_NET_PEER": "32"}, {}),
+    (
+        "P2P channels 32 (MIN/MAX_P2P_NCHANNELS, NCHANNELS_PER_NET_PEER)",
+        {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MAX_P2P_NCHANNELS": "32", "NCCL_NCHANNELS_PER_NET_PEER": "32"},
+        {},
+    ),
     ("cta_policy=ZERO (config)", {}, {"cta_policy": 2}),
 ]
 
@@ -427,8 +490,11 @@ def run_matrix(args: argparse.Namespace, ceiling: dict[str, Any], ceiling_name: 
         print(f"\n== {name}  ({time.monotonic() - t0:.1f} s)", flush=True)
         for k, v in res.items():
             v["ratio_vs_ceiling"] = ceil_ms / v["median_ms"]
-            print(f"   {k:<44} {v['median_ms']:>7.2f} ms {v['best_ms']:>7.2f} best {v['gbps_median']:>6.1f} GB/s "
-                  f"{v['ratio_vs_ceiling']:>6.1%}  {v.get('correct', '-')}", flush=True)
+            print(
+                f"   {k:<44} {v['median_ms']:>7.2f} ms {v['best_ms']:>7.2f} best {v['gbps_median']:>6.1f} GB/s "
+                f"{v['ratio_vs_ceiling']:>6.1%}  {v.get('correct', '-')}",
+                flush=True,
+            )
         rows[name] = {"env": env, "nccl_config": cfg, "results": res}
     args.nccl_config = base_cfg
     best = (None, None, 0.0)
@@ -456,17 +522,31 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="skip the torch.distributed baselines")
     ap.add_argument("--nccl-config", default="", help="NCCLConfig fields for the refit group, e.g. min_ctas=32")
-    ap.add_argument("--ipc-only", action="store_true",
-                    help="GPU: only the CUDA IPC rows, the defaults and per-tensor broadcast (plus flat baselines)")
-    ap.add_argument("--reshard", action="store_true",
-                    help="resharding refit (benchmarks/reshard_bench.py): TP=2 -> TP=1 / TP=2 vs a full broadcast")
-    ap.add_argument("--bucket-bytes", type=int, default=None, help="--reshard: staging per round (default: "
-                    "1 GiB GPU, 64 MiB CPU)")
-    ap.add_argument("--direct-bytes", type=int, default=None,
-                    help="--reshard: contiguous pieces at least this large go unpacked (default: ReshardSender's)")
+    ap.add_argument(
+        "--ipc-only",
+        action="store_true",
+        help="GPU: only the CUDA IPC rows, the defaults and per-tensor broadcast (plus flat baselines)",
+    )
+    ap.add_argument(
+        "--reshard",
+        action="store_true",
+        help="resharding refit (benchmarks/reshard_bench.py): TP=2 -> TP=1 / TP=2 vs a full broadcast",
+    )
+    ap.add_argument(
+        "--bucket-bytes", type=int, default=None, help="--reshard: staging per round (default: 1 GiB GPU, 64 MiB CPU)"
+    )
+    ap.add_argument(
+        "--direct-bytes",
+        type=int,
+        default=None,
+        help="--reshard: contiguous pieces at least this large go unpacked (default: ReshardSender's)",
+    )
     ap.add_argument("--limit", type=float, default=400.0, help="--reshard: seconds per scenario")
-    ap.add_argument("--matrix", action="store_true",
-                    help="GPU: run the NCCL settings matrix (flat and per-tensor, broadcast and p2p) and exit")
+    ap.add_argument(
+        "--matrix",
+        action="store_true",
+        help="GPU: run the NCCL settings matrix (flat and per-tensor, broadcast and p2p) and exit",
+    )
     args = ap.parse_args()
     args.nccl_config = {k: int(v) for k, v in (kv.split("=") for kv in args.nccl_config.split(",") if kv)}
     if args.params is None:
@@ -484,8 +564,11 @@ def main() -> None:
         return
     shapes = llama_shapes(args.params)
     nbytes = sum(math.prod(s) for _, s in shapes) * 2
-    print(f"[bench_refit] {args.device}: {len(shapes)} tensors, {nbytes / 2 / 1e9:.3f} B params, "
-          f"{nbytes / 1e9:.2f} GB bf16; torch {torch.__version__}", flush=True)
+    print(
+        f"[bench_refit] {args.device}: {len(shapes)} tensors, {nbytes / 2 / 1e9:.3f} B params, "
+        f"{nbytes / 1e9:.2f} GB bf16; torch {torch.__version__}",
+        flush=True,
+    )
 
     ceiling = peer_copy_ceiling(nbytes, args.device, args.iters)
     ceiling_name = "peer copy cuda:0->cuda:1 (ceiling)" if args.device == "cuda" else "memcpy (ceiling)"
@@ -517,16 +600,20 @@ def main() -> None:
         "group_init_warm_s": max(results[0]["init_warm_s"], results[1]["init_warm_s"]),
         "best_refit": best_name,
         "best_refit_ratio_vs_ceiling": refit_rows[best_name]["ratio_vs_ceiling"],
-        "targets": {"ratio_vs_ceiling>=0.95": refit_rows[best_name]["ratio_vs_ceiling"] >= 0.95,
-                    "group_init_warm_s<1": max(results[0]["init_warm_s"], results[1]["init_warm_s"]) < 1.0},
+        "targets": {
+            "ratio_vs_ceiling>=0.95": refit_rows[best_name]["ratio_vs_ceiling"] >= 0.95,
+            "group_init_warm_s<1": max(results[0]["init_warm_s"], results[1]["init_warm_s"]) < 1.0,
+        },
         "results": rows,
     }
 
     w = max(len(k) for k in rows)
     print(f"\n{'method':<{w}}  {'median ms':>10}  {'best ms':>9}  {'GB/s':>7}  {'vs ceiling':>10}  correct  transport")
     for k, v in rows.items():
-        print(f"{k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['gbps_median']:>7.1f}  "
-              f"{v['ratio_vs_ceiling']:>9.1%}  {str(v.get('correct', '-')):<7}  {v.get('transport', '-')}")
+        print(
+            f"{k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['gbps_median']:>7.1f}  "
+            f"{v['ratio_vs_ceiling']:>9.1%}  {str(v.get('correct', '-')):<7}  {v.get('transport', '-')}"
+        )
     phases = results[1].get("phases", {})
     if phases:
         modes_used = results[1].get("copy_mode", {})
@@ -541,16 +628,22 @@ def main() -> None:
     if push_phases:
         modes_used = results[0].get("copy_mode", {})
         cols = ["gate_host", "issue_host", "copy_gpu", "rest", "total"]
-        print("\nipc push phases (sender; median ms from its call; copy_gpu: CUDA events; rest: the gate, "
-              "the header and the receiver's poll)")
+        print(
+            "\nipc push phases (sender; median ms from its call; copy_gpu: CUDA events; rest: the gate, "
+            "the header and the receiver's poll)"
+        )
         print(f"{'method':<{w}}  " + "  ".join(f"{c:>12}" for c in cols) + "  copies")
         for k, v in push_phases.items():
             print(f"{k:<{w}}  " + "  ".join(f"{v[c]:>12.3f}" for c in cols) + f"  {modes_used.get(k)}")
         summary["ipc_push_phases_ms"] = push_phases
-    print(f"\ngroup init: cold {summary['group_init_cold_s']:.3f} s (includes peer process start), "
-          f"warm {summary['group_init_warm_s']:.3f} s")
-    print(f"best refit: {best_name}: {summary['best_refit_ratio_vs_ceiling']:.1%} of the ceiling; "
-          f"targets: {summary['targets']}")
+    print(
+        f"\ngroup init: cold {summary['group_init_cold_s']:.3f} s (includes peer process start), "
+        f"warm {summary['group_init_warm_s']:.3f} s"
+    )
+    print(
+        f"best refit: {best_name}: {summary['best_refit_ratio_vs_ceiling']:.1%} of the ceiling; "
+        f"targets: {summary['targets']}"
+    )
     tag = "".join(f"_{k}{v}" for k, v in args.nccl_config.items())
     out = args.out or REPO / "benchmarks" / "results" / f"bench_refit_{args.device}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

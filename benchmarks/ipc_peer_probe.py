@@ -52,8 +52,12 @@ from typing import Any
 import torch
 
 ROWS, COLS = 1024, 512
-WAYS = ("torch-open + copy-engine", "torch-open + kernel", "writer-ctx-open + kernel",
-        "writer-ctx-open (bindings) + kernel")
+WAYS = (
+    "torch-open + copy-engine",
+    "torch-open + kernel",
+    "writer-ctx-open + kernel",
+    "writer-ctx-open (bindings) + kernel",
+)
 LAZY_ENABLE_PEER_ACCESS = 0x1  # cudaIpcMemLazyEnablePeerAccess
 
 
@@ -98,8 +102,13 @@ def _receiver(way: str, conn: Any) -> None:
         want = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
         want[_region(way)] = _pattern()[_region(way)]
         got = dst.cpu()
-        conn.send({"bit_exact": bool(torch.equal(got.view(torch.int16), want.view(torch.int16))),
-                   "wrong_elements": int((got.view(torch.int16) != want.view(torch.int16)).sum()), **status})
+        conn.send(
+            {
+                "bit_exact": bool(torch.equal(got.view(torch.int16), want.view(torch.int16))),
+                "wrong_elements": int((got.view(torch.int16) != want.view(torch.int16)).sum()),
+                **status,
+            }
+        )
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send({"receiver_error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]})
 
@@ -134,8 +143,10 @@ def _writer(way: str, args: tuple, conn: Any) -> None:
                 with torch.cuda.device(1):
                     err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle(raw[-64:]), LAZY_ENABLE_PEER_ACCESS)
                 if err != 0:
-                    raise RuntimeError(f"cudaIpcOpenMemHandle from GPU 1 returned {err}; "
-                                       f"handle {len(raw)} bytes, starts {raw[:4].hex()}")
+                    raise RuntimeError(
+                        f"cudaIpcOpenMemHandle from GPU 1 returned {err}; "
+                        f"handle {len(raw)} bytes, starts {raw[:4].hex()}"
+                    )
                 ptr_value = ptr.value
             base = ptr_value + storage_offset + offset * 2
             view = torch.as_tensor(_Cai(base, tuple(size))).view(torch.bfloat16)
@@ -186,14 +197,23 @@ def _time_route(rt: ctypes.CDLL, stream: torch.cuda.Stream, dst: int, src: int, 
     import time
 
     rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    rt.cudaMemcpy2DAsync.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     h = ctypes.c_void_p(stream.cuda_stream)
     rows = RATE_BYTES // ROW_BYTES
     out: dict[str, float] = {}
-    for name, fn in (("flat", lambda: rt.cudaMemcpyAsync(dst, src, RATE_BYTES, 4, h)),
-                     ("column", lambda: rt.cudaMemcpy2DAsync(dst, ROW_BYTES, src, ROW_BYTES, ROW_BYTES // 2,
-                                                              rows, 4, h))):
+    for name, fn in (
+        ("flat", lambda: rt.cudaMemcpyAsync(dst, src, RATE_BYTES, 4, h)),
+        ("column", lambda: rt.cudaMemcpy2DAsync(dst, ROW_BYTES, src, ROW_BYTES, ROW_BYTES // 2, rows, 4, h)),
+    ):
         ts = []
         for i in range(iters + 2):
             t0 = time.perf_counter()
@@ -210,12 +230,21 @@ def _time_route(rt: ctypes.CDLL, stream: torch.cuda.Stream, dst: int, src: int, 
     return out
 
 
-PIECES = ((16 << 20, 1, 0), (16 << 20, 4, 0), (16 << 20, 0, 0), (2 << 20, 1, 0), (2 << 20, 4, 0),
-          (2 << 20, 0, 0), (16 << 20, 1, 2432), (16 << 20, 4, 2432))  # 0 streams: batched calls
+PIECES = (
+    (16 << 20, 1, 0),
+    (16 << 20, 4, 0),
+    (16 << 20, 0, 0),
+    (2 << 20, 1, 0),
+    (2 << 20, 4, 0),
+    (2 << 20, 0, 0),
+    (16 << 20, 1, 2432),
+    (16 << 20, 4, 2432),
+)  # 0 streams: batched calls
 
 
-def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, streams: int,
-            width: int, iters: int = 10) -> dict[str, float]:
+def _pieces(
+    rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, streams: int, width: int, iters: int = 10
+) -> dict[str, float]:
     """1 GiB as pieces of ``size`` bytes (``width`` > 0: each piece a column block of rows
     ``width`` bytes wide in rows of ``2 * width``, as a row-parallel weight's half), issued
     round-robin on ``streams`` streams of the writer's GPU (0: flat pieces as the library's
@@ -224,8 +253,16 @@ def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, st
     import time
 
     rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    rt.cudaMemcpy2DAsync.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     ss = [torch.cuda.Stream(src.device) for _ in range(max(1, streams))]
     hs = [ctypes.c_void_p(x.cuda_stream) for x in ss]
     n = RATE_BYTES // size
@@ -247,8 +284,11 @@ def _pieces(rt: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, size: int, st
         for k in range(n if copier is None else 0):
             h = hs[k % streams]
             off = k * size
-            err = (rt.cudaMemcpyAsync(d0 + off, s0 + off, size, 4, h) if not width else
-                   rt.cudaMemcpy2DAsync(d0 + off, 2 * width, s0 + off, 2 * width, width, size // (2 * width), 4, h))
+            err = (
+                rt.cudaMemcpyAsync(d0 + off, s0 + off, size, 4, h)
+                if not width
+                else rt.cudaMemcpy2DAsync(d0 + off, 2 * width, s0 + off, 2 * width, width, size // (2 * width), 4, h)
+            )
             if err != 0:
                 raise RuntimeError(f"piece copy returned {err}")
         for x in ss:
@@ -267,8 +307,11 @@ def _rate_proc(gpu: int, conn: Any) -> None:
 
         torch.cuda.set_device(gpu)
         rt = _cudart()
-        mine = (torch.randint(0, 255, (RATE_BYTES,), dtype=torch.uint8, device=f"cuda:{gpu}") if gpu == 1
-                else torch.zeros(RATE_BYTES, dtype=torch.uint8, device=f"cuda:{gpu}"))
+        mine = (
+            torch.randint(0, 255, (RATE_BYTES,), dtype=torch.uint8, device=f"cuda:{gpu}")
+            if gpu == 1
+            else torch.zeros(RATE_BYTES, dtype=torch.uint8, device=f"cuda:{gpu}")
+        )
         torch.cuda.synchronize()
         conn.send(reduce_tensor(mine)[1])
         other = rebuild_cuda_tensor(*conn.recv())
@@ -326,9 +369,10 @@ def rates(timeout: float = 120.0) -> list[dict[str, Any]]:
             return [{"route": "setup", "error": str(handles)}]
         pipes[0][0].send(handles[1])
         pipes[1][0].send(handles[0])
-        for route in [r for r in ROUTES if r != "peer copy"] + ["enable peer access"] + \
-                [f"{r} (peer on)" for r in ROUTES]:
-            for g in ((0, 1) if route == "enable peer access" else (1 if route.startswith(("push", "peer")) else 0,)):
+        for route in (
+            [r for r in ROUTES if r != "peer copy"] + ["enable peer access"] + [f"{r} (peer on)" for r in ROUTES]
+        ):
+            for g in (0, 1) if route == "enable peer access" else (1 if route.startswith(("push", "peer")) else 0,):
                 pipes[g][0].send(route)
                 res = pipes[g][0].recv() if pipes[g][0].poll(timeout) else {"error": "no answer"}
             if route != "enable peer access":
@@ -367,8 +411,10 @@ def main() -> int:
             if "GBps" in r:
                 print(f"{r['route']:44} {r['ms']:8.3f} ms {r['GBps']:7.1f} GB/s")
                 continue
-            print(f"{r['route']:32} {r['flat_ms']:14.3f} {r['flat_GBps']:7.1f} {r['column_ms']:18.3f} "
-                  f"{r['column_GBps']:7.1f}  {r['bit_exact']}")
+            print(
+                f"{r['route']:32} {r['flat_ms']:14.3f} {r['flat_GBps']:7.1f} {r['column_ms']:18.3f} "
+                f"{r['column_GBps']:7.1f}  {r['bit_exact']}"
+            )
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0

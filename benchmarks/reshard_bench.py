@@ -51,12 +51,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
+
 from nemo_dataplane.distributed import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
+from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
 from nemo_dataplane.refit.reshard import plan as _reshard  # noqa: E402
 from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
-from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
-from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
 
 HOST = "127.0.0.1"
 PLAN_TARGET_MS = 50.0
@@ -144,8 +145,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             torch.cuda.synchronize(dev)
         ctl.all_reduce(tiny)
 
-    def timed(name: str, run: Any, participates: bool, ep: Any, targets: dict[str, torch.Tensor],
-              correct: Any) -> None:
+    def timed(name: str, run: Any, participates: bool, ep: Any, targets: dict[str, torch.Tensor], correct: Any) -> None:
         times, after_last = [], []
         if ep is not None and hasattr(ep, "timings"):
             ep.timings = []  # host phase marks of each refit (opt-in)
@@ -178,7 +178,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
                     after_last.append(end - last_in)
         row: dict[str, Any] = {}
         if ep is not None and getattr(ep, "timings", None) is not None:
-            row["timings"] = ep.timings[args.warmup:]
+            row["timings"] = ep.timings[args.warmup :]
             ep.timings = None
         if not sender:
             row["correct"] = correct()
@@ -191,10 +191,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             ctl.wait_for_ranks(lambda r: f"bench/{name}/row/{r}", range(world), f"{name} results")
             allrows = [json.loads(ctl.store.get(f"bench/{name}/row/{r}")) for r in range(world)]
             rows = allrows[tp_train:]
-            out["rows"][name] = {"median_ms": statistics.median(times) * 1e3, "best_ms": min(times) * 1e3,
-                                 "after_last_in_ms": statistics.median(after_last) * 1e3,
-                                 "correct": all(r["correct"] for r in rows),
-                                 "received_per_generator": [r["received"] for r in rows]}
+            out["rows"][name] = {
+                "median_ms": statistics.median(times) * 1e3,
+                "best_ms": min(times) * 1e3,
+                "after_last_in_ms": statistics.median(after_last) * 1e3,
+                "correct": all(r["correct"] for r in rows),
+                "received_per_generator": [r["received"] for r in rows],
+            }
             if all("timings" in r for r in allrows):
                 out["rows"][name]["phases"] = phase_table({r: x["timings"] for r, x in enumerate(allrows)})
             copies = {r.get("copies") for r in allrows[:tp_train]} - {None}
@@ -205,10 +208,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
 
     # -- the reshard
     transport = "ipc" if cuda else "p2p"
-    ep: Any
     if sender:
-        ep = ReshardSender(ctl, tensors, src, args.bucket_bytes, direct_bytes=args.direct_bytes,
-                           transport=transport, device=dev)
+        ep: Any = ReshardSender(
+            ctl, tensors, src, args.bucket_bytes, direct_bytes=args.direct_bytes, transport=transport, device=dev
+        )
     else:
         ep = ReshardReceiver(ctl, tensors, dst, device=dev)
     t0 = time.perf_counter()
@@ -217,12 +220,25 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     if getattr(ep, "_push", None) is not None:
         ep._push.timing = True
     name = f"reshard ({transport})"
-    timed(name, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
-          {} if sender else tensors, lambda: _checksum(tensors) == expected)
+    timed(
+        name,
+        (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
+        True,
+        ep,
+        {} if sender else tensors,
+        lambda: _checksum(tensors) == expected,
+    )
     if cuda and ep.transport == "ipc":
+
         def again(label: str) -> None:
-            timed(label, (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()), True, ep,
-                  {} if sender else tensors, lambda: _checksum(tensors) == expected)
+            timed(
+                label,
+                (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
+                True,
+                ep,
+                {} if sender else tensors,
+                lambda: _checksum(tensors) == expected,
+            )
             if rank == 0:
                 out["rows"][label]["transport"] = ep.transport
 
@@ -230,8 +246,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
         first = ep._push.order
         if sender:
             ep._push.order = "strided_first" if first == "batched_first" else "batched_first"
-        again(f"reshard ({transport}, {'strided kernels' if first == 'batched_first' else 'batched copies'} "
-              "issued first)")
+        again(
+            f"reshard ({transport}, {'strided kernels' if first == 'batched_first' else 'batched copies'} issued first)"
+        )
         if sender:
             ep._push.order = first
         # The done signal on the host (ipc_done="host"): a done exchange after the copies.
@@ -248,19 +265,34 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
             out["ipc_modes"] = {"done": done, "pitched": ep._push.pitched, "cross_gpu": ep._push.cross_gpu}
         if (tp_train, tp_gen) == (2, 1):
             # The same copies with no control, from 1 or 2 processes (reshard_phases.py).
-            res = copies_only(rank, world, tp_train, ctl, ep, src, tensors, dev, args.warmup, args.iters, sync,
-                              lambda: _checksum(tensors) == expected)
+            res = copies_only(
+                rank,
+                world,
+                tp_train,
+                ctl,
+                ep,
+                src,
+                tensors,
+                dev,
+                args.warmup,
+                args.iters,
+                sync,
+                lambda: _checksum(tensors) == expected,
+            )
             if rank == 0:
                 out["copies_only"] = res
     if rank == 0:
         out["rows"][name]["transport"] = ep.transport
-        out["plan"] = {"pieces": len(plan.pieces), "plan_ms": plan.plan_seconds * 1e3,
-                       "bytes_to": {r: plan.bytes_to(r) for r in dst.mesh.ranks},
-                       "cross_device_bytes": sum(p.nbytes for p in plan.pieces if gpus[p.src] != gpus[p.dst])}
+        out["plan"] = {
+            "pieces": len(plan.pieces),
+            "plan_ms": plan.plan_seconds * 1e3,
+            "bytes_to": {r: plan.bytes_to(r) for r in dst.mesh.ranks},
+            "cross_device_bytes": sum(p.nbytes for p in plan.pieces if gpus[p.src] != gpus[p.dst]),
+        }
     sync()
     ep.close()
     sync()
-    del ep
+    ep = None  # the closures above hold it: drop the endpoint's tensors before the broadcast baseline
 
     # -- today's full broadcast from the trainer rank on GPU 1 (it holds the whole model)
     bsrc = tp_train - 1
@@ -274,9 +306,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     name = "full broadcast (RefitSender)" if not cuda else "full broadcast (RefitSender, NCCL per-tensor)"
     g = None
     if rank in bgroup:
-        g = StatelessProcessGroup(HOST, port, bgroup.index(rank), len(bgroup), "nccl" if cuda else "gloo",
-                                  timeout=120, device=gpus[rank] if cuda else None, group_name="bcast",
-                                  store=ctl.store)
+        g = StatelessProcessGroup(
+            HOST,
+            port,
+            bgroup.index(rank),
+            len(bgroup),
+            "nccl" if cuda else "gloo",
+            timeout=120,
+            device=gpus[rank] if cuda else None,
+            group_name="bcast",
+            store=ctl.store,
+        )
     full = None
     if rank == bsrc:
         full = {n: _full(i, s, dev) for i, (n, s) in enumerate(shapes)}
@@ -284,16 +324,23 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     targets: dict[str, torch.Tensor] = {}
     check: Any = None
     if g is not None and rank == bsrc:
-        kw: dict[str, Any] = {"bucket_bytes": args.bucket_bytes} if not cuda else {"direct_bytes": 0,
-                                                                                  "transport": "broadcast"}
+        kw: dict[str, Any] = (
+            {"bucket_bytes": args.bucket_bytes} if not cuda else {"direct_bytes": 0, "transport": "broadcast"}
+        )
         ep2 = RefitSender(g, full, **kw)
     elif g is not None:
         targets, check = broadcast_targets(dst, rank, tensors, expected)
         ep2 = RefitReceiver(g, targets, src=0)
     if ep2 is not None:
         ep2.prepare_refit_info()
-    timed(name, (lambda i: ep2.send_weights(i)) if rank == bsrc else (lambda i: ep2.receive_weights()),
-          ep2 is not None, None, targets, check)
+    timed(
+        name,
+        (lambda i: ep2.send_weights(i)) if rank == bsrc else (lambda i: ep2.receive_weights()),
+        ep2 is not None,
+        None,
+        targets,
+        check,
+    )
     if rank == 0:
         out["rows"][name]["transport"] = "broadcast"
         out["rows"][name]["received_per_generator"] = [sum(math.prod(s) * 2 for _, s in shapes)] * tp_gen
@@ -307,8 +354,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> di
     return out
 
 
-def broadcast_targets(layout: Layout, rank: int, tensors: dict[str, torch.Tensor],
-                      expected: list[int]) -> tuple[dict[str, torch.Tensor], Any]:
+def broadcast_targets(
+    layout: Layout, rank: int, tensors: dict[str, torch.Tensor], expected: list[int]
+) -> tuple[dict[str, torch.Tensor], Any]:
     """Where a full broadcast lands on a generator rank, and a check of the result.
 
     A rank holding whole parameters (TP=1) receives into views of its (fused) tensors. A rank
@@ -368,6 +416,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, limit_s: float) -> dic
 def ceilings(nbytes_cross: int, nbytes_local: int, device: str, iters: int) -> dict[str, float]:
     """GPU: peer copy GPU 1 -> GPU 0 of the crossing bytes, alone and beside the within-GPU
     copies; CPU: one memcpy of all of them."""
+
     def timeit(fn: Any) -> float:
         ts = []
         for i in range(iters + 2):
@@ -423,11 +472,17 @@ def plan_timing(reps: int = 9) -> dict[str, Any]:
     params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((vocab, h), torch.bfloat16)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        for n, s in (("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (h, h)),
-                     ("self_attn.k_proj.weight", (kv, h)), ("self_attn.v_proj.weight", (kv, h)),
-                     ("self_attn.o_proj.weight", (h, h)), ("post_attention_layernorm.weight", (h,)),
-                     ("mlp.gate_proj.weight", (inter, h)), ("mlp.up_proj.weight", (inter, h)),
-                     ("mlp.down_proj.weight", (h, inter))):
+        for n, s in (
+            ("input_layernorm.weight", (h,)),
+            ("self_attn.q_proj.weight", (h, h)),
+            ("self_attn.k_proj.weight", (kv, h)),
+            ("self_attn.v_proj.weight", (kv, h)),
+            ("self_attn.o_proj.weight", (h, h)),
+            ("post_attention_layernorm.weight", (h,)),
+            ("mlp.gate_proj.weight", (inter, h)),
+            ("mlp.up_proj.weight", (inter, h)),
+            ("mlp.down_proj.weight", (h, inter)),
+        ):
             params[p + n] = (s, torch.bfloat16)
     params["model.norm.weight"] = ((h,), torch.bfloat16)
     params["lm_head.weight"] = ((vocab, h), torch.bfloat16)
@@ -447,9 +502,15 @@ def plan_timing(reps: int = 9) -> dict[str, Any]:
         plan_ms.append((t1 - t0) * 1e3)
         msg_ms.append((t2 - t1) * 1e3)
     totals = [a + b for a, b in zip(plan_ms, msg_ms)]
-    return {"params": len(params), "pieces": len(plan.pieces), "plan_ms": statistics.median(plan_ms),
-            "messages_ms": statistics.median(msg_ms), "total_ms": statistics.median(totals),
-            "best_total_ms": min(totals), "reps": reps}
+    return {
+        "params": len(params),
+        "pieces": len(plan.pieces),
+        "plan_ms": statistics.median(plan_ms),
+        "messages_ms": statistics.median(msg_ms),
+        "total_ms": statistics.median(totals),
+        "best_total_ms": min(totals),
+        "reps": reps,
+    }
 
 
 def main(args: argparse.Namespace) -> None:
@@ -458,20 +519,34 @@ def main(args: argparse.Namespace) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     shapes = llama_shapes(args.params)
     nbytes = sum(math.prod(s) for _, s in shapes) * 2
-    print(f"[bench_refit --reshard] {args.device}: {len(shapes)} tensors, {nbytes / 2 / 1e9:.3f} B params, "
-          f"{nbytes / 1e9:.2f} GB bf16; torch {torch.__version__}", flush=True)
+    print(
+        f"[bench_refit --reshard] {args.device}: {len(shapes)} tensors, {nbytes / 2 / 1e9:.3f} B params, "
+        f"{nbytes / 1e9:.2f} GB bf16; torch {torch.__version__}",
+        flush=True,
+    )
     pt = plan_timing()
-    print(f"plan: {pt['params']} params, PP2xDP2xTP2 -> DP2xTP4 (16 ranks), {pt['pieces']} pieces: "
-          f"{pt['plan_ms']:.1f} ms all pieces + {pt['messages_ms']:.1f} ms one sender's and one receiver's "
-          f"messages = {pt['total_ms']:.1f} ms median of {pt['reps']}, best {pt['best_total_ms']:.1f} ms "
-          f"(target < {PLAN_TARGET_MS:.0f} ms)", flush=True)
-    summary: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "n_tensors": len(shapes),
-                               "nbytes": nbytes, "plan": pt, "scenarios": {}}
+    print(
+        f"plan: {pt['params']} params, PP2xDP2xTP2 -> DP2xTP4 (16 ranks), {pt['pieces']} pieces: "
+        f"{pt['plan_ms']:.1f} ms all pieces + {pt['messages_ms']:.1f} ms one sender's and one receiver's "
+        f"messages = {pt['total_ms']:.1f} ms median of {pt['reps']}, best {pt['best_total_ms']:.1f} ms "
+        f"(target < {PLAN_TARGET_MS:.0f} ms)",
+        flush=True,
+    )
+    summary: dict[str, Any] = {
+        "device": args.device,
+        "torch": torch.__version__,
+        "n_tensors": len(shapes),
+        "nbytes": nbytes,
+        "plan": pt,
+        "scenarios": {},
+    }
     if args.device == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(0)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        print("ONE GPU: every rank on GPU 0 (nothing crosses NVLink; the ceiling is the within-GPU copy "
-              "of all bytes)", flush=True)
+        print(
+            "ONE GPU: every rank on GPU 0 (nothing crosses NVLink; the ceiling is the within-GPU copy of all bytes)",
+            flush=True,
+        )
     for scenario, (tp_train, tp_gen, gpus) in ((k, _placed(v)) for k, v in SCENARIOS.items()):
         src, dst = layouts(shapes, tp_train, tp_gen)
         plan = _reshard.plan_reshard(src, dst, bucket_bytes=args.bucket_bytes)  # bytes only: any options do
@@ -488,41 +563,54 @@ def main(args: argparse.Namespace) -> None:
         rows = res["rows"]
         # a few replicated norms may cross GPUs (the plan knows no devices): not a ceiling
         major = cross >= 0.01 * plan.total_bytes
-        base = (ceil.get("peer_copy_ms") if major else None) or ceil.get("with_local_copies_ms") \
-            or ceil.get("memcpy_ms")
+        base = (
+            (ceil.get("peer_copy_ms") if major else None) or ceil.get("with_local_copies_ms") or ceil.get("memcpy_ms")
+        )
         both = ceil.get("with_local_copies_ms") if major else None
         for v in rows.values():
             v["ratio_vs_ceiling"] = v["median_ms"] / base
             v["ratio_after_last_in"] = v["after_last_in_ms"] / base
             if both:
                 v["ratio_vs_all_copies"] = v["median_ms"] / both
-        summary["scenarios"][scenario] = {"rows": rows, "ceilings_ms": ceil, "cross_device_bytes": cross,
-                                          "copies_only": res.get("copies_only"),
-                                          "within_device_bytes": local, "prepare_s": res["prepare_s"],
-                                          "broadcast_skipped": res.get("broadcast_skipped")}
-        where = (f"; {cross / 1e9:.2f} GB cross GPUs, {local / 1e9:.2f} GB stay on one" if args.device == "cuda"
-                 else "")
-        print(f"\n== {scenario} ({time.monotonic() - t0:.1f} s): generator ranks receive "
-              f"{[plan.bytes_to(r) for r in dst.mesh.ranks]} bytes "
-              f"(own {[plan.owned_bytes(r) for r in dst.mesh.ranks]})"
-              f"{where}; prepare {res['prepare_s']:.2f} s")
+        summary["scenarios"][scenario] = {
+            "rows": rows,
+            "ceilings_ms": ceil,
+            "cross_device_bytes": cross,
+            "copies_only": res.get("copies_only"),
+            "within_device_bytes": local,
+            "prepare_s": res["prepare_s"],
+            "broadcast_skipped": res.get("broadcast_skipped"),
+        }
+        where = f"; {cross / 1e9:.2f} GB cross GPUs, {local / 1e9:.2f} GB stay on one" if args.device == "cuda" else ""
+        print(
+            f"\n== {scenario} ({time.monotonic() - t0:.1f} s): generator ranks receive "
+            f"{[plan.bytes_to(r) for r in dst.mesh.ranks]} bytes "
+            f"(own {[plan.owned_bytes(r) for r in dst.mesh.ranks]})"
+            f"{where}; prepare {res['prepare_s']:.2f} s"
+        )
         print("   ceilings: " + ", ".join(f"{k} {v:.2f}" for k, v in ceil.items()))
         w = max(len(k) for k in rows)
-        print(f"   {'method':<{w}}  {'median ms':>10}  {'best ms':>9}  {'x ceiling':>9}  {'x all copies':>12}  "
-              f"{'last in ms':>10}  {'x ceiling':>9}  correct  {'GB per generator':>16}  transport")
+        print(
+            f"   {'method':<{w}}  {'median ms':>10}  {'best ms':>9}  {'x ceiling':>9}  {'x all copies':>12}  "
+            f"{'last in ms':>10}  {'x ceiling':>9}  correct  {'GB per generator':>16}  transport"
+        )
         for k, v in rows.items():
             gb = "/".join(f"{x / 1e9:.2f}" for x in v["received_per_generator"] if x is not None)
             allc = f"{v['ratio_vs_all_copies']:.3f}" if "ratio_vs_all_copies" in v else "-"
-            print(f"   {k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['ratio_vs_ceiling']:>9.3f}  "
-                  f"{allc:>12}  {v['after_last_in_ms']:>10.2f}  {v['ratio_after_last_in']:>9.3f}  "
-                  f"{str(v['correct']):<7}  {gb:>16}  {v.get('transport', '-')}"
-                  + (f"  ({', '.join(v['copies'])})" if v.get("copies") else ""))
+            print(
+                f"   {k:<{w}}  {v['median_ms']:>10.2f}  {v['best_ms']:>9.2f}  {v['ratio_vs_ceiling']:>9.3f}  "
+                f"{allc:>12}  {v['after_last_in_ms']:>10.2f}  {v['ratio_after_last_in']:>9.3f}  "
+                f"{str(v['correct']):<7}  {gb:>16}  {v.get('transport', '-')}"
+                + (f"  ({', '.join(v['copies'])})" if v.get("copies") else "")
+            )
         for k, v in rows.items():
             for r, ph in enumerate(v.get("sender_phases") or []):
                 if ph:
-                    print(f"   {k}, sender rank {r} copies (GPU time): contiguous "
-                          f"{ph['contiguous_bytes'] / 1e9:.2f} GB in {ph['contiguous_ms']:.2f} ms, pitched "
-                          f"{ph['pitched_bytes'] / 1e9:.2f} GB in {ph['pitched_ms']:.2f} ms")
+                    print(
+                        f"   {k}, sender rank {r} copies (GPU time): contiguous "
+                        f"{ph['contiguous_bytes'] / 1e9:.2f} GB in {ph['contiguous_ms']:.2f} ms, pitched "
+                        f"{ph['pitched_bytes'] / 1e9:.2f} GB in {ph['pitched_ms']:.2f} ms"
+                    )
         roles = {r: f"{'sender' if r < tp_train else 'receiver'} {r}" for r in range(tp_train + tp_gen)}
         for k, v in rows.items():
             if v.get("phases"):
@@ -530,8 +618,10 @@ def main(args: argparse.Namespace) -> None:
         if res.get("copies_only"):
             print_copies(res["copies_only"], base)
         if res.get("broadcast_skipped"):
-            print(f"   full broadcast not timed: {res['broadcast_skipped']}; it would move "
-                  f"{nbytes * tp_gen / 1e9:.2f} GB ({nbytes / 1e9:.2f} GB per generator rank)")
+            print(
+                f"   full broadcast not timed: {res['broadcast_skipped']}; it would move "
+                f"{nbytes * tp_gen / 1e9:.2f} GB ({nbytes / 1e9:.2f} GB per generator rank)"
+            )
     targets = {"plan_ms<50": pt["total_ms"] < PLAN_TARGET_MS}
     if args.device == "cuda":
         r = summary["scenarios"]["TP=2 -> TP=1"].get("rows", {}).get("reshard (ipc)")
@@ -539,7 +629,8 @@ def main(args: argparse.Namespace) -> None:
         # The same refits timed from the last rank's call instead of the first's (``last in``):
         # what the refit costs once every rank called it, without the ranks' own entry skew.
         targets["tp2->tp1_within_1.1x_peer_copy_after_last_rank_in"] = (
-            r is not None and r["ratio_after_last_in"] <= RATIO_TARGET)
+            r is not None and r["ratio_after_last_in"] <= RATIO_TARGET
+        )
     summary["targets"] = targets
     print(f"\ntargets: {targets}")
     out = args.out or REPO / "benchmarks" / "results" / f"bench_reshard_{args.device}.json"

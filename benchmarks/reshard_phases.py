@@ -62,9 +62,20 @@ def print_phase_table(name: str, table: dict[int, dict[str, tuple[float, float]]
         print("   " + f"{ph:<8}" + "".join(f"  {c:>22}" for c in cells))
 
 
-def copies_only(rank: int, world: int, tp_train: int, ctl: Any, ep: Any, src: Any,
-                tensors: dict[str, torch.Tensor], dev: torch.device, warmup: int, iters: int, sync: Any,
-                check: Any) -> dict[str, Any] | None:
+def copies_only(
+    rank: int,
+    world: int,
+    tp_train: int,
+    ctl: Any,
+    ep: Any,
+    src: Any,
+    tensors: dict[str, torch.Tensor],
+    dev: torch.device,
+    warmup: int,
+    iters: int,
+    sync: Any,
+    check: Any,
+) -> dict[str, Any] | None:
     """The copies-only modes (module doc); collective over every rank. Rank 0 returns
     mode -> results; a rank's failure is reported, never left for the others to wait out."""
     from reshard_bench import local_values
@@ -159,8 +170,10 @@ def _issue_all(jobs: list[tuple[IpcPush, dict[str, torch.Tensor]]], dev: torch.d
 
 def print_copies(res: dict[str, Any], ceiling_ms: float | None) -> None:
     print("   copies only (no control; wall = first start to last copies done, host):")
-    print(f"   {'mode':<27}  {'median ms':>9}  {'best ms':>8}  {'x ceiling':>9}  correct  "
-          f"{'issue ms (host) per rank':>24}  GPU ms per rank")
+    print(
+        f"   {'mode':<27}  {'median ms':>9}  {'best ms':>8}  {'x ceiling':>9}  correct  "
+        f"{'issue ms (host) per rank':>24}  GPU ms per rank"
+    )
     for mode, v in res.items():
         if v["median_ms"] is None:
             print(f"   {mode:<27}  failed: {v['errors']}")
@@ -168,5 +181,7 @@ def print_copies(res: dict[str, Any], ceiling_ms: float | None) -> None:
         x = f"{v['median_ms'] / ceiling_ms:.3f}" if ceiling_ms else "-"
         iss = ", ".join(f"{r}: {t:.2f}" for r, t in sorted(v["issue_ms"].items()))
         gpu = ", ".join(f"{r}: {t:.2f}" for r, t in sorted(v["gpu_ms"].items()))
-        print(f"   {mode:<27}  {v['median_ms']:>9.2f}  {v['best_ms']:>8.2f}  {x:>9}  {str(v['correct']):<7}  "
-              f"{iss:>24}  {gpu}" + (f"  errors: {v['errors']}" if v["errors"] else ""))
+        print(
+            f"   {mode:<27}  {v['median_ms']:>9.2f}  {v['best_ms']:>8.2f}  {x:>9}  {str(v['correct']):<7}  "
+            f"{iss:>24}  {gpu}" + (f"  errors: {v['errors']}" if v["errors"] else "")
+        )

@@ -36,44 +36,88 @@ CONFIG = REPO / "examples" / "configs" / "grpo_async_tiny.yaml"
 
 # kind -> (debug overrides with {step}/{group} placeholders, regex the error must match)
 FAULTS: dict[str, tuple[tuple[str, ...], str]] = {
-    "reward_raises": (("debug.fail_in=reward", "debug.fail_at_group={group}"),
-                      r"reward_fn .* raised RuntimeError|raised InjectedFailure on prompt uid"),
-    "train_raises": (("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1"),
-                     r"injected failure at step \d+ on policy rank 1"),
-    "sigkill_policy_rank": (("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1",
-                             "debug.fail_mode=sigkill"), r"policy rank 1 died or was lost"),
-    "sigkill_collector": (("debug.fail_in=generate", "debug.fail_at_group={group}", "debug.fail_mode=sigkill"),
-                          r"collector 0 died or was lost"),
-    "sigkill_generator": (("debug.fail_in=generator", "debug.fail_at_step={step}", "debug.fail_mode=sigkill"),
-                          r"the generator (died or was lost|\(refit receiver\) died or was lost)"),
-    "kill_store_controller": (("debug.fail_in=store_controller", "debug.fail_at_step={step}"),
-                              r"TransferQueue controller '.*' died or was lost"),
-    "kill_store_unit": (("debug.fail_in=store_unit", "debug.fail_at_step={step}"),
-                        r"TransferQueue storage unit '.*' died or was lost"),
-    "refit_peer_never_arrives": (("debug.fail_in=refit", "debug.fail_at_step={step}", "debug.fail_mode=hang",
-                                  "refit.timeout_s=10"), r"the generator \(refit rank 1\) never took part"),
+    "reward_raises": (
+        ("debug.fail_in=reward", "debug.fail_at_group={group}"),
+        r"reward_fn .* raised RuntimeError|raised InjectedFailure on prompt uid",
+    ),
+    "train_raises": (
+        ("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1"),
+        r"injected failure at step \d+ on policy rank 1",
+    ),
+    "sigkill_policy_rank": (
+        ("debug.fail_in=train", "debug.fail_at_step={step}", "debug.fail_rank=1", "debug.fail_mode=sigkill"),
+        r"policy rank 1 died or was lost",
+    ),
+    "sigkill_collector": (
+        ("debug.fail_in=generate", "debug.fail_at_group={group}", "debug.fail_mode=sigkill"),
+        r"collector 0 died or was lost",
+    ),
+    "sigkill_generator": (
+        ("debug.fail_in=generator", "debug.fail_at_step={step}", "debug.fail_mode=sigkill"),
+        r"the generator (died or was lost|\(refit receiver\) died or was lost)",
+    ),
+    "kill_store_controller": (
+        ("debug.fail_in=store_controller", "debug.fail_at_step={step}"),
+        r"TransferQueue controller '.*' died or was lost",
+    ),
+    "kill_store_unit": (
+        ("debug.fail_in=store_unit", "debug.fail_at_step={step}"),
+        r"TransferQueue storage unit '.*' died or was lost",
+    ),
+    "refit_peer_never_arrives": (
+        ("debug.fail_in=refit", "debug.fail_at_step={step}", "debug.fail_mode=hang", "refit.timeout_s=10"),
+        r"the generator \(refit rank 1\) never took part",
+    ),
 }
 
-BASE = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
-        "async.groups_per_generation=2", "generation.max_new_tokens=2", "trainer.val_every=0",
-        "trainer.step_timeout_s=120", "trainer.startup_timeout_s=240", "task.val_size=16", "logging.quiet=true",
-        "logging.progress=false", "logging.plot=false", "checkpoint.keep=2")
+BASE = (
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "data_plane.packing.micro_batch_size=4",
+    "async.groups_per_generation=2",
+    "generation.max_new_tokens=2",
+    "trainer.val_every=0",
+    "trainer.step_timeout_s=120",
+    "trainer.startup_timeout_s=240",
+    "task.val_size=16",
+    "logging.quiet=true",
+    "logging.progress=false",
+    "logging.plot=false",
+    "checkpoint.keep=2",
+)
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
-def _segment(out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...], resume: bool,
-             timeout: float) -> dict[str, Any]:
+def _segment(
+    out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...], resume: bool, timeout: float
+) -> dict[str, Any]:
     marker = out / "fault_marker"
     marker.unlink(missing_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "algorithms.grpo_async", "--config", str(CONFIG), *BASE,
-           f"trainer.steps={steps}", f"checkpoint.every={ckpt_every}", f"logging.output_dir={out}",
-           f"debug.fault_marker={marker}", *(("checkpoint.resume=latest",) if resume else ()), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "algorithms.grpo_async",
+        "--config",
+        str(CONFIG),
+        *BASE,
+        f"trainer.steps={steps}",
+        f"checkpoint.every={ckpt_every}",
+        f"logging.output_dir={out}",
+        f"debug.fault_marker={marker}",
+        *(("checkpoint.resume=latest",) if resume else ()),
+        *overrides,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RAY_DEDUP_LOGS="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("RAY_ADDRESS", None)
     t0 = time.time()
     try:
@@ -84,8 +128,13 @@ def _segment(out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...],
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     fault_t = float(marker.read_text()) if marker.exists() else None
     end_t = (out / "summary.json").stat().st_mtime if (out / "summary.json").exists() else None
-    return {"code": code, "stderr": stderr, "summary": summary, "wall_s": time.time() - t0,
-            "time_to_error_s": (end_t - fault_t) if fault_t is not None and end_t is not None else None}
+    return {
+        "code": code,
+        "stderr": stderr,
+        "summary": summary,
+        "wall_s": time.time() - t0,
+        "time_to_error_s": (end_t - fault_t) if fault_t is not None and end_t is not None else None,
+    }
 
 
 def _newest_group(out: Path) -> int:
@@ -101,7 +150,9 @@ def _latest_step(out: Path) -> int:
 def _lossless(out: Path, summary: dict[str, Any]) -> bool:
     handouts = [h for r in _rows(out / "trained_groups.jsonl") for h in r["handouts"]]
     pending = summary.get("prompts_in_flight_at_exit", [])
-    return len(handouts) == len(set(handouts)) and sorted(handouts + pending) == list(range(summary.get("prompts_handed_out", -1)))
+    return len(handouts) == len(set(handouts)) and sorted(handouts + pending) == list(
+        range(summary.get("prompts_handed_out", -1))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,9 +210,18 @@ def main(argv: list[str] | None = None) -> int:
             prev = events[-1]
             prev["survived"] = prev["named"] and any(r["step"] >= prev["resume_from"] for r in rows)
         named = res["code"] == 1 and re.search(pattern, res["stderr"]) is not None
-        ev = {"kind": kind, "at_step": at, "exit": res["code"], "named": named,
-              "time_to_error_s": res["time_to_error_s"], "keys_at_exit": res["summary"].get("keys_outstanding_at_exit"),
-              "steps_logged": len(rows), "resume_from": resumed_to, "survived": None, "wall_s": round(res["wall_s"], 1)}
+        ev = {
+            "kind": kind,
+            "at_step": at,
+            "exit": res["code"],
+            "named": named,
+            "time_to_error_s": res["time_to_error_s"],
+            "keys_at_exit": res["summary"].get("keys_outstanding_at_exit"),
+            "steps_logged": len(rows),
+            "resume_from": resumed_to,
+            "survived": None,
+            "wall_s": round(res["wall_s"], 1),
+        }
         if not named:
             ev["stderr_tail"] = res["stderr"][-1500:]
         if res["code"] == 0:  # the fault never fired (e.g. a group id not reached): the run finished
@@ -169,9 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             ev["note"] = "fault did not fire before the run finished"
         events.append(ev)
         exits.append(ev["keys_at_exit"] if ev["keys_at_exit"] is not None else -2)
-        print(f"[{time.time() - t_start:7.1f}s] {kind:26s} at step {at:4d}: exit {res['code']}, named={named}, "
-              f"time to error {ev['time_to_error_s'] and round(ev['time_to_error_s'], 2)} s, keys at exit "
-              f"{ev['keys_at_exit']}, resume from {resumed_to}", flush=True)
+        print(
+            f"[{time.time() - t_start:7.1f}s] {kind:26s} at step {at:4d}: exit {res['code']}, named={named}, "
+            f"time to error {ev['time_to_error_s'] and round(ev['time_to_error_s'], 2)} s, keys at exit "
+            f"{ev['keys_at_exit']}, resume from {resumed_to}",
+            flush=True,
+        )
         done, resume = resumed_to, True
     rows = _rows(out / "metrics.jsonl")
     fsum = final.get("summary", {})
@@ -184,31 +247,44 @@ def main(argv: list[str] | None = None) -> int:
         if ev["time_to_error_s"] is not None:
             k["times"].append(round(ev["time_to_error_s"], 2))
     report = {
-        "args": vars(args), "wall_s": round(time.time() - t_start, 1), "steps_trained": len(rows),
-        "faults_injected": len(fired), "faults_not_fired": len(events) - len(fired),
+        "args": vars(args),
+        "wall_s": round(time.time() - t_start, 1),
+        "steps_trained": len(rows),
+        "faults_injected": len(fired),
+        "faults_not_fired": len(events) - len(fired),
         "faults_survived": sum(bool(e["survived"]) for e in fired),
-        "per_kind": per_kind, "max_keys_outstanding": max((r["keys_outstanding"] for r in rows), default=0),
+        "per_kind": per_kind,
+        "max_keys_outstanding": max((r["keys_outstanding"] for r in rows), default=0),
         "keys_outstanding_bound": fsum.get("keys_outstanding_bound"),
-        "keys_at_each_exit": exits, "final_exit_code": final.get("code"),
+        "keys_at_each_exit": exits,
+        "final_exit_code": final.get("code"),
         "keys_at_final_exit": fsum.get("keys_outstanding_at_exit"),
         "store_bytes_at_final_exit": 0 if fsum.get("keys_outstanding_at_exit") == 0 else None,
-        "every_prompt_trained_once_or_pending": _lossless(out, fsum) if fsum else None, "events": events,
+        "every_prompt_trained_once_or_pending": _lossless(out, fsum) if fsum else None,
+        "events": events,
     }
-    print(f"\nsoak: {report['steps_trained']} steps, {report['faults_injected']} faults injected, "
-          f"{report['faults_survived']} survived ({report['faults_not_fired']} drawn but never fired), "
-          f"{report['wall_s']} s")
+    print(
+        f"\nsoak: {report['steps_trained']} steps, {report['faults_injected']} faults injected, "
+        f"{report['faults_survived']} survived ({report['faults_not_fired']} drawn but never fired), "
+        f"{report['wall_s']} s"
+    )
     print(f"{'fault':26s} {'injected':>8s} {'survived':>8s} {'time to error s (each)':s}")
     for kind, k in sorted(per_kind.items()):
         print(f"{kind:26s} {k['injected']:8d} {k['survived']:8d} {k['times']}")
-    print(f"max keys outstanding {report['max_keys_outstanding']} (bound {report['keys_outstanding_bound']}); keys at "
-          f"each exit {exits}; final exit {report['final_exit_code']}, keys {report['keys_at_final_exit']}, store bytes "
-          f"{report['store_bytes_at_final_exit']}; every prompt trained once or pending: "
-          f"{report['every_prompt_trained_once_or_pending']}")
+    print(
+        f"max keys outstanding {report['max_keys_outstanding']} (bound {report['keys_outstanding_bound']}); keys at "
+        f"each exit {exits}; final exit {report['final_exit_code']}, keys {report['keys_at_final_exit']}, store bytes "
+        f"{report['store_bytes_at_final_exit']}; every prompt trained once or pending: "
+        f"{report['every_prompt_trained_once_or_pending']}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    ok = (report["faults_survived"] == report["faults_injected"]
-          and report["final_exit_code"] == 0 and report["keys_at_final_exit"] == 0)
+    ok = (
+        report["faults_survived"] == report["faults_injected"]
+        and report["final_exit_code"] == 0
+        and report["keys_at_final_exit"] == 0
+    )
     return 0 if ok else 1
 
 

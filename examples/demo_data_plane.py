@@ -96,7 +96,10 @@ def main() -> None:
         collector = Collector.remote()
         meta, payload = ray.get(collector.collect.remote(args.samples, seed=0), timeout=120)
         driver_bytes += len(pickle.dumps(meta))
-        print(f"[demo] collector put {len(meta)} rollouts ({payload / 1e6:.2f} MB) -> driver got a {len(pickle.dumps(meta))} B meta")
+        print(
+            f"[demo] collector put {len(meta)} rollouts ({payload / 1e6:.2f} MB) -> "
+            f"driver got a {len(pickle.dumps(meta))} B meta"
+        )
 
         plan = driver_balanced_preshards(meta, args.dp, PackingConfig(mode="sequence", max_tokens_per_microbatch=2048))
         metas = fan_out_per_rank_metas(None, plan, meta, partition_id=PARTITION, key_prefix="demo")

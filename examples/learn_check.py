@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from algorithms.grpo import dynamic_sampling_mask, group_advantages, masked_mean, policy_loss  # noqa: E402
+from algorithms.grpo import dynamic_sampling_mask, group_advantages, policy_loss  # noqa: E402
 from algorithms.models import build_model, generate, pad_batch, sequence_logprobs  # noqa: E402
 from algorithms.tasks import (  # noqa: E402
     CharTokenizer,
@@ -75,11 +75,18 @@ def build_batch(
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, tok: CharTokenizer, records: list[PromptRecord], reward_fn: Any,
-             max_new_tokens: int, temperature: float) -> float:
+def validate(
+    model: torch.nn.Module,
+    tok: CharTokenizer,
+    records: list[PromptRecord],
+    reward_fn: Any,
+    max_new_tokens: int,
+    temperature: float,
+) -> float:
     prompts = [tok.encode_prompt(r.prompt) for r in records]
-    outs = generate(model, prompts, 1, max_new_tokens, temperature, torch.Generator().manual_seed(0),
-                    tok.eos_id, tok.pad_id)
+    outs = generate(
+        model, prompts, 1, max_new_tokens, temperature, torch.Generator().manual_seed(0), tok.eos_id, tok.pad_id
+    )
     return statistics.fmean(reward_fn(r, tok.decode(o)) for r, o in zip(records, outs))
 
 
@@ -124,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     policy = build_model(pol["model"], vocab_size=tok.vocab_size)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     generator_model = copy.deepcopy(policy).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(policy.parameters(), lr=float(pol.get("lr", 1e-3)),
-                            weight_decay=float(pol.get("weight_decay", 0.0)),
-                            betas=tuple(pol.get("betas", (0.9, 0.999))))
+    opt = torch.optim.AdamW(
+        policy.parameters(),
+        lr=float(pol.get("lr", 1e-3)),
+        weight_decay=float(pol.get("weight_decay", 0.0)),
+        betas=tuple(pol.get("betas", (0.9, 0.999))),
+    )
     max_grad_norm = float(pol.get("max_grad_norm", 1.0))
     it = PromptIterator(train, prompts_per_step, seed)
     sample_gen = torch.Generator().manual_seed(seed)
@@ -134,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     curve: list[dict[str, float]] = []
     t0 = time.perf_counter()
     reached_at: float | None = None
-    print(f"params={sum(p.numel() for p in policy.parameters())} vocab={tok.vocab_size} task={task_name} "
-          f"batch={prompts_per_step}x{n} threads={torch.get_num_threads()}", flush=True)
+    print(
+        f"params={sum(p.numel() for p in policy.parameters())} vocab={tok.vocab_size} task={task_name} "
+        f"batch={prompts_per_step}x{n} threads={torch.get_num_threads()}",
+        flush=True,
+    )
     for step in range(1, steps + 1):
         records = it.next_batch()
         prompts = [tok.encode_prompt(r.prompt) for r in records]
@@ -155,52 +168,87 @@ def main(argv: list[str] | None = None) -> int:
             tmask = resp[:, 1:]
             with torch.no_grad():
                 old_lp = sequence_logprobs(policy, ids, attn, resp, temperature=temp if temp > 0 else 1.0)
-                ref_lp = sequence_logprobs(reference, ids, attn, resp, temperature=temp if temp > 0 else 1.0) if kl_coef > 0 else None
+                ref_lp = (
+                    sequence_logprobs(reference, ids, attn, resp, temperature=temp if temp > 0 else 1.0)
+                    if kl_coef > 0
+                    else None
+                )
             total_tokens = float(tmask.sum())
             chunks = torch.arange(ids.shape[0]).chunk(args.micro_batches)
             for _ in range(epochs):
                 opt.zero_grad(set_to_none=True)
                 ep_loss = ep_kl = ep_clip = ep_ent = 0.0
                 for ch in chunks:
-                    lp, ent = sequence_logprobs(policy, ids[ch], attn[ch], resp[ch], return_entropy=True,
-                                                temperature=temp if temp > 0 else 1.0)
-                    loss, met = policy_loss(lp, old_lp[ch], None if ref_lp is None else ref_lp[ch], a[ch], tmask[ch],
-                                            clip_eps=clip_eps, kl_coef=kl_coef, global_token_count=total_tokens)
+                    lp, ent = sequence_logprobs(
+                        policy, ids[ch], attn[ch], resp[ch], return_entropy=True, temperature=temp if temp > 0 else 1.0
+                    )
+                    loss, met = policy_loss(
+                        lp,
+                        old_lp[ch],
+                        None if ref_lp is None else ref_lp[ch],
+                        a[ch],
+                        tmask[ch],
+                        clip_eps=clip_eps,
+                        kl_coef=kl_coef,
+                        global_token_count=total_tokens,
+                    )
                     loss.backward()
                     ep_loss += loss.item()
                     ep_kl += met["kl"].item()
                     ep_clip += met["clip_frac"].item()
                     ep_ent += float((ent.detach() * tmask[ch]).sum()) / total_tokens
-                gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+                gn = torch.nn.utils.clip_grad_norm_(
+                    policy.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf")
+                )
                 opt.step()
-                metrics = {"loss": ep_loss, "kl": ep_kl, "clip_frac": ep_clip, "grad_norm": float(gn), "entropy": ep_ent}
+                metrics = {
+                    "loss": ep_loss,
+                    "kl": ep_kl,
+                    "clip_frac": ep_clip,
+                    "grad_norm": float(gn),
+                    "entropy": ep_ent,
+                }
             # "Refit": the generator samples the next step with the updated weights.
             generator_model.load_state_dict(policy.state_dict())
         t_train = time.perf_counter() - t_train
 
         elapsed = time.perf_counter() - t0
         mean_r = float(rewards.mean())
-        row: dict[str, float] = {"step": step, "reward": mean_r, "elapsed_s": elapsed, "gen_s": t_gen,
-                                 "train_s": t_train, "kept": float(keep.float().mean()),
-                                 "resp_len": statistics.fmean(len(r) for r in responses), **metrics}
+        row: dict[str, float] = {
+            "step": step,
+            "reward": mean_r,
+            "elapsed_s": elapsed,
+            "gen_s": t_gen,
+            "train_s": t_train,
+            "kept": float(keep.float().mean()),
+            "resp_len": statistics.fmean(len(r) for r in responses),
+            **metrics,
+        }
         if val_every and (step % val_every == 0 or step == steps):
-            row["val_reward"] = validate(generator_model, tok, val, reward_fn, max_new,
-                                         float(gen.get("val_temperature", 0.0)))
+            row["val_reward"] = validate(
+                generator_model, tok, val, reward_fn, max_new, float(gen.get("val_temperature", 0.0))
+            )
         curve.append(row)
         window = statistics.fmean(r["reward"] for r in curve[-3:])
         if reached_at is None and len(curve) >= 3 and window >= args.target:
             reached_at = elapsed
-        print(f"step {step:3d}  reward {mean_r:.3f}  loss {metrics['loss']:+.4f}  kl {metrics['kl']:.4f}  "
-              f"ent {metrics['entropy']:.3f}  clip {metrics['clip_frac']:.3f}  len {row['resp_len']:.2f}  "
-              f"gen {t_gen:.2f}s train {t_train:.2f}s  elapsed {elapsed:6.1f}s"
-              + (f"  val {row['val_reward']:.3f}" if "val_reward" in row else ""), flush=True)
+        print(
+            f"step {step:3d}  reward {mean_r:.3f}  loss {metrics['loss']:+.4f}  kl {metrics['kl']:.4f}  "
+            f"ent {metrics['entropy']:.3f}  clip {metrics['clip_frac']:.3f}  len {row['resp_len']:.2f}  "
+            f"gen {t_gen:.2f}s train {t_train:.2f}s  elapsed {elapsed:6.1f}s"
+            + (f"  val {row['val_reward']:.3f}" if "val_reward" in row else ""),
+            flush=True,
+        )
         if args.stop_at_target and reached_at is not None:
             break
 
     final = statistics.fmean(r["reward"] for r in curve[-3:])
-    print(f"SUMMARY reached {args.target} (3-step mean) at: "
-          f"{'never' if reached_at is None else f'{reached_at:.1f}s'}; final 3-step mean reward {final:.3f}; "
-          f"total {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"SUMMARY reached {args.target} (3-step mean) at: "
+        f"{'never' if reached_at is None else f'{reached_at:.1f}s'}; final 3-step mean reward {final:.3f}; "
+        f"total {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     if args.json:
         args.json.write_text(json.dumps({"curve": curve, "reached_at_s": reached_at, "config": c}, indent=1))
     return 0 if reached_at is not None else 1

@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         DataPlaneError,
     )
     from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
-    from nemo_dataplane.factory import build_data_plane_client
     from nemo_dataplane.errors import NemoDataplaneError
+    from nemo_dataplane.factory import build_data_plane_client
     from nemo_dataplane.meta import KVBatchMeta
 
 # Public names resolve on first access (PEP 562): code that needs only the planners or the meta

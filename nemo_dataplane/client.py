@@ -21,8 +21,8 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.codec import normalize_fields
-from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.errors import NemoDataplaneError
+from nemo_dataplane.meta import KVBatchMeta
 
 Fields = TensorDict | Mapping[str, torch.Tensor]
 
@@ -340,9 +340,7 @@ def check_put_args(
     return keys, partition_id, columns, tag_list
 
 
-def resolve_get_target(
-    meta_or_keys: KVBatchMeta | Sequence[str], partition_id: str | None
-) -> tuple[list[str], str]:
+def resolve_get_target(meta_or_keys: KVBatchMeta | Sequence[str], partition_id: str | None) -> tuple[list[str], str]:
     """Turn ``kv_batch_get``'s first two arguments into ``(keys, partition_id)``.
 
     Raises:
@@ -353,9 +351,7 @@ def resolve_get_target(
         if meta_pid is None and partition_id is None:
             raise ValueError("kv_batch_get: the meta has no partition_id; pass partition_id=")
         if partition_id is not None and meta_pid is not None and partition_id != meta_pid:
-            raise ValueError(
-                f"kv_batch_get: partition_id={partition_id!r} contradicts the meta's {meta_pid!r}"
-            )
+            raise ValueError(f"kv_batch_get: partition_id={partition_id!r} contradicts the meta's {meta_pid!r}")
         return list(meta_or_keys.keys), check_partition(meta_pid or partition_id)
     if partition_id is None:
         raise ValueError("kv_batch_get by keys needs partition_id (only a KVBatchMeta carries its own)")

@@ -110,7 +110,9 @@ def join_rows(name: str, rows: Sequence[torch.Tensor], jagged: bool) -> torch.Te
     if jagged:
         trailing = {tuple(r.shape[1:]) for r in rows}
         if any(r.dim() == 0 for r in rows) or len(trailing) > 1:
-            raise ValueError(f"field {name!r}: rows cannot form one jagged tensor (shapes {[tuple(r.shape) for r in rows[:5]]})")
+            raise ValueError(
+                f"field {name!r}: rows cannot form one jagged tensor (shapes {[tuple(r.shape) for r in rows[:5]]})"
+            )
         lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])

@@ -41,6 +41,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
+
 from nemo_dataplane.errors import NemoDataplaneError
 
 T = TypeVar("T")
@@ -74,6 +75,7 @@ def require_positive(section: Any, *names: str, allow_zero: bool = False) -> Non
         if not ok:
             raise FieldError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
+
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 # The built-in ``data_plane.backend`` names, the one list of them: the factory maps each to its
 # adapter, and code that must not import Ray or TransferQueue (trainer configs) checks against it.
@@ -99,7 +101,8 @@ class TransferQueueConfig:
             raise ValueError(f"data_plane.transfer_queue.num_storage_units must be >= 1, got {self.num_storage_units}")
         if self.storage_placement not in ("pack", "per_node"):
             raise ValueError(
-                f"data_plane.transfer_queue.storage_placement must be 'pack' or 'per_node', got {self.storage_placement!r}"
+                "data_plane.transfer_queue.storage_placement must be 'pack' or 'per_node', "
+                f"got {self.storage_placement!r}"
             )
         for name in ("storage_unit_num_cpus", "controller_num_cpus"):
             if getattr(self, name) < 0:
@@ -375,5 +378,3 @@ def build_config(cls: type[T], data: Any, path: str) -> T:
     except (ValueError, TypeError) as e:  # the section's own checks (data_plane.* name their key)
         msg = str(e)
         raise ConfigError(msg if path and path in msg else f"{path or 'config'}: {msg}") from e
-
-

@@ -18,13 +18,28 @@ __all__ = ["DTYPES", "check_lengths", "check_shape", "check_span", "dtype_from_n
 
 # Names as ``str(dtype)`` without "torch."; fp8 variants only where this torch build has them.
 _NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
 )
-DTYPES: dict[str, torch.dtype] = {
-    n: dt for n in _NAMES if isinstance(dt := getattr(torch, n, None), torch.dtype)
-}
+DTYPES: dict[str, torch.dtype] = {n: dt for n in _NAMES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -96,5 +111,7 @@ def check_lengths(lengths: Any, total: int, field: str = "field") -> None:
     """
     ls = [int(x) for x in lengths]
     if any(x < 0 for x in ls) or sum(ls) != total:
-        raise ValueError(f"{field}: row lengths must be non-negative and sum to {total} values, got {ls[:8]}"
-                         f"{'...' if len(ls) > 8 else ''} (sum {sum(ls)})")
+        raise ValueError(
+            f"{field}: row lengths must be non-negative and sum to {total} values, got {ls[:8]}"
+            f"{'...' if len(ls) > 8 else ''} (sum {sum(ls)})"
+        )

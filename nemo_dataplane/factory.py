@@ -30,7 +30,10 @@ Bootstrap = bool | Literal["auto"]
 
 _ADAPTERS: dict[str, tuple[str, str]] = {
     # name -> (import path, what to install if the import fails)
-    "transfer_queue": ("nemo_dataplane.adapters.transfer_queue.client:TransferQueueClient", "transferqueue==0.1.11 ray"),
+    "transfer_queue": (
+        "nemo_dataplane.adapters.transfer_queue.client:TransferQueueClient",
+        "transferqueue==0.1.11 ray",
+    ),
     "ray": ("nemo_dataplane.adapters.ray_store.client:RayStoreClient", "ray"),
     "memory": ("nemo_dataplane.adapters.memory:InMemoryClient", "nemo-dataplane"),
 }
@@ -63,8 +66,7 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
         raise ValueError(f"data_plane.backend={name!r}: module {module_name!r} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, DataPlaneClient)):
         raise ValueError(
-            f"data_plane.backend={name!r}: {target} is not a nemo_dataplane.DataPlaneClient subclass "
-            f"(got {cls!r})"
+            f"data_plane.backend={name!r}: {target} is not a nemo_dataplane.DataPlaneClient subclass (got {cls!r})"
         )
     return cls
 

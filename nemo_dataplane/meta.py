@@ -12,6 +12,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
 from nemo_dataplane.errors import NemoDataplaneError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -100,7 +101,8 @@ class KVBatchMeta:
                     raise ValueError(f"KVBatchMeta.keys[{i}] must be a str, got {type(key).__name__}: {key!r}")
         if len(tags) != len(keys):
             raise ValueError(
-                f"KVBatchMeta: keys and tags must have same length (one tag dict per key): got {len(tags)} tags for {len(keys)} keys"
+                "KVBatchMeta: keys and tags must have same length (one tag dict per key): "
+                f"got {len(tags)} tags for {len(keys)} keys"
             )
         for i, tag in enumerate(tags):
             if not isinstance(tag, Mapping):
@@ -261,9 +263,7 @@ class KVBatchMeta:
         for m in metas:
             for name, value in (m.extra_info or {}).items():
                 if name in extra and not _values_equal(extra[name], value):
-                    raise ValueError(
-                        f"KVBatchMeta.concat: extra_info key {name!r} has conflicting values across metas"
-                    )
+                    raise ValueError(f"KVBatchMeta.concat: extra_info key {name!r} has conflicting values across metas")
                 extra.setdefault(name, value)
         return metas[0]._replace(
             keys=[k for m in metas for k in m.keys],

@@ -15,8 +15,16 @@ from collections.abc import Iterable
 from algorithms.config import TrainerConfig
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
 
-__all__ = ["DATA_PLANE_MODULES", "BatchIO", "Loaded", "RolloutSink", "RolloutSource", "Transport",
-           "data_plane_modules_loaded", "make_transport"]
+__all__ = [
+    "DATA_PLANE_MODULES",
+    "BatchIO",
+    "Loaded",
+    "RolloutSink",
+    "RolloutSource",
+    "Transport",
+    "data_plane_modules_loaded",
+    "make_transport",
+]
 
 # Modules the baseline must never load (checked by tests/unit/test_architecture.py and reported
 # in summary.json).

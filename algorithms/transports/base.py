@@ -41,13 +41,21 @@ class RolloutSink(ABC):
         """Attach to whatever carries the rows (in the collector's process)."""
 
     @abstractmethod
-    def deliver(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int) -> tuple[Any, int]:
+    def deliver(
+        self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int
+    ) -> tuple[Any, int]:
         """Sync: hand ``jobs``' rows over now; returns ``(handle, bytes stored)``, the handle being
         what the driver's :class:`Transport` moves. A failed delivery leaves none of its rows."""
 
     @abstractmethod
-    def stream(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int,
-               stopped: Callable[[], bool]) -> float:
+    def stream(
+        self,
+        jobs: Sequence[Job],
+        batch: TensorDict,
+        tags: list[dict[str, Any]],
+        version: int,
+        stopped: Callable[[], bool],
+    ) -> float:
         """Async: make ``jobs``' rows available to :class:`RolloutSource`, waiting for room if the
         store is full (until ``stopped()`` or the sink's bound); returns the seconds waited. A
         failed delivery leaves none of its rows."""

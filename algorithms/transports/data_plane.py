@@ -35,7 +35,6 @@ from algorithms.rollouts import (
     rollout_keys,
 )
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
-from nemo_dataplane.wrappers.capacity import StoreFullError
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import DataPlaneConfig
 from nemo_dataplane.driver.columns import write_columns
@@ -45,6 +44,7 @@ from nemo_dataplane.factory import build_data_plane_client
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import select_rows
 from nemo_dataplane.worker.fetch import WorkerFetcher
+from nemo_dataplane.wrappers.capacity import StoreFullError
 
 __all__ = ["DataPlaneBatchIO", "DataPlaneSink", "DataPlaneSource", "DataPlaneTransport"]
 
@@ -99,13 +99,18 @@ class DataPlaneTransport(Transport):
     def write_advantages(self, handle: Any, advantages: torch.Tensor) -> Any:
         self.driver_bytes += payload_bytes(advantages)
         self.column_bytes = payload_bytes(advantages)
-        return write_columns(self.store, handle, {"advantages": advantages},
-                             max_bytes_per_sample=self.cfg.data_plane.column_max_bytes_per_sample)
+        return write_columns(
+            self.store,
+            handle,
+            {"advantages": advantages},
+            max_bytes_per_sample=self.cfg.data_plane.column_max_bytes_per_sample,
+        )
 
     def rank_inputs(self, handle: Any, preshards: Preshards, step: int) -> list[Any]:
         # A meta source is re-sliced without I/O; the keys stay the collector's.
-        return fan_out_per_rank_metas(self.store, preshards, handle, partition_id=handle.partition_id,
-                                      key_prefix=f"step{step}")
+        return fan_out_per_rank_metas(
+            self.store, preshards, handle, partition_id=handle.partition_id, key_prefix=f"step{step}"
+        )
 
     def input_bytes(self, inputs: Sequence[Any]) -> int:
         return payload_bytes(list(inputs))
@@ -173,11 +178,19 @@ class DataPlaneSink(RolloutSink):
                 pass
             raise
 
-    def deliver(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int) -> tuple[Any, int]:
+    def deliver(
+        self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int
+    ) -> tuple[Any, int]:
         return self._put(jobs, batch, tags, version), payload_bytes(batch)
 
-    def stream(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int,
-               stopped: Callable[[], bool]) -> float:
+    def stream(
+        self,
+        jobs: Sequence[Job],
+        batch: TensorDict,
+        tags: list[dict[str, Any]],
+        version: int,
+        stopped: Callable[[], bool],
+    ) -> float:
         deadline = time.monotonic() + self.timeout_s
         pause, waited = 0.005, 0.0
         while True:
@@ -225,7 +238,9 @@ class DataPlaneSource(RolloutSource):
         out = []
         for gid, items in self.assembler.pop_complete():
             tags = [t for _, t in items]
-            rows = KVBatchMeta(keys=[k for k, _ in items], tags=tags, partition_id=ROLLOUTS, fields=list(ROLLOUT_FIELDS))
+            rows = KVBatchMeta(
+                keys=[k for k, _ in items], tags=tags, partition_id=ROLLOUTS, fields=list(ROLLOUT_FIELDS)
+            )
             out.append(group_from_tags(gid, rows, tags))
         return out
 
@@ -250,8 +265,9 @@ class DataPlaneBatchIO(BatchIO):
 
     def open(self, rank: int, replica_group: Any, timeout_s: float) -> None:
         replica = {"replica_group": replica_group} if replica_group is not None else {"replica_ranks": [rank]}
-        self.fetcher = WorkerFetcher(_attach(self.data_plane), fetch_policy=self.data_plane.fetch_policy,
-                                     timeout_s=timeout_s, **replica)
+        self.fetcher = WorkerFetcher(
+            _attach(self.data_plane), fetch_policy=self.data_plane.fetch_policy, timeout_s=timeout_s, **replica
+        )
 
     def _fetcher(self) -> WorkerFetcher:
         if self.fetcher is None:

@@ -31,8 +31,17 @@ from nemo_dataplane.codec import is_jagged, jagged_from_rows, jagged_rows
 from nemo_dataplane.driver.planner import Preshards
 from nemo_dataplane.rows import select_rows, split_microbatches
 
-__all__ = ["LegacyBatchIO", "LegacyShard", "LegacySink", "LegacySource", "LegacyTransport", "concat_batches", "fetch_shard",
-           "legacy_shard", "ship_shards"]
+__all__ = [
+    "LegacyBatchIO",
+    "LegacyShard",
+    "LegacySink",
+    "LegacySource",
+    "LegacyTransport",
+    "concat_batches",
+    "fetch_shard",
+    "legacy_shard",
+    "ship_shards",
+]
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,9 @@ def legacy_shard(batch: TensorDict, preshards: Preshards) -> list[LegacyShard]:
     for r in range(preshards.dp_world):
         info = preshards.rank_extra_info(r)  # what the rank's fan-out meta carries
         plan = info.pop("packing")
-        shards.append(LegacyShard(rank=r, data=select_rows(batch, preshards.rank_indices[r]), plan=plan, extra_info=info))
+        shards.append(
+            LegacyShard(rank=r, data=select_rows(batch, preshards.rank_indices[r]), plan=plan, extra_info=info)
+        )
     return shards
 
 
@@ -171,17 +182,26 @@ class LegacySink(RolloutSink):
         self._cv = threading.Condition()
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()
 
-    def deliver(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int) -> tuple[Any, int]:
+    def deliver(
+        self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int
+    ) -> tuple[Any, int]:
         return batch, 0
 
-    def stream(self, jobs: Sequence[Job], batch: TensorDict, tags: list[dict[str, Any]], version: int,
-               stopped: Callable[[], bool]) -> float:
+    def stream(
+        self,
+        jobs: Sequence[Job],
+        batch: TensorDict,
+        tags: list[dict[str, Any]],
+        version: int,
+        stopped: Callable[[], bool],
+    ) -> float:
         n = len(tags) // max(len(jobs), 1)
         with self._cv:
             for g, j in enumerate(jobs):
                 rows = range(g * n, (g + 1) * n)
-                self._outbox.append({"group_id": j.group_id, "rows": select_rows(batch, rows),
-                                     "tags": tags[rows.start:rows.stop]})
+                self._outbox.append(
+                    {"group_id": j.group_id, "rows": select_rows(batch, rows), "tags": tags[rows.start : rows.stop]}
+                )
             self._cv.notify_all()
         return 0.0
 

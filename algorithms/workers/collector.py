@@ -28,7 +28,6 @@ from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.faults import InjectedFailure, maybe_fail
-from algorithms.metrics import payload_bytes
 from algorithms.rollouts import Job, generation_seed, rollout_tags
 from algorithms.tasks import CharTokenizer, resolve_reward_fn
 from algorithms.transports import RolloutSink
@@ -74,25 +73,32 @@ class RolloutCollector:
         return self.sink
 
     # ------------------------------------------------------------------ generation
-    def _sample(self, prompts: Sequence[Sequence[int]], n: int, seed: int,
-                temperature: float | None) -> tuple[list[list[int]], list[list[float]], int]:
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], n: int, seed: int, temperature: float | None
+    ) -> tuple[list[list[int]], list[list[float]], int]:
         ref = self.generator.generate.remote(list(prompts), n, seed, temperature=temperature)
         try:
             return ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"collector {self.index}: the generator died or was lost mid-generation: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"collector {self.index}: the generator died or was lost mid-generation: {type(e).__name__}: {e}"
+            ) from e
 
-    def _score(self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int,
-               groups: Sequence[int] | None = None) -> list[float]:
+    def _score(
+        self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int, groups: Sequence[int] | None = None
+    ) -> list[float]:
         out = []
         task = self.cfg.task
         for i, resp in enumerate(responses):
             record = records[i // n]
             try:
                 # fail_in=reward: the reward call of group fail_at_group raises, as a user's function would
-                maybe_fail(self.cfg.debug, "reward", group=groups[i // n] if groups else None,
-                           what=f"in the reward function of group {groups[i // n] if groups else '?'}")
+                maybe_fail(
+                    self.cfg.debug,
+                    "reward",
+                    group=groups[i // n] if groups else None,
+                    what=f"in the reward function of group {groups[i // n] if groups else '?'}",
+                )
                 value = self.reward_fn(record, self.tokenizer.decode(resp))
             except Exception as e:
                 raise RuntimeError(
@@ -113,8 +119,9 @@ class RolloutCollector:
         n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
         responses, logprobs, version = self._sample(prompts, n, seed, None)
-        rewards = torch.tensor(self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]),
-                               dtype=torch.float32)
+        rewards = torch.tensor(
+            self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
+        )
         rows, gen_lp, prompt_len = [], [], []
         for i, (resp, lps) in enumerate(zip(responses, logprobs)):
             p = prompts[i // n]
@@ -151,8 +158,13 @@ class RolloutCollector:
         batch, tags, version, mean_len = self._generate(jobs, seed)
         handle, stored = self._sink().deliver(jobs, batch, tags, version)
         out: dict[str, Any] = {
-            "handle": handle, "rewards": batch["rewards"].clone(), "response_len": mean_len, "weight_version": version,
-            "group_ids": [j.group_id for j in jobs], "generate_s": time.perf_counter() - t0, "dp_bytes": stored,
+            "handle": handle,
+            "rewards": batch["rewards"].clone(),
+            "response_len": mean_len,
+            "weight_version": version,
+            "group_ids": [j.group_id for j in jobs],
+            "generate_s": time.perf_counter() - t0,
+            "dp_bytes": stored,
         }
         # After the delivery, so the test sees the driver release keys a failed step left behind.
         step = jobs[0].group_id // len(jobs)
@@ -204,8 +216,12 @@ class RolloutCollector:
                 t0 = time.perf_counter()
                 batch, tags, version, _ = self._generate(jobs, generation_seed(seed, jobs[0].group_id))
                 # fail_in=generate: mid-generation, before anything of these groups is written
-                maybe_fail(self.cfg.debug, "generate", group=jobs[0].group_id,
-                           what=f"generating group {jobs[0].group_id} in collector {self.index}")
+                maybe_fail(
+                    self.cfg.debug,
+                    "generate",
+                    group=jobs[0].group_id,
+                    what=f"generating group {jobs[0].group_id} in collector {self.index}",
+                )
                 self._stats["generate_s"] += time.perf_counter() - t0
                 self._stats["idle_s"] += sink.stream(jobs, batch, tags, version, self._stopped)
                 self._stats["groups_written"] += len(jobs)
@@ -228,8 +244,13 @@ class RolloutCollector:
         """Failed group ids since the last poll, the producer's error (if it stopped), counters."""
         with self._cv:
             failed, self._failed = self._failed, []
-            return {"failed": failed, "error": self._error, "queued": len(self._queue), **self._stats,
-                    **(self.sink.stats() if self.sink is not None else {})}
+            return {
+                "failed": failed,
+                "error": self._error,
+                "queued": len(self._queue),
+                **self._stats,
+                **(self.sink.stats() if self.sink is not None else {}),
+            }
 
     def stop(self, timeout_s: float = 10.0) -> list[int]:
         """Stop the producer (bounded); returns the group ids still queued (never generated)."""

@@ -39,8 +39,18 @@ class GeneratorWorker:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
         group ranks ``0..refit_senders-1``)."""
         c = self.cfg
-        self.engine.init_refit(host, port, world_size, rank, RefitSpec(backend=c.refit.backend, timeout_s=c.refit.timeout_s,
-                                                                       transfer=c.weight_transfer, senders=c.refit_senders))
+        self.engine.init_refit(
+            host,
+            port,
+            world_size,
+            rank,
+            RefitSpec(
+                backend=c.refit.backend,
+                timeout_s=c.refit.timeout_s,
+                transfer=c.weight_transfer,
+                senders=c.refit_senders,
+            ),
+        )
 
     def receive_weights(self, version: int | None = None) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the
@@ -65,8 +75,12 @@ class GeneratorWorker:
         )
         out = self.engine.generate(prompt_ids, n, spec)
         # fail_in=generator: inside the call, its tokens drawn and not returned
-        maybe_fail(self.cfg.debug, "generator", step=out.version,
-                   what=f"in the generator generating with weight version {out.version}")
+        maybe_fail(
+            self.cfg.debug,
+            "generator",
+            step=out.version,
+            what=f"in the generator generating with weight version {out.version}",
+        )
         return out.tokens, out.logprobs, out.version
 
     def shutdown(self) -> None:

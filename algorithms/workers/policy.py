@@ -71,8 +71,9 @@ class PolicyWorker:
         self.device = worker_device(cfg.policy.device)
         self.timeout_s = cfg.trainer.step_timeout_s
         self.tokenizer = CharTokenizer()
-        self.engine: TrainingEngine = build_training_engine(cfg, self.device, vocab_size=self.tokenizer.vocab_size,
-                                                            pad_id=self.tokenizer.pad_id)
+        self.engine: TrainingEngine = build_training_engine(
+            cfg, self.device, vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id
+        )
         self.tp = cfg.policy.tensor_parallel_size
         self.dp_rank, self.tp_rank = replica_of(rank, self.tp)
         self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
@@ -106,11 +107,17 @@ class PolicyWorker:
         trainer through Ray), so a process outside the job cannot forge them."""
         timeout = timedelta(seconds=self.timeout_s)
         store = self._stores.get("train") or dist.TCPStore(address, port, self.world_size, False, timeout=timeout)
-        store = authenticated(store, job_secret(), where=f"policy train group at {address}:{port}",
-                              loopback=is_loopback(address))
+        store = authenticated(
+            store, job_secret(), where=f"policy train group at {address}:{port}", loopback=is_loopback(address)
+        )
         self._stores["train"] = store  # the group keeps using it
-        dist.init_process_group(backend=self.cfg.policy.dist_backend, store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend=self.cfg.policy.dist_backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
         self.engine.connect(self.rank)
 
     def attach(self, io: BatchIO) -> None:
@@ -126,14 +133,25 @@ class PolicyWorker:
         (``refit_senders`` of them), the generator being the last rank."""
         r = self.cfg.refit
         self._refit_group = StatelessProcessGroup(
-            host, port, self.tp_rank, world_size, backend=r.backend, timeout=r.timeout_s, group_name="refit",
+            host,
+            port,
+            self.tp_rank,
+            world_size,
+            backend=r.backend,
+            timeout=r.timeout_s,
+            group_name="refit",
             store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )
         # Where the weights live, not the group's device: an ipc refit's control group is gloo.
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-        self._sender = build_weight_sender(self.cfg.weight_transfer, self._refit_group, self.engine.named_for_refit,
-                                           senders=self.cfg.refit_senders, full_shapes=self.engine.refit_shapes(),
-                                           device=dev)
+        self._sender = build_weight_sender(
+            self.cfg.weight_transfer,
+            self._refit_group,
+            self.engine.named_for_refit,
+            senders=self.cfg.refit_senders,
+            full_shapes=self.engine.refit_shapes(),
+            device=dev,
+        )
         self._sender.prepare_refit_info()
 
     def send_weights(self, version: int) -> float:
@@ -171,8 +189,9 @@ class PolicyWorker:
         compute_s = time.perf_counter() - t0 - t_fetch
         t1 = time.perf_counter()
         out, written = io.store(batch, cols)
-        out.update(compute_s=compute_s, dp_bytes=got.nbytes + written,
-                   io_s=t_fetch + time.perf_counter() - t1)  # getting the rows + writing results back
+        out.update(
+            compute_s=compute_s, dp_bytes=got.nbytes + written, io_s=t_fetch + time.perf_counter() - t1
+        )  # getting the rows + writing results back
         return out
 
     def get_logprobs(self, batch: Any, step: int, *, with_reference: bool = False) -> dict[str, Any]:
@@ -231,13 +250,18 @@ class PolicyWorker:
             col = torch.arange(1, width + 1).reshape(1, -1)  # the token each log-prob column scores
             mask = (col >= mb["prompt_len"].reshape(-1, 1)) & (col < lens.reshape(-1, 1))
             mask = mask.float().to(self.device)
-            prepared.append(Prepared(
-                mb=mb, mask=mask,
-                old=pad_float_rows(jagged_rows(mb["prev_logprobs"]), width).to(self.device),
-                ref=pad_float_rows(jagged_rows(mb["ref_logprobs"]), width).to(self.device),
-                adv=mb["advantages"].float().to(self.device),
-                behaviour=pad_float_rows(jagged_rows(mb["gen_logprobs"]), width).to(self.device) if behaviour else None,
-            ))
+            prepared.append(
+                Prepared(
+                    mb=mb,
+                    mask=mask,
+                    old=pad_float_rows(jagged_rows(mb["prev_logprobs"]), width).to(self.device),
+                    ref=pad_float_rows(jagged_rows(mb["ref_logprobs"]), width).to(self.device),
+                    adv=mb["advantages"].float().to(self.device),
+                    behaviour=pad_float_rows(jagged_rows(mb["gen_logprobs"]), width).to(self.device)
+                    if behaviour
+                    else None,
+                )
+            )
             local_tokens += int(mask.sum().item())
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.engine.dp_group)  # a replica's TP ranks hold the same rows

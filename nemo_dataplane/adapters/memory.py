@@ -102,9 +102,7 @@ class InMemoryClient(DataPlaneClient):
             part = self._partitions.get(partition_id, {})
             missing = [k for k in keys if k not in part]
             if missing:
-                raise KeyError(
-                    f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}"
-                )
+                raise KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
             rows = [part[k] for k in keys]
             for name in names:
                 lacking = [k for k, r in zip(keys, rows) if name not in r.values]

@@ -33,6 +33,7 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
+
 from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
@@ -199,8 +200,9 @@ def host_tcp_store(host: str, port: int, world_size: int, timeout: datetime.time
         OSError: ``host`` does not resolve or ``host:port`` cannot be bound (message names it).
     """
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
     except OSError as e:
         raise OSError(f"cannot resolve rendezvous host {host!r}: {e}") from e
     sock = socket.socket(family, kind, proto)
@@ -214,8 +216,16 @@ def host_tcp_store(host: str, port: int, world_size: int, timeout: datetime.time
     bound_port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the listening socket from here on
     try:
-        return dist.TCPStore(host, bound_port, world_size, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd, use_libuv=True)
+        return dist.TCPStore(
+            host,
+            bound_port,
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
     except Exception:
         os.close(fd)
         raise

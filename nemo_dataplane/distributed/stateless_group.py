@@ -162,8 +162,10 @@ class StatelessProcessGroup:
         t0 = time.monotonic()
         self._owns_store = store is None
         self.store: dist.Store = authenticated(
-            store if store is not None else self._connect_store(), job_secret(secret),
-            where=f"StatelessProcessGroup {group_name!r} at {self.store_address}", loopback=is_loopback(host),
+            store if store is not None else self._connect_store(),
+            job_secret(secret),
+            where=f"StatelessProcessGroup {group_name!r} at {self.store_address}",
+            loopback=is_loopback(host),
         )
         self._rendezvous()
         if backend == "nccl":
@@ -180,8 +182,9 @@ class StatelessProcessGroup:
         return f"{self.host}:{self.port}"
 
     def _where(self) -> str:
-        return (f"rank {self.rank} of world size {self.world_size}, group {self.group_name!r}, "
-                f"store {self.store_address}")
+        return (
+            f"rank {self.rank} of world size {self.world_size}, group {self.group_name!r}, store {self.store_address}"
+        )
 
     def _error(self, cls: type[StatelessGroupError], msg: str) -> StatelessGroupError:
         return cls(f"[{self._where()}] {msg}")
@@ -192,8 +195,7 @@ class StatelessProcessGroup:
             try:
                 return host_tcp_store(self.host, self.port, self.world_size, td)
             except Exception as e:
-                raise self._error(StatelessGroupError,
-                                  f"rank 0 could not host the rendezvous store: {e}") from e
+                raise self._error(StatelessGroupError, f"rank 0 could not host the rendezvous store: {e}") from e
         try:
             # TCPStore's own connect retries overshoot its timeout severalfold; probe the port
             # ourselves so "rank 0 never arrived" is reported on time.
@@ -226,15 +228,15 @@ class StatelessProcessGroup:
         # ``add`` rather than ``set``: a second process claiming the same rank is caught here
         # instead of corrupting the communicator later.
         if self.store.add(self._key("arrived", self.rank), 1) != 1:
-            raise self._error(StatelessGroupError,
-                              f"rank {self.rank} joined twice: another process already claimed it")
+            raise self._error(StatelessGroupError, f"rank {self.rank} joined twice: another process already claimed it")
         self.wait_for_ranks(lambda r: self._key("arrived", r), range(self.world_size), "rendezvous")
 
     def _init_gloo(self) -> None:
         prefixed = dist.PrefixStore(self._key("gloo"), self.store)
         try:
-            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size,
-                                             datetime.timedelta(seconds=self.timeout))
+            self._pg = dist.ProcessGroupGloo(
+                prefixed, self.rank, self.world_size, datetime.timedelta(seconds=self.timeout)
+            )
         except Exception as e:
             raise self._error(StatelessGroupError, f"gloo group construction failed: {e}") from e
 
@@ -260,9 +262,10 @@ class StatelessProcessGroup:
             self._comm = call_with_deadline(_build, self.timeout, f"spg-init-{self.group_name}")
         except TimeoutError as e:
             self._broken = True
-            raise self._error(StatelessGroupTimeout,
-                              f"NCCL communicator init did not finish within {self.timeout:g}s "
-                              "although every rank reached the store") from e
+            raise self._error(
+                StatelessGroupTimeout,
+                f"NCCL communicator init did not finish within {self.timeout:g}s although every rank reached the store",
+            ) from e
         except Exception as e:
             raise self._error(StatelessGroupError, f"NCCL communicator init failed: {e}") from e
 
@@ -289,13 +292,20 @@ class StatelessProcessGroup:
         if self._destroyed:
             raise self._error(StatelessGroupError, f"{op} on a destroyed group")
         if self._broken:
-            raise self._error(StatelessGroupError,
-                              f"{op} on a broken group (an earlier operation timed out or failed)")
+            raise self._error(StatelessGroupError, f"{op} on a broken group (an earlier operation timed out or failed)")
 
-    def _poll(self, done: Callable[[], bool], what: str, *, timeout: float | None = None,
-              watch: Callable[[], str | None] | None = None, abort_on_timeout: bool = False,
-              detail: Callable[[], str] | None = None, max_sleep: float = _POLL_MAX_S,
-              spin_s: float = 0.0) -> None:
+    def _poll(
+        self,
+        done: Callable[[], bool],
+        what: str,
+        *,
+        timeout: float | None = None,
+        watch: Callable[[], str | None] | None = None,
+        abort_on_timeout: bool = False,
+        detail: Callable[[], str] | None = None,
+        max_sleep: float = _POLL_MAX_S,
+        spin_s: float = 0.0,
+    ) -> None:
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
         spin_until = start + spin_s
@@ -310,8 +320,9 @@ class StatelessProcessGroup:
                 # The store host (rank 0) is gone, usually because it gave up first.
                 self._broken = True
                 extra = f"; {detail()}" if detail is not None else ""
-                raise self._error(StatelessGroupError,
-                                  f"{what}: lost the rendezvous store hosted by rank 0 ({e}){extra}") from e
+                raise self._error(
+                    StatelessGroupError, f"{what}: lost the rendezvous store hosted by rank 0 ({e}){extra}"
+                ) from e
             now = time.monotonic()
             if watch is not None and now >= next_watch:
                 msg = watch()
@@ -331,9 +342,15 @@ class StatelessProcessGroup:
             time.sleep(sleep)
             sleep = min(sleep * 2, max_sleep)
 
-    def wait_for_ranks(self, key_of: Callable[[int], str], ranks: Iterable[int], what: str,
-                       *, timeout: float | None = None,
-                       watch: Callable[[], str | None] | None = None) -> None:
+    def wait_for_ranks(
+        self,
+        key_of: Callable[[int], str],
+        ranks: Iterable[int],
+        what: str,
+        *,
+        timeout: float | None = None,
+        watch: Callable[[], str | None] | None = None,
+    ) -> None:
         """Wait until ``key_of(r)`` exists in the store for every rank ``r`` in ``ranks``.
 
         On timeout raises ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
@@ -348,8 +365,7 @@ class StatelessProcessGroup:
                 pending = [r for r in pending if not self.store.check([key_of(r)])]
             return not pending
 
-        self._poll(done, what, timeout=timeout, watch=watch,
-                   detail=lambda: f"missing ranks {pending} never arrived")
+        self._poll(done, what, timeout=timeout, watch=watch, detail=lambda: f"missing ranks {pending} never arrived")
 
     def _abort(self) -> None:
         self._broken = True
@@ -357,8 +373,7 @@ class StatelessProcessGroup:
             comm, self._comm = self._comm, None
             # ncclCommAbort can itself block while a kernel waits on a dead peer; never let it
             # turn a bounded wait into a hang: give it a few seconds on a daemon thread.
-            t = threading.Thread(target=_try, args=(comm.abort,),
-                                 name=f"spg-abort-{self.group_name}", daemon=True)
+            t = threading.Thread(target=_try, args=(comm.abort,), name=f"spg-abort-{self.group_name}", daemon=True)
             t.start()
             t.join(timeout=min(10.0, self.timeout))
         if self._pg is not None and hasattr(self._pg, "abort"):
@@ -369,8 +384,13 @@ class StatelessProcessGroup:
         s = torch.cuda.current_stream(self.device) if stream is None else stream
         return int(s.cuda_stream)
 
-    def synchronize(self, stream: torch.cuda.Stream | None = None, *,
-                    watch: Callable[[], str | None] | None = None, what: str = "synchronize") -> None:
+    def synchronize(
+        self,
+        stream: torch.cuda.Stream | None = None,
+        *,
+        watch: Callable[[], str | None] | None = None,
+        what: str = "synchronize",
+    ) -> None:
         """Block the host until work enqueued so far on ``stream`` finished (nccl); no-op for gloo.
 
         Bounded by the group's timeout: on expiry the NCCL communicator is aborted (which frees
@@ -382,13 +402,20 @@ class StatelessProcessGroup:
         s = torch.cuda.current_stream(self.device) if stream is None else stream
         ev = torch.cuda.Event()
         ev.record(s)
-        self._poll(ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S,
-                   spin_s=_EVENT_SPIN_S)
+        self._poll(
+            ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S, spin_s=_EVENT_SPIN_S
+        )
 
     # ------------------------------------------------------------------ operations
 
-    def _issue(self, what: str, async_op: bool, stream: torch.cuda.Stream | None,
-               gloo_work: Any = None, wait_only: bool = False) -> Work | None:
+    def _issue(
+        self,
+        what: str,
+        async_op: bool,
+        stream: torch.cuda.Stream | None,
+        gloo_work: Any = None,
+        wait_only: bool = False,
+    ) -> Work | None:
         if self.backend == "gloo":
             w = Work(self, what, gloo_work=gloo_work, wait_only=wait_only)
             if async_op:
@@ -403,8 +430,9 @@ class StatelessProcessGroup:
         ev.record(torch.cuda.current_stream(self.device) if stream is None else stream)
         return Work(self, what, event=ev)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None,
-                  async_op: bool = False) -> Work | None:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None:
         """Broadcast ``tensor`` from rank ``src`` into ``tensor`` on every rank (in place)."""
         self._check_usable("broadcast")
         self._check_peer(src, "src")
@@ -415,8 +443,9 @@ class StatelessProcessGroup:
             return self._issue(what, async_op, stream)
         return self._issue(what, async_op, None, self._pg.broadcast(wire, src))
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None,
-                   async_op: bool = False) -> Work | None:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None:
         """Reduce ``tensor`` across ranks in place; ``op`` in sum/prod/max/min (nccl also avg)."""
         self._check_usable("all_reduce")
         if tensor.dtype not in _NATIVE_DTYPES[self.backend] or tensor.dtype == torch.bool:
@@ -430,16 +459,21 @@ class StatelessProcessGroup:
                 raise ValueError(f"unknown reduce op {op!r}; one of {sorted(ops)}")
             self._comm.allreduce(wire, wire, ops[op], stream=self._stream_handle(stream))
             return self._issue(what, async_op, stream)
-        ops_g = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
-                 "min": dist.ReduceOp.MIN}
+        ops_g = {
+            "sum": dist.ReduceOp.SUM,
+            "prod": dist.ReduceOp.PRODUCT,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }
         if op not in ops_g:
             raise ValueError(f"unknown reduce op {op!r} for gloo; one of {sorted(ops_g)}")
         opts = dist.AllreduceOptions()
         opts.reduceOp = ops_g[op]
         return self._issue(what, async_op, None, self._pg.allreduce([wire], opts))
 
-    def send(self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None,
-             async_op: bool = False) -> Work | None:
+    def send(
+        self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None:
         """Send ``tensor`` to rank ``dst`` (matched by a ``recv`` there)."""
         self._check_usable("send")
         self._check_peer(dst, "dst", not_self=True)
@@ -450,8 +484,9 @@ class StatelessProcessGroup:
             return self._issue(what, async_op, stream)
         return self._issue(what, async_op, None, self._pg.send([wire], dst, 0), wait_only=True)
 
-    def recv(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None,
-             async_op: bool = False) -> Work | None:
+    def recv(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None:
         """Receive into ``tensor`` from rank ``src``."""
         self._check_usable("recv")
         self._check_peer(src, "src", not_self=True)
@@ -487,8 +522,9 @@ class StatelessProcessGroup:
         n = self._barrier_count
         self._barrier_count += 1
         self.store.set(self._key("barrier", n, self.rank), b"1")
-        self.wait_for_ranks(lambda r: self._key("barrier", n, r), range(self.world_size),
-                            f"barrier #{n}", timeout=timeout)
+        self.wait_for_ranks(
+            lambda r: self._key("barrier", n, r), range(self.world_size), f"barrier #{n}", timeout=timeout
+        )
         # Every rank in barrier n has left barrier n-1, so barrier n-2's keys are unobserved.
         if n >= 2:
             with contextlib.suppress(Exception):
@@ -532,5 +568,4 @@ class StatelessProcessGroup:
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else "broken" if self._broken else "ok"
-        return (f"StatelessProcessGroup({self.backend}, {self._where()}, device={self.device}, {state})")
-
+        return f"StatelessProcessGroup({self.backend}, {self._where()}, device={self.device}, {state})"

@@ -30,12 +30,30 @@ FP8_DTYPES: frozenset[torch.dtype] = frozenset(d for n, d in DTYPES.items() if n
 # What each backend carries natively; anything else (fp8, int16, complex, ...) goes as bytes.
 _NATIVE_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "nccl": frozenset(
-        {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-         torch.int32, torch.int64, torch.bool}
+        {
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.int8,
+            torch.uint8,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+        }
     ),
     "gloo": frozenset(
-        {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-         torch.int32, torch.int64, torch.bool}
+        {
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.int8,
+            torch.uint8,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+        }
     ),
 }
 
@@ -118,8 +136,15 @@ def wire_view(tensor: torch.Tensor, backend: str) -> torch.Tensor:
 class Work:
     """Handle of an issued operation. ``wait()`` blocks the host at most the group's timeout."""
 
-    def __init__(self, group: StatelessProcessGroup, what: str, *, gloo_work: Any = None,
-                 event: torch.cuda.Event | None = None, wait_only: bool = False) -> None:
+    def __init__(
+        self,
+        group: StatelessProcessGroup,
+        what: str,
+        *,
+        gloo_work: Any = None,
+        event: torch.cuda.Event | None = None,
+        wait_only: bool = False,
+    ) -> None:
         self._group = group
         self._what = what
         self._gloo_work = gloo_work
@@ -173,8 +198,14 @@ class Work:
                 raise self._gloo_failure(e, timeout) from e
             self._done = True
             return
-        g._poll(self.is_completed, self._what, timeout=timeout, watch=watch, abort_on_timeout=True,
-                max_sleep=_EVENT_POLL_MAX_S if self._event is not None else 0.001)
+        g._poll(
+            self.is_completed,
+            self._what,
+            timeout=timeout,
+            watch=watch,
+            abort_on_timeout=True,
+            max_sleep=_EVENT_POLL_MAX_S if self._event is not None else 0.001,
+        )
         if self._waiter is not None:
             self._waiter.join()
             if self._waiter_exc is not None:
@@ -194,6 +225,8 @@ class Work:
         g._mark_broken()
         said = str(e).lower()
         if "timed out" in said or "timeout" in said:
-            return g._error(StatelessGroupTimeout, f"{self._what} did not finish within {timeout:g}s; the peer may "
-                                                   f"have died or skipped it ({e})")
+            return g._error(
+                StatelessGroupTimeout,
+                f"{self._what} did not finish within {timeout:g}s; the peer may have died or skipped it ({e})",
+            )
         return g._error(StatelessGroupError, f"{self._what} failed: {e}")

@@ -17,8 +17,8 @@ from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, add_error_note, check_partition
 from nemo_dataplane.driver.planner import Preshards
-from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.rows import select_rows
 
 __all__ = ["async_fan_out_per_rank_metas", "fan_out_per_rank_metas", "rank_extra_info", "run_sync"]
 
@@ -46,7 +46,8 @@ async def async_fan_out_per_rank_metas(
       may be ``None``; ``key_prefix`` is unused). ``partition_id`` must match the source's.
     * ``TensorDict`` source: every tensor field (non-tensor entries are not stored) is written
       under keys ``f"{key_prefix}/{i}"`` (``i`` = row in the caller's order) with tags
-      ``{"seq_len": ...}``, all ranks' puts in one ``asyncio.gather``. Puts upsert, so ``key_prefix`` must be unique per fan-out (e.g.
+      ``{"seq_len": ...}``, all ranks' puts in one ``asyncio.gather``. Puts upsert, so ``key_prefix``
+      must be unique per fan-out (e.g.
       ``f"step{n}/train"``) for concurrent fan-outs not to collide. If any put fails or the
       ``timeout_s`` passes, every key this call wrote is cleared before the error propagates
       (a put still stuck in the store after the timeout cannot be cancelled and may land later;
@@ -92,8 +93,9 @@ async def async_fan_out_per_rank_metas(
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"fan-out: key_prefix must be a non-empty str, got {key_prefix!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"fan-out: timeout_s must be a positive number of seconds (every wait is bounded), "
-                         f"got {timeout_s!r}")
+        raise ValueError(
+            f"fan-out: timeout_s must be a positive number of seconds (every wait is bounded), got {timeout_s!r}"
+        )
     tensor_fields: dict[str, torch.Tensor] = {}
     for name, value in source.items():
         if isinstance(value, TensorDict):

@@ -89,7 +89,9 @@ class Preshards:
             )
         counts = {len(mbs) for mbs in self.microbatches}
         if len(counts) != 1:
-            raise ValueError(f"Preshards: micro-batch counts differ across ranks: {[len(m) for m in self.microbatches]}")
+            raise ValueError(
+                f"Preshards: micro-batch counts differ across ranks: {[len(m) for m in self.microbatches]}"
+            )
         flat = [i for r in self.rank_indices for i in r]
         if sorted(flat) != list(range(len(flat))):
             raise ValueError("Preshards: rank_indices must cover every sample exactly once")
@@ -340,9 +342,7 @@ def _bin_cost(bin_: list[int], lens: list[int], padded: bool) -> int:
     return sum(lens[i] for i in bin_)
 
 
-def _round_up_bins(
-    bins: list[list[int]], lens: list[int], dp_world: int, why: str, *, padded: bool
-) -> list[list[int]]:
+def _round_up_bins(bins: list[list[int]], lens: list[int], dp_world: int, why: str, *, padded: bool) -> list[list[int]]:
     """Split the costliest multi-sample bins until the count is a multiple of ``dp_world``.
 
     A split halves a bin (by alternating its length-sorted samples, so both halves keep a

@@ -89,6 +89,12 @@ def _lengths_from_field(batch: TensorDict, name: str) -> list[int]:
 def _as_length(value: Any, where: str) -> int:
     if isinstance(value, torch.Tensor):
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or int(value) != value or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or value != value
+        or int(value) != value
+        or value < 0
+    ):
         raise ValueError(f"{where} must be a non-negative int, got {value!r}")
     return int(value)

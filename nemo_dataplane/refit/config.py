@@ -59,8 +59,9 @@ def _int_or_none(value: Any, name: str, minimum: int) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{_SECTION}.{name} must be an integer >= {minimum} (or null: the family's default), "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{_SECTION}.{name} must be an integer >= {minimum} (or null: the family's default), got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,10 @@ class WeightTransferConfig:
             raise ConfigError(f"{_SECTION}.transport must be a non-empty string, got {self.transport!r}")
         choices = BUILTIN_TRANSPORTS.get(self.family)
         if choices is not None and self.transport not in choices:
-            raise ConfigError(f"{_SECTION}.transport must be one of {list(choices)} for family "
-                              f"{self.family!r}, got {self.transport!r}")
+            raise ConfigError(
+                f"{_SECTION}.transport must be one of {list(choices)} for family "
+                f"{self.family!r}, got {self.transport!r}"
+            )
         _int_or_none(self.bucket_bytes, "bucket_bytes", MIN_BUCKET_BYTES)
         _int_or_none(self.direct_bytes, "direct_bytes", 0)
         if self.ipc_done not in IPC_DONE_SIGNALS:
@@ -115,8 +118,9 @@ class WeightTransferConfig:
             raise ConfigError(f"{_SECTION}.ipc_map_peers must be true or false, got {self.ipc_map_peers!r}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | WeightTransferConfig | None, path: str = _SECTION
-                  ) -> WeightTransferConfig:
+    def from_dict(
+        cls, data: Mapping[str, Any] | WeightTransferConfig | None, path: str = _SECTION
+    ) -> WeightTransferConfig:
         """Validate a plain mapping (e.g. a YAML section) into a config.
 
         Raises:

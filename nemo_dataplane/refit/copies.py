@@ -52,5 +52,4 @@ def slot_views(like: Sequence[torch.Tensor], device: torch.device) -> list[torch
         offsets.append(off)
         end = off + t.numel() * t.element_size()
     buf = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
-    return [buf[off: off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for off, t in zip(offsets, like)]
+    return [buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for off, t in zip(offsets, like)]

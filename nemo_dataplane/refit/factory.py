@@ -55,15 +55,30 @@ Device = torch.device | str | int | None
 class SenderFactory(Protocol):
     """How a family builds its sender; called by ``build_weight_sender`` with its arguments."""
 
-    def __call__(self, config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                 senders: int, full_shapes: FullShapes | None, device: Device) -> WeightSender: ...
+    def __call__(
+        self,
+        config: WeightTransferConfig,
+        group: StatelessProcessGroup,
+        named_tensors: NamedTensors,
+        *,
+        senders: int,
+        full_shapes: FullShapes | None,
+        device: Device,
+    ) -> WeightSender: ...
 
 
 class ReceiverFactory(Protocol):
     """How a family builds its receiver; called by ``build_weight_receiver`` with its arguments."""
 
-    def __call__(self, config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                 senders: int, device: Device) -> WeightReceiver: ...
+    def __call__(
+        self,
+        config: WeightTransferConfig,
+        group: StatelessProcessGroup,
+        named_tensors: NamedTensors,
+        *,
+        senders: int,
+        device: Device,
+    ) -> WeightReceiver: ...
 
 
 @dataclass(frozen=True)
@@ -80,8 +95,14 @@ _families: dict[str, WeightTransferFamily] = {}
 _lock = threading.Lock()
 
 
-def register_weight_transfer(name: str, sender: SenderFactory, receiver: ReceiverFactory, *,
-                             transports: Sequence[str] | None = None, replace: bool = False) -> WeightTransferFamily:
+def register_weight_transfer(
+    name: str,
+    sender: SenderFactory,
+    receiver: ReceiverFactory,
+    *,
+    transports: Sequence[str] | None = None,
+    replace: bool = False,
+) -> WeightTransferFamily:
     """Make ``WeightTransferConfig(family=name)`` build with ``sender`` / ``receiver``.
 
     ``transports``: the values ``config.transport`` may take for this family (None: any, the
@@ -112,8 +133,10 @@ def weight_transfer_family(name: str) -> WeightTransferFamily:
     with _lock:
         family = _families.get(name)
     if family is None:
-        raise ConfigError(f"refit.family={name!r} is not a registered weight-transfer family; "
-                          f"registered: {list(weight_transfer_families())}")
+        raise ConfigError(
+            f"refit.family={name!r} is not a registered weight-transfer family; "
+            f"registered: {list(weight_transfer_families())}"
+        )
     return family
 
 
@@ -121,24 +144,35 @@ def _resolve(config: WeightTransferConfig | Mapping[str, Any]) -> tuple[WeightTr
     cfg = WeightTransferConfig.from_dict(config)
     family = weight_transfer_family(cfg.family)
     if family.transports is not None and cfg.transport not in family.transports:
-        raise ConfigError(f"refit.transport must be one of {list(family.transports)} for family "
-                          f"{cfg.family!r}, got {cfg.transport!r}")
+        raise ConfigError(
+            f"refit.transport must be one of {list(family.transports)} for family {cfg.family!r}, got {cfg.transport!r}"
+        )
     return cfg, family
 
 
 def _check_ranks(group: StatelessProcessGroup, senders: int, sending: bool) -> None:
     if isinstance(senders, bool) or not isinstance(senders, int) or not 1 <= senders < group.world_size:
-        raise ValueError(f"senders must be an int in [1, {group.world_size - 1}] (group ranks 0..senders-1 send, "
-                         f"the others receive), got {senders!r}")
+        raise ValueError(
+            f"senders must be an int in [1, {group.world_size - 1}] (group ranks 0..senders-1 send, "
+            f"the others receive), got {senders!r}"
+        )
     if sending != (group.rank < senders):
         role = "a sender" if sending else "a receiver"
-        raise ValueError(f"group rank {group.rank} cannot be {role} with senders={senders}: ranks 0..{senders - 1} "
-                         "send, the others receive")
+        raise ValueError(
+            f"group rank {group.rank} cannot be {role} with senders={senders}: ranks 0..{senders - 1} "
+            "send, the others receive"
+        )
 
 
-def build_weight_sender(config: WeightTransferConfig | Mapping[str, Any], group: StatelessProcessGroup,
-                        named_tensors: NamedTensors, *, senders: int = 1, full_shapes: FullShapes | None = None,
-                        device: Device = None) -> WeightSender:
+def build_weight_sender(
+    config: WeightTransferConfig | Mapping[str, Any],
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    full_shapes: FullShapes | None = None,
+    device: Device = None,
+) -> WeightSender:
     """The sender of ``config.family`` on this rank of ``group`` (one of ranks ``0..senders-1``).
 
     Args:
@@ -164,8 +198,14 @@ def build_weight_sender(config: WeightTransferConfig | Mapping[str, Any], group:
     return sender
 
 
-def build_weight_receiver(config: WeightTransferConfig | Mapping[str, Any], group: StatelessProcessGroup,
-                          named_tensors: NamedTensors, *, senders: int = 1, device: Device = None) -> WeightReceiver:
+def build_weight_receiver(
+    config: WeightTransferConfig | Mapping[str, Any],
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    device: Device = None,
+) -> WeightReceiver:
     """The receiver of ``config.family`` on this rank of ``group`` (a rank from ``senders`` on),
     writing into ``named_tensors`` (whole tensors) in place. Arguments and errors as
     ``build_weight_sender``; every rank must pass the same ``config`` and ``senders``."""

@@ -21,7 +21,6 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -55,11 +54,11 @@ STATUS_ABORT = 1
 # Mismatch messages list at most this many lines per rank.
 MAX_LISTED = 20
 
-NamedTensors = Union[
-    Mapping[str, torch.Tensor],
-    Iterable[tuple[str, torch.Tensor]],
-    Callable[[], Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]],
-]
+NamedTensors = (
+    Mapping[str, torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]]
+)
 
 
 class RefitError(NemoDataplaneError, RuntimeError):

@@ -10,5 +10,8 @@ try:
 except ImportError:  # the suites need pytest; importing this package alone does not
     pass
 else:
-    pytest.register_assert_rewrite("nemo_dataplane.testing.conformance", "nemo_dataplane.testing.claim_conformance",
-                                   "nemo_dataplane.testing.weight_transfer_conformance")
+    pytest.register_assert_rewrite(
+        "nemo_dataplane.testing.conformance",
+        "nemo_dataplane.testing.claim_conformance",
+        "nemo_dataplane.testing.weight_transfer_conformance",
+    )

@@ -235,8 +235,14 @@ class ClaimConformance:
         client, pid = claims
         good: dict[str, Any] = dict(partition_id=pid, task="t", fields=["x"], batch_size=1, timeout_s=0)
         bad_values: list[dict[str, Any]] = [
-            dict(task=""), dict(fields=[]), dict(fields=["x", "x"]), dict(batch_size=0),
-            dict(batch_size=True), dict(batch_size=1.5), dict(timeout_s=-1), dict(partition_id=""),
+            dict(task=""),
+            dict(fields=[]),
+            dict(fields=["x", "x"]),
+            dict(batch_size=0),
+            dict(batch_size=True),
+            dict(batch_size=1.5),
+            dict(timeout_s=-1),
+            dict(partition_id=""),
         ]
         for bad in bad_values:
             with pytest.raises(ValueError):

@@ -101,7 +101,9 @@ def _keys(n: int, prefix: str = "k") -> list[str]:
 
 def _to_wire(td: TensorDict) -> dict[str, Any]:
     """Jagged tensors as (values, offsets) so results cross Ray without nested pickling."""
-    return {k: ("j", v.values().clone(), v.offsets().clone()) if is_jagged(v) else ("d", v.clone()) for k, v in td.items()}
+    return {
+        k: ("j", v.values().clone(), v.offsets().clone()) if is_jagged(v) else ("d", v.clone()) for k, v in td.items()
+    }
 
 
 def _from_wire(data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -196,7 +198,11 @@ class DataPlaneConformance(ClaimConformance):
         assert meta2.tags[0] == {"len": 0, "src": "gen", "score": 0.5}
         assert meta2.tags[1] == {"len": 9, "src": "gen"}
         listed = client.kv_list(pid)
-        assert list(listed.tags) == [{"len": 0, "src": "gen", "score": 0.5}, {"len": 9, "src": "gen"}, {"len": 2, "src": "gen"}]
+        assert list(listed.tags) == [
+            {"len": 0, "src": "gen", "score": 0.5},
+            {"len": 9, "src": "gen"},
+            {"len": 2, "src": "gen"},
+        ]
         assert meta2.fields is not None and "x" in meta2.fields
 
     def test_upsert_of_some_fields_keeps_the_others(self, client: DataPlaneClient, pid: str) -> None:
@@ -362,7 +368,12 @@ class DataPlaneConformance(ClaimConformance):
         async def scenario() -> list[Any]:
             metas = await asyncio.gather(
                 *(
-                    client.async_kv_batch_put(_keys(4, f"p{i}_"), p, {"x": torch.full((4, 2), float(i)), "ids": jagged([1, 2, 3, i])}, tags=[{"i": i}] * 4)
+                    client.async_kv_batch_put(
+                        _keys(4, f"p{i}_"),
+                        p,
+                        {"x": torch.full((4, 2), float(i)), "ids": jagged([1, 2, 3, i])},
+                        tags=[{"i": i}] * 4,
+                    )
                     for i, p in enumerate(parts)
                 )
             )
@@ -397,7 +408,10 @@ class DataPlaneConformance(ClaimConformance):
         reader = _Peer.remote(dict(cfg))
         try:
             fields = {"ids": jagged([3, 1, 4]), "logp": random_field((3, 4), torch.float32, seed=7)}
-            meta = ray.get(writer.put.remote(_keys(3), pid, _to_wire(TensorDict(fields, batch_size=[3])), [{"w": 1}] * 3), timeout=120)
+            meta = ray.get(
+                writer.put.remote(_keys(3), pid, _to_wire(TensorDict(fields, batch_size=[3])), [{"w": 1}] * 3),
+                timeout=120,
+            )
             assert meta.keys == tuple(_keys(3)) and meta.tags[0] == {"w": 1}
             got = _from_wire(ray.get(reader.get.remote(meta.reorder([2, 0, 1]), ["ids", "logp"]), timeout=120))
             assert_same_field("ids", got["ids"], _rows(fields["ids"], [2, 0, 1]))

@@ -69,11 +69,15 @@ class WeightTransferConformance:
     _cache: ClassVar[dict[str, dict[int, Any]]]  # scenario -> rank -> result, per suite class
 
     @classmethod
-    def for_config(cls, config: WeightTransferConfig, *, setup_modules: tuple[str, ...] = (),
-                   receivers: int = 2) -> WeightTransferConformance:
+    def for_config(
+        cls, config: WeightTransferConfig, *, setup_modules: tuple[str, ...] = (), receivers: int = 2
+    ) -> WeightTransferConformance:
         """A suite for ``config`` outside a pytest class (its results cached on its own)."""
-        suite = type(f"{cls.__name__}[{config.family}]", (cls,),
-                     {"config": config, "setup_modules": tuple(setup_modules), "receivers": receivers})
+        suite = type(
+            f"{cls.__name__}[{config.family}]",
+            (cls,),
+            {"config": config, "setup_modules": tuple(setup_modules), "receivers": receivers},
+        )
         return suite()
 
     # -- running scenarios
@@ -85,8 +89,15 @@ class WeightTransferConformance:
             type(self)._cache = cache  # per suite class: a subclass never reads its base's
         if name not in cache:
             world = 1 + self.receivers
-            kw = {"name": name, "world": world, "port": free_port(), "config": self.config,
-                  "setup_modules": tuple(self.setup_modules), "sys_path": list(sys.path), "timeout": self.timeout_s}
+            kw = {
+                "name": name,
+                "world": world,
+                "port": free_port(),
+                "config": self.config,
+                "setup_modules": tuple(self.setup_modules),
+                "sys_path": list(sys.path),
+                "timeout": self.timeout_s,
+            }
             cache[name] = rank_processes(world).run(world, self.limit_s, kw)
         return cache[name]
 
@@ -99,8 +110,9 @@ class WeightTransferConformance:
     @staticmethod
     def _raised(entry: Any, kind: type[BaseException], what: str) -> dict[str, Any]:
         assert isinstance(entry, dict) and "error" in entry, f"{what}: expected {kind.__name__}, nothing was raised"
-        assert kind.__name__ in entry["mro"], (f"{what}: expected {kind.__name__}, got {entry['error']}: "
-                                               f"{entry['msg']}\n{entry['traceback']}")
+        assert kind.__name__ in entry["mro"], (
+            f"{what}: expected {kind.__name__}, got {entry['error']}: {entry['msg']}\n{entry['traceback']}"
+        )
         return entry
 
     def _refit(self, index: int) -> dict[int, dict[str, Any]]:
@@ -111,7 +123,8 @@ class WeightTransferConformance:
             failed = next((x for x in refits if "error" in x), None)
             assert len(refits) > index and "error" not in refits[index], (
                 f"rank {r}: refit {index} did not complete: {failed['error'] if failed else 'no record'}: "
-                f"{failed['msg'] if failed else ''}\n{failed['traceback'] if failed else ''}")
+                f"{failed['msg'] if failed else ''}\n{failed['traceback'] if failed else ''}"
+            )
             if r:
                 out[r] = refits[index]
         return out
@@ -126,32 +139,43 @@ class WeightTransferConformance:
         assert model_tensors(0)[STRIDED_DST].ne(model_tensors(1)[STRIDED_DST]).any()  # the refits differ
         for index, expected in enumerate(VERSIONS):
             for r, got in self._refit(index).items():
-                assert got["returned"] == expected, (f"receiver rank {r}: refit {index} returned version "
-                                                     f"{got['returned']!r}, the sender sent {expected}")
-                assert got["attr"] == expected, (f"receiver rank {r}: .version is {got['attr']!r} after refit "
-                                                 f"{index}, expected {expected}")
-                assert got["wrong"] == [], f"receiver rank {r}: refit {index} left stale or wrong bits in {got['wrong']}"
+                assert got["returned"] == expected, (
+                    f"receiver rank {r}: refit {index} returned version {got['returned']!r}, the sender sent {expected}"
+                )
+                assert got["attr"] == expected, (
+                    f"receiver rank {r}: .version is {got['attr']!r} after refit {index}, expected {expected}"
+                )
+                assert got["wrong"] == [], (
+                    f"receiver rank {r}: refit {index} left stale or wrong bits in {got['wrong']}"
+                )
 
     def check_receiver_tensors_are_written_in_place(self) -> None:
         for index in range(len(VERSIONS)):
             for r, got in self._refit(index).items():
-                assert got["moved"] == [], (f"receiver rank {r}: refit {index} rebound {got['moved']} to new storage "
-                                            "instead of writing into the tensors it was given")
+                assert got["moved"] == [], (
+                    f"receiver rank {r}: refit {index} rebound {got['moved']} to new storage "
+                    "instead of writing into the tensors it was given"
+                )
 
     def check_close_is_idempotent_and_prepare_sets_up_again(self) -> None:
         for r, res in self._ranks_of("roundtrip").items():
-            assert res["close"] is None, f"rank {r}: close() twice raised {res['close']['error']}: {res['close']['msg']}"
+            assert res["close"] is None, (
+                f"rank {r}: close() twice raised {res['close']['error']}: {res['close']['msg']}"
+            )
         for r, got in self._refit(len(VERSIONS)).items():
             assert got["after_close"] and got["returned"] == VERSION_AFTER_CLOSE and got["wrong"] == [], (
-                f"receiver rank {r}: after close() and prepare_refit_info(): {got}")
+                f"receiver rank {r}: after close() and prepare_refit_info(): {got}"
+            )
 
     def _check_mismatch(self, kind: str, names: tuple[str, ...]) -> None:
         res = self._ranks_of(f"mismatch-{kind}")
         for r, out in res.items():
-            err = self._raised(out["prepare"], RefitMismatchError,
-                               f"rank {r}, a {kind} mismatch on receiver rank {len(res) - 1}")
-            assert any(n in err["msg"] for n in names), (f"rank {r}: the {kind} mismatch error does not name "
-                                                         f"{' or '.join(names)}: {err['msg']}")
+            err = self._raised(
+                out["prepare"], RefitMismatchError, f"rank {r}, a {kind} mismatch on receiver rank {len(res) - 1}"
+            )
+            assert any(n in err["msg"] for n in names), (
+                f"rank {r}: the {kind} mismatch error does not name {' or '.join(names)}: {err['msg']}"
+            )
             if r:
                 assert out["untouched"], f"receiver rank {r}: tensors changed although the handshake failed"
 
@@ -175,14 +199,18 @@ class WeightTransferConformance:
                 assert err["changed"] == [], f"receiver rank {r}: an aborted refit changed {err['changed']}"
             nxt = out["next"]
             assert nxt is not None and "error" not in nxt, (
-                f"rank {r}: the refit after an abort failed: {nxt and nxt.get('msg')}\n{nxt and nxt.get('traceback')}")
+                f"rank {r}: the refit after an abort failed: {nxt and nxt.get('msg')}\n{nxt and nxt.get('traceback')}"
+            )
             if r:
                 assert nxt["version"] == 12 and nxt["wrong"] == [], f"receiver rank {r}: after the abort got {nxt}"
 
     def check_a_refit_before_prepare_raises(self) -> None:
         for r, out in self._ranks_of("before-prepare").items():
-            self._raised(out["raised"], RefitError, f"rank {r}, {'send' if r == 0 else 'receive'}_weights() "
-                                                    "before prepare_refit_info()")
+            self._raised(
+                out["raised"],
+                RefitError,
+                f"rank {r}, {'send' if r == 0 else 'receive'}_weights() before prepare_refit_info()",
+            )
 
     # -- the tests (one per check)
 

@@ -26,7 +26,18 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.config import WeightTransferConfig
 from nemo_dataplane.refit.factory import build_weight_receiver, build_weight_sender
 
-__all__ = ["MODEL", "VERSIONS", "VERSION_AFTER_CLOSE", "model_tensors", "MISMATCHED", "STRIDED_DST", "STRIDED_SRC", "free_port", "rank_processes", "shutdown_ranks"]
+__all__ = [
+    "MODEL",
+    "VERSIONS",
+    "VERSION_AFTER_CLOSE",
+    "model_tensors",
+    "MISMATCHED",
+    "STRIDED_DST",
+    "STRIDED_SRC",
+    "free_port",
+    "rank_processes",
+    "shutdown_ranks",
+]
 
 HOST = "127.0.0.1"
 # name -> (shape, dtype) of the model every scenario moves: Hugging Face-style names, several
@@ -76,8 +87,12 @@ def _wrong(tensors: dict[str, torch.Tensor], seed: int) -> list[str]:
 
 def _error(e: BaseException) -> dict[str, Any]:
     """An exception as plain data (a third party's exception type may not pickle)."""
-    return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e),
-            "traceback": "".join(traceback.format_exception(e))}
+    return {
+        "error": type(e).__name__,
+        "mro": [c.__name__ for c in type(e).__mro__],
+        "msg": str(e),
+        "traceback": "".join(traceback.format_exception(e)),
+    }
 
 
 # ---------------------------------------------------------------- scenario bodies (in the rank processes)
@@ -126,10 +141,16 @@ def _roundtrip(rank: int, g: StatelessProcessGroup, cfg: WeightTransferConfig) -
                 out["refits"].append({"sent": version})
                 continue
             got = ep.receive_weights()
-            out["refits"].append({"returned": got, "attr": getattr(ep, "version", "missing"),
-                                  "expected": version, "wrong": _wrong(mine, seed),
-                                  "moved": sorted(n for n, t in mine.items() if t.data_ptr() != ptrs[n]),
-                                  "after_close": reprepare})
+            out["refits"].append(
+                {
+                    "returned": got,
+                    "attr": getattr(ep, "version", "missing"),
+                    "expected": version,
+                    "wrong": _wrong(mine, seed),
+                    "moved": sorted(n for n, t in mine.items() if t.data_ptr() != ptrs[n]),
+                    "after_close": reprepare,
+                }
+            )
     except Exception as e:
         out["refits"].append(_error(e))
     try:
@@ -240,8 +261,17 @@ _BODIES: dict[str, Callable[[int, StatelessProcessGroup, WeightTransferConfig], 
 }
 
 
-def _scenario(rank: int, *, name: str, world: int, port: int, config: WeightTransferConfig,
-              setup_modules: tuple[str, ...], sys_path: list[str], timeout: float) -> dict[str, Any]:
+def _scenario(
+    rank: int,
+    *,
+    name: str,
+    world: int,
+    port: int,
+    config: WeightTransferConfig,
+    setup_modules: tuple[str, ...],
+    sys_path: list[str],
+    timeout: float,
+) -> dict[str, Any]:
     for p in sys_path:  # where the setup modules live (e.g. the caller's test directory)
         if p not in sys.path:
             sys.path.append(p)
@@ -306,8 +336,10 @@ class _Ranks:
             ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self.close()
-                raise AssertionError(f"scenario {kw['name']!r}: ranks {sorted(pending.values())} still running "
-                                     f"after {limit:g}s (a hang, or a bounded wait longer than that)")
+                raise AssertionError(
+                    f"scenario {kw['name']!r}: ranks {sorted(pending.values())} still running "
+                    f"after {limit:g}s (a hang, or a bounded wait longer than that)"
+                )
             for conn in ready:
                 r = pending.pop(conn)
                 try:

@@ -34,8 +34,8 @@ from tensordict import TensorDict
 from nemo_dataplane.client import DataPlaneClient, check_select_fields
 from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
 from nemo_dataplane.config import FetchPolicy
-from nemo_dataplane.rows import split_microbatches
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.rows import split_microbatches
 
 __all__ = ["FetchPolicy", "FetchedBatch", "WorkerFetcher"]
 
@@ -86,9 +86,7 @@ class WorkerFetcher:
         timeout_s: float = 300.0,
     ) -> None:
         if fetch_policy not in get_args(FetchPolicy):
-            raise ValueError(
-                f"fetch_policy must be 'independent', 'leader_broadcast' or 'auto', got {fetch_policy!r}"
-            )
+            raise ValueError(f"fetch_policy must be 'independent', 'leader_broadcast' or 'auto', got {fetch_policy!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.client = client
@@ -232,8 +230,12 @@ class WorkerFetcher:
     # -------------------------------------------------------------- broadcast
     def _bcast(self, t: torch.Tensor) -> None:
         work = dist.broadcast(t, src=self.leader_rank, group=self.replica_group, async_op=True)
-        wait_work(work, self.timeout_s, f"rank {self.rank}: broadcast from replica leader rank {self.leader_rank}",
-                  on_device=t.is_cuda)
+        wait_work(
+            work,
+            self.timeout_s,
+            f"rank {self.rank}: broadcast from replica leader rank {self.leader_rank}",
+            on_device=t.is_cuda,
+        )
 
     def _send_header(self, header: list[int]) -> None:
         self._bcast(torch.tensor([len(header)], dtype=torch.int64, device=self._device))
@@ -350,4 +352,3 @@ def wait_work(work: Any, timeout_s: float, what: str, *, on_device: bool = False
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of ``t``'s bytes (copied only if ``t`` is not contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
-

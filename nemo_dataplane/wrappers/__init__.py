@@ -22,8 +22,15 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nemo_dataplane.wrappers.integrity import IntegrityCheck
     from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 
-__all__ = ["CapacityGuard", "ForwardingClient", "IntegrityCheck", "ObservedClient", "OpEvent", "Outstanding",
-           "StoreFullError"]
+__all__ = [
+    "CapacityGuard",
+    "ForwardingClient",
+    "IntegrityCheck",
+    "ObservedClient",
+    "OpEvent",
+    "Outstanding",
+    "StoreFullError",
+]
 
 _WHERE = {
     "ForwardingClient": "base",

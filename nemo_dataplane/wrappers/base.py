@@ -34,7 +34,10 @@ class ForwardingClient(DataPlaneClient):
 
     # ------------------------------------------------------------------ by key
     def kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         return self.inner.kv_batch_put(keys, partition_id, fields, tags)
@@ -72,7 +75,10 @@ class ForwardingClient(DataPlaneClient):
     # ------------------------------------------------------------ async twins
     # Forwarded to the inner twins, so a backend's native async path stays in use.
     async def async_kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         return await self.inner.async_kv_batch_put(keys, partition_id, fields, tags)

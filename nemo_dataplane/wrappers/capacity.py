@@ -58,7 +58,10 @@ class CapacityGuard(ForwardingClient):
             )
 
     def kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys = list(keys)
@@ -66,7 +69,10 @@ class CapacityGuard(ForwardingClient):
         return self.inner.kv_batch_put(keys, partition_id, fields, tags)
 
     async def async_kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys = list(keys)

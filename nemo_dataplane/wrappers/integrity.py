@@ -64,8 +64,9 @@ def row_digests(t: torch.Tensor) -> list[str]:
     return [_digest(dtype, rest, flat[i * per : (i + 1) * per]) for i in range(n)]
 
 
-def with_digests(columns: Mapping[str, torch.Tensor], tags: Sequence[Mapping[str, Any]] | None,
-                 n_rows: int) -> list[dict[str, Any]]:
+def with_digests(
+    columns: Mapping[str, torch.Tensor], tags: Sequence[Mapping[str, Any]] | None, n_rows: int
+) -> list[dict[str, Any]]:
     """``tags`` (or empty ones) with each field's row digest added under :func:`tag_name`."""
     out = [dict(t) for t in tags] if tags is not None else [{} for _ in range(n_rows)]
     for name, t in columns.items():
@@ -74,8 +75,9 @@ def with_digests(columns: Mapping[str, torch.Tensor], tags: Sequence[Mapping[str
     return out
 
 
-def mismatches(data: Mapping[str, torch.Tensor], keys: Sequence[str], tags: Sequence[Mapping[str, Any]],
-               fields: Sequence[str]) -> list[tuple[str, str, str]]:
+def mismatches(
+    data: Mapping[str, torch.Tensor], keys: Sequence[str], tags: Sequence[Mapping[str, Any]], fields: Sequence[str]
+) -> list[tuple[str, str, str]]:
     """``(key, field, why)`` for every fetched row whose digest differs from, or lacks, its tag."""
     bad = []
     for name in fields:
@@ -98,8 +100,9 @@ class IntegrityCheck(ForwardingClient):
     key and field of the first mismatch (and how many more), also for a row put without digests.
     """
 
-    def _sealed_tags(self, keys: Sequence[str], fields: Fields | None,
-                     tags: Sequence[Mapping[str, Any]] | None) -> Sequence[Mapping[str, Any]] | None:
+    def _sealed_tags(
+        self, keys: Sequence[str], fields: Fields | None, tags: Sequence[Mapping[str, Any]] | None
+    ) -> Sequence[Mapping[str, Any]] | None:
         if fields is None:
             return tags
         return with_digests(normalize_fields(fields, len(keys)), tags, len(keys))
@@ -111,8 +114,9 @@ class IntegrityCheck(ForwardingClient):
         return list(meta_or_keys), None, pid
 
     @staticmethod
-    def _judge(out: TensorDict, keys: list[str], tags: Any, fields: Sequence[str], pid: str | None,
-               fresh: KVBatchMeta | None) -> bool:
+    def _judge(
+        out: TensorDict, keys: list[str], tags: Any, fields: Sequence[str], pid: str | None, fresh: KVBatchMeta | None
+    ) -> bool:
         """True when every row checks out; raises on a mismatch against fresh tags; False when
         the caller's tags do not settle it (fetch fresh ones and call again)."""
         if fresh is not None:
@@ -133,7 +137,10 @@ class IntegrityCheck(ForwardingClient):
 
     # ----------------------------------------------------------------- sync
     def kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys = list(keys)
@@ -150,7 +157,10 @@ class IntegrityCheck(ForwardingClient):
 
     # ---------------------------------------------------------------- async
     async def async_kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Fields | None,
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Fields | None,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys = list(keys)

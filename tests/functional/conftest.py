@@ -78,13 +78,24 @@ def _command(
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=path)
     env.pop("RAY_ADDRESS", None)  # a run starts its own cluster, never the test session's
     config = ASYNC_CONFIG if module == "grpo_async" else CONFIG
-    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *TINY,
-           f"logging.output_dir={out_dir}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"algorithms.{module}",
+        "--config",
+        str(config),
+        *TINY,
+        f"logging.output_dir={out_dir}",
+        *overrides,
+    ]
     return cmd, env
 
 
 def _run(
-    out_dir: Path, overrides: tuple[str, ...], timeout: float = 420, env: dict[str, str] | None = None,
+    out_dir: Path,
+    overrides: tuple[str, ...],
+    timeout: float = 420,
+    env: dict[str, str] | None = None,
     module: str = "grpo_sync",
 ) -> TrainerRun:
     cmd, env = _command(out_dir, overrides, env, module)
@@ -107,8 +118,11 @@ def _run_many(jobs: list[tuple[Path, tuple[str, ...], str]], timeout: float) -> 
             proc.wait(timeout=timeout)
             so.close()
             se.close()
-            runs.append(TrainerRun(proc.returncode, (out_dir / "stdout.txt").read_text(),
-                                   (out_dir / "stderr.txt").read_text(), out_dir))
+            runs.append(
+                TrainerRun(
+                    proc.returncode, (out_dir / "stdout.txt").read_text(), (out_dir / "stderr.txt").read_text(), out_dir
+                )
+            )
     finally:
         for proc, *_ in procs:
             if proc.poll() is None:
@@ -143,8 +157,16 @@ def signal_after_steps(
     import signal
     import time
 
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     try:
@@ -184,7 +206,11 @@ def run_trainer():
     """``run_trainer(out_dir, *overrides) -> TrainerRun``."""
 
     def run(
-        out_dir: Path, *overrides: str, small: bool = False, timeout: float = 420, env: dict[str, str] | None = None,
+        out_dir: Path,
+        *overrides: str,
+        small: bool = False,
+        timeout: float = 420,
+        env: dict[str, str] | None = None,
         module: str = "grpo_sync",
     ) -> TrainerRun:
         return _run(Path(out_dir), (*(SMALL if small else ()), *overrides), timeout, env, module)
@@ -226,14 +252,17 @@ def trained_groups(run: TrainerRun) -> dict[int, dict[str, Any]]:
     return {int(r["step"]): {k: r[k] for k in ("handouts", "groups", "versions")} for r in rows}
 
 
-def assert_resumed_like_uninterrupted(resumed: TrainerRun, reference: TrainerRun, steps: range,
-                                      keys: tuple[str, ...] = LOSS_KEYS) -> None:
+def assert_resumed_like_uninterrupted(
+    resumed: TrainerRun, reference: TrainerRun, steps: range, keys: tuple[str, ...] = LOSS_KEYS
+) -> None:
     """The resumed run's rows at ``steps`` equal the uninterrupted run's, bitwise, key by key."""
     got, ref = rows_by_step(resumed, keys), rows_by_step(reference, keys)
     missing = [s for s in steps if s not in got or s not in ref]
     assert not missing, f"steps {missing} missing (resumed has {sorted(got)}, reference {sorted(ref)})"
     for s in steps:
-        assert got[s] == ref[s], f"step {s}: resumed {dict(zip(keys, got[s]))} != uninterrupted {dict(zip(keys, ref[s]))}"
+        assert got[s] == ref[s], (
+            f"step {s}: resumed {dict(zip(keys, got[s]))} != uninterrupted {dict(zip(keys, ref[s]))}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -241,5 +270,9 @@ def resume_checks():
     """The comparison helpers above, for modules that cannot import this conftest."""
     import types
 
-    return types.SimpleNamespace(rows_by_step=rows_by_step, trained_groups=trained_groups, loss_keys=LOSS_KEYS,
-                                 assert_resumed_like_uninterrupted=assert_resumed_like_uninterrupted)
+    return types.SimpleNamespace(
+        rows_by_step=rows_by_step,
+        trained_groups=trained_groups,
+        loss_keys=LOSS_KEYS,
+        assert_resumed_like_uninterrupted=assert_resumed_like_uninterrupted,
+    )

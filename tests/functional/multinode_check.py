@@ -96,7 +96,9 @@ def check_backend(cfg: dict[str, Any]) -> dict[str, Any]:
     reader = Peer.options(resources={"n2": 0.01}).remote(cfg)
     out: dict[str, Any] = {}
     try:
-        out["writer_node"], out["reader_node"] = ray.get([writer.node.remote(), reader.node.remote()], timeout=TIMEOUT_S)
+        out["writer_node"], out["reader_node"] = ray.get(
+            [writer.node.remote(), reader.node.remote()], timeout=TIMEOUT_S
+        )
         out["driver_node"] = ray.get_runtime_context().get_node_id()
         pid, n = f"mn-{uuid.uuid4().hex[:6]}", 6
         meta = ray.get(writer.put.remote(pid, n), timeout=TIMEOUT_S)
@@ -104,8 +106,10 @@ def check_backend(cfg: dict[str, Any]) -> dict[str, Any]:
         fields = ["ids", "logp", "reward"]
         out["errors"] = compare(ray.get(reader.get.remote(meta.reorder(order), fields), timeout=TIMEOUT_S), order, n)
         if cfg["backend"] == "transfer_queue":
-            units = [ray.get_actor(f"TransferQueueController.StorageUnit#{i}", namespace="transfer_queue")
-                     for i in range(driver.num_storage_units)]
+            units = [
+                ray.get_actor(f"TransferQueueController.StorageUnit#{i}", namespace="transfer_queue")
+                for i in range(driver.num_storage_units)
+            ]
             out["unit_nodes"] = sorted(ray.get([u.__ray_call__.remote(_node_of) for u in units], timeout=TIMEOUT_S))
             keys = [meta.keys[i] for i in order]
             # TransferQueue's own client returns every non-scalar field jagged
@@ -144,11 +148,26 @@ def run_trainer(address: str, out_dir: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [
-        sys.executable, "-m", "algorithms.grpo_sync", "--config", str(REPO / "examples" / "configs" / "grpo_tiny.yaml"),
-        f"ray.address={address}", "ray.worker_num_cpus=1", "data_plane.enabled=true", "data_plane.backend=ray",
-        "trainer.steps=3", "trainer.val_every=0", "trainer.step_timeout_s=120", "trainer.startup_timeout_s=240",
-        "task.val_size=0", "checkpoint.every=0", "logging.progress=false", "logging.plot=false",
-        "grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
+        sys.executable,
+        "-m",
+        "algorithms.grpo_sync",
+        "--config",
+        str(REPO / "examples" / "configs" / "grpo_tiny.yaml"),
+        f"ray.address={address}",
+        "ray.worker_num_cpus=1",
+        "data_plane.enabled=true",
+        "data_plane.backend=ray",
+        "trainer.steps=3",
+        "trainer.val_every=0",
+        "trainer.step_timeout_s=120",
+        "trainer.startup_timeout_s=240",
+        "task.val_size=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "grpo.prompts_per_step=4",
+        "generation.n=4",
+        "data_plane.packing.micro_batch_size=4",
         f"logging.output_dir={out_dir}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -159,7 +178,9 @@ def run_trainer(address: str, out_dir: Path) -> dict[str, Any]:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     obj = STORE_MB * 1024 * 1024
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}, "object_store_memory": obj})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}, "object_store_memory": obj}
+    )
     result: dict[str, Any] = {}
     try:
         for i in (1, 2):
@@ -168,10 +189,16 @@ def main() -> None:
         ray.init(address=cluster.address, log_to_driver=False)
         result["nodes"] = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         result["ray"] = check_backend({"backend": "ray", "backend_kwargs": {"actor_name": "mn.RayStoreIndex"}})
-        result["transfer_queue"] = check_backend({  # default names: tq.init() in the reader attaches
-            "backend": "transfer_queue",
-            "transfer_queue": {"storage_placement": "per_node", "storage_unit_num_cpus": 0.25, "controller_num_cpus": 0.25},
-        })
+        result["transfer_queue"] = check_backend(
+            {  # default names: tq.init() in the reader attaches
+                "backend": "transfer_queue",
+                "transfer_queue": {
+                    "storage_placement": "per_node",
+                    "storage_unit_num_cpus": 0.25,
+                    "controller_num_cpus": 0.25,
+                },
+            }
+        )
         result["trainer"] = run_trainer(cluster.address, out_dir / "trainer")
     finally:
         ray.shutdown()

@@ -50,8 +50,13 @@ import pytest
 # wave can take 5 min on a heavily loaded one, past the 600 s per-test default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-BASE = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
-        "trainer.val_every=0", "task.name=copy")
+BASE = (
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "data_plane.packing.micro_batch_size=4",
+    "trainer.val_every=0",
+    "task.name=copy",
+)
 SYNC = BASE
 ASYNC = (*BASE, "async.groups_per_generation=2", "async.max_staleness=0")
 FAULT_BOUND_S = 30.0  # fault -> trainer exit (shutdown included); trainer.step_timeout_s here is 120 s
@@ -79,34 +84,106 @@ def _wave(run_trainers_concurrently, runs_dir: Path, jobs: dict[str, tuple[tuple
 
 @pytest.fixture(scope="module")
 def chaos_runs(run_trainers_concurrently, runs_dir: Path) -> dict:
-    runs = _wave(run_trainers_concurrently, runs_dir, {
-        "sync_kill_rank": ((*SYNC, "trainer.steps=4", "checkpoint.every=1", "debug.fail_in=train",
-                            "debug.fail_at_step=2", "debug.fail_rank=1", SIGKILL), "grpo_sync"),
-        "sync_ref_refit": ((*SYNC, "trainer.steps=6", "debug.fail_in=refit", "debug.fail_at_step=5",
-                            "debug.fail_mode=hang", f"refit.timeout_s={REFIT_TIMEOUT_S:g}"), "grpo_sync"),
-        "async_kill_collector": ((*ASYNC, "trainer.steps=5", "checkpoint.every=1", "debug.fail_in=generate",
-                                  "debug.fail_at_group=8", SIGKILL), "grpo_async"),
-    })
+    runs = _wave(
+        run_trainers_concurrently,
+        runs_dir,
+        {
+            "sync_kill_rank": (
+                (
+                    *SYNC,
+                    "trainer.steps=4",
+                    "checkpoint.every=1",
+                    "debug.fail_in=train",
+                    "debug.fail_at_step=2",
+                    "debug.fail_rank=1",
+                    SIGKILL,
+                ),
+                "grpo_sync",
+            ),
+            "sync_ref_refit": (
+                (
+                    *SYNC,
+                    "trainer.steps=6",
+                    "debug.fail_in=refit",
+                    "debug.fail_at_step=5",
+                    "debug.fail_mode=hang",
+                    f"refit.timeout_s={REFIT_TIMEOUT_S:g}",
+                ),
+                "grpo_sync",
+            ),
+            "async_kill_collector": (
+                (
+                    *ASYNC,
+                    "trainer.steps=5",
+                    "checkpoint.every=1",
+                    "debug.fail_in=generate",
+                    "debug.fail_at_group=8",
+                    SIGKILL,
+                ),
+                "grpo_async",
+            ),
+        },
+    )
     resume = ("checkpoint.resume=latest", "checkpoint.every=0")
-    runs |= _wave(run_trainers_concurrently, runs_dir, {
-        "sync_resume_kill_generator": ((*SYNC, "trainer.steps=6", *resume,
-                                        f"checkpoint.dir={runs_dir / 'sync_kill_rank' / 'checkpoints'}",
-                                        "debug.fail_in=generator", "debug.fail_at_step=4", SIGKILL), "grpo_sync"),
-        "async_ref_kill_controller": ((*ASYNC, "trainer.steps=6", "debug.fail_in=store_controller",
-                                       "debug.fail_at_step=4"), "grpo_async"),
-        "async_resume_kill_unit": ((*ASYNC, "trainer.steps=6", *resume,
-                                    f"checkpoint.dir={runs_dir / 'async_kill_collector' / 'checkpoints'}",
-                                    "debug.fail_in=store_unit", "debug.fail_at_step=4"), "grpo_async"),
-    })
-    runs |= _wave(run_trainers_concurrently, runs_dir, {
-        # max_rows 20 = (G + groups_per_generation - 1) * n, the least async can progress with,
-        # against an in-flight bound of (2 * G + G) * n = 48 keys.
-        "async_store_full_kill_rank": ((*BASE, "async.groups_per_generation=2", "data_plane.max_rows=20",
-                                        "trainer.steps=5", "debug.fail_in=train", "debug.fail_at_step=3",
-                                        "debug.fail_rank=1", SIGKILL), "grpo_async"),
-        "sync_reward": ((*SYNC, "trainer.steps=4", "task.reward_fn=algorithms.faults:raising_reward"), "grpo_sync"),
-        "async_reward": ((*ASYNC, "trainer.steps=4", "task.reward_fn=algorithms.faults:raising_reward"), "grpo_async"),
-    })
+    runs |= _wave(
+        run_trainers_concurrently,
+        runs_dir,
+        {
+            "sync_resume_kill_generator": (
+                (
+                    *SYNC,
+                    "trainer.steps=6",
+                    *resume,
+                    f"checkpoint.dir={runs_dir / 'sync_kill_rank' / 'checkpoints'}",
+                    "debug.fail_in=generator",
+                    "debug.fail_at_step=4",
+                    SIGKILL,
+                ),
+                "grpo_sync",
+            ),
+            "async_ref_kill_controller": (
+                (*ASYNC, "trainer.steps=6", "debug.fail_in=store_controller", "debug.fail_at_step=4"),
+                "grpo_async",
+            ),
+            "async_resume_kill_unit": (
+                (
+                    *ASYNC,
+                    "trainer.steps=6",
+                    *resume,
+                    f"checkpoint.dir={runs_dir / 'async_kill_collector' / 'checkpoints'}",
+                    "debug.fail_in=store_unit",
+                    "debug.fail_at_step=4",
+                ),
+                "grpo_async",
+            ),
+        },
+    )
+    runs |= _wave(
+        run_trainers_concurrently,
+        runs_dir,
+        {
+            # max_rows 20 = (G + groups_per_generation - 1) * n, the least async can progress with,
+            # against an in-flight bound of (2 * G + G) * n = 48 keys.
+            "async_store_full_kill_rank": (
+                (
+                    *BASE,
+                    "async.groups_per_generation=2",
+                    "data_plane.max_rows=20",
+                    "trainer.steps=5",
+                    "debug.fail_in=train",
+                    "debug.fail_at_step=3",
+                    "debug.fail_rank=1",
+                    SIGKILL,
+                ),
+                "grpo_async",
+            ),
+            "sync_reward": ((*SYNC, "trainer.steps=4", "task.reward_fn=algorithms.faults:raising_reward"), "grpo_sync"),
+            "async_reward": (
+                (*ASYNC, "trainer.steps=4", "task.reward_fn=algorithms.faults:raising_reward"),
+                "grpo_async",
+            ),
+        },
+    )
     return runs
 
 
@@ -126,8 +203,9 @@ def test_a_raising_reward_fn_is_named_with_its_prompt_and_the_store_is_empty(cha
 
 
 @pytest.mark.parametrize("name, steps_done", [("sync_kill_rank", [0, 1]), ("async_store_full_kill_rank", [0, 1, 2])])
-def test_sigkill_of_a_policy_rank_mid_train_names_the_rank_within_the_bound(chaos_runs: dict, name: str,
-                                                                           steps_done: list[int]) -> None:
+def test_sigkill_of_a_policy_rank_mid_train_names_the_rank_within_the_bound(
+    chaos_runs: dict, name: str, steps_done: list[int]
+) -> None:
     run = chaos_runs[name]
     _failed_naming(run, f"step {len(steps_done)} train: policy rank 1 died or was lost")
     assert run.summary["keys_outstanding_at_exit"] == 0
@@ -152,18 +230,26 @@ def test_sigkill_of_the_generator_mid_generate_names_it_within_the_bound(chaos_r
 
 def test_a_refit_peer_that_never_arrives_fails_the_refit_naming_the_generator(chaos_runs: dict) -> None:
     run = chaos_runs["sync_ref_refit"]
-    _failed_naming(run, f"refit of version 5: the generator (refit rank 1) never took part within "
-                        f"refit.timeout_s={REFIT_TIMEOUT_S:g}s")
+    _failed_naming(
+        run,
+        f"refit of version 5: the generator (refit rank 1) never took part within refit.timeout_s={REFIT_TIMEOUT_S:g}s",
+    )
     assert run.summary["keys_outstanding_at_exit"] == 0
     assert [r["step"] for r in run.rows] == [0, 1, 2, 3], "step 4 trained; its refit never completed"
     ttl = _time_to_error(run)
     assert REFIT_TIMEOUT_S - 1 < ttl < REFIT_TIMEOUT_S + FAULT_BOUND_S, ttl
 
 
-@pytest.mark.parametrize("name, component", [("async_ref_kill_controller", "TransferQueue controller"),
-                                             ("async_resume_kill_unit", "TransferQueue storage unit")])
-def test_a_killed_store_actor_is_named_and_the_run_ends_within_the_bound(chaos_runs: dict, name: str,
-                                                                         component: str) -> None:
+@pytest.mark.parametrize(
+    "name, component",
+    [
+        ("async_ref_kill_controller", "TransferQueue controller"),
+        ("async_resume_kill_unit", "TransferQueue storage unit"),
+    ],
+)
+def test_a_killed_store_actor_is_named_and_the_run_ends_within_the_bound(
+    chaos_runs: dict, name: str, component: str
+) -> None:
     run = chaos_runs[name]
     _failed_naming(run, "StoreLostError")
     assert f"{component} '" in run.stderr and "died or was lost" in run.stderr, run.explain()
@@ -193,10 +279,12 @@ def test_sync_resume_after_a_rank_sigkill_reproduces_the_uninterrupted_losses(ch
     assert any(r["loss"] != 0 for r in ref.rows), "all-zero losses would compare nothing"
 
 
-def test_async_resume_after_a_collector_sigkill_reproduces_the_uninterrupted_run(chaos_runs: dict,
-                                                                                  resume_checks) -> None:
-    faulted, resumed, ref = (chaos_runs[n] for n in ("async_kill_collector", "async_resume_kill_unit",
-                                                      "async_ref_kill_controller"))
+def test_async_resume_after_a_collector_sigkill_reproduces_the_uninterrupted_run(
+    chaos_runs: dict, resume_checks
+) -> None:
+    faulted, resumed, ref = (
+        chaos_runs[n] for n in ("async_kill_collector", "async_resume_kill_unit", "async_ref_kill_controller")
+    )
     assert resumed.summary["resumed_from"].endswith("step_000002")
     assert [r["step"] for r in resumed.rows] == [2, 3]
     keys = (*resume_checks.loss_keys, "behaviour_kl")
@@ -210,10 +298,15 @@ def test_async_resume_after_a_collector_sigkill_reproduces_the_uninterrupted_run
 
 def test_report_times(chaos_runs: dict, runs_dir: Path) -> None:
     """Writes the observed times for docs/reliability.md (not an assertion on speed)."""
-    report = {n: {"returncode": r.returncode, "keys_at_exit": r.summary.get("keys_outstanding_at_exit"),
-                  "time_to_error_s": round(_time_to_error(r), 2) if (r.out_dir / "fault_marker").exists() else None,
-                  "wall_s": round(r.summary.get("wall_s", 0), 1)}
-              for n, r in chaos_runs.items()}
+    report = {
+        n: {
+            "returncode": r.returncode,
+            "keys_at_exit": r.summary.get("keys_outstanding_at_exit"),
+            "time_to_error_s": round(_time_to_error(r), 2) if (r.out_dir / "fault_marker").exists() else None,
+            "wall_s": round(r.summary.get("wall_s", 0), 1),
+        }
+        for n, r in chaos_runs.items()
+    }
     (runs_dir / "chaos_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     assert all(v["returncode"] == 1 for v in report.values())

@@ -2,7 +2,8 @@
 
 Every trainer run costs ~30 s of a 2-core CI machine, so two concurrent waves serve most checks:
 the default async config on the store (learning, bounds, checkpoints) and a small run on the
-in-memory baseline (legacy, whose compiled graph is made to fail its compile); then a small run whose put of one group fails half-way with two
+in-memory baseline (legacy, whose compiled graph is made to fail its compile); then a small run whose put
+of one group fails half-way with two
 concurrent collectors (dispatched through the compiled graph), a soak of a couple of hundred
 tiny steps under tight backpressure, and a run whose policy rank raises. Then a run SIGKILLed
 at a random step and resumed, and an interrupted run. Longer soaks with faults:
@@ -24,8 +25,12 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL_ASYNC = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
-               "async.groups_per_generation=2")
+SMALL_ASYNC = (
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "data_plane.packing.micro_batch_size=4",
+    "async.groups_per_generation=2",
+)
 
 
 def _trained(run) -> list[dict[str, Any]]:
@@ -57,23 +62,69 @@ SOAK_STEPS = 100
 @pytest.fixture(scope="module")
 def batch_runs(run_trainers_concurrently, runs_dir: Path):
     # At most three at a time: more Ray clusters starting at once can time out on 2 cores.
-    runs = run_trainers_concurrently([
-        (runs_dir / "dp", ("checkpoint.every=4", "logging.plot=true"), "grpo_async"),
-        # The graph's compile is made to fail: one warning, then actor calls.
-        (runs_dir / "legacy", (*SMALL_ASYNC, "data_plane.enabled=false", "trainer.steps=8", "trainer.val_every=0",
-                               "trainer.dispatch=compiled_graph", "debug.fail_dispatch_compile=true"), "grpo_async"),
-    ], timeout=900)
-    runs += run_trainers_concurrently([
-        (runs_dir / "putfail", (*SMALL_ASYNC, "debug.fail_in=put", "debug.fail_at_group=5", "async.num_collectors=2",
-                                "trainer.steps=10", "trainer.val_every=0", "trainer.dispatch=compiled_graph"),
-         "grpo_async"),
-        # Tight backpressure over a hundred tiny steps: the soak (benchmarks/soak.py runs for minutes).
-        (runs_dir / "soak", (*SMALL_ASYNC, "async.max_staleness=2", "async.max_inflight_groups=2",
-                             f"trainer.steps={SOAK_STEPS}", "trainer.val_every=0", "generation.max_new_tokens=2",
-                             "trainer.dp_size=1", "logging.quiet=true"), "grpo_async"),
-        (runs_dir / "fail", (*SMALL_ASYNC, "debug.fail_in=train", "debug.fail_at_step=2", "debug.fail_rank=1",
-                             "trainer.val_every=0"), "grpo_async"),
-    ], timeout=900)
+    runs = run_trainers_concurrently(
+        [
+            (runs_dir / "dp", ("checkpoint.every=4", "logging.plot=true"), "grpo_async"),
+            # The graph's compile is made to fail: one warning, then actor calls.
+            (
+                runs_dir / "legacy",
+                (
+                    *SMALL_ASYNC,
+                    "data_plane.enabled=false",
+                    "trainer.steps=8",
+                    "trainer.val_every=0",
+                    "trainer.dispatch=compiled_graph",
+                    "debug.fail_dispatch_compile=true",
+                ),
+                "grpo_async",
+            ),
+        ],
+        timeout=900,
+    )
+    runs += run_trainers_concurrently(
+        [
+            (
+                runs_dir / "putfail",
+                (
+                    *SMALL_ASYNC,
+                    "debug.fail_in=put",
+                    "debug.fail_at_group=5",
+                    "async.num_collectors=2",
+                    "trainer.steps=10",
+                    "trainer.val_every=0",
+                    "trainer.dispatch=compiled_graph",
+                ),
+                "grpo_async",
+            ),
+            # Tight backpressure over a hundred tiny steps: the soak (benchmarks/soak.py runs for minutes).
+            (
+                runs_dir / "soak",
+                (
+                    *SMALL_ASYNC,
+                    "async.max_staleness=2",
+                    "async.max_inflight_groups=2",
+                    f"trainer.steps={SOAK_STEPS}",
+                    "trainer.val_every=0",
+                    "generation.max_new_tokens=2",
+                    "trainer.dp_size=1",
+                    "logging.quiet=true",
+                ),
+                "grpo_async",
+            ),
+            (
+                runs_dir / "fail",
+                (
+                    *SMALL_ASYNC,
+                    "debug.fail_in=train",
+                    "debug.fail_at_step=2",
+                    "debug.fail_rank=1",
+                    "trainer.val_every=0",
+                ),
+                "grpo_async",
+            ),
+        ],
+        timeout=900,
+    )
     for r in runs[:4]:
         assert r.returncode == 0, r.explain()
     return dict(zip(("dp", "legacy", "putfail", "soak", "fail"), runs))
@@ -89,8 +140,16 @@ def test_async_learns_within_the_lag_bound(batch_runs) -> None:
     for r in rows:
         assert 0 <= r["staleness_max"] <= 1 and r["samples"] == 32 * 16, r
         assert r["weight_version"] >= r["step"] - 1
-        for key in ("staleness_mean", "groups_dropped_stale", "trainer_idle_s", "collector_idle_s", "behaviour_kl",
-                    "is_truncated_frac", "keys_outstanding", "loss"):
+        for key in (
+            "staleness_mean",
+            "groups_dropped_stale",
+            "trainer_idle_s",
+            "collector_idle_s",
+            "behaviour_kl",
+            "is_truncated_frac",
+            "keys_outstanding",
+            "loss",
+        ):
             assert r[key] is not None, key
     assert any(r["staleness_max"] == 1 for r in rows), "generation ran ahead of training"
     assert "grpo_async finished" in run.stdout and "staleness max" in run.stdout
@@ -155,10 +214,19 @@ def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
 ) -> None:
     out = runs_dir / "killed"
     kill_after = random.Random(os.getpid()).randint(3, 8)  # steps logged before the SIGKILL
-    cmd, env = trainer_command(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0", module="grpo_async")
+    cmd, env = trainer_command(
+        out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0", module="grpo_async"
+    )
     signal_trainer(cmd, env, out, kill_after, signal.SIGKILL)  # no clean-up at all
-    resumed = run_trainer(out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0",
-                          "checkpoint.resume=latest", module="grpo_async", timeout=600)
+    resumed = run_trainer(
+        out,
+        "trainer.steps=12",
+        "checkpoint.every=2",
+        "trainer.val_every=0",
+        "checkpoint.resume=latest",
+        module="grpo_async",
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.explain()
     assert [r["step"] for r in resumed.rows] == list(range(12)), "resumed rows replace the killed run's tail"
     assert all(r["staleness_max"] <= 1 for r in resumed.rows)

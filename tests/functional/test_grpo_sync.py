@@ -34,11 +34,18 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def paired_runs(run_trainers_concurrently, runs_dir: Path):
-    dp, legacy = run_trainers_concurrently([
-        (runs_dir / "dp", ("data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true",
-                           "logging.tensorboard=true")),
-        (runs_dir / "legacy", ("data_plane.enabled=false", "trainer.dispatch=compiled_graph", "refit.mode=reshard")),
-    ])
+    dp, legacy = run_trainers_concurrently(
+        [
+            (
+                runs_dir / "dp",
+                ("data_plane.enabled=true", "checkpoint.every=8", "logging.plot=true", "logging.tensorboard=true"),
+            ),
+            (
+                runs_dir / "legacy",
+                ("data_plane.enabled=false", "trainer.dispatch=compiled_graph", "refit.mode=reshard"),
+            ),
+        ]
+    )
     assert dp.returncode == 0, dp.explain()
     assert legacy.returncode == 0, legacy.explain()
     return dp, legacy
@@ -80,9 +87,9 @@ def test_every_step_leaves_zero_keys_and_moves_data_through_the_store(dp_run, le
     assert dp_run.summary["keys_outstanding_at_exit"] == 0
     # The driver only sees metas and small columns on the data-plane path; the legacy driver
     # holds and ships the whole batch twice per step.
-    for d, l in zip(dp_run.rows, legacy_run.rows):
-        assert d["driver_bytes"] < l["driver_bytes"], (d["driver_bytes"], l["driver_bytes"])
-        assert l["dp_bytes"] == 0
+    for d, base in zip(dp_run.rows, legacy_run.rows):
+        assert d["driver_bytes"] < base["driver_bytes"], (d["driver_bytes"], base["driver_bytes"])
+        assert base["dp_bytes"] == 0
     assert dp_run.summary["workers_data_plane_modules"]["policy0"], "data-plane workers fetch through the store"
 
 
@@ -106,8 +113,22 @@ def test_a_short_seeded_run_learns(dp_run) -> None:
 
 def test_metrics_file_has_the_documented_columns(dp_run) -> None:
     rows = dp_run.rows
-    for key in ("reward", "loss", "kl", "entropy", "clip_frac", "response_len", "grad_norm", "tokens_per_s",
-                "dp_bytes", "driver_bytes", "keys_outstanding", "time/generate", "time/train", "time/refit"):
+    for key in (
+        "reward",
+        "loss",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "response_len",
+        "grad_norm",
+        "tokens_per_s",
+        "dp_bytes",
+        "driver_bytes",
+        "keys_outstanding",
+        "time/generate",
+        "time/train",
+        "time/refit",
+    ):
         assert all(r.get(key) is not None for r in rows), key
     assert [i for i, r in enumerate(rows) if r["val_reward"] is not None] == [7, 15]
     assert [r["weight_version"] for r in rows] == list(range(16)), "the generator sampled with each new version"
@@ -117,8 +138,9 @@ def test_metrics_file_has_the_documented_columns(dp_run) -> None:
 def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_dir: Path) -> None:
     ckpt = runs_dir / "dp" / "checkpoints" / "step_000008"
     assert (ckpt / "COMPLETE").exists()
-    resumed = run_trainer(runs_dir / "resumed", "data_plane.enabled=true", f"checkpoint.resume={ckpt}",
-                          "trainer.dispatch=compiled_graph")
+    resumed = run_trainer(
+        runs_dir / "resumed", "data_plane.enabled=true", f"checkpoint.resume={ckpt}", "trainer.dispatch=compiled_graph"
+    )
     assert resumed.returncode == 0, resumed.explain()
     tail = [r for r in dp_run.rows if r["step"] >= 8]
     assert [r["step"] for r in resumed.rows] == list(range(8, 16))
@@ -136,22 +158,41 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
 
     byo = runs_dir / "byo"
     model = build_model(
-        {"arch": "qwen2", "seed": 3, "hf_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                                   "num_attention_heads": 2, "num_key_value_heads": 2,
-                                                   "max_position_embeddings": 32}},
+        {
+            "arch": "qwen2",
+            "seed": 3,
+            "hf_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 32,
+            },
+        },
         vocab_size=CharTokenizer().vocab_size,
     )
     save_pretrained_dir(model, byo / "model")
     n_params = sum(p.numel() for p in model.parameters())
-    (byo / "prompts.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n'
-                                               for a in range(5) for b in range(4)))
+    (byo / "prompts.jsonl").write_text(
+        "".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a in range(5) for b in range(4))
+    )
     (byo / "byo_reward.py").write_text("def score(record, text):\n    return 0.25\n")
 
     run = run_trainer(
-        runs_dir / "fail", "data_plane.enabled=true", "debug.fail_at_step=1", "debug.fail_in=train",
-        "debug.fail_rank=1", f"policy.model.path={byo / 'model'}", "policy.model.hf_config=null",
-        f"task.dataset={byo / 'prompts.jsonl'}", "task.val_size=4", "task.reward_fn=byo_reward:score",
-        "trainer.dispatch=compiled_graph", small=True, env={"PYTHONPATH": str(byo)},
+        runs_dir / "fail",
+        "data_plane.enabled=true",
+        "debug.fail_at_step=1",
+        "debug.fail_in=train",
+        "debug.fail_rank=1",
+        f"policy.model.path={byo / 'model'}",
+        "policy.model.hf_config=null",
+        f"task.dataset={byo / 'prompts.jsonl'}",
+        "task.val_size=4",
+        "task.reward_fn=byo_reward:score",
+        "trainer.dispatch=compiled_graph",
+        small=True,
+        env={"PYTHONPATH": str(byo)},
     )
     assert run.returncode == 1, run.explain()
     assert "injected failure at step 1 on policy rank 1" in run.stderr, run.explain()
@@ -178,8 +219,9 @@ def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, signal_trainer,
 
     out = runs_dir / "interrupted"
     # Dynamic sampling on: at chance most groups score all-equal and are dropped (their keys cleared).
-    cmd, env = trainer_command(out, "trainer.steps=10000", "trainer.val_every=0", "grpo.dynamic_sampling=true",
-                               small=True)
+    cmd, env = trainer_command(
+        out, "trainer.steps=10000", "trainer.val_every=0", "grpo.dynamic_sampling=true", small=True
+    )
     code, stdout, stderr = signal_trainer(cmd, env, out, 2, signal.SIGINT)
     assert code == 130, stderr[-4000:]
     assert "interrupted" in stdout

@@ -41,8 +41,12 @@ VLLM: tuple[str, ...] = (
     "trainer.startup_timeout_s=300",
     "trainer.step_timeout_s=180",
 )
-SMALL: tuple[str, ...] = ("grpo.prompts_per_step=4", "generation.n=4", "data_plane.packing.micro_batch_size=4",
-                          "task.val_size=4")
+SMALL: tuple[str, ...] = (
+    "grpo.prompts_per_step=4",
+    "generation.n=4",
+    "data_plane.packing.micro_batch_size=4",
+    "task.val_size=4",
+)
 
 
 @dataclass
@@ -83,15 +87,36 @@ def _default_sigint() -> None:
 
 def _start(out: Path, *overrides: str, module: str = "grpo_sync") -> Run:
     marker = uuid.uuid4().hex
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": str(REPO), MARKER: marker}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(REPO),
+        MARKER: marker,
+    }
     env.pop("RAY_ADDRESS", None)
     config = CONFIG.with_name("grpo_async_tiny.yaml") if module == "grpo_async" else CONFIG
-    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *VLLM,
-           f"logging.output_dir={out}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,  # its own process group: Ctrl-C reaches the run only
-                            preexec_fn=_default_sigint)
+    cmd = [
+        sys.executable,
+        "-m",
+        f"algorithms.{module}",
+        "--config",
+        str(config),
+        *VLLM,
+        f"logging.output_dir={out}",
+        *overrides,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: Ctrl-C reaches the run only
+        preexec_fn=_default_sigint,
+    )
     return Run(proc, out, marker)
 
 
@@ -129,12 +154,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """The three runs share the machine: start-ups overlap, results are seeded."""
     root = tmp_path_factory.mktemp("grpo_vllm")
     learn = _start(root / "learn", "trainer.steps=30", "trainer.val_every=10", "task.val_size=16")
-    fail = _start(root / "fail", *SMALL, "trainer.steps=4", "trainer.val_every=0", "debug.fail_at_step=1",
-                  "debug.fail_in=train", "debug.fail_rank=1")
+    fail = _start(
+        root / "fail",
+        *SMALL,
+        "trainer.steps=4",
+        "trainer.val_every=0",
+        "debug.fail_at_step=1",
+        "debug.fail_in=train",
+        "debug.fail_rank=1",
+    )
     # The async trainer drives the same engine: it trains steps with vLLM rollouts, then gets Ctrl-C.
     # Its weights reach vLLM by the resharding refit (a TP>1 trainer's path; the learn run: packed).
-    ctrl_c = _start(root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0", "refit.mode=reshard",
-                    module="grpo_async")
+    ctrl_c = _start(
+        root / "ctrl_c", *SMALL, "trainer.steps=10000", "trainer.val_every=0", "refit.mode=reshard", module="grpo_async"
+    )
     try:
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline and ctrl_c.proc.poll() is None and len(ctrl_c.rows) < 2:
@@ -183,7 +216,9 @@ def test_ctrl_c_stops_the_async_vllm_run_with_no_process_left(runs: dict[str, Ru
     assert len(run.rows) >= 2, run.explain()
     assert run.proc.returncode == 130, run.explain()
     assert run.summary["status"].startswith("interrupted")
-    assert all(r["staleness_max"] <= 1 and r["loss"] is not None for r in run.rows), "async steps trained on vLLM rollouts"
+    assert all(r["staleness_max"] <= 1 and r["loss"] is not None for r in run.rows), (
+        "async steps trained on vLLM rollouts"
+    )
     assert run.summary["policy_layout"]["refit"] == "reshard"
     assert run.summary["keys_outstanding_at_exit"] == 0
     # Driver, Ray's own processes and the worker actors (the generator holds the vLLM engine).

@@ -24,8 +24,14 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("multinode")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TQ_LOGGING_LEVEL": "ERROR"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "functional" / "multinode_check.py"), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "functional" / "multinode_check.py"), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

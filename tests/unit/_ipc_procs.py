@@ -10,13 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from _refit_procs import _bytes, _group, _noncontig, _step_in_place, model_tensors
+
 from nemo_dataplane.refit import RefitError, RefitReceiver, RefitSender
 
 
-def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11, 12),
-              copy_on: str = "src") -> dict[str, Any]:
+def refit_ipc(
+    rank: int, world: int, port: int, versions: tuple[int, ...] = (11, 12), copy_on: str = "src"
+) -> dict[str, Any]:
     """transport="ipc": refits with values changing in place (handles opened once and reused),
     then one more refit after the sender's tensors moved to new storage (new handles)."""
     g = _group(rank, world, port, "nccl")
@@ -25,8 +26,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         src = model_tensors(0, dev)
         src = {k: (_noncontig(v) if k in ("layers.0.attn.qkv", "layers.0.mlp.up") else v) for k, v in src.items()}
         holder = {"t": src}
-        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="pull",
-                          ipc_copy_on=copy_on)
+        snd = RefitSender(g, lambda: holder["t"], transport="ipc", ipc_direction="pull", ipc_copy_on=copy_on)
         info = snd.prepare_refit_info()
         exported = snd._ipc_keep
         same = []
@@ -41,8 +41,7 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         g.barrier()
         snd.close()
         g.destroy()
-        return {"transport": info.transport, "self_transport": snd.transport, "same_handles": same,
-                "reexported": moved}
+        return {"transport": info.transport, "self_transport": snd.transport, "same_handles": same, "reexported": moved}
     dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
     dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])
     dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]
@@ -57,8 +56,15 @@ def refit_ipc(rank: int, world: int, port: int, versions: tuple[int, ...] = (11,
         wrong = [k for k in want if not torch.equal(_bytes(dst[k]), _bytes(want[k]))]
         got.append({"version": v, "attr_version": rcv.version, "wrong": wrong, "same_views": rcv._ipc_views is views})
     g.barrier()
-    out = {"refits": got, "transport": info.transport, "raw": rcv._copier.raw, "raw_error": rcv._copier.raw_error,
-           "mode": rcv._copier.mode, "batch_error": rcv._copier.batch_error, "phases": dict(rcv.ipc_phases)}
+    out = {
+        "refits": got,
+        "transport": info.transport,
+        "raw": rcv._copier.raw,
+        "raw_error": rcv._copier.raw_error,
+        "mode": rcv._copier.mode,
+        "batch_error": rcv._copier.batch_error,
+        "phases": dict(rcv.ipc_phases),
+    }
     rcv.close()
     g.destroy()
     return out
@@ -85,8 +91,10 @@ def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21
             snd.send_weights(v)
         # New storage, some of it strided in a different way: a new copy plan, same handles.
         fresh = model_tensors(n, dev)
-        holder["t"] = {k: (_noncontig(v) if k in ("embed.weight", "layers.0.mlp.down_fp8") else v.clone())
-                       for k, v in fresh.items()}
+        holder["t"] = {
+            k: (_noncontig(v) if k in ("embed.weight", "layers.0.mlp.down_fp8") else v.clone())
+            for k, v in fresh.items()
+        }
         snd.send_weights(100)
         refused: dict[str, Any] = {"error": None}
         try:
@@ -99,9 +107,15 @@ def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21
         phases = dict(snd.ipc_phases)
         g.barrier()
         snd.close()
-        out = {"transport": info.transport, "direction": info.extra.get("ipc_direction"),
-               "closed": snd._push_src is None, "refused": refused, "phases": phases,
-               "mode": snd._copier.mode, "batch_error": snd._copier.batch_error}
+        out = {
+            "transport": info.transport,
+            "direction": info.extra.get("ipc_direction"),
+            "closed": snd._push_src is None,
+            "refused": refused,
+            "phases": phases,
+            "mode": snd._copier.mode,
+            "batch_error": snd._copier.batch_error,
+        }
         g.destroy()
         return out
     dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
@@ -130,8 +144,7 @@ def refit_push(rank: int, world: int, port: int, versions: tuple[int, ...] = (21
     g.barrier()
     rcv.close()
     g.destroy()
-    return {"refits": got, "transport": info.transport, "direction": info.extra.get("ipc_direction"),
-            "moved": moved}
+    return {"refits": got, "transport": info.transport, "direction": info.extra.get("ipc_direction"), "moved": moved}
 
 
 def refit_push_waits_for_receiver(rank: int, world: int, port: int) -> dict[str, Any]:
@@ -192,8 +205,9 @@ def refit_ipc_setup_fails(rank: int, world: int, port: int, direction: str, tran
         undo.append(lambda: setattr(*target, saved))
     try:
         if rank == 0:
-            ep: RefitSender | RefitReceiver = RefitSender(g, model_tensors(0, dev), transport=transport,
-                                                          ipc_direction=direction)
+            ep: RefitSender | RefitReceiver = RefitSender(
+                g, model_tensors(0, dev), transport=transport, ipc_direction=direction
+            )
         else:
             dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
             ep = RefitReceiver(g, dst)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import _refit_procs as P
 import torch
 
-import _refit_procs as P
 from algorithms.models import build_model
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 VOCAB = 34  # algorithms.tasks.CharTokenizer
 
 
@@ -78,12 +84,12 @@ def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str
     """HF vs MCore (TP=``tp``) on the same weights and packed batch: logits, log-probs, the GRPO
     loss and its gradients (mapped back to HF names and gathered), and the round trip."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from algorithms.engines.training import megatron as M
     from algorithms.engines.training.mcore_convert import mcore_to_hf, shape_from_hf_config
     from algorithms.grpo import policy_loss
     from algorithms.models import pad_batch, sequence_logprobs
-    from megatron.core import parallel_state as ps
 
     dev = _mcore_world(rank, world, port, tp)
     try:
@@ -106,7 +112,9 @@ def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str
         with torch.no_grad():
             pl = M.forward_packed(mc, tokens.to(dev), cu.to(dev)).float()
             hl = hf(input_ids=ids, attention_mask=attn).logits.float()
-        logit_diff = max(float((pl[int(cu[j]):int(cu[j + 1])] - hl[j, : len(r)]).abs().max()) for j, r in enumerate(rows))
+        logit_diff = max(
+            float((pl[int(cu[j]) : int(cu[j + 1])] - hl[j, : len(r)]).abs().max()) for j, r in enumerate(rows)
+        )
         # loss + grads
         adv = torch.tensor([1.0, -0.5, 0.3, -1.2], device=dev)
         old = (hf_lp.detach() + 0.05 * mask).detach()
@@ -123,13 +131,21 @@ def mcore_logits_and_loss(rank: int, world: int, port: int, tp: int) -> dict[str
         grad_diff = max(float((mc_hf_grads[n] - p.grad.cpu()).abs().max()) for n, p in hf.named_parameters())
         # round trip of the weights
         params = [None] * tp
-        dist.all_gather_object(params, {k: v.detach().cpu() for k, v in mc.state_dict().items()
-                                        if not k.endswith("_extra_state")}, group=tp_group)
+        dist.all_gather_object(
+            params,
+            {k: v.detach().cpu() for k, v in mc.state_dict().items() if not k.endswith("_extra_state")},
+            group=tp_group,
+        )
         back = mcore_to_hf(params, shape)
         exact = all(torch.equal(back[k], v.cpu()) for k, v in hf.state_dict().items())
-        return {"logit_diff": logit_diff, "lp_diff": float((mc_lp - hf_lp).abs().max()),
-                "loss": (float(hf_loss), float(mc_loss)), "grad_diff": grad_diff, "roundtrip_exact": exact,
-                "tp": ps.get_tensor_model_parallel_world_size()}
+        return {
+            "logit_diff": logit_diff,
+            "lp_diff": float((mc_lp - hf_lp).abs().max()),
+            "loss": (float(hf_loss), float(mc_loss)),
+            "grad_diff": grad_diff,
+            "roundtrip_exact": exact,
+            "tp": ps.get_tensor_model_parallel_world_size(),
+        }
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -140,14 +156,14 @@ def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict
     store and broadcasts over Megatron's TP group; both ranks compute log-probs of every
     micro-batch of the driver's plan from the packed rows; the leader alone writes back."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from algorithms.engines.training import megatron as M
     from algorithms.engines.training.mcore_convert import shape_from_hf_config
-    from megatron.core import parallel_state as ps
     from nemo_dataplane.adapters.memory import InMemoryClient
     from nemo_dataplane.codec import jagged_from_rows
-    from nemo_dataplane.wrappers.observed import ObservedClient
     from nemo_dataplane.worker.fetch import WorkerFetcher
+    from nemo_dataplane.wrappers.observed import ObservedClient
 
     dev = _mcore_world(rank, world, port, 2)
     try:
@@ -162,17 +178,23 @@ def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict
         for s in range(sets):
             rows = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (6, 9, 4, 11, 7, 5)]
             if leader:
-                meta = client.kv_batch_put([f"s{s}r{j}" for j in range(6)], f"step{s}",
-                                           {"input_ids": jagged_from_rows(rows), "prompt_len": torch.full((6,), 3)})
+                meta = client.kv_batch_put(
+                    [f"s{s}r{j}" for j in range(6)],
+                    f"step{s}",
+                    {"input_ids": jagged_from_rows(rows), "prompt_len": torch.full((6,), 3)},
+                )
                 meta = meta._replace(extra_info={"packing": {"microbatches": [[0, 1, 2], [3, 4, 5]]}})
             metas.append(meta if leader else None)
         if leader:
             client.op_counts.clear()  # count only what the fetch loop does
         obj = [metas]
-        dist.broadcast_object_list(obj, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        dist.broadcast_object_list(
+            obj, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
+        )
         metas = obj[0]
-        fetcher = WorkerFetcher(client, fetch_policy="leader_broadcast", replica_group=ps.get_tensor_model_parallel_group(),
-                                timeout_s=60)
+        fetcher = WorkerFetcher(
+            client, fetch_policy="leader_broadcast", replica_group=ps.get_tensor_model_parallel_group(), timeout_s=60
+        )
         sums = []
         n_mbs = 0
         for meta in metas:
@@ -181,8 +203,10 @@ def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict
             with torch.no_grad():
                 for mb in fetched.microbatches:
                     lp, _, _ = M.microbatch_logprobs(mc, mb["input_ids"], mb["prompt_len"], device=dev)
-                    lps.extend(lp[j, : int(mb["input_ids"].offsets()[j + 1] - mb["input_ids"].offsets()[j]) - 1].cpu()
-                               for j in range(lp.shape[0]))
+                    lps.extend(
+                        lp[j, : int(mb["input_ids"].offsets()[j + 1] - mb["input_ids"].offsets()[j]) - 1].cpu()
+                        for j in range(lp.shape[0])
+                    )
                     n_mbs += 1
             sums.append(float(sum(x.sum() for x in lps)))
             fetcher.write_back(meta, {"prev_logprobs": jagged_from_rows(lps)})

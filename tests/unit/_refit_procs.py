@@ -100,8 +100,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, after: float, kw: dict[str, An
     conn.close()
 
 
-def run_ranks(pool: Pool, fn: Callable[..., Any], ranks: list[int], *, limit: float = 60.0,
-              **kw: Any) -> dict[int, Any]:
+def run_ranks(
+    pool: Pool, fn: Callable[..., Any], ranks: list[int], *, limit: float = 60.0, **kw: Any
+) -> dict[int, Any]:
     """Run ``fn(rank, **kw)`` for each rank concurrently, each in a fresh process; return rank ->
     result or the exception it raised (with its traceback as ``__cause__``). A rank still
     running after ``limit`` seconds fails the test, after every rank's stacks were printed."""
@@ -141,8 +142,9 @@ def _dev(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _group(rank: int, world: int, port: int, backend: str, timeout: float = 20.0, *,
-           gpu: int | None = None, **kw: Any) -> StatelessProcessGroup:
+def _group(
+    rank: int, world: int, port: int, backend: str, timeout: float = 20.0, *, gpu: int | None = None, **kw: Any
+) -> StatelessProcessGroup:
     """Join a group; with nccl, on GPU ``gpu`` (default: the rank's index)."""
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -206,8 +208,9 @@ def collectives(rank: int, world: int, port: int, backend: str = "gloo") -> dict
     return res
 
 
-def join_then_idle(rank: int, world: int, port: int, timeout: float, backend: str = "gloo",
-                   skip: str = "") -> dict[str, Any]:
+def join_then_idle(
+    rank: int, world: int, port: int, timeout: float, backend: str = "gloo", skip: str = ""
+) -> dict[str, Any]:
     """Join a group; then rank 0 waits on rank 1, which stays silent for ``skip`` ("barrier": a
     barrier, "send": a recv on rank 0, "bcast": a broadcast from rank 1)."""
     t0 = time.monotonic()
@@ -316,9 +319,17 @@ def _step_in_place(src: dict[str, torch.Tensor], i: int, dev: torch.device) -> N
             src[k].copy_(fresh[k])
 
 
-def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", bucket_bytes: int = 4096,
-                    direct_bytes: int | None = None, versions: tuple[int, ...] = (7, 8),
-                    transport: str = "auto", defaults: bool = False) -> dict[str, Any]:
+def refit_roundtrip(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str = "gloo",
+    bucket_bytes: int = 4096,
+    direct_bytes: int | None = None,
+    versions: tuple[int, ...] = (7, 8),
+    transport: str = "auto",
+    defaults: bool = False,
+) -> dict[str, Any]:
     """Refit ``model_tensors`` twice (different values, versions); receivers return bit patterns."""
     g = _group(rank, world, port, backend)
     dev = g.device
@@ -329,16 +340,14 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
         if defaults:  # RefitSender's own defaults for this backend
             snd = RefitSender(g, lambda: src)
         else:
-            snd = RefitSender(g, lambda: src, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes,
-                              transport=transport)
+            snd = RefitSender(g, lambda: src, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, transport=transport)
         info = snd.prepare_refit_info()
         for i, v in enumerate(versions):
             _step_in_place(src, i, dev)
             snd.send_weights(v)
         g.barrier()
         g.destroy()
-        return {"n_tensors": len(info.tensors), "transport": info.transport,
-                "direct_bytes": info.direct_bytes}
+        return {"n_tensors": len(info.tensors), "transport": info.transport, "direct_bytes": info.direct_bytes}
     dst = {k: torch.zeros_like(v) for k, v in model_tensors(0, dev).items()}
     dst["layers.0.mlp.up"] = _noncontig(dst["layers.0.mlp.up"])  # receive into a strided view
     dst["lm_head.big"] = torch.zeros(2 * dst["lm_head.big"].numel(), device=dev)[::2]  # strided, direct
@@ -355,24 +364,29 @@ def refit_roundtrip(rank: int, world: int, port: int, backend: str = "gloo", buc
     return {"refits": got, "transport": rcv.info.transport}
 
 
-def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,),
-                   backend: str = "gloo", transport: str = "auto") -> dict[str, Any]:
+def refit_mismatch(
+    rank: int, world: int, port: int, bad_ranks: tuple[int, ...] = (1,), backend: str = "gloo", transport: str = "auto"
+) -> dict[str, Any]:
     """Receivers in ``bad_ranks`` hold a layout that differs in name, shape and dtype."""
     g = _group(rank, world, port, backend)
     dev = g.device
-    base = {"a": torch.ones(4, 4, device=dev), "b": torch.ones(8, dtype=torch.bfloat16, device=dev),
-            "c": torch.ones(3, device=dev)}
+    base = {
+        "a": torch.ones(4, 4, device=dev),
+        "b": torch.ones(8, dtype=torch.bfloat16, device=dev),
+        "c": torch.ones(3, device=dev),
+    }
     if rank == 0:
         tensors = base
     else:
         tensors = {k: torch.zeros_like(v) for k, v in base.items()}
         if rank in bad_ranks:
-            tensors = {"a": torch.zeros(4, 5, device=dev),  # shape
-                       "b": torch.zeros(8, dtype=torch.float32, device=dev),  # dtype
-                       "extra": torch.zeros(2, device=dev)}  # "c" missing, "extra" unexpected
+            tensors = {
+                "a": torch.zeros(4, 5, device=dev),  # shape
+                "b": torch.zeros(8, dtype=torch.float32, device=dev),  # dtype
+                "extra": torch.zeros(2, device=dev),
+            }  # "c" missing, "extra" unexpected
     try:
-        ep = (RefitSender(g, tensors, bucket_bytes=1024, transport=transport) if rank == 0
-              else RefitReceiver(g, tensors))
+        ep = RefitSender(g, tensors, bucket_bytes=1024, transport=transport) if rank == 0 else RefitReceiver(g, tensors)
         ep.prepare_refit_info()
         out = {"error": None}
     except Exception as e:
@@ -383,8 +397,7 @@ def refit_mismatch(rank: int, world: int, port: int, bad_ranks: tuple[int, ...] 
     return out
 
 
-def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo",
-                       **sender_kw: Any) -> dict[str, Any]:
+def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo", **sender_kw: Any) -> dict[str, Any]:
     """The sender's tensor changes shape after prepare: it must abort and receivers must hear
     why; then, with the layout restored, the next refit on the same group must work."""
     g = _group(rank, world, port, backend, timeout=10.0)
@@ -412,8 +425,7 @@ def refit_sender_abort(rank: int, world: int, port: int, backend: str = "gloo",
     return out
 
 
-def refit_missing_receiver(rank: int, world: int, port: int, timeout: float,
-                           backend: str = "gloo") -> dict[str, Any]:
+def refit_missing_receiver(rank: int, world: int, port: int, timeout: float, backend: str = "gloo") -> dict[str, Any]:
     """The last rank joins the group but never takes part in the refit handshake."""
     g = _group(rank, world, port, backend, timeout=timeout)
     t0 = time.monotonic()

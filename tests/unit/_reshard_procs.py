@@ -10,10 +10,9 @@ import time
 from typing import Any
 
 import torch
-
 from _refit_procs import _bytes, _group, _noncontig, format_exc
-from nemo_dataplane.refit import RefitError
 
+from nemo_dataplane.refit import RefitError
 
 # A tiny llama-like model (HF names) with grouped MoE experts, a router and a parameter no rule
 # knows ("...router_A_log": moved whole from one sender). Shapes are small and some split
@@ -27,17 +26,34 @@ def reshard_shapes(moe: bool = False) -> dict[str, tuple[tuple[int, ...], torch.
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((vocab, h), bf)}
     for i in range(RESHARD_LAYERS):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": ((h,), f32), p + "self_attn.q_proj.weight": ((h, h), bf),
-                    p + "self_attn.k_proj.weight": ((kv, h), bf), p + "self_attn.v_proj.weight": ((kv, h), bf),
-                    p + "self_attn.q_proj.bias": ((h,), bf),
-                    p + "self_attn.o_proj.weight": ((h, h), bf), p + "post_attention_layernorm.weight": ((h,), f32)})
+        out.update(
+            {
+                p + "input_layernorm.weight": ((h,), f32),
+                p + "self_attn.q_proj.weight": ((h, h), bf),
+                p + "self_attn.k_proj.weight": ((kv, h), bf),
+                p + "self_attn.v_proj.weight": ((kv, h), bf),
+                p + "self_attn.q_proj.bias": ((h,), bf),
+                p + "self_attn.o_proj.weight": ((h, h), bf),
+                p + "post_attention_layernorm.weight": ((h,), f32),
+            }
+        )
         if moe:
-            out.update({p + "mlp.gate.weight": ((e, h), bf), p + "mlp.experts.gate_proj": ((e, inter, h), bf),
-                        p + "mlp.experts.up_proj": ((e, inter, h), bf),
-                        p + "mlp.experts.down_proj": ((e, h, inter), bf)})
+            out.update(
+                {
+                    p + "mlp.gate.weight": ((e, h), bf),
+                    p + "mlp.experts.gate_proj": ((e, inter, h), bf),
+                    p + "mlp.experts.up_proj": ((e, inter, h), bf),
+                    p + "mlp.experts.down_proj": ((e, h, inter), bf),
+                }
+            )
         else:
-            out.update({p + "mlp.gate_proj.weight": ((inter, h), bf), p + "mlp.up_proj.weight": ((inter, h), bf),
-                        p + "mlp.down_proj.weight": ((h, inter), bf)})
+            out.update(
+                {
+                    p + "mlp.gate_proj.weight": ((inter, h), bf),
+                    p + "mlp.up_proj.weight": ((inter, h), bf),
+                    p + "mlp.down_proj.weight": ((h, inter), bf),
+                }
+            )
     out["model.layers.0.mlp.router_A_log"] = ((5,), f32)
     out["model.layers.1.self_attn.sinks"] = ((3,), bf)  # odd bytes: later slots must stay aligned
     out["model.norm.weight"] = ((h,), f32)
@@ -69,8 +85,17 @@ def _hand_stage(name: str, pp: int) -> int:
     return pp - 1 if name.startswith(("model.norm.", "lm_head.")) else 0
 
 
-def hand_shards(full: dict[str, torch.Tensor], *, tp: int = 1, tpr: int = 0, ep: int = 1, epr: int = 0,
-                pp: int = 1, ppr: int = 0, fused: bool = False) -> dict[str, torch.Tensor]:
+def hand_shards(
+    full: dict[str, torch.Tensor],
+    *,
+    tp: int = 1,
+    tpr: int = 0,
+    ep: int = 1,
+    epr: int = 0,
+    pp: int = 1,
+    ppr: int = 0,
+    fused: bool = False,
+) -> dict[str, torch.Tensor]:
     """What a rank at (tp rank, ep rank, pp stage) holds, by torch.chunk, with vLLM-style fused
     qkv / gate_up (its q rows, k rows, v rows) when ``fused``."""
     out: dict[str, torch.Tensor] = {}
@@ -89,10 +114,10 @@ def hand_shards(full: dict[str, torch.Tensor], *, tp: int = 1, tpr: int = 0, ep:
         out[n] = t.clone()
     if fused:
         for n in list(out):
-            for first, parts, name in ((".q_proj.weight", (".q_proj.weight", ".k_proj.weight", ".v_proj.weight"),
-                                        ".qkv_proj.weight"),
-                                       (".gate_proj.weight", (".gate_proj.weight", ".up_proj.weight"),
-                                        ".gate_up_proj.weight")):
+            for first, parts, name in (
+                (".q_proj.weight", (".q_proj.weight", ".k_proj.weight", ".v_proj.weight"), ".qkv_proj.weight"),
+                (".gate_proj.weight", (".gate_proj.weight", ".up_proj.weight"), ".gate_up_proj.weight"),
+            ):
                 if n.endswith(first):
                     pre = n[: -len(first)]
                     out[pre + name] = torch.cat([out.pop(pre + p) for p in parts])
@@ -132,15 +157,34 @@ def _coords_of(layout: Any, rank: int) -> dict[str, int]:
 def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
     c = _coords_of(layout, rank)
     sizes = dict(zip(layout.mesh.dims, layout.mesh.sizes))
-    return hand_shards(full, tp=sizes.get("tp", 1), tpr=c.get("tp", 0), ep=sizes.get("ep", 1), epr=c.get("ep", 0),
-                       pp=sizes.get("pp", 1), ppr=c.get("pp", 0), fused=fused)
+    return hand_shards(
+        full,
+        tp=sizes.get("tp", 1),
+        tpr=c.get("tp", 0),
+        ep=sizes.get("ep", 1),
+        epr=c.get("ep", 0),
+        pp=sizes.get("pp", 1),
+        ppr=c.get("pp", 0),
+        fused=fused,
+    )
 
 
-def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tuple[int, ...] = (7, 8),
-                      bucket_bytes: int = 1024, direct_bytes: int | None = 512, backend: str = "gloo",
-                      gpus: tuple[int, ...] | None = None, transport: str = "auto",
-                      timings: bool = False, done: str | None = None, delay_cycles: int = 0,
-                      open_mode: str | None = None) -> dict[str, Any]:
+def reshard_roundtrip(
+    rank: int,
+    world: int,
+    port: int,
+    case: str,
+    versions: tuple[int, ...] = (7, 8),
+    bucket_bytes: int = 1024,
+    direct_bytes: int | None = 512,
+    backend: str = "gloo",
+    gpus: tuple[int, ...] | None = None,
+    transport: str = "auto",
+    timings: bool = False,
+    done: str | None = None,
+    delay_cycles: int = 0,
+    open_mode: str | None = None,
+) -> dict[str, Any]:
     """Refit ``case`` twice with different values; receivers compare bit patterns with the
     hand-sharded unsharded weights (on their current stream, right after the refit returned)
     and report what they received. ``gpus``: each rank's CUDA device (tensors there; ranks may
@@ -165,8 +209,16 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
         mine = {k: v.to(dev) for k, v in _hand_for(src, rank, reshard_full(0, moe), False).items()}
         # A strided source exercises packing from views.
         mine = {k: (_noncontig(v) if k.endswith("o_proj.weight") else v) for k, v in mine.items()}
-        ep: Any = ReshardSender(g, lambda: mine, src, bucket_bytes, direct_bytes=direct_bytes, transport=transport,
-                                device=dev, ipc_map_peers=open_mode != "torch")
+        ep: Any = ReshardSender(
+            g,
+            lambda: mine,
+            src,
+            bucket_bytes,
+            direct_bytes=direct_bytes,
+            transport=transport,
+            device=dev,
+            ipc_map_peers=open_mode != "torch",
+        )
         plan = ep.prepare_refit_info()
         if timings:
             ep.timings = []
@@ -184,9 +236,14 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
             sent.append(ep.bytes_moved)
         out.update(sent=sent, plan_bytes_from=plan.bytes_from(rank))
         if ep._push is not None:  # ipc: whether the copies went out raw, and how (placement)
-            out.update(raw=ep._push.raw, raw_error=ep._push.raw_error, pitched=ep._push.pitched,
-                       copies_used=ep._push.copies_used, mapped=ep._push.mapped,
-                       map_error=ep._push.map_error)
+            out.update(
+                raw=ep._push.raw,
+                raw_error=ep._push.raw_error,
+                pitched=ep._push.pitched,
+                copies_used=ep._push.copies_used,
+                mapped=ep._push.mapped,
+                map_error=ep._push.map_error,
+            )
     else:
         shards = _hand_for(dst, rank, reshard_full(0, moe), fused)
         mine = {k: torch.zeros_like(v, device=dev) for k, v in shards.items()}
@@ -207,18 +264,31 @@ def reshard_roundtrip(rank: int, world: int, port: int, case: str, versions: tup
                 pending = not probe.query()
             want = _hand_for(dst, rank, reshard_full(i, moe), fused)
             wrong = sorted(k for k in want if not torch.equal(_bytes(mine[k]), _bytes(want[k])))
-            refits.append({"version": v, "wrong": wrong, "received": ep.bytes_moved, "pending_at_return": pending,
-                           "owned": sum(t.numel() * t.element_size() for t in want.values()),
-                           "names": sorted(mine)})
-        out.update(refits=refits, plan_bytes_to=plan.bytes_to(rank),
-                   staging=ep._exchange.staging_bytes if ep._exchange is not None else 0)
+            refits.append(
+                {
+                    "version": v,
+                    "wrong": wrong,
+                    "received": ep.bytes_moved,
+                    "pending_at_return": pending,
+                    "owned": sum(t.numel() * t.element_size() for t in want.values()),
+                    "names": sorted(mine),
+                }
+            )
+        out.update(
+            refits=refits,
+            plan_bytes_to=plan.bytes_to(rank),
+            staging=ep._exchange.staging_bytes if ep._exchange is not None else 0,
+        )
     out["timings"] = None if ep.timings is None else [list(m.items()) for m in ep.timings]
     out["done"] = getattr(ep, "done", None)
     if getattr(ep, "_push", None) is not None:  # ipc: a peer of this rank on another GPU
         out["cross_gpu"] = ep._push.cross_gpu
-    out.update(fallback=list(plan.fallback), fingerprint=plan.fingerprint, transport=ep.transport,
-               senders_by_param={p.param: sorted({q.src for q in plan.pieces if q.param == p.param})
-                                 for p in plan.pieces})
+    out.update(
+        fallback=list(plan.fallback),
+        fingerprint=plan.fingerprint,
+        transport=ep.transport,
+        senders_by_param={p.param: sorted({q.src for q in plan.pieces if q.param == p.param}) for p in plan.pieces},
+    )
     g.barrier()
     ep.close()
     g.barrier()
@@ -333,8 +403,11 @@ def reshard_ipc_failure(rank: int, world: int, port: int, what: str, timeout: fl
     mine = {k: v.to(dev) for k, v in _hand_for(layout, rank, reshard_full(0), not sender).items()}
     if not sender:
         mine = {k: torch.zeros_like(v) for k, v in mine.items()}
-    ep: Any = (ReshardSender(g, mine, layout, transport="ipc", device=dev) if sender
-               else ReshardReceiver(g, mine, layout, device=dev))
+    ep: Any = (
+        ReshardSender(g, mine, layout, transport="ipc", device=dev)
+        if sender
+        else ReshardReceiver(g, mine, layout, device=dev)
+    )
     ep.prepare_refit_info()
     ep.done = "event"
     out: dict[str, Any] = {}
@@ -406,8 +479,9 @@ def facade_reshard(rank: int, world: int, port: int, versions: tuple[int, ...] =
         for i in range(len(versions)):
             v = ep.receive_weights()
             want = reshard_full(i)
-            out["refits"].append({"version": v, "wrong": sorted(k for k in want
-                                                                if not torch.equal(_bytes(mine[k]), _bytes(want[k])))})
+            out["refits"].append(
+                {"version": v, "wrong": sorted(k for k in want if not torch.equal(_bytes(mine[k]), _bytes(want[k])))}
+            )
     out["kind"] = type(ep).__name__
     g.barrier()
     ep.close()

@@ -53,8 +53,7 @@ class _ToyEndpoint:
         g = self.group
         g.store.set(self._key("status", g.rank), json.dumps(problems).encode())
         g.wait_for_ranks(lambda r: self._key("status", r), range(g.world_size), "toy handshake")
-        found = [f"rank {r}: {p}" for r in range(g.world_size)
-                 for p in json.loads(g.store.get(self._key("status", r)))]
+        found = [f"rank {r}: {p}" for r in range(g.world_size) for p in json.loads(g.store.get(self._key("status", r)))]
         if found:
             self.specs = None
             raise RefitMismatchError(f"rank {g.rank}: toy handshake failed: {'; '.join(found)}")
@@ -101,8 +100,11 @@ class ToyReceiver(_ToyEndpoint, WeightReceiver):
         if self.flaw == "names_only":
             problems = [f"{n}: names differ" for n in sorted(set(sent) ^ set(mine))]
         else:
-            problems = [f"{n}: sender {sent.get(n)} != receiver {mine.get(n)}" for n in sorted(set(sent) | set(mine))
-                        if sent.get(n) != mine.get(n)]
+            problems = [
+                f"{n}: sender {sent.get(n)} != receiver {mine.get(n)}"
+                for n in sorted(set(sent) | set(mine))
+                if sent.get(n) != mine.get(n)
+            ]
         self.specs = sent
         self._agree(problems)
         return sent
@@ -130,13 +132,26 @@ class ToyReceiver(_ToyEndpoint, WeightReceiver):
         return version
 
 
-def _sender(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-            senders: int, full_shapes: Any, device: Any) -> ToySender:
+def _sender(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int,
+    full_shapes: Any,
+    device: Any,
+) -> ToySender:
     return ToySender(group, named_tensors, FLAWS[config.family])
 
 
-def _receiver(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-              senders: int, device: Any) -> ToyReceiver:
+def _receiver(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int,
+    device: Any,
+) -> ToyReceiver:
     return ToyReceiver(group, named_tensors, FLAWS[config.family])
 
 

@@ -15,15 +15,19 @@ import time
 import torch
 import torch.distributed as dist
 
-
 from nemo_dataplane.distributed.stateless_group import call_with_deadline  # noqa: E402
 from nemo_dataplane.meta import KVBatchMeta  # noqa: E402
 from nemo_dataplane.worker.fetch import WorkerFetcher  # noqa: E402  (imported before the group forms)
 
 
 def _fetcher(backend: str, timeout_s: float) -> WorkerFetcher:
-    return WorkerFetcher(None, fetch_policy="leader_broadcast", replica_group=dist.group.WORLD,
-                         replica_ranks=list(range(dist.get_world_size())), timeout_s=timeout_s)
+    return WorkerFetcher(
+        None,
+        fetch_policy="leader_broadcast",
+        replica_group=dist.group.WORLD,
+        replica_ranks=list(range(dist.get_world_size())),
+        timeout_s=timeout_s,
+    )
 
 
 def main() -> None:
@@ -33,14 +37,16 @@ def main() -> None:
         try:
             call_with_deadline(threading.Event().wait, 0.5, "blocked-init")
         except TimeoutError as e:
-            print(json.dumps({"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0}),
-                  flush=True)
+            print(
+                json.dumps({"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0}), flush=True
+            )
         return  # the blocked daemon thread must not keep the interpreter alive
     backend = "nccl" if scenario.endswith("_nccl") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     meta = KVBatchMeta(keys=["a"], tags=[{}], partition_id="p")
     if rank == 0:  # the replica leader
         if scenario.startswith("silent_leader"):

@@ -68,7 +68,10 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith(("nemo_dataplane"
 def test_legacy_path_loads_no_data_plane_module_in_a_fresh_interpreter() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", LEGACY_SCRIPT, str(REPO / "examples" / "configs" / "grpo_tiny.yaml")],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     mods = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,8 +81,10 @@ def test_legacy_path_loads_no_data_plane_module_in_a_fresh_interpreter() -> None
 
 def test_the_module_check_detects_a_data_plane_import() -> None:
     # The same inspection must see it when the data-plane path's helpers are imported.
-    code = ("import json, sys; import algorithms.step; import algorithms.transports.data_plane; "
-            "print(json.dumps(sorted(sys.modules)))")
+    code = (
+        "import json, sys; import algorithms.step; import algorithms.transports.data_plane; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     loaded = data_plane_modules_loaded(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -160,14 +165,34 @@ def test_the_library_never_imports_the_trainers() -> None:
 def test_lower_layers_do_not_import_upper_ones() -> None:
     # meta/codec/config < client < adapters < wrappers < factory < driver/worker
     upper = {
-        "nemo_dataplane/meta.py": ("nemo_dataplane.client", "nemo_dataplane.adapters", "nemo_dataplane.factory",
-                                   "nemo_dataplane.driver", "nemo_dataplane.worker"),
-        "nemo_dataplane/codec.py": ("nemo_dataplane.client", "nemo_dataplane.adapters", "nemo_dataplane.factory",
-                                    "nemo_dataplane.driver", "nemo_dataplane.worker"),
-        "nemo_dataplane/config.py": ("nemo_dataplane.client", "nemo_dataplane.adapters", "nemo_dataplane.factory",
-                                     "nemo_dataplane.driver", "nemo_dataplane.worker"),
-        "nemo_dataplane/client.py": ("nemo_dataplane.adapters", "nemo_dataplane.factory", "nemo_dataplane.driver",
-                                     "nemo_dataplane.worker", "nemo_dataplane.wrappers"),
+        "nemo_dataplane/meta.py": (
+            "nemo_dataplane.client",
+            "nemo_dataplane.adapters",
+            "nemo_dataplane.factory",
+            "nemo_dataplane.driver",
+            "nemo_dataplane.worker",
+        ),
+        "nemo_dataplane/codec.py": (
+            "nemo_dataplane.client",
+            "nemo_dataplane.adapters",
+            "nemo_dataplane.factory",
+            "nemo_dataplane.driver",
+            "nemo_dataplane.worker",
+        ),
+        "nemo_dataplane/config.py": (
+            "nemo_dataplane.client",
+            "nemo_dataplane.adapters",
+            "nemo_dataplane.factory",
+            "nemo_dataplane.driver",
+            "nemo_dataplane.worker",
+        ),
+        "nemo_dataplane/client.py": (
+            "nemo_dataplane.adapters",
+            "nemo_dataplane.factory",
+            "nemo_dataplane.driver",
+            "nemo_dataplane.worker",
+            "nemo_dataplane.wrappers",
+        ),
     }
     bad = []
     for path, banned in upper.items():
@@ -197,7 +222,9 @@ def _runtime_imports(tree: ast.Module, package: str, modules: set[str] = frozens
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
                 if child.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - child.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - child.level + 1] + ([base] if base else [])
+                    )
                 # `from a.b import c, d`: a.b.c / a.b.d where they are modules, else a names of a.b.
                 out.extend(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names)
             visit(child)
@@ -215,8 +242,9 @@ def _import_graph(roots: tuple[str, ...]) -> dict[str, set[str]]:
         # Only modules of the repo; a package's own __init__, run first by Python when one of its
         # submodules is imported, is not counted (an __init__ re-exporting its submodules would
         # otherwise be a circle with each of them).
-        graph[name] = {m for m in _runtime_imports(ast.parse(f.read_text()), package, set(names))
-                       if m in names and m != name}
+        graph[name] = {
+            m for m in _runtime_imports(ast.parse(f.read_text()), package, set(names)) if m in names and m != name
+        }
     return graph
 
 
@@ -279,8 +307,11 @@ DECISIONS = {
 
 
 def _attribute_reads(tree: ast.Module) -> set[tuple[str, str]]:
-    return {(n.value.attr, n.attr) for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)}
+    return {
+        (n.value.attr, n.attr)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+    }
 
 
 def test_each_choice_is_read_in_one_module() -> None:
@@ -299,7 +330,8 @@ def test_each_choice_is_read_in_one_module() -> None:
 # A family, engine or backend compared by name outside the one module that chooses it is the
 # same `if` written a second time.
 CHOICE_NAMES = {
-    "packed": {"algorithms/config.py"}, "reshard": {"algorithms/config.py"},
+    "packed": {"algorithms/config.py"},
+    "reshard": {"algorithms/config.py"},
     "megatron": {"algorithms/config.py", "algorithms/engines/training/__init__.py"},
     "vllm": {"algorithms/config.py", "algorithms/engines/generation/__init__.py"},
     "hf": {"algorithms/config.py", "algorithms/engines/generation/__init__.py"},

@@ -14,8 +14,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,14 +24,22 @@ SCRIPT = Path(__file__).with_name("_wait_procs.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(scenario: str, world: int, tmp_path: Path, *, env: dict[str, str] | None = None,
-         limit: float = 60.0) -> tuple[list[dict], float]:
+def _run(
+    scenario: str, world: int, tmp_path: Path, *, env: dict[str, str] | None = None, limit: float = 60.0
+) -> tuple[list[dict], float]:
     init = tmp_path / "init"
     e = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(r), str(world), str(init)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), scenario, str(r), str(world), str(init)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=e,
+        )
+        for r in range(world)
+    ]
     outs: list[dict] = []
     try:
         # Followers first: a silent leader sleeps until it is killed below.

@@ -24,8 +24,11 @@ def test_a_put_past_max_rows_is_refused_whole_and_names_the_key(store: str, memo
     try:
         guard.kv_batch_put(["a", "b", "c"], pid, _rows(3))
         inner.kv_batch_put(["o1", "o2"], other, _rows(2))  # another writer, another partition: counts
-        with pytest.raises(StoreFullError, match=rf"data_plane.max_rows={held_before + 6} reached .*would make "
-                                                 rf"{held_before + 7}\); nothing was written"):
+        with pytest.raises(
+            StoreFullError,
+            match=rf"data_plane.max_rows={held_before + 6} reached .*would make "
+            rf"{held_before + 7}\); nothing was written",
+        ):
             guard.kv_batch_put(["d", "e"], pid, _rows(2))
         assert sorted(inner.kv_list(pid).keys) == ["a", "b", "c"]
         guard.kv_batch_put(["a", "b"], pid, {"y": torch.ones(2)})  # new fields of existing rows: no new keys

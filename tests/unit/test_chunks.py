@@ -82,5 +82,9 @@ def test_concat_rows_checks_what_can_join() -> None:
 def test_a_put_is_at_most_two_chunks_bulk_and_narrow() -> None:
     small = {"a": torch.zeros(4, 3), "r": torch.zeros(4)}
     assert [list(b) for b in bundles(small)] == [["a", "r"]]
-    big = {"ids": torch.zeros(1024, 1024, dtype=torch.int64), "r": torch.zeros(1024), "n": torch.zeros(1024, 8, dtype=torch.int64)}
+    big = {
+        "ids": torch.zeros(1024, 1024, dtype=torch.int64),
+        "r": torch.zeros(1024),
+        "n": torch.zeros(1024, 8, dtype=torch.int64),
+    }
     assert [sorted(b) for b in bundles(big)] == [["ids"], ["n", "r"]]

@@ -28,7 +28,11 @@ def test_normalize_accepts_dicts_and_tensordicts_without_copying() -> None:
         ({"s": torch.zeros(3, 2).to_sparse()}, TypeError, r"field .s.: layout torch.sparse_coo is not supported"),
         ({"short": torch.zeros(2)}, ValueError, r"field 'short': batch dimension is 2, expected 3"),
         ({"zero_d": torch.tensor(1.0)}, ValueError, r"field 'zero_d': a 0-d tensor"),
-        ({"nt": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3), torch.zeros(1)])}, TypeError, "layout=torch.jagged"),
+        (
+            {"nt": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3), torch.zeros(1)])},
+            TypeError,
+            "layout=torch.jagged",
+        ),
         ({"td": TensorDict({"a": torch.zeros(3)}, batch_size=[3])}, TypeError, r"field 'td': nested TensorDicts"),
         ({1: torch.zeros(3)}, TypeError, "field names must be non-empty str"),
     ],

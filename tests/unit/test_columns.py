@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -11,8 +10,6 @@ from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.driver.columns import read_columns, write_columns
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.wrappers.observed import ObservedClient
-
-
 
 
 def _seed(client: DataPlaneClient, pid: str, n: int = 6) -> KVBatchMeta:

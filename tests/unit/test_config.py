@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -10,9 +12,19 @@ from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueC
 
 def test_defaults_are_the_documented_ones() -> None:
     cfg = DataPlaneConfig.from_dict(None)
-    assert (cfg.enabled, cfg.backend, cfg.fetch_policy, cfg.column_max_bytes_per_sample) == (False, "transfer_queue", "auto", 64)
+    assert (cfg.enabled, cfg.backend, cfg.fetch_policy, cfg.column_max_bytes_per_sample) == (
+        False,
+        "transfer_queue",
+        "auto",
+        64,
+    )
     tq = cfg.transfer_queue
-    assert (tq.ray_address, tq.num_storage_units, tq.storage_unit_num_cpus, tq.controller_num_cpus) == (None, None, 0.5, 0.5)
+    assert (tq.ray_address, tq.num_storage_units, tq.storage_unit_num_cpus, tq.controller_num_cpus) == (
+        None,
+        None,
+        0.5,
+        0.5,
+    )
     assert (tq.bootstrap_timeout_s, tq.op_timeout_s, tq.quiet) == (60.0, 300.0, True)
     assert cfg.packing == PackingConfig(mode="none", micro_batch_size=4)
 
@@ -63,5 +75,5 @@ def test_round_trip_and_omegaconf_input() -> None:
     assert cfg.packing.mode == "dynamic" and cfg.observability.enabled
     assert DataPlaneConfig.from_dict(cfg.to_dict()) == cfg
     assert DataPlaneConfig.from_dict(cfg) is cfg
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.backend = "x"  # type: ignore[misc]  # frozen

@@ -87,21 +87,38 @@ BROKEN = textwrap.dedent('''
     TestPartitionsNeverForget = _suite(PartitionsNeverForget)
 ''')
 
-CLAUSES = ("test_rows_come_back_in_the_order_asked", "test_list_clear_semantics",
-           "test_missing_keys_raise_key_error_naming_them", "test_partitions_lists_exactly_the_partitions_holding_keys")
+CLAUSES = (
+    "test_rows_come_back_in_the_order_asked",
+    "test_list_clear_semantics",
+    "test_missing_keys_raise_key_error_naming_them",
+    "test_partitions_lists_exactly_the_partitions_holding_keys",
+)
 
 
 def test_each_broken_clause_fails_the_test_stating_it_with_a_message_naming_what_differs(tmp_path: Path) -> None:
     (tmp_path / "test_broken_backends.py").write_text(BROKEN)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--import-mode=importlib",
-         "-k", " or ".join(CLAUSES), str(tmp_path / "test_broken_backends.py")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "--import-mode=importlib",
+            "-k",
+            " or ".join(CLAUSES),
+            str(tmp_path / "test_broken_backends.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "COLUMNS": "400"},
     )
     out = proc.stdout + proc.stderr
-    failed = {f"{c}::{t}": ln for ln in out.splitlines()
-              for c, t in re.findall(r"^FAILED \S+::(Test\w+)::(\w+)", ln)}
+    failed = {f"{c}::{t}": ln for ln in out.splitlines() for c, t in re.findall(r"^FAILED \S+::(Test\w+)::(\w+)", ln)}
     passed = set(re.findall(r"^PASSED \S+::(Test\w+::\w+)", out, re.M))
     # The unbroken reference passes every clause.
     assert {f"TestReference::{c}" for c in CLAUSES} <= passed, out[-4000:]
@@ -114,7 +131,9 @@ def test_each_broken_clause_fails_the_test_stating_it_with_a_message_naming_what
     assert "('c', 'a', 'b', 'd')" in clear_fail, out[-4000:]
     assert failed.keys() >= {"TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"}, out[-4000:]
     assert "DID NOT RAISE" in failed["TestMissingIsZero::test_missing_keys_raise_key_error_naming_them"]
-    never_forget = failed.get("TestPartitionsNeverForget::test_partitions_lists_exactly_the_partitions_holding_keys", "")
+    never_forget = failed.get(
+        "TestPartitionsNeverForget::test_partitions_lists_exactly_the_partitions_holding_keys", ""
+    )
     assert "-b'] == ['conf-" in never_forget, out[-4000:]  # still lists the emptied partition next to b
     assert "TestPartitionsNeverForget::test_list_clear_semantics" in passed
     # A clause a backend did not break still passes for it.

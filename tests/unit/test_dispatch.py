@@ -134,7 +134,7 @@ def test_a_ranks_own_error_through_the_graph_is_the_steps_error_and_close_kills_
         assert took < 8.0, f"close took {took:.1f}s: it waited for the blocked rank"
         assert d.killed_actors and d.report()["killed_actors"] is True
         assert any("killing the policy actors" in m for m in logs), logs
-        for r, a in enumerate(ranks):
+        for a in ranks:
             with pytest.raises(ray.exceptions.RayActorError):  # dead, not merely busy: answers at once
                 ray.get(a.__ray_ready__.remote(), timeout=10)
     finally:

@@ -11,16 +11,16 @@ import torch
 from nemo_dataplane.adapters.chunks import decode, encode
 from nemo_dataplane.dtypes import DTYPES, check_shape, check_span, dtype_from_name, view_bytes
 from nemo_dataplane.refit.cuda.ipc import _check_view
-from nemo_dataplane.refit.reshard.layout import Layout, LayoutError
 from nemo_dataplane.refit.packed import RefitInfo
 from nemo_dataplane.refit.protocol import RefitError, TensorSpec
+from nemo_dataplane.refit.reshard.layout import Layout, LayoutError
 
 FORGED = ["Tensor", "load", "__class__", "nn", "float33", "", None, 3]
 
 
 def test_table_holds_dtypes_only_and_round_trips_names() -> None:
     assert all(isinstance(d, torch.dtype) for d in DTYPES.values())
-    for name, d in DTYPES.items():
+    for d in DTYPES.values():
         assert dtype_from_name(str(d).removeprefix("torch.")) is d
     assert {"bfloat16", "float32", "int64", "bool", "uint8"} <= set(DTYPES)
 
@@ -47,8 +47,10 @@ def test_forged_dtype_in_each_decoder() -> None:
     doc["tensors"][0][1], doc["bucket_bytes"] = [2, 2], -5
     with pytest.raises(RefitError, match="bucket_bytes"):
         RefitInfo.from_bytes(json.dumps(doc).encode())
-    layout = {"mesh": {"dims": ["dp"], "sizes": [1], "ranks": [0]},
-              "params": {"w": {"shape": [4], "dtype": "__class__", "placements": ["R"], "rule": None}}}
+    layout = {
+        "mesh": {"dims": ["dp"], "sizes": [1], "ranks": [0]},
+        "params": {"w": {"shape": [4], "dtype": "__class__", "placements": ["R"], "rule": None}},
+    }
     with pytest.raises(LayoutError, match="layout param 'w' dtype: unknown dtype '__class__'"):
         Layout.from_dict(layout)
 
@@ -65,8 +67,13 @@ def test_shapes_spans_and_byte_counts_are_checked() -> None:
     assert view_bytes(buf, "int32", (3,)).shape == (3,)
     with pytest.raises(ValueError, match="c: int32 \\[4\\] needs 16 bytes, the buffer holds 12"):
         view_bytes(buf, "int32", (4,), "c")
-    ok = {"tensor_size": (2, 3), "tensor_stride": (3, 1), "tensor_offset": 0, "dtype": torch.float32,
-          "storage_size_bytes": 24}
+    ok = {
+        "tensor_size": (2, 3),
+        "tensor_stride": (3, 1),
+        "tensor_offset": 0,
+        "dtype": torch.float32,
+        "storage_size_bytes": 24,
+    }
     _check_view(ok)
     with pytest.raises(ValueError, match="tensor view: bytes"):
         _check_view({**ok, "tensor_offset": 1})  # one element past the storage

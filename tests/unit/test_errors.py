@@ -19,8 +19,12 @@ def test_every_exception_class_of_the_library_derives_from_the_base_error() -> N
     for name in _library_modules():
         module = importlib.import_module(name)
         for attr, obj in vars(module).items():
-            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == name \
-                    and not issubclass(obj, Warning):
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == name
+                and not issubclass(obj, Warning)
+            ):
                 seen.append(f"{name}.{attr}")
                 if not issubclass(obj, NemoDataplaneError):
                     offenders.append(f"{name}.{attr}")

@@ -59,6 +59,7 @@ def test_pitched_copies_edge_cases() -> None:
 
 def test_widened_views_copy_the_same_bits() -> None:
     from nemo_dataplane.refit.reshard.ipc_push import _widened
+
     src = torch.randn(6, 16).to(torch.bfloat16)
     dst = torch.zeros(6, 32, dtype=torch.bfloat16)
     d, s = _widened(dst[:, 8:24], src)  # a column block: 32 bytes per row, 8-byte aligned
@@ -76,15 +77,21 @@ def test_ipc_push_options_come_from_arguments_not_the_environment(monkeypatch: p
     from nemo_dataplane.refit.reshard.layout import Mesh, build_layout
     from nemo_dataplane.refit.reshard.plan import plan_reshard
 
-    for name, value in (("NEMO_DATAPLANE_IPC_OPEN", "torch"), ("NEMO_DATAPLANE_RESHARD_PITCHED", "memcpy2d"),
-                        ("NEMO_DATAPLANE_RESHARD_ORDER", "strided_first"), ("NEMO_DATAPLANE_IPC_BATCH", "0")):
+    for name, value in (
+        ("NEMO_DATAPLANE_IPC_OPEN", "torch"),
+        ("NEMO_DATAPLANE_RESHARD_PITCHED", "memcpy2d"),
+        ("NEMO_DATAPLANE_RESHARD_ORDER", "strided_first"),
+        ("NEMO_DATAPLANE_IPC_BATCH", "0"),
+    ):
         monkeypatch.setenv(name, value)
     shapes = {"model.layers.0.self_attn.o_proj.weight": ((4, 4), torch.bfloat16)}
     src, dst = build_layout(Mesh.of([0], tp=1), shapes), build_layout(Mesh.of([1], tp=1), shapes)
     plan = plan_reshard(src, dst, bucket_bytes=1024)
     cpu = torch.device("cpu")
     push = IpcPush(plan, 0, True, src.local_tensors(0), cpu)
-    assert (push.pitched, push.order) == ("kernel", "batched_first") and push.order in ORDERS and push.pitched in PITCHED
+    assert (
+        (push.pitched, push.order) == ("kernel", "batched_first") and push.order in ORDERS and push.pitched in PITCHED
+    )
     off = IpcPush(plan, 0, True, src.local_tensors(0), cpu, map_peers=False)
     assert off._open_here(b"never parsed") is None and off.map_error == "ipc_map_peers=False"
 
@@ -92,9 +99,12 @@ def test_ipc_push_options_come_from_arguments_not_the_environment(monkeypatch: p
 def test_refit_code_reads_no_environment_variable() -> None:
     """Refit behaviour is chosen by arguments (``WeightTransferConfig``), never by the environment."""
     root = Path(refit.__file__).parent
-    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
-                 for i, line in enumerate(p.read_text().splitlines(), 1)
-                 if "os.environ" in line or "getenv" in line or "NEMO_DATAPLANE_" in line]
+    offenders = [
+        f"{p.relative_to(root)}:{i}"
+        for p in sorted(root.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "os.environ" in line or "getenv" in line or "NEMO_DATAPLANE_" in line
+    ]
     assert offenders == []
 
 
@@ -127,7 +137,7 @@ class _FakeRuntime:
             self.__dict__.update(kw)
 
     def __init__(self, refuse_batch: bool) -> None:
-        O = self._Obj  # noqa: N806
+        O = self._Obj  # noqa: N806, E741
         self.refuse_batch = refuse_batch
         self.calls: list[str] = []
         self.cudaError_t = O(cudaSuccess=0)
@@ -136,7 +146,7 @@ class _FakeRuntime:
         self.cudaMemcpySrcAccessOrder = O(cudaMemcpySrcAccessOrderStream="stream")
 
     def cudaMemcpy3DBatchOp(self) -> object:  # noqa: N802 - the runtime's name
-        O = self._Obj  # noqa: N806
+        O = self._Obj  # noqa: N806, E741
         side = lambda: O(type=None, op=O(ptr=O(ptr=0, rowLength=0, layerHeight=0)))  # noqa: E731
         return O(src=side(), dst=side(), extent=O(width=0, height=0, depth=0), srcAccessOrder=None)
 
@@ -146,12 +156,31 @@ class _FakeRuntime:
             return (801,)
         for op in ops:
             assert op.src.type == op.dst.type == "ptr" and op.extent.depth == 1 and op.srcAccessOrder == "stream"
-            _run([(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
-                   op.extent.width, op.extent.height)])
+            _run(
+                [
+                    (
+                        op.dst.op.ptr.ptr,
+                        op.dst.op.ptr.rowLength,
+                        op.src.op.ptr.ptr,
+                        op.src.op.ptr.rowLength,
+                        op.extent.width,
+                        op.extent.height,
+                    )
+                ]
+            )
         return (0,)
 
-    def cudaMemcpy2DAsync(self, dp: int, dpitch: int, sp: int, spitch: int, w: int, h: int,  # noqa: N802
-                          kind: int, stream: int) -> tuple[int]:
+    def cudaMemcpy2DAsync(
+        self,
+        dp: int,
+        dpitch: int,
+        sp: int,
+        spitch: int,
+        w: int,
+        h: int,  # noqa: N802
+        kind: int,
+        stream: int,
+    ) -> tuple[int]:
         self.calls.append("2d")
         _run([(dp, dpitch, sp, spitch, w, h)])
         return (0,)

@@ -24,7 +24,7 @@ class ConfiguredStore(InMemoryClient):
         self.label, self.bootstrap = label, bootstrap
 
     @classmethod
-    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Any = "auto") -> "ConfiguredStore":
+    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Any = "auto") -> ConfiguredStore:
         return cls(str(cfg.backend_kwargs["label"]), bootstrap)
 
 
@@ -70,7 +70,10 @@ def test_custom_backend_by_path_uses_from_config(fake_module: str) -> None:
 
 
 def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
-    with pytest.raises(ValueError, match=r"data_plane.backend='redis' is neither a built-in backend \['memory', 'ray', 'transfer_queue'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_plane.backend='redis' is neither a built-in backend \['memory', 'ray', 'transfer_queue'\]",
+    ):
         resolve_backend("redis")
     with pytest.raises(ValueError, match="is not a nemo_dataplane.DataPlaneClient subclass"):
         resolve_backend(f"{fake_module}:NotAClient")

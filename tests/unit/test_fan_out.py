@@ -17,13 +17,11 @@ from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import PackingConfig
 from nemo_dataplane.driver.fan_out import async_fan_out_per_rank_metas, fan_out_per_rank_metas
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
-from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.rows import select_rows
 from nemo_dataplane.wrappers.observed import ObservedClient
 
 SEQ = PackingConfig(mode="sequence", max_tokens_per_microbatch=96)
-
-
 
 
 def _batch(n: int, seed: int = 0) -> TensorDict:
@@ -90,14 +88,19 @@ def test_concurrent_fan_outs_with_different_prefixes_do_not_collide(store: tuple
     assert len(client.kv_list(pid)) == 24
     for metas, batch, pre in ((ma, a, pa), (mb, b, pb)):
         for r, meta in enumerate(metas):
-            _assert_same(client.kv_batch_get(meta, ["input_ids", "reward"]), select_rows(batch, pre.rank_indices[r]).select("input_ids", "reward"))
+            _assert_same(
+                client.kv_batch_get(meta, ["input_ids", "reward"]),
+                select_rows(batch, pre.rank_indices[r]).select("input_ids", "reward"),
+            )
 
 
 def test_meta_source_is_resliced_without_io(store: tuple[DataPlaneClient, str]) -> None:
     client, pid = store
     batch = _batch(10)
     keys = [f"rollout/{i}" for i in range(10)]
-    stored = client.kv_batch_put(keys, pid, batch, tags=[{"seq_len": int(s), "uid": i} for i, s in enumerate(batch["seq_len"])])
+    stored = client.kv_batch_put(
+        keys, pid, batch, tags=[{"seq_len": int(s), "uid": i} for i, s in enumerate(batch["seq_len"])]
+    )
     stored = stored.with_extra_info(step=7)
     pre = driver_balanced_preshards(stored, 2, SEQ)
     observed = ObservedClient(client)
@@ -121,7 +124,9 @@ class _BarrierClient(InMemoryClient):
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def async_kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None) -> KVBatchMeta:
+    async def async_kv_batch_put(
+        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> KVBatchMeta:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         while self.max_in_flight < self.n:
@@ -147,7 +152,9 @@ class _FailingClient(InMemoryClient):
         super().__init__()
         self.bad_key = bad_key
 
-    async def async_kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None) -> KVBatchMeta:
+    async def async_kv_batch_put(
+        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> KVBatchMeta:
         if self.bad_key in keys:
             await asyncio.sleep(0.05)
             raise RuntimeError("storage unit lost")
@@ -184,11 +191,19 @@ def test_mismatched_sizes_raise() -> None:
     with pytest.raises(ValueError, match="8 rows but the plan covers 9"):
         fan_out_per_rank_metas(InMemoryClient(), pre, batch, partition_id="p", key_prefix="s")
     with pytest.raises(ValueError, match="key_prefix"):
-        fan_out_per_rank_metas(InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch, partition_id="p", key_prefix="")
+        fan_out_per_rank_metas(
+            InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch, partition_id="p", key_prefix=""
+        )
     for bad in (None, 0, -1.0, float("nan"), "10"):
         with pytest.raises(ValueError, match="timeout_s must be a positive number"):
-            fan_out_per_rank_metas(InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch,
-                                   partition_id="p", key_prefix="s", timeout_s=bad)  # type: ignore[arg-type]
+            fan_out_per_rank_metas(
+                InMemoryClient(),
+                driver_balanced_preshards(batch, 2, SEQ),
+                batch,
+                partition_id="p",
+                key_prefix="s",
+                timeout_s=bad,
+            )  # type: ignore[arg-type]
 
 
 def test_sync_fan_out_works_inside_a_running_event_loop() -> None:
@@ -211,7 +226,9 @@ class _HangingClient(InMemoryClient):
         super().__init__()
         self.stuck_key = stuck_key
 
-    async def async_kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None) -> KVBatchMeta:
+    async def async_kv_batch_put(
+        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> KVBatchMeta:
         if self.stuck_key in keys:
             await asyncio.sleep(3600)
         return self.kv_batch_put(keys, partition_id, fields, tags)

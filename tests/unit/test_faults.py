@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-
-import dataclasses
 
 import pytest
 
@@ -33,11 +32,19 @@ def test_fires_only_at_the_named_point_step_rank_and_group(tmp_path: Path) -> No
 
 
 def test_sigkill_mode_kills_the_process_without_cleanup() -> None:
-    code = ("from algorithms.config import DebugConfig\nfrom algorithms.faults import maybe_fail\n"
-            "maybe_fail(DebugConfig(fail_in='train', fail_mode='sigkill'), 'train', step=0, rank=0)\n"
-            "print('survived')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    code = (
+        "from algorithms.config import DebugConfig\nfrom algorithms.faults import maybe_fail\n"
+        "maybe_fail(DebugConfig(fail_in='train', fail_mode='sigkill'), 'train', step=0, rank=0)\n"
+        "print('survived')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == -9 and "survived" not in proc.stdout
 
 
@@ -65,4 +72,7 @@ def test_store_kill_points_need_the_transfer_queue_data_plane() -> None:
     cfg = REPO / "examples" / "configs" / "grpo_tiny.yaml"
     with pytest.raises(ConfigError, match="debug.fail_in=store_unit needs data_plane.enabled"):
         load_config(str(cfg), ["debug.fail_in=store_unit", "debug.fail_at_step=1", "data_plane.enabled=false"])
-    assert load_config(str(cfg), ["debug.fail_in=store_controller", "debug.fail_at_step=1"]).debug.fail_in == "store_controller"
+    assert (
+        load_config(str(cfg), ["debug.fail_in=store_controller", "debug.fail_at_step=1"]).debug.fail_in
+        == "store_controller"
+    )

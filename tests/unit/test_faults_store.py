@@ -24,13 +24,15 @@ def _store(name: str) -> Any:
     from nemo_dataplane.config import TransferQueueConfig
 
     # No CPUs reserved: the session cluster's 2 CPUs are shared with its own store.
-    cfg = TransferQueueConfig(num_storage_units=1, controller_num_cpus=0, storage_unit_num_cpus=0,
-                              op_timeout_s=120, bootstrap_timeout_s=120)
+    cfg = TransferQueueConfig(
+        num_storage_units=1, controller_num_cpus=0, storage_unit_num_cpus=0, op_timeout_s=120, bootstrap_timeout_s=120
+    )
     return TransferQueueClient(cfg, bootstrap=True, controller_name=name)
 
 
-@pytest.mark.parametrize("point, named", [("store_unit", "TransferQueue storage unit"),
-                                          ("store_controller", "TransferQueue controller")])
+@pytest.mark.parametrize(
+    "point, named", [("store_unit", "TransferQueue storage unit"), ("store_controller", "TransferQueue controller")]
+)
 def test_a_killed_store_actor_fails_the_next_op_naming_it_within_the_bound(point: str, named: str, tmp_path) -> None:
     from nemo_dataplane.adapters.transfer_queue.client import LIVENESS_EVERY_S, LIVENESS_PING_S, StoreLostError
 

@@ -23,10 +23,10 @@ from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import PackingConfig
 from nemo_dataplane.driver.fan_out import fan_out_per_rank_metas
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
-from nemo_dataplane.rows import select_rows
 from nemo_dataplane.meta import KVBatchMeta
-from nemo_dataplane.wrappers.observed import ObservedClient
+from nemo_dataplane.rows import select_rows
 from nemo_dataplane.worker.fetch import WorkerFetcher
+from nemo_dataplane.wrappers.observed import ObservedClient
 
 REPO = str(Path(__file__).resolve().parents[2])
 SEQ = PackingConfig(mode="sequence", max_tokens_per_microbatch=64)
@@ -205,7 +205,9 @@ def planned(tq_client: DataPlaneClient) -> Iterator[tuple[TensorDict, Any, list[
     tq_client.kv_clear(None, pid)
 
 
-def _run_all(ray: Any, actors: list[Any], policy: str, metas: list[KVBatchMeta], fields: list[str], **kw: Any) -> list[dict[str, Any]]:
+def _run_all(
+    ray: Any, actors: list[Any], policy: str, metas: list[KVBatchMeta], fields: list[str], **kw: Any
+) -> list[dict[str, Any]]:
     # DP shard d goes to replica group d: ranks 2d and 2d+1 get the same meta.
     return ray.get([a.run.remote(policy, metas[r // 2], fields, **kw) for r, a in enumerate(actors)], timeout=120)
 
@@ -254,7 +256,10 @@ def test_leader_failure_is_relayed_not_hung(ray_session: Any, four_ranks: list[A
     _, _, metas, _ = planned
     # Non-leaders pass client=None (allowed under leader_broadcast); the field does not exist.
     results = ray_session.get(
-        [a.run.remote("leader_broadcast", metas[r // 2], ["nope"], pass_client=(r % 2 == 0)) for r, a in enumerate(four_ranks)],
+        [
+            a.run.remote("leader_broadcast", metas[r // 2], ["nope"], pass_client=(r % 2 == 0))
+            for r, a in enumerate(four_ranks)
+        ],
         timeout=120,
     )
     for res in results:

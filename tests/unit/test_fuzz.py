@@ -20,7 +20,7 @@ from transfer_queue.metadata import KVBatchMeta as TQMeta
 from algorithms.config import TrainerConfig, load_config
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.codec import DTYPE_CODES
-from nemo_dataplane.config import ConfigError, DataPlaneConfig, PackingConfig, config_key
+from nemo_dataplane.config import ConfigError, PackingConfig, config_key
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
 from nemo_dataplane.meta import KVBatchMeta, MissingKeysError
 from nemo_dataplane.testing.conformance import assert_same_field, random_field
@@ -30,8 +30,9 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 # ------------------------------------------------------------------ KVBatchMeta
 tag_values = st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.lists(st.integers(0, 3), max_size=2))
 metas = st.builds(
-    lambda keys, tags, pid, fields, info: KVBatchMeta(keys=keys, tags=tags[: len(keys)], partition_id=pid,
-                                                      fields=fields, extra_info=info),
+    lambda keys, tags, pid, fields, info: KVBatchMeta(
+        keys=keys, tags=tags[: len(keys)], partition_id=pid, fields=fields, extra_info=info
+    ),
     st.lists(st.text(min_size=1, max_size=4), unique=True, max_size=12),
     st.lists(st.dictionaries(st.sampled_from("abc"), tag_values, max_size=2), min_size=12, max_size=12),
     st.one_of(st.none(), st.sampled_from(["train", "val"])),
@@ -126,8 +127,9 @@ def _with_specials(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     lengths=st.lists(st.integers(0, 5), min_size=1, max_size=6),
     seed=st.integers(0, 2**16),
 )
-def test_codec_round_trip_is_bit_exact(dtype: torch.dtype, batch: int, rest: list[int], lengths: list[int],
-                                       seed: int) -> None:
+def test_codec_round_trip_is_bit_exact(
+    dtype: torch.dtype, batch: int, rest: list[int], lengths: list[int], seed: int
+) -> None:
     dense = _with_specials(random_field((batch, *rest), dtype, seed), dtype)
     values = _with_specials(random_field((sum(lengths), 2), dtype, seed + 1), dtype)
     offsets = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int64)
@@ -155,8 +157,11 @@ def test_codec_round_trip_is_bit_exact(dtype: torch.dtype, batch: int, rest: lis
     budget=st.integers(1, 1500),
 )
 def test_driver_balanced_preshards_any_lengths_any_dp(lens: list[int], dp: int, mode: str, budget: int) -> None:
-    cfg = PackingConfig(mode=mode, micro_batch_size=max(1, budget // 100)) if mode == "none" else \
-        PackingConfig(mode=mode, max_tokens_per_microbatch=budget)
+    cfg = (
+        PackingConfig(mode=mode, micro_batch_size=max(1, budget // 100))
+        if mode == "none"
+        else PackingConfig(mode=mode, max_tokens_per_microbatch=budget)
+    )
     meta = KVBatchMeta(keys=[f"k{i}" for i in range(len(lens))], tags=[{"seq_len": s} for s in lens], partition_id="p")
     try:
         p = driver_balanced_preshards(meta, dp, cfg)
@@ -221,8 +226,10 @@ def _base() -> dict[str, Any]:
 
 
 @FAST
-@given(key=st.sampled_from(["mode", "max_tokens_per_microbatch", "micro_batch_size"]),
-       value=st.sampled_from(["none", "sequence", "dynamic", 1, 7, 4096]))
+@given(
+    key=st.sampled_from(["mode", "max_tokens_per_microbatch", "micro_batch_size"]),
+    value=st.sampled_from(["none", "sequence", "dynamic", 1, 7, 4096]),
+)
 def test_one_packing_key_keeps_the_other_section_defaults(key: str, value: Any) -> None:
     """Regression (fuzz finding): a single ``data_plane.packing.*`` key used to replace the
     section and drop its default ``micro_batch_size=4``; sections now merge per key."""
@@ -255,8 +262,10 @@ def test_config_wrong_type_names_the_key(leaf: tuple[str, Any]) -> None:
 
 
 @FAST
-@given(section=st.sampled_from(sorted({k.rsplit(".", 1)[0] for k, _ in LEAVES if "." in k})),
-       name=st.from_regex(r"[a-z_]{1,12}", fullmatch=True))
+@given(
+    section=st.sampled_from(sorted({k.rsplit(".", 1)[0] for k, _ in LEAVES if "." in k})),
+    name=st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+)
 def test_config_unknown_key_names_the_key(section: str, name: str) -> None:
     assume(f"{section}.{name}" not in {k for k, _ in LEAVES} and name not in {"backend_kwargs"})
     assume(not any(k.startswith(f"{section}.{name}.") for k, _ in LEAVES))
@@ -266,7 +275,7 @@ def test_config_unknown_key_names_the_key(section: str, name: str) -> None:
 
 
 @FAST
-@given(key=st.sampled_from(NUMERIC), value=st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=True)))
+@given(key=st.sampled_from(NUMERIC), value=st.one_of(st.integers(-(10**6), 10**6), st.floats(allow_nan=True)))
 def test_config_any_number_is_accepted_or_refused_naming_the_key(key: str, value: float) -> None:
     tp = dict(LEAVES)[key]
     if tp in (int, int | None):
@@ -277,8 +286,14 @@ def test_config_any_number_is_accepted_or_refused_naming_the_key(key: str, value
         assert key in str(e), (key, value, str(e))
 
 
-@pytest.mark.parametrize("key", [k for k in NUMERIC if k.endswith(("timeout_s", "steps", "dp_size", "bucket_bytes",
-                                                                    "prompts_per_step", "claim_poll_s"))])
+@pytest.mark.parametrize(
+    "key",
+    [
+        k
+        for k in NUMERIC
+        if k.endswith(("timeout_s", "steps", "dp_size", "bucket_bytes", "prompts_per_step", "claim_poll_s"))
+    ],
+)
 def test_config_out_of_range_refused_naming_the_key(key: str) -> None:
     with pytest.raises(ConfigError) as e:
         TrainerConfig.from_dict(_set(_base(), key, -1))

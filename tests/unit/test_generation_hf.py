@@ -24,9 +24,16 @@ from nemo_dataplane.refit import RefitSender, WeightTransferConfig
 
 TOK = CharTokenizer()
 MODEL: dict[str, Any] = {
-    "arch": "llama", "seed": 0,
-    "hf_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "arch": "llama",
+    "seed": 0,
+    "hf_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
 }
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 4, 4, 4]]
 
@@ -46,8 +53,9 @@ def test_tokens_and_logprobs_are_those_of_the_seeded_sampler() -> None:
     spec = SamplingSpec(max_new_tokens=5, temperature=0.9, seed=7)
     out = eng.generate(PROMPTS, 3, spec)
     ref_model = build_model(MODEL, vocab_size=TOK.vocab_size)
-    tokens, logprobs = generate(ref_model, PROMPTS, 3, 5, 0.9, torch.Generator().manual_seed(7), TOK.eos_id,
-                                TOK.pad_id, return_logprobs=True)
+    tokens, logprobs = generate(
+        ref_model, PROMPTS, 3, 5, 0.9, torch.Generator().manual_seed(7), TOK.eos_id, TOK.pad_id, return_logprobs=True
+    )
     assert out.tokens == tokens and out.logprobs == logprobs
     assert out.version == -1 and len(out.tokens) == 9
     assert all(len(t) == len(lp) for t, lp in zip(out.tokens, out.logprobs))
@@ -100,19 +108,32 @@ def test_top_p_is_refused_by_the_hf_engine() -> None:
 
 
 def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
-    cfg = load_config(None, [f"policy.model.{k}={v}" for k, v in (("arch", "llama"), ("seed", 0))]
-                      + [f"policy.model.hf_config.{k}={v}" for k, v in MODEL["hf_config"].items()]
-                      + ["generation.max_new_tokens=3", "generation.temperature=0.7"])
+    cfg = load_config(
+        None,
+        [f"policy.model.{k}={v}" for k, v in (("arch", "llama"), ("seed", 0))]
+        + [f"policy.model.hf_config.{k}={v}" for k, v in MODEL["hf_config"].items()]
+        + ["generation.max_new_tokens=3", "generation.temperature=0.7"],
+    )
     assert cfg.generation.backend == "hf"
     worker = GeneratorWorker(cfg)
     assert worker.ready() is True
     tokens, logprobs, version = worker.generate(PROMPTS, 2, 5)
-    ref = generate(build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 2, 3, 0.7,
-                   torch.Generator().manual_seed(5), TOK.eos_id, TOK.pad_id, return_logprobs=True)
+    ref = generate(
+        build_model(MODEL, vocab_size=TOK.vocab_size),
+        PROMPTS,
+        2,
+        3,
+        0.7,
+        torch.Generator().manual_seed(5),
+        TOK.eos_id,
+        TOK.pad_id,
+        return_logprobs=True,
+    )
     assert (tokens, logprobs) == ref and version == -1
     greedy, _, _ = worker.generate(PROMPTS, 1, 5, temperature=0.0)
-    assert greedy == generate(build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 1, 3, 0.0,
-                              torch.Generator(), TOK.eos_id, TOK.pad_id)
+    assert greedy == generate(
+        build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 1, 3, 0.0, torch.Generator(), TOK.eos_id, TOK.pad_id
+    )
     worker.shutdown()
 
 

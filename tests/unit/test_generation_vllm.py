@@ -38,9 +38,16 @@ TOK = CharTokenizer()
 # Head size 32: vLLM's CPU attention takes 32, 64, 80, ...; 128 positions so prompts can span
 # more than one 32-token KV block (the prefix cache then has something to reuse).
 MODEL: dict[str, Any] = {
-    "arch": "llama", "seed": 0,
-    "hf_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                  "num_key_value_heads": 2, "max_position_embeddings": 128},
+    "arch": "llama",
+    "seed": 0,
+    "hf_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    },
 }
 # fp32 engine vs fp32 trainer forward: measured max |delta| ~1e-6 per token.
 LOGPROB_TOL = 1e-4
@@ -70,8 +77,15 @@ class _Sender:
     ``send``. Default: policy rank 0 of a 2-rank group with a ``RefitSender`` of ``model``;
     ``make(group)`` builds another sender (a TP rank's ``ReshardSender``) as group ``rank``."""
 
-    def __init__(self, model: torch.nn.Module | None, port: int, *, rank: int = 0, world: int = 2,
-                 make: Callable[[StatelessProcessGroup], Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        port: int,
+        *,
+        rank: int = 0,
+        world: int = 2,
+        make: Callable[[StatelessProcessGroup], Any] | None = None,
+    ) -> None:
         self.model, self.port, self.rank, self.world = model, port, rank, world
         self.make = make or (lambda g: RefitSender(g, self.model.named_parameters))
         self.error: BaseException | None = None
@@ -111,23 +125,31 @@ class _Sender:
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=TOK.bos_id, pad_id=TOK.pad_id,
-                     engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20), llm_kwargs={"block_size": 32})
+    eng = VLLMEngine(
+        MODEL,
+        vocab_size=TOK.vocab_size,
+        eos_id=TOK.eos_id,
+        bos_id=TOK.bos_id,
+        pad_id=TOK.pad_id,
+        engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20),
+        llm_kwargs={"block_size": 32},
+    )
     yield eng
     eng.shutdown()
 
 
-def _trainer_logprobs(model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts,
-                      temperature: float) -> list[torch.Tensor]:
+def _trainer_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts, temperature: float
+) -> list[torch.Tensor]:
     """The trainer's log-prob of each sampled token (``sequence_logprobs`` on prompt + response)."""
     rows = [p for p in prompts for _ in range(n)]
     ids, attn = pad_batch([p + t for p, t in zip(rows, out.tokens)], TOK.pad_id)
     resp = torch.zeros_like(ids)
     for i, (p, t) in enumerate(zip(rows, out.tokens)):
-        resp[i, len(p):len(p) + len(t)] = 1
+        resp[i, len(p) : len(p) + len(t)] = 1
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, attn, resp, temperature=temperature)
-    return [lp[i, len(p) - 1:len(p) - 1 + len(t)] for i, (p, t) in enumerate(zip(rows, out.tokens))]
+    return [lp[i, len(p) - 1 : len(p) - 1 + len(t)] for i, (p, t) in enumerate(zip(rows, out.tokens))]
 
 
 def _max_delta(model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts, temperature: float) -> float:
@@ -207,11 +229,14 @@ def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEn
     shards = [mcore_shard_to_hf(hf_to_mcore(trainer.state_dict(), shape, tp=2, rank=r), shape, tp=2) for r in (0, 1)]
     layout = build_layout(Mesh.of([0, 1], tp=2), {n: s for n, s in hf_full_shapes(shape).items() if n in shards[0]})
     port = _free_port()
-    senders = [_Sender(None, port, rank=r, world=3, make=lambda g, r=r: ReshardSender(g, shards[r], layout, 4096))
-               for r in (0, 1)]
+    senders = [
+        _Sender(None, port, rank=r, world=3, make=lambda g, r=r: ReshardSender(g, shards[r], layout, 4096))
+        for r in (0, 1)
+    ]
     try:
-        engine.init_refit("127.0.0.1", port, 3, 2,
-                          RefitSpec("gloo", 60, WeightTransferConfig(family="reshard"), senders=2))
+        engine.init_refit(
+            "127.0.0.1", port, 3, 2, RefitSpec("gloo", 60, WeightTransferConfig(family="reshard"), senders=2)
+        )
         for s in senders:
             s.send(13)
         assert engine.receive_weights() == 13
@@ -315,18 +340,22 @@ with engine:
 def test_multiprocess_engine_refits_in_its_worker_process_and_leaves_no_process_on_failure(tmp_path: Path) -> None:
     psutil = pytest.importorskip("psutil")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _MP_SCRIPT, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=400)
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0].isupper()
-                 and " " in line)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MP_SCRIPT, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=400
+    )
+    lines = dict(
+        line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0].isupper() and " " in line
+    )
     assert proc.returncode == 1 and "RuntimeError: a step failed" in proc.stderr, proc.stderr[-4000:]
     children = [int(p) for p in lines["CHILDREN"].split()]
     assert children, "the multiprocess engine runs its core and worker in processes of their own"
     assert lines["VERSION"] == "3"
     assert float(lines["DELTA"]) < LOGPROB_TOL
     deadline = time.monotonic() + 30
-    alive: Callable[[], list[int]] = lambda: [p for p in children if psutil.pid_exists(p)  # noqa: E731
-                                              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    def alive() -> list[int]:
+        return [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive() == [], "vLLM processes outlived the failed run"

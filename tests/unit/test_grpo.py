@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from algorithms.grpo import (
     dynamic_sampling_mask,
@@ -168,7 +168,10 @@ def test_micro_batches_sum_to_whole_batch_with_global_token_count() -> None:
     kw = dict(clip_eps=0.2, kl_coef=0.05)
     whole, wm = policy_loss(lp, old, ref, adv, mask, **kw)
     total = float(mask.sum())
-    parts = [policy_loss(lp[s], old[s], ref[s], adv[s], mask[s], global_token_count=total, **kw) for s in (slice(0, 2), slice(2, 6))]
+    parts = [
+        policy_loss(lp[s], old[s], ref[s], adv[s], mask[s], global_token_count=total, **kw)
+        for s in (slice(0, 2), slice(2, 6))
+    ]
     assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), rel=1e-6)
     for k in ("kl", "clip_frac", "pg_loss"):
         assert sum(p[1][k] for p in parts).item() == pytest.approx(wm[k].item(), rel=1e-5, abs=1e-7)
@@ -199,9 +202,7 @@ def test_policy_loss_rejects_bad_shapes() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    groups=st.lists(
-        st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=4, max_size=4), min_size=1, max_size=6
-    ),
+    groups=st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=4, max_size=4), min_size=1, max_size=6),
     scale=st.floats(0.1, 10.0),
     shift=st.floats(-5.0, 5.0),
 )
@@ -260,8 +261,18 @@ def test_decoupled_loss_matches_an_independent_per_token_computation() -> None:
     behaviour = old - torch.linspace(-1.5, 1.5, old.numel()).reshape(old.shape)  # weights 0.22 .. 4.5
     cap, eps, kl_coef = 2.0, 0.2, 0.0
     for mode in ("truncate", "mask"):
-        loss, m = policy_loss(lp, old, None, adv, mask, clip_eps=eps, kl_coef=kl_coef,
-                              behaviour_logprobs=behaviour, is_cap=cap, is_mode=mode)
+        loss, m = policy_loss(
+            lp,
+            old,
+            None,
+            adv,
+            mask,
+            clip_eps=eps,
+            kl_coef=kl_coef,
+            behaviour_logprobs=behaviour,
+            is_cap=cap,
+            is_mode=mode,
+        )
         total, n_tok, n_over = 0.0, 0.0, 0.0
         for i in range(lp.shape[0]):
             for j in range(lp.shape[1]):

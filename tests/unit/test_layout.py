@@ -91,7 +91,10 @@ def test_fused_local_tensors_hold_each_parts_shard_in_order() -> None:
     lt = lay.local_tensors(1)["model.layers.0.self_attn.qkv_proj.weight"]
     assert lt.shape == (8, 8) and lt.fuse_dim == 0
     assert [(p.split(".")[-2], box, off) for p, box, off in lt.parts] == [
-        ("q_proj", ((4, 8), (0, 8)), 0), ("k_proj", ((2, 4), (0, 8)), 4), ("v_proj", ((2, 4), (0, 8)), 6)]
+        ("q_proj", ((4, 8), (0, 8)), 0),
+        ("k_proj", ((2, 4), (0, 8)), 4),
+        ("v_proj", ((2, 4), (0, 8)), 6),
+    ]
     assert "model.layers.0.self_attn.q_proj.weight" not in lay.local_tensors(1)
     # an incomplete group stays unfused
     assert fuse(["a.q_proj.weight", "a.k_proj.weight"]) == {}
@@ -102,8 +105,9 @@ def test_json_roundtrip_and_fingerprint() -> None:
     back = Layout.from_json(lay.to_json())
     assert back == lay and back.fingerprint == lay.fingerprint
     json.loads(lay.to_json())  # plain JSON, nothing pickled
-    other = build_layout(Mesh.of([0, 2, 1, 3], pp=2, tp=2), _params(), stage_of=layer_stages(2, 2),
-                         fusions=DEFAULT_FUSIONS)
+    other = build_layout(
+        Mesh.of([0, 2, 1, 3], pp=2, tp=2), _params(), stage_of=layer_stages(2, 2), fusions=DEFAULT_FUSIONS
+    )
     assert other.fingerprint != lay.fingerprint
     with pytest.raises(LayoutError, match="missing or wrong field 'params'"):
         Layout.from_dict({"mesh": {"dims": ["tp"], "sizes": [1], "ranks": [0]}})
@@ -124,9 +128,11 @@ def test_bad_layouts_name_the_parameter() -> None:
 
 
 def test_overrides_set_or_drop_a_rule() -> None:
-    lay = build_layout(Mesh.of([0, 1], tp=2), _params(),
-                       overrides={"model.layers.0.self_attn.o_proj.weight": None,
-                                  "model.layers.1.mlp.router_A_log": ["Shard(0)"]})
+    lay = build_layout(
+        Mesh.of([0, 1], tp=2),
+        _params(),
+        overrides={"model.layers.0.self_attn.o_proj.weight": None, "model.layers.1.mlp.router_A_log": ["Shard(0)"]},
+    )
     assert lay.params["model.layers.0.self_attn.o_proj.weight"].rule is None
     assert lay.params["model.layers.0.self_attn.o_proj.weight"].placements == (Replicate(),)
     assert lay.params["model.layers.1.mlp.router_A_log"].placements == (Shard(0),)

@@ -28,8 +28,6 @@ CONFIGS = {
 FIELDS = ["input_ids", "logprobs", "seq_len", "reward", "mask"]
 
 
-
-
 def _batch(n: int = 30, seed: int = 0) -> TensorDict:
     # Lengths deliberately shuffled so balancing reorders samples.
     lens = [8 + 5 * i for i in range(n)]
@@ -40,8 +38,12 @@ def _batch(n: int = 30, seed: int = 0) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     return TensorDict(
         {
-            "input_ids": torch.nested.nested_tensor_from_jagged(torch.randint(0, 32000, (total,), generator=g), offsets=offsets),
-            "logprobs": torch.nested.nested_tensor_from_jagged(torch.randn(total, generator=g), offsets=offsets.clone()),
+            "input_ids": torch.nested.nested_tensor_from_jagged(
+                torch.randint(0, 32000, (total,), generator=g), offsets=offsets
+            ),
+            "logprobs": torch.nested.nested_tensor_from_jagged(
+                torch.randn(total, generator=g), offsets=offsets.clone()
+            ),
             "seq_len": torch.tensor(lens),
             "reward": torch.randn(n, generator=g).to(torch.bfloat16),
             "mask": torch.rand(n, 3, generator=g) > 0.5,
@@ -132,12 +134,31 @@ def test_legacy_transport_imports_nothing_of_the_data_plane() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
     # Planning and row cutting are shared by both transports; nothing that talks to a store is.
-    allowed_dp = {"nemo_dataplane.driver.planner", "nemo_dataplane.driver.preshard", "nemo_dataplane.rows",
-                  "nemo_dataplane.meta", "nemo_dataplane.codec"}
+    allowed_dp = {
+        "nemo_dataplane.driver.planner",
+        "nemo_dataplane.driver.preshard",
+        "nemo_dataplane.rows",
+        "nemo_dataplane.meta",
+        "nemo_dataplane.codec",
+    }
     ours = {m for m in imported if m.startswith("nemo_dataplane")}
     assert ours <= allowed_dp, ours - allowed_dp
-    assert {m.split(".")[0] for m in imported} <= {"__future__", "collections", "dataclasses", "typing", "ray", "tensordict",
-                                                   "torch", "nemo_dataplane", "algorithms", "threading", "time"}
+    assert {m.split(".")[0] for m in imported} <= {
+        "__future__",
+        "collections",
+        "dataclasses",
+        "typing",
+        "ray",
+        "tensordict",
+        "torch",
+        "nemo_dataplane",
+        "algorithms",
+        "threading",
+        "time",
+    }
     # Of the trainer's own modules it may use the shared ones, never the data-plane transport.
     assert {m for m in imported if m.startswith("algorithms")} <= {
-        "algorithms.metrics", "algorithms.rollouts", "algorithms.transports.base"}
+        "algorithms.metrics",
+        "algorithms.rollouts",
+        "algorithms.transports.base",
+    }

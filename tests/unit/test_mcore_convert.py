@@ -19,10 +19,17 @@ import _megatron_procs as MP  # noqa: E402
 import _refit_procs as P  # noqa: E402
 
 from algorithms.engines.training.mcore_convert import (  # noqa: E402
-    hf_to_mcore, mcore_shard_to_hf, mcore_to_hf, shape_from_hf_config, transformer_kwargs,
+    hf_to_mcore,
+    mcore_shard_to_hf,
+    mcore_to_hf,
+    shape_from_hf_config,
+    transformer_kwargs,
 )
 from algorithms.engines.training.packing import (  # noqa: E402
-    block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded,
+    block_causal_mask,
+    packed_from_jagged,
+    packed_logprobs,
+    unpack_to_padded,
 )
 
 
@@ -32,9 +39,9 @@ def _qkv_by_loop(q, k, v, heads, groups, d, tp, r):
     per = heads // groups
     for g in range(r * groups // tp, (r + 1) * groups // tp):
         for h in range(g * per, (g + 1) * per):
-            rows.append(q[h * d:(h + 1) * d])
-        rows.append(k[g * d:(g + 1) * d])
-        rows.append(v[g * d:(g + 1) * d])
+            rows.append(q[h * d : (h + 1) * d])
+        rows.append(k[g * d : (g + 1) * d])
+        rows.append(v[g * d : (g + 1) * d])
     return torch.cat(rows)
 
 
@@ -50,16 +57,26 @@ def test_hf_to_mcore_layout_matches_per_head_loop_and_round_trips(tp: int, kv: i
     for r, mc in enumerate(shards):
         for i in range(s.num_layers):
             h = f"model.layers.{i}.self_attn."
-            want = _qkv_by_loop(sd[h + "q_proj.weight"], sd[h + "k_proj.weight"], sd[h + "v_proj.weight"],
-                                s.heads, s.groups, s.head_dim, tp, r)
+            want = _qkv_by_loop(
+                sd[h + "q_proj.weight"],
+                sd[h + "k_proj.weight"],
+                sd[h + "v_proj.weight"],
+                s.heads,
+                s.groups,
+                s.head_dim,
+                tp,
+                r,
+            )
             assert torch.equal(mc[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], want)
             gate, up = sd[f"model.layers.{i}.mlp.gate_proj.weight"], sd[f"model.layers.{i}.mlp.up_proj.weight"]
             f = s.ffn // tp
             fc1 = mc[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
-            assert torch.equal(fc1[:f], gate[r * f:(r + 1) * f]) and torch.equal(fc1[f:], up[r * f:(r + 1) * f])
+            assert torch.equal(fc1[:f], gate[r * f : (r + 1) * f]) and torch.equal(fc1[f:], up[r * f : (r + 1) * f])
             o = sd[f"model.layers.{i}.self_attn.o_proj.weight"]
-            assert torch.equal(mc[f"decoder.layers.{i}.self_attention.linear_proj.weight"],
-                               o[:, r * s.hidden // tp:(r + 1) * s.hidden // tp])
+            assert torch.equal(
+                mc[f"decoder.layers.{i}.self_attention.linear_proj.weight"],
+                o[:, r * s.hidden // tp : (r + 1) * s.hidden // tp],
+            )
         assert mc["embedding.word_embeddings.weight"].shape == (s.vocab // tp, s.hidden)
     back = mcore_to_hf(shards, s)
     assert set(back) == set(sd)
@@ -74,8 +91,12 @@ def test_te_names_and_bad_inputs() -> None:
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te
     assert not any("input_layernorm" in k for k in te)
-    assert all(torch.equal(a, b) for a, b in zip(mcore_to_hf([te], s, te=True).values(),
-                                                 [hf.state_dict()[k] for k in mcore_to_hf([te], s, te=True)]))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            mcore_to_hf([te], s, te=True).values(), [hf.state_dict()[k] for k in mcore_to_hf([te], s, te=True)]
+        )
+    )
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
         hf_to_mcore(hf.state_dict(), s, tp=4)
     sd = dict(hf.state_dict())

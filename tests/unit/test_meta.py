@@ -91,7 +91,9 @@ def test_chunk_sizes_and_concat_inverse() -> None:
 
 def test_concat_rules() -> None:
     a = _meta(2, fields=("ids", "logp", "r"))
-    b = KVBatchMeta(keys=["x"], tags=[{}], partition_id="train", fields=("r", "ids", "logp"), extra_info={"plan": [1, 2]})
+    b = KVBatchMeta(
+        keys=["x"], tags=[{}], partition_id="train", fields=("r", "ids", "logp"), extra_info={"plan": [1, 2]}
+    )
     c = KVBatchMeta.concat([a, b])
     assert c.keys == ("k0", "k1", "x") and c.fields == ("ids", "logp", "r")  # same set, first's order
     assert KVBatchMeta.concat([a, b.replace_fields(None)]).fields is None  # unknown for some keys

@@ -52,8 +52,13 @@ def test_init_validation(kw: dict[str, Any], message: str) -> None:
 
 
 def test_select_keys_keeps_partition_fields_extra_info() -> None:
-    kw = dict(keys=["a", "b", "c"], tags=[{"i": 0}, {"i": 1}, {"i": 2}], partition_id="p0",
-              fields=["f1", "f2"], extra_info={"t": "v"})
+    kw = dict(
+        keys=["a", "b", "c"],
+        tags=[{"i": 0}, {"i": 1}, {"i": 2}],
+        partition_id="p0",
+        fields=["f1", "f2"],
+        extra_info={"t": "v"},
+    )
     for m in _both(**kw):
         sel = m.select_keys(["a", "c"])
         assert list(sel.keys) == ["a", "c"] and list(sel.tags) == [{"i": 0}, {"i": 2}]
@@ -88,8 +93,13 @@ def test_reorder_validation(indexes: list[int], message: str) -> None:
 
 
 def test_chunk() -> None:
-    kw = dict(keys=[f"k{i}" for i in range(10)], tags=[{"i": i} for i in range(10)], partition_id="p0",
-              fields=["f1"], extra_info={"t": "v"})
+    kw = dict(
+        keys=[f"k{i}" for i in range(10)],
+        tags=[{"i": i} for i in range(10)],
+        partition_id="p0",
+        fields=["f1"],
+        extra_info={"t": "v"},
+    )
     for m in _both(**kw):
         parts = m.chunk(3)
         assert [len(p) for p in parts] == [4, 3, 3]

@@ -179,7 +179,14 @@ def test_generate_logprobs_are_those_of_the_sampled_tokens_under_the_tempered_di
     temperature = 0.7
     plain = generate(model, prompts, 3, 5, temperature, torch.Generator().manual_seed(4), TOK.eos_id, TOK.pad_id)
     tokens, logprobs = generate(
-        model, prompts, 3, 5, temperature, torch.Generator().manual_seed(4), TOK.eos_id, TOK.pad_id,
+        model,
+        prompts,
+        3,
+        5,
+        temperature,
+        torch.Generator().manual_seed(4),
+        TOK.eos_id,
+        TOK.pad_id,
         return_logprobs=True,
     )
     assert tokens == plain
@@ -188,8 +195,8 @@ def test_generate_logprobs_are_those_of_the_sampled_tokens_under_the_tempered_di
         seq = torch.tensor([list(prompts[i // 3]) + resp])
         attn = torch.ones_like(seq)
         resp_mask = torch.zeros_like(seq, dtype=torch.bool)
-        resp_mask[:, len(prompts[i // 3]):] = True
+        resp_mask[:, len(prompts[i // 3]) :] = True
         with torch.no_grad():
-            ref = sequence_logprobs(model, seq, attn, resp_mask, temperature=temperature)[0, len(prompts[i // 3]) - 1:]
+            ref = sequence_logprobs(model, seq, attn, resp_mask, temperature=temperature)[0, len(prompts[i // 3]) - 1 :]
         assert torch.allclose(torch.tensor(lps), ref, atol=1e-5), (i, lps, ref.tolist())
         assert all(lp <= 0 for lp in lps)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 from nemo_dataplane.testing.conformance import jagged
+from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 
 
 def _observed() -> tuple[ObservedClient, list[OpEvent]]:

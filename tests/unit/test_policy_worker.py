@@ -28,11 +28,17 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_ti
 
 @pytest.fixture(scope="module")
 def worker():
-    cfg = load_config(CONFIG, [
-        "data_plane.packing.mode=sequence", "data_plane.packing.max_tokens_per_microbatch=24",
-        "data_plane.packing.micro_batch_size=null", "grpo.epochs=1", "generation.temperature=0.8",
-        "grpo.kl_coef=0.1",
-    ])
+    cfg = load_config(
+        CONFIG,
+        [
+            "data_plane.packing.mode=sequence",
+            "data_plane.packing.max_tokens_per_microbatch=24",
+            "data_plane.packing.micro_batch_size=null",
+            "grpo.epochs=1",
+            "generation.temperature=0.8",
+            "grpo.kl_coef=0.1",
+        ],
+    )
     w = PolicyWorker(0, 1, cfg)
     w.join_train_group(*w.host_rendezvous("train", 1, loopback=True))
     w.attach(LegacyBatchIO(60.0))
@@ -49,12 +55,15 @@ def _batch(seed: int = 0) -> TensorDict:
         r = 1 + (i * 7) % 5
         rows.append(torch.randint(3, 20, (p + r,), generator=g))
         prompt_len.append(p)
-    return TensorDict({
-        "input_ids": jagged_from_rows(rows),
-        "prompt_len": torch.tensor(prompt_len),
-        "seq_len": torch.tensor([r.numel() for r in rows]),
-        "advantages": torch.randn(10, generator=g),
-    }, batch_size=[10])
+    return TensorDict(
+        {
+            "input_ids": jagged_from_rows(rows),
+            "prompt_len": torch.tensor(prompt_len),
+            "seq_len": torch.tensor([r.numel() for r in rows]),
+            "advantages": torch.randn(10, generator=g),
+        },
+        batch_size=[10],
+    )
 
 
 def _reference_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -80,7 +89,7 @@ def test_packed_logprobs_and_loss_match_a_plain_per_row_forward(worker) -> None:
         p = int(shard.data["prompt_len"][i])
         assert got[i].shape == ref.shape
         assert torch.equal(got[i][: p - 1], torch.zeros(p - 1)), "prompt positions must score 0"
-        worst = max(worst, float((got[i][p - 1:] - ref[p - 1:]).abs().max()))
+        worst = max(worst, float((got[i][p - 1 :] - ref[p - 1 :]).abs().max()))
     assert worst < 1e-5, worst
 
     # The loss: proximal/reference log-probs perturbed so ratio, clip and KL all bite.

@@ -11,8 +11,8 @@ from tensordict import TensorDict
 from nemo_dataplane.config import DataPlaneConfig, PackingConfig
 from nemo_dataplane.driver.planner import plan
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
-from nemo_dataplane.rows import select_rows, split_microbatches
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.rows import select_rows, split_microbatches
 
 SEQ = PackingConfig(mode="sequence", max_tokens_per_microbatch=128)
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.adapters.ray_store.client import RayStoreClient
 from nemo_dataplane.adapters.ray_store.actors import StoreIndex
+from nemo_dataplane.adapters.ray_store.client import RayStoreClient
 from nemo_dataplane.client import DataPlaneError
 from nemo_dataplane.config import RayStoreConfig
 from nemo_dataplane.factory import build_data_plane_client
@@ -118,11 +118,15 @@ def _writer_cls() -> Any:
     @ray.remote(num_cpus=0)
     class Writer:
         def __init__(self, actor_name: str) -> None:
-            self.client = RayStoreClient(RayStoreConfig(op_timeout_s=30), bootstrap=False, actor_name=actor_name,
-                                         namespace="nd_tests")
+            self.client = RayStoreClient(
+                RayStoreConfig(op_timeout_s=30), bootstrap=False, actor_name=actor_name, namespace="nd_tests"
+            )
 
         def put(self, pid: str, n: int) -> Any:
-            fields = {"ids": jagged(list(range(1, n + 1)), seed=3), "x": random_field((n, 300_000), torch.float32, seed=4)}
+            fields = {
+                "ids": jagged(list(range(1, n + 1)), seed=3),
+                "x": random_field((n, 300_000), torch.float32, seed=4),
+            }
             return self.client.kv_batch_put([f"k{i}" for i in range(n)], pid, fields)
 
         def flush(self) -> int:
@@ -179,8 +183,12 @@ def test_scattered_reads_across_puts_match_the_reference(ray_store_client: RaySt
     for lo, hi in ((0, 20), (20, 45), (45, 60)):  # three puts -> three chunks per field
         n = hi - lo
         lengths = torch.randint(0, 9, (n,), generator=g).tolist()
-        fields = {"ids": jagged(lengths, seed=lo), "h": jagged(lengths, 2, dtype=torch.bfloat16, seed=lo + 1),
-                  "r": random_field((n,), torch.float32, seed=lo + 2), "d": random_field((n, 3), torch.int16, seed=lo)}
+        fields = {
+            "ids": jagged(lengths, seed=lo),
+            "h": jagged(lengths, 2, dtype=torch.bfloat16, seed=lo + 1),
+            "r": random_field((n,), torch.float32, seed=lo + 2),
+            "d": random_field((n, 3), torch.int16, seed=lo),
+        }
         for c in (ray_store_client, ref):
             c.kv_batch_put(keys[lo:hi], pid, fields, tags=[{"i": i} for i in range(lo, hi)])
     for c in (ray_store_client, ref):  # an upsert of some rows spreads one field over four chunks
@@ -195,8 +203,9 @@ def test_scattered_reads_across_puts_match_the_reference(ray_store_client: RaySt
     assert ray_store_client.kv_list(pid).tags == ref.kv_list(pid).tags
 
 
-def test_a_failed_write_leaves_no_keys_and_no_lock(ray_store_client: RayStoreClient, pid: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_leaves_no_keys_and_no_lock(
+    ray_store_client: RayStoreClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import nemo_dataplane.adapters.ray_store.client as rs
 
     def full(*_: Any, **__: Any) -> Any:
@@ -263,7 +272,9 @@ def test_concurrent_claimers_in_other_processes_never_share_a_row(ray_store_clie
 
 # --------------------------------------------------------------- bootstrap
 def test_bootstrap_modes_say_what_is_wrong(ray_store_client: RayStoreClient) -> None:
-    with pytest.raises(DataPlaneError, match=r"no Ray store index named 'nope' in Ray namespace 'nd_tests'.*bootstrap=True"):
+    with pytest.raises(
+        DataPlaneError, match=r"no Ray store index named 'nope' in Ray namespace 'nd_tests'.*bootstrap=True"
+    ):
         RayStoreClient(bootstrap=False, actor_name="nope", namespace="nd_tests")
     with pytest.raises(DataPlaneError, match="already exists"):
         RayStoreClient(bootstrap=True)  # the session's index has the default name

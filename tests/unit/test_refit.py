@@ -14,7 +14,6 @@ from nemo_dataplane.refit.packed import Bucket, Direct, build_plan, diff_specs, 
 sys.path.insert(0, str(Path(__file__).parent))
 import _refit_procs as P  # noqa: E402
 
-
 # ---------------------------------------------------------------- plan and metadata (in process)
 
 
@@ -76,11 +75,19 @@ def test_diff_specs_lists_every_kind_of_mismatch() -> None:
     [(2, None, "auto"), (4, None, "auto"), (2, 0, "auto"), (2, 0, "p2p"), (3, None, "p2p")],
     ids=["packed-2ranks", "packed-4ranks", "per-tensor-2ranks", "per-tensor-p2p-2ranks", "packed-p2p-3ranks"],
 )
-def test_refit_is_bit_exact(pool: P.Pool, world: int, direct_bytes: int | None,
-                            transport: str) -> None:
+def test_refit_is_bit_exact(pool: P.Pool, world: int, direct_bytes: int | None, transport: str) -> None:
     port = P.free_port()
-    res = P.run_ranks(pool, P.refit_roundtrip, list(range(world)), world=world, port=port,
-                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(7, 8), transport=transport)
+    res = P.run_ranks(
+        pool,
+        P.refit_roundtrip,
+        list(range(world)),
+        world=world,
+        port=port,
+        bucket_bytes=4096,
+        direct_bytes=direct_bytes,
+        versions=(7, 8),
+        transport=transport,
+    )
     for r in range(world):
         assert not isinstance(res[r], BaseException), P.format_exc(res[r])
     assert res[0]["n_tensors"] == len(P.model_tensors(0, torch.device("cpu")))
@@ -106,9 +113,12 @@ def test_model_fixture_covers_the_tricky_dtypes() -> None:
 def test_mismatch_is_caught_before_transfer_on_both_sides(pool: P.Pool) -> None:
     port = P.free_port()
     res = P.run_ranks(pool, P.refit_mismatch, [0, 1, 2], world=3, port=port, bad_ranks=(1,))
-    expected = ["a: shape sender [4, 4] != receiver [4, 5]", "b: dtype sender bfloat16 != receiver float32",
-                "c: sent by the trainer, but the receiver has no such tensor",
-                "extra: receiver tensor not sent by the trainer"]
+    expected = [
+        "a: shape sender [4, 4] != receiver [4, 5]",
+        "b: dtype sender bfloat16 != receiver float32",
+        "c: sent by the trainer, but the receiver has no such tensor",
+        "extra: receiver tensor not sent by the trainer",
+    ]
     for r in (0, 1, 2):
         out = res[r]
         assert out["error"] == "RefitMismatchError", out
@@ -166,8 +176,23 @@ def test_ipc_host_check_names_the_rank_and_reason() -> None:
 def test_ipc_handle_encoding_roundtrips() -> None:
     from nemo_dataplane.refit.cuda.ipc import _dec, _enc
 
-    args = (torch.Tensor, torch.Size([3, 4]), (4, 1), 5, torch.storage.TypedStorage, torch.bfloat16, 1,
-            b"\x00\xffhandle", 4096, 512, False, b"/torch_1_2", 0, None, True)
+    args = (
+        torch.Tensor,
+        torch.Size([3, 4]),
+        (4, 1),
+        5,
+        torch.storage.TypedStorage,
+        torch.bfloat16,
+        1,
+        b"\x00\xffhandle",
+        4096,
+        512,
+        False,
+        b"/torch_1_2",
+        0,
+        None,
+        True,
+    )
     back = tuple(_dec(_enc(a)) for a in args)
     assert back[0] is torch.Tensor and back[4] is torch.storage.TypedStorage and back[5] is torch.bfloat16
     assert back[1] == (3, 4) and back[2] == (4, 1) and back[7] == b"\x00\xffhandle" and back[13] is None

@@ -14,8 +14,8 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _refit_procs as P  # noqa: E402
 import _ipc_procs as I  # noqa: E402
+import _refit_procs as P  # noqa: E402
 
 from nemo_dataplane.refit.packed import AUTO_PICKS_IPC  # noqa: E402
 
@@ -46,15 +46,30 @@ def test_nccl_collectives(pool: P.Pool) -> None:
 
 @pytest.mark.parametrize(
     ("direct_bytes", "transport", "defaults"),
-    [(None, "broadcast", False), (0, "broadcast", False), (None, "p2p", False), (0, "p2p", False),
-     (None, "auto", True), (None, "ipc", False)],
+    [
+        (None, "broadcast", False),
+        (0, "broadcast", False),
+        (None, "p2p", False),
+        (0, "p2p", False),
+        (None, "auto", True),
+        (None, "ipc", False),
+    ],
     ids=["packed", "per-tensor", "packed-p2p", "per-tensor-p2p", "defaults", "ipc"],
 )
-def test_nccl_refit_is_bit_exact(pool: P.Pool, direct_bytes: int | None, transport: str,
-                                 defaults: bool) -> None:
-    res = P.run_ranks(pool, P.refit_roundtrip, [0, 1], world=2, port=P.free_port(), backend="nccl",
-                      bucket_bytes=4096, direct_bytes=direct_bytes, versions=(41, 42), transport=transport,
-                      defaults=defaults)
+def test_nccl_refit_is_bit_exact(pool: P.Pool, direct_bytes: int | None, transport: str, defaults: bool) -> None:
+    res = P.run_ranks(
+        pool,
+        P.refit_roundtrip,
+        [0, 1],
+        world=2,
+        port=P.free_port(),
+        backend="nccl",
+        bucket_bytes=4096,
+        direct_bytes=direct_bytes,
+        versions=(41, 42),
+        transport=transport,
+        defaults=defaults,
+    )
     _ok(res)
     if defaults:  # GPU default: per-tensor; on one host "auto" picks CUDA IPC
         assert res[0]["direct_bytes"] == 0, res[0]
@@ -79,8 +94,10 @@ def test_ipc_refit_bit_exact_reuses_handles_and_follows_new_storage(pool: P.Pool
     assert res[0]["same_handles"] == [True, True] and [x["same_views"] for x in refits] == [True, True, False]
     assert res[0]["reexported"]
     assert res[1]["raw"], res[1]["raw_error"]  # copies went out as raw cudaMemcpyAsync
-    print(f"copy_on={copy_on}: copies went out as {res[1]['mode']} (batch error: {res[1]['batch_error']}); "
-          f"last refit phases: {res[1]['phases']}")
+    print(
+        f"copy_on={copy_on}: copies went out as {res[1]['mode']} (batch error: {res[1]['batch_error']}); "
+        f"last refit phases: {res[1]['phases']}"
+    )
     if copy_on == "src":
         assert res[1]["phases"]["copy_gpu_ms"] > 0 and res[1]["phases"]["ack_gpu_ms"] > 0, res[1]["phases"]
 
@@ -100,8 +117,10 @@ def test_ipc_push_refit_bit_exact_follows_moves_and_reports_receiver_realloc(poo
     refused = res[0]["refused"]
     assert refused["error"] == "RefitError" and "layers.0.norm" in refused["msg"], refused
     assert res[0]["closed"] and res[0]["phases"]["copy_gpu_ms"] > 0, res[0]
-    print(f"push: copies went out as {res[0]['mode']} (batch error: {res[0]['batch_error']}); "
-          f"last refit phases: {res[0]['phases']}")
+    print(
+        f"push: copies went out as {res[0]['mode']} (batch error: {res[0]['batch_error']}); "
+        f"last refit phases: {res[0]['phases']}"
+    )
 
 
 def test_ipc_push_waits_for_the_receivers_queued_work(pool: P.Pool) -> None:
@@ -114,8 +133,16 @@ def test_ipc_push_waits_for_the_receivers_queued_work(pool: P.Pool) -> None:
 
 
 def test_ipc_push_sender_abort_reaches_receiver(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.refit_sender_abort, [0, 1], world=2, port=P.free_port(), backend="nccl",
-                      transport="ipc", ipc_direction="push")
+    res = P.run_ranks(
+        pool,
+        P.refit_sender_abort,
+        [0, 1],
+        world=2,
+        port=P.free_port(),
+        backend="nccl",
+        transport="ipc",
+        ipc_direction="push",
+    )
     assert res[0]["error"] == "RefitMismatchError", res[0]
     assert res[1]["error"] == "RefitError" and "aborted refit of version 3" in res[1]["msg"], res[1]
     assert "sender rank 0" in res[1]["msg"], res[1]
@@ -124,15 +151,17 @@ def test_ipc_push_sender_abort_reaches_receiver(pool: P.Pool) -> None:
 
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_ipc_setup_failure_falls_back_on_auto_and_fails_cleanly_on_ipc(pool: P.Pool, direction: str) -> None:
-    res = P.run_ranks(pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
-                      transport="auto")
+    res = P.run_ranks(
+        pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction, transport="auto"
+    )
     _ok(res)
     for r in (0, 1):
         assert res[r]["error"] is None and res[r]["transport"] == "broadcast", res[r]
         assert "rank 1" in res[r]["reason"] and "injected: IPC not permitted here" in res[r]["reason"], res[r]
     assert res[1]["version"] == 5 and res[1]["wrong"] == [], res[1]
-    res = P.run_ranks(pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction,
-                      transport="ipc")
+    res = P.run_ranks(
+        pool, I.refit_ipc_setup_fails, [0, 1], world=2, port=P.free_port(), direction=direction, transport="ipc"
+    )
     _ok(res)
     for r in (0, 1):
         assert res[r]["error"] == "RefitError", res[r]
@@ -150,8 +179,7 @@ def test_ipc_pull_receiver_copy_failure_reaches_sender_and_group_survives(pool: 
 
 
 def test_ipc_mismatch_is_caught_before_transfer(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl",
-                      transport="ipc")
+    res = P.run_ranks(pool, P.refit_mismatch, [0, 1], world=2, port=P.free_port(), backend="nccl", transport="ipc")
     for r in (0, 1):
         assert res[r]["error"] == "RefitMismatchError", res[r]
         assert "a: shape sender [4, 4] != receiver [4, 5]" in res[r]["msg"]
@@ -184,8 +212,17 @@ def test_nccl_sender_abort_reaches_receiver(pool: P.Pool) -> None:
 
 def test_nccl_dead_peer_times_out(pool: P.Pool) -> None:
     timeout = 3.0
-    res = P.run_ranks(pool, P.join_then_idle, [0, 1], world=2, port=P.free_port(), timeout=timeout,
-                      backend="nccl", skip="bcast", limit=40.0)
+    res = P.run_ranks(
+        pool,
+        P.join_then_idle,
+        [0, 1],
+        world=2,
+        port=P.free_port(),
+        timeout=timeout,
+        backend="nccl",
+        skip="bcast",
+        limit=40.0,
+    )
     out = res[0]
     assert out["error"] == "StatelessGroupTimeout", out
     assert "did not finish within 3s" in out["msg"] and "rank 0 of world size 2" in out["msg"], out["msg"]

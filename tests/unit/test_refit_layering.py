@@ -41,7 +41,7 @@ GRAPH = {m: _edges(p) for m, p in MODULES.items()}
 
 
 def _group(module: str) -> str:
-    rest = module[len(PKG) + 1:]
+    rest = module[len(PKG) + 1 :]
     return rest.split(".")[0] if rest else "__init__"
 
 
@@ -53,7 +53,7 @@ def test_no_import_circle() -> None:
         state[m] = 1
         for n in sorted(GRAPH.get(m, ())):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n, stack + [n])
         state[m] = 2
@@ -95,6 +95,8 @@ def test_every_refit_module_is_under_500_lines() -> None:
 
 def test_the_checker_sees_function_local_and_type_checking_imports(tmp_path: Path) -> None:
     f = tmp_path / "x.py"
-    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_dataplane.refit.packed import plan\n"
-                 "def f():\n    from nemo_dataplane.refit.reshard.plan import ReshardPlan\n")
+    f.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_dataplane.refit.packed import plan\n"
+        "def f():\n    from nemo_dataplane.refit.reshard.plan import ReshardPlan\n"
+    )
     assert _edges(f) == {"nemo_dataplane.refit.packed.plan", "nemo_dataplane.refit.reshard.plan"}

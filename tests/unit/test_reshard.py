@@ -13,7 +13,6 @@ from nemo_dataplane.refit.reshard.p2p import Exchange
 from nemo_dataplane.refit.reshard.plan import ReshardPlanError, plan_reshard
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _refit_procs as P  # noqa: E402
 import _reshard_procs as R  # noqa: E402
 
 
@@ -36,7 +35,9 @@ def test_tp2_to_tp1_worked_example() -> None:
     (m,) = plan.messages(0, 2)
     assert not m.direct and m.nbytes == 48
     assert [(e.param, e.dst_region, e.offset) for e in m.entries] == [
-        ("o.weight", ((0, 4), (0, 3)), 0), ("q_proj.weight", ((0, 2), (0, 6)), 24)]
+        ("o.weight", ((0, 4), (0, 3)), 0),
+        ("q_proj.weight", ((0, 2), (0, 6)), 24),
+    ]
 
 
 @pytest.mark.parametrize("case", sorted(R.RESHARD_CASES))
@@ -109,14 +110,18 @@ def test_packing_is_aligned_bounded_and_directs_are_contiguous() -> None:
 
 def test_plan_errors_name_the_parameter() -> None:
     src, dst = R.reshard_layouts("tp2->tp1", extra_receiver_param=True)
-    with pytest.raises(ReshardPlanError, match="model.layers.1.self_attn.q_norm.weight: receiver parameter that no "
-                                                "sender layout has"):
+    with pytest.raises(
+        ReshardPlanError, match="model.layers.1.self_attn.q_norm.weight: receiver parameter that no sender layout has"
+    ):
         plan_reshard(src, dst)
     shapes = {"a.weight": ((4, 4), torch.float32), "b.weight": ((4,), torch.float32)}
     ok = build_layout(Mesh.of([0], tp=1), shapes)
     bad = build_layout(Mesh.of([1], tp=1), {"a.weight": ((4, 5), torch.float32), "b.weight": ((4,), torch.bfloat16)})
-    with pytest.raises(ReshardPlanError, match=r"a.weight: full shape sender \[4, 4\] != receiver \[4, 5\].*"
-                                                r"b.weight: dtype sender float32 != receiver bfloat16"):
+    with pytest.raises(
+        ReshardPlanError,
+        match=r"a.weight: full shape sender \[4, 4\] != receiver \[4, 5\].*"
+        r"b.weight: dtype sender float32 != receiver bfloat16",
+    ):
         plan_reshard(ok, bad)
     fewer = build_layout(Mesh.of([1], tp=1), {"a.weight": ((4, 4), torch.float32)})
     with pytest.raises(ReshardPlanError, match="sender parameter.*that no receiver layout has: b.weight"):
@@ -138,11 +143,17 @@ def test_fused_receiver_gets_vllm_order() -> None:
     assert "model.layers.0.self_attn.qkv_proj.weight" in dst.fused
     plan = plan_reshard(src, dst, bucket_bytes=1 << 20)
     # receiver 2 (TP rank 1) takes q rows 8:16 into its rows 0:8, k rows 4:8 into 8:12, v into 12:16
-    got = sorted((e.param.split(".")[-2], e.src_region, e.dst_region) for m in plan.messages(0, 2) for e in m.entries
-                 if e.dst_local == "model.layers.0.self_attn.qkv_proj.weight")
-    assert got == [("k_proj", ((4, 8), (0, 16)), ((8, 12), (0, 16))),
-                   ("q_proj", ((8, 16), (0, 16)), ((0, 8), (0, 16))),
-                   ("v_proj", ((4, 8), (0, 16)), ((12, 16), (0, 16)))]
+    got = sorted(
+        (e.param.split(".")[-2], e.src_region, e.dst_region)
+        for m in plan.messages(0, 2)
+        for e in m.entries
+        if e.dst_local == "model.layers.0.self_attn.qkv_proj.weight"
+    )
+    assert got == [
+        ("k_proj", ((4, 8), (0, 16)), ((8, 12), (0, 16))),
+        ("q_proj", ((8, 16), (0, 16)), ((0, 8), (0, 16))),
+        ("v_proj", ((4, 8), (0, 16)), ((12, 16), (0, 16))),
+    ]
     assert DEFAULT_FUSIONS["qkv_proj"] == ("q_proj", "k_proj", "v_proj")
 
 
@@ -155,8 +166,13 @@ def test_every_staging_slot_is_aligned_for_its_dtype(bucket: int) -> None:
         for rank in (*src.mesh.ranks, *dst.mesh.ranks):
             lay = src if rank in src.mesh.coords else dst
             locals_ = lay.local_tensors(rank)
-            ex = Exchange(None, plan.rounds(rank), rank in src.mesh.coords, locals_,  # type: ignore[arg-type]
-                          torch.device("cpu"))
+            ex = Exchange(
+                None,
+                plan.rounds(rank),
+                rank in src.mesh.coords,
+                locals_,  # type: ignore[arg-type]
+                torch.device("cpu"),
+            )
             tensors = {n: torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype)) for n, lt in locals_.items()}
             for rnd in ex._view_plan(tensors):  # raises if a slot is misaligned for its dtype
                 for _, _, slots, views in rnd[0]:
@@ -166,8 +182,10 @@ def test_every_staging_slot_is_aligned_for_its_dtype(bucket: int) -> None:
 def test_a_layout_that_differs_from_its_sides_names_the_parameters() -> None:
     from nemo_dataplane.refit.reshard.checks import diff_layouts
 
-    shapes = {"model.norm.weight": ((16,), torch.float32),
-              "model.layers.0.self_attn.q_proj.weight": ((8, 4), torch.bfloat16)}
+    shapes = {
+        "model.norm.weight": ((16,), torch.float32),
+        "model.layers.0.self_attn.q_proj.weight": ((8, 4), torch.bfloat16),
+    }
     published = build_layout(Mesh.of([2, 3], dp=2, tp=1), shapes)
     assert diff_layouts(published, published) == []
     other = dict(shapes)
@@ -175,8 +193,10 @@ def test_a_layout_that_differs_from_its_sides_names_the_parameters() -> None:
     other.pop("model.layers.0.self_attn.q_proj.weight")
     other["model.extra.bias"] = ((2,), torch.float32)
     got = diff_layouts(build_layout(Mesh.of([2, 3], dp=2, tp=1), other), published)
-    assert got == ["model.norm.weight: [17] float32 here, [16] float32 published",
-                   "model.extra.bias: in this rank's layout only",
-                   "model.layers.0.self_attn.q_proj.weight: missing from this rank's layout"]
+    assert got == [
+        "model.norm.weight: [17] float32 here, [16] float32 published",
+        "model.extra.bias: in this rank's layout only",
+        "model.layers.0.self_attn.q_proj.weight: missing from this rank's layout",
+    ]
     tp2 = diff_layouts(build_layout(Mesh.of([2, 3], tp=2), shapes), published)
     assert tp2[0].startswith("mesh ") and "placements" in tp2[1]

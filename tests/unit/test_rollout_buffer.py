@@ -126,25 +126,43 @@ N = 2
 
 
 def _cfg(**async_: Any) -> TrainerConfig:
-    return TrainerConfig.from_dict({
-        "policy": {"model": {"arch": "llama", "hf_config": {}}},
-        "generation": {"n": N},
-        "grpo": {"prompts_per_step": 2},
-        "trainer": {"dp_size": 1, "step_timeout_s": 5},
-        "async": {"claim_poll_s": 0.05, **async_},
-    })
+    return TrainerConfig.from_dict(
+        {
+            "policy": {"model": {"arch": "llama", "hf_config": {}}},
+            "generation": {"n": N},
+            "grpo": {"prompts_per_step": 2},
+            "trainer": {"dp_size": 1, "step_timeout_s": 5},
+            "async": {"claim_poll_s": 0.05, **async_},
+        }
+    )
 
 
 def _put_group(client: InMemoryClient, job: Job, version: int, reward: float = 0.5) -> list[str]:
     keys = rollout_keys(version, [job.group_id], N)
     ids = [torch.tensor([1, 2, 3 + i]) for i in range(N)]
-    td = TensorDict({
-        "input_ids": jagged_from_rows(ids), "prompt_len": torch.full((N,), 2), "seq_len": torch.full((N,), 3),
-        "group_id": torch.full((N,), job.group_id), "weight_version": torch.full((N,), version),
-        "rewards": torch.full((N,), reward), "gen_logprobs": jagged_from_rows([torch.zeros(2)] * N),
-    }, batch_size=[N])
-    tags = [{"seq_len": 3, "prompt_len": 2, "group": job.group_id, "weight_version": version, "reward": reward,
-             "handout": job.handout} for _ in range(N)]
+    td = TensorDict(
+        {
+            "input_ids": jagged_from_rows(ids),
+            "prompt_len": torch.full((N,), 2),
+            "seq_len": torch.full((N,), 3),
+            "group_id": torch.full((N,), job.group_id),
+            "weight_version": torch.full((N,), version),
+            "rewards": torch.full((N,), reward),
+            "gen_logprobs": jagged_from_rows([torch.zeros(2)] * N),
+        },
+        batch_size=[N],
+    )
+    tags = [
+        {
+            "seq_len": 3,
+            "prompt_len": 2,
+            "group": job.group_id,
+            "weight_version": version,
+            "reward": reward,
+            "handout": job.handout,
+        }
+        for _ in range(N)
+    ]
     client.kv_batch_put(keys, ROLLOUTS, td, tags=tags)
     return keys
 

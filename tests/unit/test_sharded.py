@@ -39,8 +39,7 @@ def test_phase_timings_are_opt_in_and_mark_each_phase_in_order(pool: P.Pool) -> 
     off = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1")
     _ok(off)
     assert all(out["timings"] is None for out in off.values())
-    on = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
-                     timings=True)
+    on = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1", timings=True)
     _ok(on)
     R.check_reshard(on, "tp2->tp1")
     p2p = ["check", "header", "exchange"]

@@ -30,18 +30,32 @@ def pool() -> Iterator[P.Pool]:
 
 @pytest.mark.parametrize(
     ("case", "gpus", "open_mode"),
-    [pytest.param("tp2->tp1", (0, 1, 0), None, marks=two_gpus),
-     pytest.param("tp2->tp1", (0, 1, 0), "torch", marks=two_gpus),
-     pytest.param("tp1->tp2", (0, 0, 1), None, marks=two_gpus),
-     pytest.param("dp2tp2->tp2", (0, 1, 0, 1, 0, 1), None, marks=two_gpus),
-     pytest.param("ep2->ep1", (1, 0, 0), None, marks=two_gpus),
-     ("tp2->tp1", (0, 0, 0), None)],
+    [
+        pytest.param("tp2->tp1", (0, 1, 0), None, marks=two_gpus),
+        pytest.param("tp2->tp1", (0, 1, 0), "torch", marks=two_gpus),
+        pytest.param("tp1->tp2", (0, 0, 1), None, marks=two_gpus),
+        pytest.param("dp2tp2->tp2", (0, 1, 0, 1, 0, 1), None, marks=two_gpus),
+        pytest.param("ep2->ep1", (1, 0, 0), None, marks=two_gpus),
+        ("tp2->tp1", (0, 0, 0), None),
+    ],
     ids=["tp2-tp1", "tp2-tp1-torch-open", "tp1-tp2", "dp2tp2-tp2", "ep2-ep1", "tp2-tp1-one-gpu"],
 )
-def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: tuple[int, ...],
-                                               open_mode: str | None) -> None:
-    res = P.run_ranks(pool, R.reshard_roundtrip, list(range(len(gpus))), world=len(gpus), port=P.free_port(),
-                      case=case, gpus=gpus, transport="ipc", limit=120, timings=True, open_mode=open_mode)
+def test_ipc_reshard_bit_exact_with_shared_gpus(
+    pool: P.Pool, case: str, gpus: tuple[int, ...], open_mode: str | None
+) -> None:
+    res = P.run_ranks(
+        pool,
+        R.reshard_roundtrip,
+        list(range(len(gpus))),
+        world=len(gpus),
+        port=P.free_port(),
+        case=case,
+        gpus=gpus,
+        transport="ipc",
+        limit=120,
+        timings=True,
+        open_mode=open_mode,
+    )
     R.check_reshard(res, case)
     # Placement picks the copies (ipc_push doc): strided kernels wherever the sender's views
     # are in its own GPU's context (a receiver elsewhere mapped there, ipc.PeerMapping); 2D copies
@@ -52,8 +66,14 @@ def test_ipc_reshard_bit_exact_with_shared_gpus(pool: P.Pool, case: str, gpus: t
     if case == "tp2->tp1" and gpus == (0, 1, 0):
         assert cross == {0: False, 1: True, 2: True}, cross
     assert {res[r]["done"] for r in res} == {"event"}, res
-    R.check_timings(res, {"send": ["check", "header", "issue", "signal", "copies"],
-                          "recv": ["check", "ready", "header", "signal", "scatter"]}, refits=2)
+    R.check_timings(
+        res,
+        {
+            "send": ["check", "header", "issue", "signal", "copies"],
+            "recv": ["check", "ready", "header", "signal", "scatter"],
+        },
+        refits=2,
+    )
     assert {res[r]["transport"] for r in res} == {"ipc"}
     src, _ = R.reshard_layouts(case)
     for s in src.mesh.ranks:  # copy-engine copies, not the torch fallback
@@ -99,8 +119,18 @@ def test_pitched_copier_is_bit_exact_on_the_gpu(batch: str) -> None:
 @two_gpus
 def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:
     pytest.importorskip("nccl.core", reason="nccl4py not installed (pip install 'nemo-dataplane[gpu]')")
-    res = P.run_ranks(pool, R.reshard_roundtrip, [0, 1], world=2, port=P.free_port(), case="tp1->tp1",
-                      backend="nccl", gpus=(0, 1), transport="p2p", limit=120)
+    res = P.run_ranks(
+        pool,
+        R.reshard_roundtrip,
+        [0, 1],
+        world=2,
+        port=P.free_port(),
+        case="tp1->tp1",
+        backend="nccl",
+        gpus=(0, 1),
+        transport="p2p",
+        limit=120,
+    )
     R.check_reshard(res, "tp1->tp1")
     assert {res[r]["transport"] for r in res} == {"p2p"}
 
@@ -110,18 +140,32 @@ def test_nccl_p2p_reshard_bit_exact(pool: P.Pool) -> None:
 _DELAY_CYCLES = 300_000_000
 
 
-@pytest.mark.parametrize(("done", "gpus"), [("event", (0, 0, 0)), ("host", (0, 0, 0)),
-                                            pytest.param("event", (0, 1, 0), marks=two_gpus)],
-                         ids=["event", "host", "event-across-gpus"])
-def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool: P.Pool, done: str,
-                                                                           gpus: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("done", "gpus"),
+    [("event", (0, 0, 0)), ("host", (0, 0, 0)), pytest.param("event", (0, 1, 0), marks=two_gpus)],
+    ids=["event", "host", "event-across-gpus"],
+)
+def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(
+    pool: P.Pool, done: str, gpus: tuple[int, ...]
+) -> None:
     """Each sender's copies start ~0.15 s late (a GPU sleep before them on its stream). With the
     event done signal the receiver returns before they ran (its stream still waits on the
     senders' events, through a stream of the sender's GPU for one on another GPU), yet what it
     reads on its current stream right after is bit-exact; with the host done signal (the
     earlier way) the same read is bit-exact too."""
-    res = P.run_ranks(pool, R.reshard_roundtrip, [0, 1, 2], world=3, port=P.free_port(), case="tp2->tp1",
-                      gpus=gpus, transport="ipc", limit=120, done=done, delay_cycles=_DELAY_CYCLES)
+    res = P.run_ranks(
+        pool,
+        R.reshard_roundtrip,
+        [0, 1, 2],
+        world=3,
+        port=P.free_port(),
+        case="tp2->tp1",
+        gpus=gpus,
+        transport="ipc",
+        limit=120,
+        done=done,
+        delay_cycles=_DELAY_CYCLES,
+    )
     R.check_reshard(res, "tp2->tp1")
     if done == "event":
         assert [x["pending_at_return"] for x in res[2]["refits"]] == [True, True], res[2]["refits"]
@@ -130,8 +174,7 @@ def test_ipc_weights_are_ordered_after_late_copies_on_the_receivers_stream(pool:
 def test_ipc_sender_failure_before_signalling_raises_on_the_receiver(pool: P.Pool) -> None:
     """done="event": a sender whose copies cannot be enqueued posts its error as its done
     status: every receiver raises it at once, naming the rank; the next refit works."""
-    res = P.run_ranks(pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="raise",
-                      limit=120)
+    res = P.run_ranks(pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="raise", limit=120)
     for r, out in res.items():
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
     assert res[0]["first"] is None
@@ -147,8 +190,9 @@ def test_ipc_silent_sender_times_out_on_the_receiver(pool: P.Pool) -> None:
     """done="event": a sender that never posts its done signal (as if it died after the header)
     makes the receiver raise within the group timeout, naming the rank, instead of returning
     weights nothing orders; the next refit works."""
-    res = P.run_ranks(pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="silent",
-                      timeout=6.0, limit=120)
+    res = P.run_ranks(
+        pool, R.reshard_ipc_failure, [0, 1, 2], world=3, port=P.free_port(), what="silent", timeout=6.0, limit=120
+    )
     for r, out in res.items():
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
     err = res[2]["first"]

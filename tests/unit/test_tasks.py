@@ -94,7 +94,12 @@ def test_reward_partial_credit() -> None:
 
 def test_load_jsonl(tmp_path: Path) -> None:
     p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"prompt": "12=", "answer": "21"}) + "\n\n" + json.dumps({"prompt": "3=", "answer": "3", "x": 1}) + "\n")
+    p.write_text(
+        json.dumps({"prompt": "12=", "answer": "21"})
+        + "\n\n"
+        + json.dumps({"prompt": "3=", "answer": "3", "x": 1})
+        + "\n"
+    )
     recs = load_jsonl_dataset(p)
     assert recs == [PromptRecord("12=", "21", 0), PromptRecord("3=", "3", 1)]
 

@@ -22,8 +22,16 @@ def test_shipped_config_loads_and_runs_on_the_data_plane() -> None:
 
 
 def test_overrides_are_typed_and_win_over_the_yaml() -> None:
-    cfg = load_config(YAML, ["trainer.steps=3", "grpo.kl_coef=0.05", "data_plane.enabled=false",
-                             "data_plane.packing.micro_batch_size=2", "task.reward_fn=mypkg.rewards:score"])
+    cfg = load_config(
+        YAML,
+        [
+            "trainer.steps=3",
+            "grpo.kl_coef=0.05",
+            "data_plane.enabled=false",
+            "data_plane.packing.micro_batch_size=2",
+            "task.reward_fn=mypkg.rewards:score",
+        ],
+    )
     assert cfg.trainer.steps == 3 and isinstance(cfg.trainer.steps, int)
     assert cfg.grpo.kl_coef == 0.05
     assert cfg.data_plane.enabled is False
@@ -103,8 +111,15 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_vllm_backend_settings_load() -> None:
-    cfg = load_config(YAML, ["generation.backend=vllm", "generation.top_p=0.9", "generation.vllm.multiprocessing=true",
-                             "generation.vllm.kv_cache_memory_bytes=1048576"])
+    cfg = load_config(
+        YAML,
+        [
+            "generation.backend=vllm",
+            "generation.top_p=0.9",
+            "generation.vllm.multiprocessing=true",
+            "generation.vllm.kv_cache_memory_bytes=1048576",
+        ],
+    )
     assert cfg.generation.backend == "vllm" and cfg.generation.top_p == 0.9
     assert cfg.generation.vllm.multiprocessing is True and cfg.generation.vllm.kv_cache_memory_bytes == 1 << 20
     assert load_config(YAML).generation.backend == "hf", "hf stays the default"
@@ -139,8 +154,7 @@ def test_model_path_must_be_a_local_hf_dir(tmp_path: Path) -> None:
 
 
 def test_the_gpu_layout_validates() -> None:
-    cfg = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
-                             "trainer.dp_size=1"])
+    cfg = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl", "trainer.dp_size=1"])
     assert (cfg.policy.device, cfg.generation.device, cfg.refit.backend) == ("cuda", "cuda", "nccl")
     with pytest.raises(ConfigError, match="policy.dist_backend=nccl needs policy.device=cuda"):
         load_config(YAML, ["policy.dist_backend=nccl"])
@@ -161,8 +175,17 @@ def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
 
 
 def test_megatron_backend_accepted_on_cuda() -> None:
-    cfg = load_config(YAML, ["policy.backend=megatron", "policy.device=cuda", "policy.dist_backend=nccl",
-                             "policy.gpus_per_rank=1", "generation.device=cuda", "refit.backend=nccl"])
+    cfg = load_config(
+        YAML,
+        [
+            "policy.backend=megatron",
+            "policy.device=cuda",
+            "policy.dist_backend=nccl",
+            "policy.gpus_per_rank=1",
+            "generation.device=cuda",
+            "refit.backend=nccl",
+        ],
+    )
     assert cfg.policy.backend == "megatron" and cfg.policy.tensor_parallel_size == 1
     assert cfg.refit_mode == "packed" and cfg.policy_ranks == cfg.trainer.dp_size
 
@@ -172,8 +195,15 @@ def test_megatron_tp_layouts() -> None:
     collectives and an IPC refit into a generator that shares the GPU."""
     from algorithms.config import check_devices
 
-    one_gpu = ["policy.backend=megatron", "policy.device=cuda", "policy.tensor_parallel_size=2",
-               "trainer.dp_size=1", "generation.device=cuda", "generation.num_gpus=0.5", "policy.gpus_per_rank=0.25"]
+    one_gpu = [
+        "policy.backend=megatron",
+        "policy.device=cuda",
+        "policy.tensor_parallel_size=2",
+        "trainer.dp_size=1",
+        "generation.device=cuda",
+        "generation.num_gpus=0.5",
+        "policy.gpus_per_rank=0.25",
+    ]
     cfg = load_config(YAML, one_gpu + ["refit.transport=ipc"])
     assert (cfg.policy_ranks, cfg.refit_mode, cfg.policy_gpus_per_rank()) == (2, "reshard", 0.25)
     check_devices(cfg, cuda_devices=1)
@@ -184,8 +214,16 @@ def test_megatron_tp_layouts() -> None:
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs refit.mode=reshard"):
         load_config(YAML, one_gpu[:-2] + ["refit.backend=nccl", "refit.mode=packed"])
     with pytest.raises(ConfigError, match=r"generation.num_gpus=0.5 shares a GPU with the policy"):
-        load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
-                           "generation.num_gpus=0.5", "trainer.dp_size=1"])
+        load_config(
+            YAML,
+            [
+                "policy.device=cuda",
+                "generation.device=cuda",
+                "refit.backend=nccl",
+                "generation.num_gpus=0.5",
+                "trainer.dp_size=1",
+            ],
+        )
     with pytest.raises(ConfigError, match=r"refit.transport=ipc needs refit.mode=reshard"):
         load_config(YAML, ["refit.transport=ipc"])
     with pytest.raises(ConfigError, match=r"policy.gpus_per_rank must be > 0"):
@@ -205,7 +243,10 @@ def test_memory_backend_with_the_multi_process_trainer_is_refused() -> None:
     [
         ("no_such_pkg.sub:Client", r"data_plane.backend='no_such_pkg.sub:Client': cannot import 'no_such_pkg.sub'"),
         ("nemo_dataplane.meta:NoSuchClass", r"data_plane.backend='nemo_dataplane.meta:NoSuchClass'.*no attribute"),
-        ("nemo_dataplane.meta:KVBatchMeta", r"data_plane.backend='nemo_dataplane.meta:KVBatchMeta'.*not a .*DataPlaneClient"),
+        (
+            "nemo_dataplane.meta:KVBatchMeta",
+            r"data_plane.backend='nemo_dataplane.meta:KVBatchMeta'.*not a .*DataPlaneClient",
+        ),
         ("redis", r"data_plane.backend='redis' is neither a built-in backend"),
     ],
 )
@@ -226,8 +267,12 @@ def test_cuda_layout_on_a_machine_without_cuda_is_refused_for_a_local_cluster() 
     with pytest.raises(ConfigError, match=r"policy.device=cuda but this machine has no CUDA device"):
         check_devices(gpu, cuda_devices=0)
     check_devices(gpu, cuda_devices=2)  # fits
-    check_devices(load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl",
-                                     "ray.address=10.0.0.1:6379"]), cuda_devices=0)  # remote: not ours to see
+    check_devices(
+        load_config(
+            YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl", "ray.address=10.0.0.1:6379"]
+        ),
+        cuda_devices=0,
+    )  # remote: not ours to see
     with pytest.raises(ConfigError, match=r"need 2 CUDA devices .* this machine has 1"):
         check_devices(gpu, cuda_devices=1)
 

@@ -18,9 +18,9 @@ from algorithms.checkpoint import (
     save_driver_state,
     step_dir,
 )
+from algorithms.metrics import STEP_KEYS, MetricsLogger, payload_bytes, plot_metrics, summary_line
 from algorithms.rollout_buffer import PromptLedger
 from algorithms.tasks import PromptIterator, make_task_dataset
-from algorithms.metrics import STEP_KEYS, MetricsLogger, payload_bytes, plot_metrics, summary_line
 from nemo_dataplane.meta import KVBatchMeta
 
 

@@ -109,14 +109,18 @@ def test_bootstrap_that_cannot_fit_fails_fast_naming_the_shortfall(ray_session: 
 
 def test_bootstrap_timeout_names_what_it_waited_for_and_cleans_up(ray_session: Any) -> None:
     name = f"nd-slow-{uuid.uuid4().hex[:6]}"
-    cfg = TransferQueueConfig(num_storage_units=1, storage_unit_num_cpus=0.1, controller_num_cpus=0.1, bootstrap_timeout_s=0.05)
+    cfg = TransferQueueConfig(
+        num_storage_units=1, storage_unit_num_cpus=0.1, controller_num_cpus=0.1, bootstrap_timeout_s=0.05
+    )
     with pytest.raises(DataPlaneError, match=r"timed out after 0\.05s waiting for the controller.*needs 0\.2 CPUs"):
         TransferQueueClient(cfg, bootstrap=True, controller_name=name, namespace="nd_tests")
     assert _actor_gone(name, "nd_tests")
 
 
 def test_attach_only_without_a_controller_says_how_to_create_one(ray_session: Any) -> None:
-    with pytest.raises(DataPlaneError, match=r"no TransferQueue controller named 'nd-none' in Ray namespace 'nd_tests'.*bootstrap=True"):
+    with pytest.raises(
+        DataPlaneError, match=r"no TransferQueue controller named 'nd-none' in Ray namespace 'nd_tests'.*bootstrap=True"
+    ):
         TransferQueueClient(TransferQueueConfig(), bootstrap=False, controller_name="nd-none", namespace="nd_tests")
 
 
@@ -129,7 +133,9 @@ def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_sessio
     """A second store with 2 storage units: attached clients disconnect without killing it,
     rows spread over units come back in order, and the owner's close removes the actors."""
     name, ns = f"nd-own-{uuid.uuid4().hex[:6]}", "nd_tests"
-    cfg = TransferQueueConfig(num_storage_units=2, storage_unit_num_cpus=0.25, controller_num_cpus=0.25, op_timeout_s=60)
+    cfg = TransferQueueConfig(
+        num_storage_units=2, storage_unit_num_cpus=0.25, controller_num_cpus=0.25, op_timeout_s=60
+    )
     owner = TransferQueueClient(cfg, bootstrap="auto", controller_name=name, namespace=ns)
     try:
         assert owner.owns_store and owner.num_storage_units == 2
@@ -235,7 +241,11 @@ def test_our_tests_never_resolve_to_transfer_queues_tests_package(request: pytes
                 f"{name} resolved to {origin}, shadowing our {name}"
             )
     assert Path(sys.modules[__name__].__file__).resolve() == Path(__file__).resolve()
-    conftests = [m for m in sys.modules.values() if getattr(m, "__file__", None) and Path(m.__file__).resolve() == REPO / "tests" / "conftest.py"]
+    conftests = [
+        m
+        for m in sys.modules.values()
+        if getattr(m, "__file__", None) and Path(m.__file__).resolve() == REPO / "tests" / "conftest.py"
+    ]
     assert conftests, "tests/conftest.py was not loaded from the repository"
     for path in (REPO / "tests").rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -367,7 +377,9 @@ def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: Tr
 
     ids = jagged([2, 5, 1])
     dense = torch.arange(12, dtype=torch.float32).view(3, 4)
-    tq_client.kv_batch_put(["a", "b", "c"], pid, {"ids": ids, "logp": dense, "r": torch.tensor([1, 2, 3])}, tags=[{"n": 1}] * 3)
+    tq_client.kv_batch_put(
+        ["a", "b", "c"], pid, {"ids": ids, "logp": dense, "r": torch.tensor([1, 2, 3])}, tags=[{"n": 1}] * 3
+    )
     raw = RawTQ.remote()
     try:
         got = ray.get(raw.get.remote(["c", "a"], pid, ["ids", "logp", "r"]), timeout=120)
@@ -395,7 +407,12 @@ def test_per_row_fallback_reads_the_same_as_bulk_reads(
 ) -> None:
     """Stores whose storage units are not named actors (made by tq.init()) are read through
     TransferQueue's per-row protocol; both paths must agree bit for bit."""
-    fields = {"ids": jagged([3, 0, 2, 5]), "h": jagged([1, 2, 1, 1], 3, dtype=torch.bfloat16), "x": torch.randn(4, 2), "r": torch.arange(4)}
+    fields = {
+        "ids": jagged([3, 0, 2, 5]),
+        "h": jagged([1, 2, 1, 1], 3, dtype=torch.bfloat16),
+        "x": torch.randn(4, 2),
+        "r": torch.arange(4),
+    }
     meta = tq_client.kv_batch_put(["a", "b", "c", "d"], pid, fields)
     bulk = tq_client.kv_batch_get(meta.reorder([2, 0, 3, 1]), list(fields))
     assert tq_client._units  # the session store is read in bulk
@@ -445,7 +462,10 @@ def test_rows_travel_as_one_object_the_units_map_and_outlive_their_writer(
 
 
 def _big() -> dict[str, torch.Tensor]:
-    return {"x": torch.arange(4 * 1024 * 1024, dtype=torch.int64).view(64, -1), "ids": jagged([i % 7 for i in range(64)], seed=5)}
+    return {
+        "x": torch.arange(4 * 1024 * 1024, dtype=torch.int64).view(64, -1),
+        "ids": jagged([i % 7 for i in range(64)], seed=5),
+    }
 
 
 def _pick(t: torch.Tensor, order: list[int]) -> torch.Tensor:

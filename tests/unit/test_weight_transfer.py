@@ -45,8 +45,9 @@ def test_config_defaults_are_stated_once_and_round_trip_through_a_mapping() -> N
     assert WeightTransferConfig.from_dict(cfg) is cfg
     back = WeightTransferConfig.from_dict(dataclasses.asdict(cfg))
     assert back == cfg
-    got = WeightTransferConfig.from_dict({"family": "reshard", "transport": "ipc", "bucket_bytes": 1 << 20,
-                                          "ipc_done": "host", "ipc_map_peers": False})
+    got = WeightTransferConfig.from_dict(
+        {"family": "reshard", "transport": "ipc", "bucket_bytes": 1 << 20, "ipc_done": "host", "ipc_map_peers": False}
+    )
     assert got == WeightTransferConfig("reshard", "ipc", 1 << 20, None, "host", False)
 
 
@@ -128,8 +129,9 @@ def test_the_factory_refuses_what_no_family_can_do() -> None:
 def test_a_third_party_family_registers_by_name() -> None:
     built: list[tuple[str, int]] = []
 
-    def sender(config: WeightTransferConfig, group: Any, named: Any, *, senders: int, full_shapes: Any,
-               device: Any) -> Any:
+    def sender(
+        config: WeightTransferConfig, group: Any, named: Any, *, senders: int, full_shapes: Any, device: Any
+    ) -> Any:
         built.append(("sender", senders))
         return RefitSender(group, named)
 
@@ -180,12 +182,21 @@ class TestToyThirdPartyFamilyConforms(WeightTransferConformance):
 @pytest.mark.parametrize(
     ("family", "check", "message"),
     [
-        ("toy-int32-version", "check_a_second_refit_delivers_new_weights_and_its_version",
-         r"refit 1 returned version 3, the sender sent 1099511627779"),
-        ("toy-lossy", "check_weights_arrive_bit_exact",
-         r"differ from the sender's bits: \['model\.embed_tokens\.weight'"),
-        ("toy-names-only", "check_a_shape_mismatch_raises_naming_the_parameter",
-         r"expected RefitMismatchError, nothing was raised"),
+        (
+            "toy-int32-version",
+            "check_a_second_refit_delivers_new_weights_and_its_version",
+            r"refit 1 returned version 3, the sender sent 1099511627779",
+        ),
+        (
+            "toy-lossy",
+            "check_weights_arrive_bit_exact",
+            r"differ from the sender's bits: \['model\.embed_tokens\.weight'",
+        ),
+        (
+            "toy-names-only",
+            "check_a_shape_mismatch_raises_naming_the_parameter",
+            r"expected RefitMismatchError, nothing was raised",
+        ),
     ],
 )
 def test_the_suite_fails_a_broken_transport(family: str, check: str, message: str) -> None:

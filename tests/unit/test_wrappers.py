@@ -18,8 +18,11 @@ from nemo_dataplane.wrappers.capacity import StoreFullError
 
 def _contract() -> list[str]:
     """Every public method of DataPlaneClient (sync, async twins, claims, listing, lifecycle)."""
-    return [n for n, f in inspect.getmembers(DataPlaneClient, inspect.isfunction)
-            if n.startswith(("kv_", "async_kv_")) or n in ("close",)]
+    return [
+        n
+        for n, f in inspect.getmembers(DataPlaneClient, inspect.isfunction)
+        if n.startswith(("kv_", "async_kv_")) or n in ("close",)
+    ]
 
 
 def test_the_forwarding_base_overrides_every_method_of_the_contract() -> None:
@@ -38,8 +41,10 @@ class _Recorder(DataPlaneClient):
     def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
         calls = object.__getattribute__(self, "calls")
         if name.startswith("async_kv_"):
+
             async def twin(*args):  # type: ignore[no-untyped-def]
                 calls.append((name, args))
+
             return twin
         if name.startswith("kv_") or name == "close":
             return lambda *args: calls.append((name, args))
@@ -91,7 +96,9 @@ def test_the_factory_composes_capacity_then_integrity_then_the_observer() -> Non
     # The observer saw each call once, as the caller made it; the wrappers' own store reads
     # (capacity's listing, integrity's re-read of tags) are not ops of the caller.
     assert [(e.op, e.status) for e in events] == [
-        ("kv_batch_put", "ok"), ("kv_batch_put", "error"), ("kv_batch_get", "error"),
+        ("kv_batch_put", "ok"),
+        ("kv_batch_put", "error"),
+        ("kv_batch_get", "error"),
     ]
     assert events[1].error is not None and events[1].error.startswith("StoreFullError")
     assert events[2].error is not None and events[2].error.startswith("DataIntegrityError")

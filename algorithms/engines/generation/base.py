@@ -104,12 +104,14 @@ class GenerationEngine(ABC):
         if len(tokens) != len(prompts) * n or len(logprobs) != len(tokens):
             raise RuntimeError(
                 f"{self.name} engine returned {len(tokens)} responses / {len(logprobs)} log-prob rows for "
-                f"{len(prompts)} prompts x n={n}")
+                f"{len(prompts)} prompts x n={n}"
+            )
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
             if len(t) != len(lp) or len(t) > spec.max_new_tokens:
                 raise RuntimeError(
                     f"{self.name} engine: response {i} has {len(t)} tokens and {len(lp)} log-probs "
-                    f"(max_new_tokens={spec.max_new_tokens})")
+                    f"(max_new_tokens={spec.max_new_tokens})"
+                )
         return Rollouts(tokens, logprobs, version)
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
@@ -151,8 +153,9 @@ class GenerationEngine(ABC):
             raise RuntimeError(f"{self.name} engine is shut down")
 
     @abstractmethod
-    def _generate(self, prompts: list[list[int]], n: int,
-                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and per-token log-probs, group-major."""
 
     @abstractmethod

@@ -29,8 +29,9 @@ class HFEngine(GenerationEngine):
 
     name = "hf"
 
-    def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
-                 pad_id: int) -> None:
+    def __init__(
+        self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int, pad_id: int
+    ) -> None:
         super().__init__()
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
@@ -44,26 +45,45 @@ class HFEngine(GenerationEngine):
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> HFEngine:
         tok = CharTokenizer()
-        return cls(cfg.policy.model, device=cfg.generation.device, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                   pad_id=tok.pad_id)
+        return cls(
+            cfg.policy.model,
+            device=cfg.generation.device,
+            vocab_size=tok.vocab_size,
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+        )
 
-    def _generate(self, prompts: list[list[int]], n: int,
-                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec
+    ) -> tuple[list[list[int]], list[list[float]]]:
         if spec.top_p != 1.0:
-            raise ValueError(f"the hf generation backend samples the full distribution; top_p={spec.top_p} "
-                             "needs generation.backend=vllm")
+            raise ValueError(
+                f"the hf generation backend samples the full distribution; top_p={spec.top_p} "
+                "needs generation.backend=vllm"
+            )
         gen = torch.Generator().manual_seed(int(spec.seed))
-        tokens, logprobs = generate(self.model, prompts, n, spec.max_new_tokens, spec.temperature, gen,
-                                    self.eos_id, self.pad_id, return_logprobs=True)
+        tokens, logprobs = generate(
+            self.model,
+            prompts,
+            n,
+            spec.max_new_tokens,
+            spec.temperature,
+            gen,
+            self.eos_id,
+            self.pad_id,
+            return_logprobs=True,
+        )
         return tokens, logprobs
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
-        self._group = StatelessProcessGroup(host, port, rank, world_size, backend=spec.backend,
-                                            timeout=spec.timeout_s, group_name="refit")
+        self._group = StatelessProcessGroup(
+            host, port, rank, world_size, backend=spec.backend, timeout=spec.timeout_s, group_name="refit"
+        )
         # Where the parameters live, not the group's device: an ipc refit's control group is gloo.
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-        self._receiver = build_weight_receiver(spec.transfer, self._group, self.model.named_parameters,
-                                               senders=spec.senders, device=dev)
+        self._receiver = build_weight_receiver(
+            spec.transfer, self._group, self.model.named_parameters, senders=spec.senders, device=dev
+        )
         self._receiver.prepare_refit_info()
 
     def _receive_weights(self) -> int:

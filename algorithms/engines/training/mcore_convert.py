@@ -29,8 +29,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GPTShape", "deinterleave_qkv", "hf_to_mcore", "interleave_qkv", "mcore_shard_to_hf",
-           "mcore_to_hf", "shape_from_hf_config", "transformer_kwargs"]
+__all__ = [
+    "GPTShape",
+    "deinterleave_qkv",
+    "hf_to_mcore",
+    "interleave_qkv",
+    "mcore_shard_to_hf",
+    "mcore_to_hf",
+    "shape_from_hf_config",
+    "transformer_kwargs",
+]
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,12 @@ class GPTShape:
 
     def check_tp(self, tp: int) -> None:
         """Raise ``ValueError`` naming the dimension that ``tp`` does not divide."""
-        for name, n in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups),
-                        ("intermediate_size", self.ffn), ("vocab_size", self.vocab)):
+        for name, n in (
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.groups),
+            ("intermediate_size", self.ffn),
+            ("vocab_size", self.vocab),
+        ):
             if n % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={n}")
 
@@ -65,9 +77,16 @@ def shape_from_hf_config(cfg: Any) -> GPTShape:
     """A :class:`GPTShape` from a transformers ``LlamaConfig``/``Qwen2Config``."""
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    return GPTShape(int(cfg.num_hidden_layers), int(cfg.hidden_size), heads,
-                    int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim,
-                    int(cfg.intermediate_size), int(cfg.vocab_size), bool(cfg.tie_word_embeddings))
+    return GPTShape(
+        int(cfg.num_hidden_layers),
+        int(cfg.hidden_size),
+        heads,
+        int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim,
+        int(cfg.intermediate_size),
+        int(cfg.vocab_size),
+        bool(cfg.tie_word_embeddings),
+    )
 
 
 def transformer_kwargs(cfg: Any, *, tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -79,18 +98,37 @@ def transformer_kwargs(cfg: Any, *, tp: int = 1) -> tuple[dict[str, Any], dict[s
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: only SwiGLU (silu) models convert")
     arch_bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
     tc = dict(
-        num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
-        num_query_groups=s.groups, kv_channels=s.head_dim, ffn_hidden_size=s.ffn,
-        normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps), gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch_bias,
-        tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        num_layers=s.num_layers,
+        hidden_size=s.hidden,
+        num_attention_heads=s.heads,
+        num_query_groups=s.groups,
+        kv_channels=s.head_dim,
+        ffn_hidden_size=s.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch_bias,
+        tensor_model_parallel_size=tp,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
         params_dtype=torch.float32,
     )
-    gpt = dict(vocab_size=s.vocab, max_sequence_length=int(cfg.max_position_embeddings),
-               position_embedding_type="rope", rotary_base=int(_rope_theta(cfg)),
-               share_embeddings_and_output_weights=s.tied, parallel_output=False)
+    gpt = dict(
+        vocab_size=s.vocab,
+        max_sequence_length=int(cfg.max_position_embeddings),
+        position_embedding_type="rope",
+        rotary_base=int(_rope_theta(cfg)),
+        share_embeddings_and_output_weights=s.tied,
+        parallel_output=False,
+    )
     return tc, gpt
 
 
@@ -128,8 +166,9 @@ def _norm_names(te: bool) -> tuple[str, str]:
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def hf_to_mcore(hf: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1, rank: int = 0,
-                te: bool = False) -> dict[str, Tensor]:
+def hf_to_mcore(
+    hf: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1, rank: int = 0, te: bool = False
+) -> dict[str, Tensor]:
     """TP rank ``rank``'s Megatron-core state dict from a full HF state dict (new tensors).
 
     Raises ``KeyError`` naming a missing HF key and ``ValueError`` for a dimension ``tp`` does
@@ -153,12 +192,14 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1, rank:
             qn = f"{h}self_attn.q_proj.{suffix}"
             if suffix == "bias" and qn not in hf:
                 continue
-            full = interleave_qkv(get(qn), get(f"{h}self_attn.k_proj.{suffix}"), get(f"{h}self_attn.v_proj.{suffix}"),
-                                  shape.groups)
+            full = interleave_qkv(
+                get(qn), get(f"{h}self_attn.k_proj.{suffix}"), get(f"{h}self_attn.v_proj.{suffix}"), shape.groups
+            )
             out[f"{m}self_attention.linear_qkv.{suffix}"] = _chunk(full, tp, rank).clone()
         out[f"{m}self_attention.linear_proj.weight"] = _chunk(get(f"{h}self_attn.o_proj.weight"), tp, rank, 1).clone()
         out[f"{m}mlp.linear_fc1.weight"] = torch.cat(
-            [_chunk(get(f"{h}mlp.gate_proj.weight"), tp, rank), _chunk(get(f"{h}mlp.up_proj.weight"), tp, rank)])
+            [_chunk(get(f"{h}mlp.gate_proj.weight"), tp, rank), _chunk(get(f"{h}mlp.up_proj.weight"), tp, rank)]
+        )
         out[f"{m}mlp.linear_fc2.weight"] = _chunk(get(f"{h}mlp.down_proj.weight"), tp, rank, 1).clone()
         out[m + ln_in] = get(f"{h}input_layernorm.weight").clone()
         out[m + ln_mlp] = get(f"{h}post_attention_layernorm.weight").clone()
@@ -199,8 +240,13 @@ def mcore_shard_to_hf(mc: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1,
         if rest.startswith("self_attention.linear_qkv.") and rest != ln_in:
             suffix = rest.rsplit(".", 1)[1]
             q, k, v = deinterleave_qkv(t, shape.groups // tp, shape.heads // tp, shape.head_dim)
-            out.update({f"{h}self_attn.q_proj.{suffix}": q, f"{h}self_attn.k_proj.{suffix}": k,
-                        f"{h}self_attn.v_proj.{suffix}": v})
+            out.update(
+                {
+                    f"{h}self_attn.q_proj.{suffix}": q,
+                    f"{h}self_attn.k_proj.{suffix}": k,
+                    f"{h}self_attn.v_proj.{suffix}": v,
+                }
+            )
         elif rest == "mlp.linear_fc1.weight":
             gate, up = t.chunk(2, dim=0)
             out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up

@@ -28,13 +28,26 @@ from torch import Tensor
 
 from algorithms.engines.training.base import Scored, Which
 from algorithms.engines.training.hf import HFTrainingEngine
+from algorithms.engines.training.mcore_convert import (
+    GPTShape,
+    hf_to_mcore,
+    mcore_shard_to_hf,
+    shape_from_hf_config,
+    transformer_kwargs,
+)
+from algorithms.engines.training.packing import block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded
 from algorithms.replicas import replica_of
 
-from algorithms.engines.training.mcore_convert import GPTShape, hf_to_mcore, mcore_shard_to_hf, shape_from_hf_config, transformer_kwargs
-from algorithms.engines.training.packing import block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded
-
-__all__ = ["MegatronEngine", "build_gpt", "forward_packed", "hf_shards", "init_parallel", "load_hf",
-           "microbatch_logprobs", "refit_layout"]
+__all__ = [
+    "MegatronEngine",
+    "build_gpt",
+    "forward_packed",
+    "hf_shards",
+    "init_parallel",
+    "load_hf",
+    "microbatch_logprobs",
+    "refit_layout",
+]
 
 
 def init_parallel(tp: int = 1, *, seed: int = 0, pp: int = 1, cp: int = 1) -> None:
@@ -110,9 +123,16 @@ def forward_packed(model: torch.nn.Module, tokens: Tensor, cu_seqlens: Tensor, *
     return out.reshape(T, -1)
 
 
-def microbatch_logprobs(model: torch.nn.Module, input_ids: Tensor, prompt_len: Tensor, *, device: torch.device,
-                        temperature: float = 1.0, return_entropy: bool = False,
-                        use_te: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+def microbatch_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    prompt_len: Tensor,
+    *,
+    device: torch.device,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    use_te: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """``(logprobs [N, L-1], entropy [N, L-1] | None, mask [N, L-1])`` of one micro-batch in the
     torch worker's padded form (``L`` = its longest row; response tokens only, else 0), from
     its jagged ``input_ids`` packed as fetched."""
@@ -149,22 +169,25 @@ def refit_layout(hf_config: Any, ranks: list[int], dtype: torch.dtype = torch.fl
 def hf_full_shapes(s: GPTShape, dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Full HF parameter shapes of a Llama-shaped model (what a layout is built from)."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-        "model.embed_tokens.weight": ((s.vocab, s.hidden), dtype), "model.norm.weight": ((s.hidden,), dtype),
+        "model.embed_tokens.weight": ((s.vocab, s.hidden), dtype),
+        "model.norm.weight": ((s.hidden,), dtype),
         "lm_head.weight": ((s.vocab, s.hidden), dtype),
     }
     for i in range(s.num_layers):
         h = f"model.layers.{i}."
-        out.update({
-            h + "self_attn.q_proj.weight": ((s.heads * s.head_dim, s.hidden), dtype),
-            h + "self_attn.k_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
-            h + "self_attn.v_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
-            h + "self_attn.o_proj.weight": ((s.hidden, s.heads * s.head_dim), dtype),
-            h + "mlp.gate_proj.weight": ((s.ffn, s.hidden), dtype),
-            h + "mlp.up_proj.weight": ((s.ffn, s.hidden), dtype),
-            h + "mlp.down_proj.weight": ((s.hidden, s.ffn), dtype),
-            h + "input_layernorm.weight": ((s.hidden,), dtype),
-            h + "post_attention_layernorm.weight": ((s.hidden,), dtype),
-        })
+        out.update(
+            {
+                h + "self_attn.q_proj.weight": ((s.heads * s.head_dim, s.hidden), dtype),
+                h + "self_attn.k_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
+                h + "self_attn.v_proj.weight": ((s.groups * s.head_dim, s.hidden), dtype),
+                h + "self_attn.o_proj.weight": ((s.hidden, s.heads * s.head_dim), dtype),
+                h + "mlp.gate_proj.weight": ((s.ffn, s.hidden), dtype),
+                h + "mlp.up_proj.weight": ((s.ffn, s.hidden), dtype),
+                h + "mlp.down_proj.weight": ((s.hidden, s.ffn), dtype),
+                h + "input_layernorm.weight": ((s.hidden,), dtype),
+                h + "post_attention_layernorm.weight": ((s.hidden,), dtype),
+            }
+        )
     return out
 
 
@@ -199,8 +222,14 @@ class MegatronEngine(HFTrainingEngine):
                 raise RuntimeError(f"policy rank {rank}: Megatron placed it at (dp, tp) = {got}, the driver at {want}")
 
     def score(self, which: Which, mb: TensorDict, entropy: bool) -> Scored:
-        return microbatch_logprobs(self._model(which), mb["input_ids"], mb["prompt_len"], device=self.device,
-                                   temperature=self.temperature, return_entropy=entropy)
+        return microbatch_logprobs(
+            self._model(which),
+            mb["input_ids"],
+            mb["prompt_len"],
+            device=self.device,
+            temperature=self.temperature,
+            return_entropy=entropy,
+        )
 
     def _clip(self, params: Sequence[torch.nn.Parameter], flat: Tensor, max_norm: float) -> Tensor:
         """The whole model's gradient norm from TP shards (a TP-split parameter contributes its

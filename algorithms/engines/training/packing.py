@@ -38,15 +38,19 @@ def block_causal_mask(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
     varlen kernel, so this dense mask is how it consumes ``cu_seqlens``; RoPE is relative, so
     the sequences' offsets inside the pack do not change their scores."""
     T = int(cu_seqlens[-1]) if total is None else total
-    seg = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device),
-                                  (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T)
+    seg = torch.repeat_interleave(
+        torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device),
+        (cu_seqlens[1:] - cu_seqlens[:-1]).long(),
+        output_size=T,
+    )
     pos = torch.arange(T, device=cu_seqlens.device)
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     return (~allowed).reshape(1, 1, T, T)
 
 
-def packed_logprobs(logits: Tensor, tokens: Tensor, cu_seqlens: Tensor, *, temperature: float = 1.0,
-                    return_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def packed_logprobs(
+    logits: Tensor, tokens: Tensor, cu_seqlens: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """Per packed position ``t``: ``log p(tokens[t + 1])`` within its sequence (0 at each
     sequence's last token), and optionally the entropy there. ``logits [T, V]``, ``tokens [T]``."""
     if temperature <= 0:

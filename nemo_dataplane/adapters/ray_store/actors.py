@@ -200,7 +200,9 @@ class StoreIndex:
         txn.tags, txn.fields = merged, list(fields)
         return ("ok", merged, common)
 
-    async def commit(self, txn_id: str, bundles: list[tuple[list[str], Any]], writer: str, node_id: str | None) -> Reply:
+    async def commit(
+        self, txn_id: str, bundles: list[tuple[list[str], Any]], writer: str, node_id: str | None
+    ) -> Reply:
         """Apply the put ``begin`` prepared: each bundle's object holds those fields' rows in key order."""
         txn = await self._await_begin(txn_id)
         if txn is None or self._txns.get(txn_id) is not txn:

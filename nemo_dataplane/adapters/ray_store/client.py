@@ -213,7 +213,9 @@ class RayStoreClient(ActorBackedClient):
         # The index locks the keys and merges tags while this process writes the chunks.
         begun = self._index.begin.remote(txn, pid, keys, tag_list, list(columns))
         try:
-            chunks = [(list(group), ray.put({n: encode(group[n].detach()) for n in group})) for group in bundles(columns)]
+            chunks = [
+                (list(group), ray.put({n: encode(group[n].detach()) for n in group})) for group in bundles(columns)
+            ]
         except BaseException:
             self._index.abort.remote(txn)
             raise

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.adapters.actor_store import Bootstrap
+from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.adapters.transfer_queue.claims import TransferQueueClaims
 from nemo_dataplane.adapters.transfer_queue.store import (
     LIVENESS_EVERY_S,
@@ -66,8 +66,14 @@ from nemo_dataplane.meta import KVBatchMeta
 LAYOUT_TAG = compat.LAYOUT_TAG
 DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
 DEFAULT_NAMESPACE = "transfer_queue"
-__all__ = ["LAYOUT_TAG", "LIVENESS_EVERY_S", "LIVENESS_PING_S", "StoreLostError", "TransferQueueClient",
-           "auto_storage_units"]
+__all__ = [
+    "LAYOUT_TAG",
+    "LIVENESS_EVERY_S",
+    "LIVENESS_PING_S",
+    "StoreLostError",
+    "TransferQueueClient",
+    "auto_storage_units",
+]
 
 
 class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
@@ -229,7 +235,9 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     async def _missing_keys(self, keys: list[str], partition_id: str, bm: Any) -> list[str]:
         if bm.size == 0:
             return keys
-        present = set(await self._tq.async_kv_retrieve_keys(global_indexes=bm.global_indexes, partition_id=partition_id))
+        present = set(
+            await self._tq.async_kv_retrieve_keys(global_indexes=bm.global_indexes, partition_id=partition_id)
+        )
         return [k for k in keys if k not in present]
 
     async def _get(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
@@ -261,7 +269,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         except compat.StorageKeyNotFoundError as e:
             raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
         columns = {
-            name: col if isinstance(col, torch.Tensor)  # already in the layout it was put with
+            name: col
+            if isinstance(col, torch.Tensor)  # already in the layout it was put with
             else _assemble(name, col, [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
             for name, col in ((n, cols[n]) for n in names)
         }

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import ray
 
-from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.adapters.actor_store import ActorBackedClient
+from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import DataPlaneError
 
 T = TypeVar("T")

@@ -107,13 +107,21 @@ class PeerCopier:
         while cut < len(runs) and total < self.FIRST_CALL_BYTES:
             total += runs[cut][2]
             cut += 1
-        out = [([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
-               for chunk in (runs[:cut], runs[cut:]) if chunk]
+        out = [
+            ([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
+            for chunk in (runs[:cut], runs[cut:])
+            if chunk
+        ]
         self._chunks = (runs, out)
         return out
 
-    def issue(self, runs: list, slow: list[tuple[torch.Tensor, torch.Tensor]], raw: torch.cuda.Stream,
-              streams: Sequence[torch.cuda.Stream]) -> None:
+    def issue(
+        self,
+        runs: list,
+        slow: list[tuple[torch.Tensor, torch.Tensor]],
+        raw: torch.cuda.Stream,
+        streams: Sequence[torch.cuda.Stream],
+    ) -> None:
         """Enqueue the copies: the raw ones on ``raw``, the others with ``streams`` current."""
         rest = list(slow)
         if runs and self.raw:

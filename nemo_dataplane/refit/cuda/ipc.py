@@ -28,8 +28,19 @@ from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
 from nemo_dataplane.refit.cuda.copy_engine import PeerCopier, _cudart
 
-__all__ = ["PeerCopier", "PeerMapping", "PushSource", "PushTargets", "export_tensors", "exporter_device",
-           "host_record", "ipc_problems", "open_tensors", "probe", "signature"]
+__all__ = [
+    "PeerCopier",
+    "PeerMapping",
+    "PushSource",
+    "PushTargets",
+    "export_tensors",
+    "exporter_device",
+    "host_record",
+    "ipc_problems",
+    "open_tensors",
+    "probe",
+    "signature",
+]
 
 
 def _boot_id() -> str:
@@ -51,8 +62,12 @@ def host_record(device: torch.device | None) -> dict[str, Any]:
     """What a rank tells the others so they can decide whether CUDA IPC can work between them."""
     rec: dict[str, Any] = {"host": socket.gethostname(), "boot_id": _boot_id(), "cuda": False}
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        rec.update(cuda=True, device=device.index, uuid=_uuid(device.index),
-                   visible=[_uuid(i) for i in range(torch.cuda.device_count())])
+        rec.update(
+            cuda=True,
+            device=device.index,
+            uuid=_uuid(device.index),
+            visible=[_uuid(i) for i in range(torch.cuda.device_count())],
+        )
     return rec
 
 
@@ -91,8 +106,12 @@ def local_index_of(uuid: str, fallback: int) -> int:
 
 # ---------------------------------------------------------------- handles
 
-_TYPES = {"Tensor": torch.Tensor, "TypedStorage": torch.storage.TypedStorage,
-          "UntypedStorage": torch.UntypedStorage, "Parameter": torch.nn.Parameter}
+_TYPES = {
+    "Tensor": torch.Tensor,
+    "TypedStorage": torch.storage.TypedStorage,
+    "UntypedStorage": torch.UntypedStorage,
+    "Parameter": torch.nn.Parameter,
+}
 
 
 def _enc(v: Any) -> Any:
@@ -206,8 +225,7 @@ def open_tensors(blob: bytes, mapping: PeerMapping | None = None) -> list[torch.
 
 class _ArrayInterface:
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3}
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
 class PeerMapping:
@@ -259,10 +277,14 @@ class PeerMapping:
         nbytes = int(kw["storage_size_bytes"])
         flat = torch.as_tensor(_ArrayInterface(start, nbytes))  # no device=: that could copy
         if flat.device != self.device or flat.data_ptr() != start:
-            raise RuntimeError(f"mapped memory shows as {flat.device} at {flat.data_ptr():#x}, "
-                               f"not {self.device} at {start:#x}")
-        return flat[: nbytes - nbytes % dtype.itemsize].view(dtype).as_strided(
-            kw["tensor_size"], kw["tensor_stride"], kw["tensor_offset"])
+            raise RuntimeError(
+                f"mapped memory shows as {flat.device} at {flat.data_ptr():#x}, not {self.device} at {start:#x}"
+            )
+        return (
+            flat[: nbytes - nbytes % dtype.itemsize]
+            .view(dtype)
+            .as_strided(kw["tensor_size"], kw["tensor_stride"], kw["tensor_offset"])
+        )
 
     def close(self) -> None:
         """Unmap every block (after the last use of the views; errors ignored)."""
@@ -270,7 +292,6 @@ class PeerMapping:
         for ptr in opened.values():
             with contextlib.suppress(Exception), torch.cuda.device(self.device):
                 self._rt.cudaIpcCloseMemHandle(ptr)
-
 
 
 # ---------------------------------------------------------------- push (the sender writes)
@@ -363,7 +384,7 @@ class PushSource:
         srcs = [t if (not t.numel() or t.is_contiguous()) else next(scratch) for t in tensors]
         runs: list = []
         slow: list = []
-        for r, views in self.dsts.items():
+        for views in self.dsts.values():
             pairs = [(d, s) for d, s in zip(views, srcs) if d is not None]
             rr, sl = self.copier.plan([d for d, _ in pairs], [s for _, s in pairs])
             runs += rr

@@ -33,8 +33,7 @@ __all__ = ["STATUS_NEW_HANDLES", "PackedEndpoint", "diff_specs"]
 STATUS_NEW_HANDLES = 2
 
 
-def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then: str = "",
-               now: str = "") -> list[str]:
+def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then: str = "", now: str = "") -> list[str]:
     """Human-readable differences between the sender's and a receiver's tensors (empty if none).
 
     With ``then``/``now`` labels it instead compares one side's tensors over time.
@@ -46,8 +45,11 @@ def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then:
     for s in sent:
         m = mine.get(s.name)
         if m is None:
-            out.append(f"{s.name}: gone since prepare_refit_info()" if then
-                       else f"{s.name}: sent by the trainer, but the receiver has no such tensor")
+            out.append(
+                f"{s.name}: gone since prepare_refit_info()"
+                if then
+                else f"{s.name}: sent by the trainer, but the receiver has no such tensor"
+            )
             continue
         if m.shape != s.shape:
             out.append(f"{s.name}: shape {a} {list(s.shape)} != {b} {list(m.shape)}")
@@ -55,8 +57,11 @@ def diff_specs(sent: Sequence[TensorSpec], local: Sequence[TensorSpec], *, then:
             out.append(f"{s.name}: dtype {a} {s.dtype} != {b} {m.dtype}")
     for m in local:
         if m.name not in theirs:
-            out.append(f"{m.name}: new since prepare_refit_info()" if then
-                       else f"{m.name}: receiver tensor not sent by the trainer (it would go stale)")
+            out.append(
+                f"{m.name}: new since prepare_refit_info()"
+                if then
+                else f"{m.name}: receiver tensor not sent by the trainer (it would go stale)"
+            )
     return out
 
 
@@ -110,10 +115,15 @@ class PackedEndpoint(Endpoint):
             out.append(t)
         if len(out) == len(self._names) and len(tensors) == len(out):
             return out
-        problems = diff_specs(self.info.tensors, [TensorSpec.of(n, t) for n, t in tensors.items()],
-                              then="at prepare_refit_info()", now="now")
+        problems = diff_specs(
+            self.info.tensors,
+            [TensorSpec.of(n, t) for n, t in tensors.items()],
+            then="at prepare_refit_info()",
+            now="now",
+        )
         raise RefitMismatchError(
-            f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {clip(problems)}")
+            f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {clip(problems)}"
+        )
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._streams is None:
@@ -121,8 +131,9 @@ class PackedEndpoint(Endpoint):
             self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
         return self._streams
 
-    def _header_on(self, stream: torch.cuda.Stream, version: int = 0, status: int = STATUS_OK,
-                   fill: bool = True) -> torch.Tensor:
+    def _header_on(
+        self, stream: torch.cuda.Stream, version: int = 0, status: int = STATUS_OK, fill: bool = True
+    ) -> torch.Tensor:
         """The reusable device header, written on ``stream`` (sender: the values; receiver: zeros).
 
         Only one refit is in flight per endpoint and each ends with a host sync of the stream
@@ -152,8 +163,10 @@ class PackedEndpoint(Endpoint):
             why = self._errors_of([src]) or "no reason posted"
             raise RefitError(f"rank {g.rank}: sender rank {src} aborted refit of version {version}: {why}")
         if magic != MAGIC or fp != self._fp:
-            msg = (f"refit header mismatch (magic {magic:#x}, fingerprint {fp} vs ours "
-                   f"{self._fp}): sender and receiver prepared different layouts")
+            msg = (
+                f"refit header mismatch (magic {magic:#x}, fingerprint {fp} vs ours "
+                f"{self._fp}): sender and receiver prepared different layouts"
+            )
             self._publish_error(msg)
             raise RefitError(f"rank {g.rank}: {msg}")
         return version
@@ -185,7 +198,8 @@ class PackedEndpoint(Endpoint):
             return
         mine = [] if my_status == "ok" else [f"this rank: {my_status}"]
         raise RefitMismatchError(
-            f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(mine + others))
+            f"rank {g.rank}: refit handshake failed, no weights were moved. " + " | ".join(mine + others)
+        )
 
     def release_buffers(self) -> None:
         """Free the bucket buffers (they are re-allocated by the next refit)."""

@@ -32,12 +32,19 @@ class CollectiveEndpoint(PackedEndpoint):
             self._wire = []
             if buckets:
                 size = max(b.nbytes for b in buckets)
-                bufs = [torch.empty(size, dtype=torch.uint8, device=self.group.device)
-                        for _ in range(min(2, len(buckets)))]
+                bufs = [
+                    torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))
+                ]
                 for k, b in enumerate(buckets):
                     buf = bufs[k & 1]
-                    views.append([buf[off: off + self.info.tensors[i].nbytes]  # type: ignore[union-attr]
-                                  .view(self._dtypes[i]).view(self._shapes[i]) for i, off in b.entries])
+                    views.append(
+                        [
+                            buf[off : off + self.info.tensors[i].nbytes]  # type: ignore[union-attr]
+                            .view(self._dtypes[i])
+                            .view(self._shapes[i])
+                            for i, off in b.entries
+                        ]
+                    )
                     self._wire.append(buf[: b.nbytes])
                 self._bufs = bufs
             self._views = views
@@ -81,8 +88,7 @@ class CollectiveEndpoint(PackedEndpoint):
             w.wait()
         g.synchronize()
         if g.rank != info.src and t.tolist() != [7 + info.src] * 4:
-            raise RefitError(f"rank {g.rank}: p2p connection check from sender rank {info.src} "
-                             f"returned {t.tolist()}")
+            raise RefitError(f"rank {g.rank}: p2p connection check from sender rank {info.src} returned {t.tolist()}")
 
 
 class CollectiveSender(CollectiveEndpoint):
@@ -92,8 +98,7 @@ class CollectiveSender(CollectiveEndpoint):
 
     def _header(self, version: int, status: int) -> torch.Tensor:
         assert self.info is not None
-        return torch.tensor([MAGIC, self._fp, version, status], dtype=torch.int64,
-                            device=self.group.device)
+        return torch.tensor([MAGIC, self._fp, version, status], dtype=torch.int64, device=self.group.device)
 
     def _broadcast_header(self, version: int, status: int) -> None:
         g = self.group

@@ -23,8 +23,15 @@ from nemo_dataplane.refit.packed.base import STATUS_NEW_HANDLES, PackedEndpoint
 from nemo_dataplane.refit.packed.plan import DEFAULT_TRANSPORT_GPU
 from nemo_dataplane.refit.protocol import STATUS_ABORT, STATUS_OK, NamedTensors, RefitError, clip
 
-__all__ = ["AUTO_IPC_MAX_RECEIVERS", "AUTO_PICKS_IPC", "IPC_COPY_ON", "IPC_DIRECTIONS", "IpcEndpoint",
-           "IpcReceiver", "IpcSender"]
+__all__ = [
+    "AUTO_IPC_MAX_RECEIVERS",
+    "AUTO_PICKS_IPC",
+    "IPC_COPY_ON",
+    "IPC_DIRECTIONS",
+    "IpcEndpoint",
+    "IpcReceiver",
+    "IpcSender",
+]
 
 # transport="auto" on NCCL picks "ipc" when every rank is on the sender's host and can see its
 # GPU (falling back to DEFAULT_TRANSPORT_GPU if opening the handles fails anywhere), for at most
@@ -77,8 +84,12 @@ class IpcEndpoint(PackedEndpoint):
         self._drop_ipc()
 
     def _drop_ipc(self) -> None:
-        had = (self._ipc_views is not None or self._ipc_keep is not None or self._push_src is not None
-               or self._push_tgt is not None)
+        had = (
+            self._ipc_views is not None
+            or self._ipc_keep is not None
+            or self._push_src is not None
+            or self._push_tgt is not None
+        )
         self._push_src = None
         self._push_tgt = None
         self._push_stream = None
@@ -102,8 +113,11 @@ class IpcEndpoint(PackedEndpoint):
         info = self.info
         assert info is not None
         g.store.set(self._key(self._gen, "ipc_open", g.rank), my_status.encode())
-        g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
-                         "CUDA IPC setup (waiting for every rank to open the sender's handles)")
+        g.wait_for_ranks(
+            lambda r: self._key(self._gen, "ipc_open", r),
+            range(g.world_size),
+            "CUDA IPC setup (waiting for every rank to open the sender's handles)",
+        )
         bad = []
         for r in range(g.world_size):
             st = g.store.get(self._key(self._gen, "ipc_open", r)).decode()
@@ -135,11 +149,15 @@ class IpcSender(IpcEndpoint):
         if not self._cuda:
             return ("broadcast" if want == "auto" else want), False
         g = self.group
-        if want not in ("ipc", "auto") or (want == "auto" and (
-                not AUTO_PICKS_IPC or g.world_size - 1 > AUTO_IPC_MAX_RECEIVERS)):
+        if want not in ("ipc", "auto") or (
+            want == "auto" and (not AUTO_PICKS_IPC or g.world_size - 1 > AUTO_IPC_MAX_RECEIVERS)
+        ):
             return (DEFAULT_TRANSPORT_GPU if want == "auto" else want), False
-        g.wait_for_ranks(lambda r: self._key(self._gen, "host", r), range(g.world_size),
-                         "refit host check (waiting for every rank's host and GPU)")
+        g.wait_for_ranks(
+            lambda r: self._key(self._gen, "host", r),
+            range(g.world_size),
+            "refit host check (waiting for every rank's host and GPU)",
+        )
         records = {r: json.loads(g.store.get(self._key(self._gen, "host", r))) for r in range(g.world_size)}
         push_problems = _ipc.ipc_problems(records, g.rank, push=True)
         problems = _ipc.ipc_problems(records, g.rank)
@@ -152,8 +170,10 @@ class IpcSender(IpcEndpoint):
             self._direction = "pull"
             return "ipc", want == "auto"
         if want == "ipc":
-            raise RefitError(f"rank {g.rank}: transport='ipc' needs every rank on the sender's host with "
-                             f"its GPU visible: {clip(problems)}")
+            raise RefitError(
+                f"rank {g.rank}: transport='ipc' needs every rank on the sender's host with "
+                f"its GPU visible: {clip(problems)}"
+            )
         self.ipc_fallback_reason = "; ".join(problems)
         return DEFAULT_TRANSPORT_GPU, False
 
@@ -246,8 +266,7 @@ class IpcSender(IpcEndpoint):
             if not gated:  # keep the receivers' sequence of collectives
                 g.all_reduce(ready, "max", stream=comm)
         comm.wait_stream(push)
-        g.broadcast(self._header_on(comm, version, STATUS_ABORT if failed else STATUS_OK), self.src,
-                    stream=comm)
+        g.broadcast(self._header_on(comm, version, STATUS_ABORT if failed else STATUS_OK), self.src, stream=comm)
         with torch.cuda.stream(comm):
             verdict.zero_()
         g.all_reduce(verdict, "max", stream=comm)
@@ -264,8 +283,10 @@ class IpcSender(IpcEndpoint):
             ph["copy_mode"] = copier.mode  # type: ignore[assignment]
         if int(verdict.item()):
             why = self._watch() or "no reason posted"
-            raise RefitError(f"rank {g.rank}: a receiver could not take refit version {version} "
-                             f"(the copies went to memory it no longer uses): {why}")
+            raise RefitError(
+                f"rank {g.rank}: a receiver could not take refit version {version} "
+                f"(the copies went to memory it no longer uses): {why}"
+            )
 
     def _send_ipc(self, tensors: list[torch.Tensor], version: int) -> None:
         """Header (with new handles if a tensor moved), then wait for every receiver's ack."""
@@ -359,7 +380,8 @@ class IpcReceiver(IpcEndpoint):
                 refused = RefitError(
                     f"rank {g.rank}: ipc_direction='push': tensor(s) {clip([self._names[i] for i in moved])} "
                     f"moved to new storage since prepare_refit_info(); this refit went to the old storage; "
-                    f"call prepare_refit_info() again on every rank")
+                    f"call prepare_refit_info() again on every rank"
+                )
         except RefitError as e:
             refused = e
         if refused is not None:

@@ -72,11 +72,19 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
         channel: store namespace, for several senders on one group.
     """
 
-    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors,
-                 bucket_bytes: int | None = None, *, direct_bytes: int | None = None,
-                 group_bytes: int = DEFAULT_GROUP_BYTES, transport: str = "auto",
-                 ipc_direction: str | None = None, ipc_copy_on: str = "src",
-                 channel: str = "default") -> None:
+    def __init__(
+        self,
+        group: StatelessProcessGroup,
+        named_tensors: NamedTensors,
+        bucket_bytes: int | None = None,
+        *,
+        direct_bytes: int | None = None,
+        group_bytes: int = DEFAULT_GROUP_BYTES,
+        transport: str = "auto",
+        ipc_direction: str | None = None,
+        ipc_copy_on: str = "src",
+        channel: str = "default",
+    ) -> None:
         super().__init__(group, named_tensors, channel)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -125,8 +133,15 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
                 extra = {"ipc_fallback": fallback, "ipc_direction": self._direction}
                 if self._direction == "pull":
                     extra.update(ipc_copy_on=self.ipc_copy_on)
-            info = RefitInfo(tuple(specs), self.bucket_bytes, self.direct_bytes, self.src, self.group_bytes,
-                             transport=transport, extra=extra)
+            info = RefitInfo(
+                tuple(specs),
+                self.bucket_bytes,
+                self.direct_bytes,
+                self.src,
+                self.group_bytes,
+                transport=transport,
+                extra=extra,
+            )
         except Exception as e:
             # Receivers are waiting on this key; tell them why instead of letting them time out.
             g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
@@ -179,8 +194,9 @@ class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
     ``version`` holds the version of the last completed refit (``None`` before the first).
     """
 
-    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, src: int = 0,
-                 *, channel: str = "default") -> None:
+    def __init__(
+        self, group: StatelessProcessGroup, named_tensors: NamedTensors, src: int = 0, *, channel: str = "default"
+    ) -> None:
         super().__init__(group, named_tensors, channel)
         if src == group.rank:
             raise ValueError(f"RefitReceiver on rank {src}, which is the source; use RefitSender there")

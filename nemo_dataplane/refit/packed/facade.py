@@ -17,13 +17,21 @@ __all__ = ["build_receiver", "build_sender"]
 
 def _one_sender(senders: int) -> None:
     if senders != 1:
-        raise ValueError(f"the packed family sends whole weights from one rank (senders=1), got senders={senders}; "
-                         "weights sharded over several ranks need family='reshard'")
+        raise ValueError(
+            f"the packed family sends whole weights from one rank (senders=1), got senders={senders}; "
+            "weights sharded over several ranks need family='reshard'"
+        )
 
 
-def build_sender(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                 senders: int = 1, full_shapes: Mapping[str, tuple[Sequence[int], torch.dtype | str]] | None = None,
-                 device: torch.device | str | int | None = None) -> RefitSender:
+def build_sender(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    full_shapes: Mapping[str, tuple[Sequence[int], torch.dtype | str]] | None = None,
+    device: torch.device | str | int | None = None,
+) -> RefitSender:
     """A ``RefitSender`` of ``named_tensors`` (whole, on the group's device).
 
     ``full_shapes`` and ``device`` are not needed here: the tensors are whole and must live on
@@ -31,12 +39,19 @@ def build_sender(config: WeightTransferConfig, group: StatelessProcessGroup, nam
     """
     del full_shapes, device
     _one_sender(senders)
-    return RefitSender(group, named_tensors, config.bucket_bytes, direct_bytes=config.direct_bytes,
-                       transport=config.transport)
+    return RefitSender(
+        group, named_tensors, config.bucket_bytes, direct_bytes=config.direct_bytes, transport=config.transport
+    )
 
 
-def build_receiver(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                   senders: int = 1, device: torch.device | str | int | None = None) -> RefitReceiver:
+def build_receiver(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    device: torch.device | str | int | None = None,
+) -> RefitReceiver:
     """A ``RefitReceiver`` into ``named_tensors`` from group rank 0 (it follows the sender's options)."""
     del config, device
     _one_sender(senders)

@@ -140,8 +140,9 @@ def build_plan(info: RefitInfo) -> list[Bucket | Direct]:
     return plan
 
 
-def group_directs(plan: Sequence[Bucket | Direct], nbytes: Sequence[int], group_bytes: int,
-                  max_ops: int = MAX_OPS_PER_GROUP) -> list[Bucket | list[int]]:
+def group_directs(
+    plan: Sequence[Bucket | Direct], nbytes: Sequence[int], group_bytes: int, max_ops: int = MAX_OPS_PER_GROUP
+) -> list[Bucket | list[int]]:
     """``plan`` with consecutive ``Direct`` items merged into lists of tensor indices, each list
     one NCCL group launch: cut once it holds ``group_bytes`` (``nbytes[i]`` per tensor) or
     ``max_ops`` tensors, and at every bucket. Pure, so sender and receivers issue the same

@@ -14,8 +14,9 @@ from nemo_dataplane.refit.reshard.layout import Layout, LocalTensor
 __all__ = ["diff_layouts", "diff_locals"]
 
 
-def diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor],
-                device: torch.device) -> list[str]:
+def diff_locals(
+    want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Tensor], device: torch.device
+) -> list[str]:
     """``tensors`` against the local tensors a layout gives the rank (names, shapes, dtypes, device)."""
     out = []
     for name, lt in want.items():
@@ -25,8 +26,9 @@ def diff_locals(want: Mapping[str, LocalTensor], tensors: Mapping[str, torch.Ten
             continue
         shape, dt = tuple(t.shape), dtype_name(t.dtype)
         if shape != lt.shape or dt != lt.dtype:
-            out.append(f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is "
-                       f"{list(shape)} {dt}")
+            out.append(
+                f"{name}: the layout gives this rank {list(lt.shape)} {lt.dtype}, the tensor is {list(shape)} {dt}"
+            )
         if t.device != device:
             out.append(f"{name}: on {t.device}, expected {device}")
     out += [f"{n}: tensor not in the layout (it would go stale)" for n in tensors if n not in want]
@@ -46,8 +48,9 @@ def diff_layouts(own: Layout, published: Layout) -> list[str]:
         elif (p.shape, p.dtype) != (q.shape, q.dtype):
             out.append(f"{name}: {list(p.shape)} {p.dtype} here, {list(q.shape)} {q.dtype} published")
         elif p != q:
-            out.append(f"{name}: placements {[str(x) for x in p.placements]} here, "
-                       f"{[str(x) for x in q.placements]} published")
+            out.append(
+                f"{name}: placements {[str(x) for x in p.placements]} here, {[str(x) for x in q.placements]} published"
+            )
     out += [f"{name}: missing from this rank's layout" for name in published.params if name not in own.params]
     if dict(own.fused) != dict(published.fused):
         out.append("the fused tensors differ")

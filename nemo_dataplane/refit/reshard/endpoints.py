@@ -94,9 +94,17 @@ _I64_MIN = -(2**63)
 class _ReshardEndpoint(IpcRefit, Endpoint):
     sender = False
 
-    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout, *,
-                 device: torch.device | str | int | None = None, channel: str = "reshard",
-                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
+    def __init__(
+        self,
+        group: StatelessProcessGroup,
+        named_tensors: NamedTensors,
+        layout: Layout,
+        *,
+        device: torch.device | str | int | None = None,
+        channel: str = "reshard",
+        ipc_done: str = "event",
+        ipc_map_peers: bool = True,
+    ) -> None:
         super().__init__(group, named_tensors, channel)
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a nemo_dataplane.refit.Layout, got {type(layout).__name__}")
@@ -140,8 +148,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
     def _read(self, side: str) -> dict:
         key = self._key(self._gen, "layout", side)
         what = "sending" if side == "send" else "receiving"
-        self.group.wait_for_ranks(lambda r: key, [0],
-                                  f"the {what} side's layout (published by that side's first rank)")
+        self.group.wait_for_ranks(lambda r: key, [0], f"the {what} side's layout (published by that side's first rank)")
         return json.loads(self.group.store.get(key))
 
     def prepare_refit_info(self) -> ReshardPlan:
@@ -171,17 +178,20 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             mine = src if self.sender else dst
             if mine.to_json() != self.layout.to_json():
                 diff = diff_layouts(self.layout, mine)
-                problems.append(f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
-                                f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})"
-                                + (f": {clip(diff)}" if diff else ""))
+                problems.append(
+                    f"this rank's layout (fingerprint {self.layout.fingerprint}) differs from the one "
+                    f"its side's first rank {mine.mesh.ranks[0]} published ({mine.fingerprint})"
+                    + (f": {clip(diff)}" if diff else "")
+                )
             if self.sender and opts != self._options():
                 problems.append(f"options {self._options()} differ from the first sender's {opts}")
             missing = sorted(set(range(g.world_size)) - set(src.mesh.ranks) - set(dst.mesh.ranks))
             if missing:
                 problems.append(f"group rank(s) {missing} are in neither layout")
             try:
-                plan = plan_reshard(src, dst, bucket_bytes=int(opts["bucket_bytes"]),
-                                    direct_bytes=int(opts["direct_bytes"]))
+                plan = plan_reshard(
+                    src, dst, bucket_bytes=int(opts["bucket_bytes"]), direct_bytes=int(opts["direct_bytes"])
+                )
             except ReshardPlanError as e:
                 problems.append(str(e))
         problems += self._check_locals()
@@ -218,8 +228,10 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         if not problems:
             return "ipc"
         if requested == "ipc" or g.backend != "nccl":
-            raise RefitError(f"rank {g.rank}: transport='ipc' needs every sender on its receivers' host with "
-                             f"their GPUs visible: {clip(problems)}")
+            raise RefitError(
+                f"rank {g.rank}: transport='ipc' needs every sender on its receivers' host with "
+                f"their GPUs visible: {clip(problems)}"
+            )
         self.ipc_fallback_reason = "; ".join(problems)
         return "p2p"
 
@@ -239,8 +251,11 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         g = self.group
         status = "ok" if not problems else f"{len(problems)} problem(s): {clip(problems)}"
         g.store.set(self._key(self._gen, "status", g.rank), status.encode())
-        g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size),
-                         "reshard handshake (waiting for every rank to check the layouts and its tensors)")
+        g.wait_for_ranks(
+            lambda r: self._key(self._gen, "status", r),
+            range(g.world_size),
+            "reshard handshake (waiting for every rank to check the layouts and its tensors)",
+        )
         by_status: dict[str, list[int]] = {}
         for r in range(g.world_size):
             st = g.store.get(self._key(self._gen, "status", r)).decode()
@@ -249,8 +264,9 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         if not by_status:
             return
         parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {st}" for st, rs in by_status.items()]
-        raise RefitMismatchError(f"rank {g.rank}: reshard handshake failed, no weights were moved. "
-                                 + " | ".join(parts))
+        raise RefitMismatchError(
+            f"rank {g.rank}: reshard handshake failed, no weights were moved. " + " | ".join(parts)
+        )
 
     def _connect(self) -> None:
         """NCCL: one small send/recv per pair now, so the connections are set up at prepare
@@ -273,8 +289,9 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         tensors = self._tensors()
         problems = diff_locals(self._locals, tensors, self.device)
         if problems:
-            raise RefitMismatchError(f"rank {self.group.rank}: tensors changed since prepare_refit_info(): "
-                                     f"{clip(problems)}")
+            raise RefitMismatchError(
+                f"rank {self.group.rank}: tensors changed since prepare_refit_info(): {clip(problems)}"
+            )
         return tensors
 
     def _header(self, version: int | None, failed: BaseException | None) -> int:
@@ -283,8 +300,16 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         fp = self._fp
         status = STATUS_ABORT if failed is not None else STATUS_OK
         done = self._done_code
-        vals = [MAGIC, fp, -fp, _I64_MIN if version is None else version,
-                _I64_MIN if version is None else -version, status, done, -done]
+        vals = [
+            MAGIC,
+            fp,
+            -fp,
+            _I64_MIN if version is None else version,
+            _I64_MIN if version is None else -version,
+            status,
+            done,
+            -done,
+        ]
         magic, fp_max, neg_fp_min, v_max, neg_v_min, st, d_max, neg_d_min = self._max(vals, "reshard refit header")
         if st != STATUS_OK:
             if failed is not None:
@@ -292,14 +317,18 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             why = self._errors_of(r for r in range(g.world_size) if r != g.rank) or "no reason posted"
             raise RefitError(f"rank {g.rank}: refit of version {v_max} aborted by another rank: {why}")
         if magic != MAGIC or fp_max != fp or -neg_fp_min != fp:
-            msg = (f"refit header mismatch (magic {magic:#x}, fingerprints {-neg_fp_min}..{fp_max}, ours {fp}): "
-                   "the ranks prepared different plans; call prepare_refit_info() again on every rank")
+            msg = (
+                f"refit header mismatch (magic {magic:#x}, fingerprints {-neg_fp_min}..{fp_max}, ours {fp}): "
+                "the ranks prepared different plans; call prepare_refit_info() again on every rank"
+            )
             raise RefitError(f"rank {g.rank}: {msg}")
         if v_max != -neg_v_min:
             raise RefitError(f"rank {g.rank}: the senders disagree on the version ({-neg_v_min}..{v_max})")
         if d_max != -neg_d_min:
-            raise RefitError(f"rank {g.rank}: the ranks disagree on the ipc done signal (this rank: "
-                             f"{self.done!r}); configure ipc_done alike on every rank")
+            raise RefitError(
+                f"rank {g.rank}: the ranks disagree on the ipc done signal (this rank: "
+                f"{self.done!r}); configure ipc_done alike on every rank"
+            )
         return v_max
 
     def _max(self, vals: list[int], what: str) -> list[int]:
@@ -325,8 +354,9 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             g.store.wait(keys, datetime.timedelta(seconds=g.timeout))
         except Exception as e:
             missing = [r for r, k in enumerate(keys) if not has_key(g, k)]
-            raise StatelessGroupTimeout(f"rank {g.rank}: {what} did not finish within {g.timeout:g}s: "
-                                        f"ranks {missing} never posted ({e})") from e
+            raise StatelessGroupTimeout(
+                f"rank {g.rank}: {what} did not finish within {g.timeout:g}s: ranks {missing} never posted ({e})"
+            ) from e
         others = [k for r, k in enumerate(keys) if r != g.rank]
         rows = [vals] + [json.loads(x) for x in get_all(g, others)]
         if n > 2:
@@ -351,7 +381,8 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
                 if moved:
                     raise RefitMismatchError(
                         f"rank {self.group.rank}: transport='ipc': tensor(s) {clip(moved)} moved to new storage "
-                        "since prepare_refit_info(); call prepare_refit_info() again on every rank")
+                        "since prepare_refit_info(); call prepare_refit_info() again on every rank"
+                    )
         except RefitMismatchError as e:
             failed = e
             self._publish_error(str(e))
@@ -410,12 +441,23 @@ class ReshardSender(_ReshardEndpoint, WeightSender):
 
     sender = True
 
-    def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, layout: Layout,
-                 bucket_bytes: int | None = None, *, direct_bytes: int | None = None, transport: str = "auto",
-                 device: torch.device | str | int | None = None, channel: str = "reshard",
-                 ipc_done: str = "event", ipc_map_peers: bool = True) -> None:
-        super().__init__(group, named_tensors, layout, device=device, channel=channel, ipc_done=ipc_done,
-                         ipc_map_peers=ipc_map_peers)
+    def __init__(
+        self,
+        group: StatelessProcessGroup,
+        named_tensors: NamedTensors,
+        layout: Layout,
+        bucket_bytes: int | None = None,
+        *,
+        direct_bytes: int | None = None,
+        transport: str = "auto",
+        device: torch.device | str | int | None = None,
+        channel: str = "reshard",
+        ipc_done: str = "event",
+        ipc_map_peers: bool = True,
+    ) -> None:
+        super().__init__(
+            group, named_tensors, layout, device=device, channel=channel, ipc_done=ipc_done, ipc_map_peers=ipc_map_peers
+        )
         if transport not in RESHARD_TRANSPORTS:
             raise ValueError(f"transport must be one of {RESHARD_TRANSPORTS}, got {transport!r}")
         if bucket_bytes is None:

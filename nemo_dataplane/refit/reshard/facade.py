@@ -27,9 +27,15 @@ def _shapes(source: NamedTensors) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return {n: (tuple(t.shape), t.dtype) for n, t in current_tensors(source).items()}
 
 
-def build_sender(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                 senders: int = 1, full_shapes: FullShapes | None = None,
-                 device: torch.device | str | int | None = None) -> ReshardSender:
+def build_sender(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    full_shapes: FullShapes | None = None,
+    device: torch.device | str | int | None = None,
+) -> ReshardSender:
     """A ``ReshardSender`` of this TP rank's shards (``named_tensors``) under a ``tp=senders`` layout.
 
     ``full_shapes``: the unsharded name -> (shape, dtype), identical on every sender; may be
@@ -42,13 +48,27 @@ def build_sender(config: WeightTransferConfig, group: StatelessProcessGroup, nam
             raise ValueError(f"reshard with senders={senders}: pass full_shapes (the unsharded shapes and dtypes)")
         full_shapes = _shapes(named_tensors)
     layout = build_layout(Mesh.of(range(senders), tp=senders), full_shapes)
-    return ReshardSender(group, named_tensors, layout, config.bucket_bytes, direct_bytes=config.direct_bytes,
-                         transport=config.transport, device=device, ipc_done=config.ipc_done,
-                         ipc_map_peers=config.ipc_map_peers)
+    return ReshardSender(
+        group,
+        named_tensors,
+        layout,
+        config.bucket_bytes,
+        direct_bytes=config.direct_bytes,
+        transport=config.transport,
+        device=device,
+        ipc_done=config.ipc_done,
+        ipc_map_peers=config.ipc_map_peers,
+    )
 
 
-def build_receiver(config: WeightTransferConfig, group: StatelessProcessGroup, named_tensors: NamedTensors, *,
-                   senders: int = 1, device: torch.device | str | int | None = None) -> ReshardReceiver:
+def build_receiver(
+    config: WeightTransferConfig,
+    group: StatelessProcessGroup,
+    named_tensors: NamedTensors,
+    *,
+    senders: int = 1,
+    device: torch.device | str | int | None = None,
+) -> ReshardReceiver:
     """A ``ReshardReceiver`` into ``named_tensors`` (whole tensors), one replica of the receiving
     side: every rank from ``senders`` on holds the same whole tensors."""
     named_tensors = reusable(named_tensors)

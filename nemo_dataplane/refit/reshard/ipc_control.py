@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessGroupTimeout, StatelessProcessGroup, Work
-from nemo_dataplane.refit.protocol import RefitError, clip
 from nemo_dataplane.refit.config import IPC_DONE_SIGNALS
+from nemo_dataplane.refit.protocol import RefitError, clip
 from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 from nemo_dataplane.refit.reshard.layout import LocalTensor
 from nemo_dataplane.refit.reshard.plan import ReshardPlan
@@ -120,16 +120,21 @@ class IpcRefit:
             else:
                 _post(g.store, ev_key(g.rank), push.signal_blob)
                 g.wait_for_ranks(dst_key, push.peers, "CUDA IPC handles of the receivers' tensors")
-                push.open({r: g.store.get(dst_key(r)) for r in push.peers},
-                          {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers})
+                push.open(
+                    {r: g.store.get(dst_key(r)) for r in push.peers},
+                    {r: list(plan.dst_layout.local_tensors(r)) for r in push.peers},
+                )
             if push.cross_gpu:
                 status = CROSS_GPU
         except Exception as e:
             push.close()
             status = f"CUDA IPC setup failed: {e}"
         g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
-        g.wait_for_ranks(lambda r: self._key(self._gen, "ipc_open", r), range(g.world_size),
-                         "CUDA IPC setup (waiting for every rank to export or open handles)")
+        g.wait_for_ranks(
+            lambda r: self._key(self._gen, "ipc_open", r),
+            range(g.world_size),
+            "CUDA IPC setup (waiting for every rank to export or open handles)",
+        )
         keys = [self._key(self._gen, "ipc_open", r) for r in range(g.world_size)]
         statuses = [x.decode() for x in get_all(g, keys)]
         bad = [f"rank {r}: {st}" for r, st in enumerate(statuses) if st not in ("ok", CROSS_GPU)]
@@ -145,8 +150,13 @@ class IpcRefit:
             return
         raise RefitError(f"rank {g.rank}: transport='ipc' setup failed, no weights were moved: {clip(bad)}")
 
-    def _refit_ipc(self, version: int | None, tensors: Mapping[str, torch.Tensor],
-                   failed: BaseException | None, marks: dict[str, float] | None) -> int:
+    def _refit_ipc(
+        self,
+        version: int | None,
+        tensors: Mapping[str, torch.Tensor],
+        failed: BaseException | None,
+        marks: dict[str, float] | None,
+    ) -> int:
         g = self.group
         assert self._push is not None
         if not self.sender and failed is None:
@@ -247,7 +257,9 @@ class IpcRefit:
             raise StatelessGroupTimeout(
                 f"rank {g.rank}: reshard ipc refit of version {v} (waiting for every sender's done signal) did not "
                 f"finish within {g.timeout:g}s: sender ranks {missing} never posted"
-                + (f"; they reported: {why}" if why else "") + f" ({e})") from e
+                + (f"; they reported: {why}" if why else "")
+                + f" ({e})"
+            ) from e
         bad = [st for x in get_all(g, keys) if (st := x.decode()) != "ok"]
         if bad:
             raise RefitError(f"rank {g.rank}: a sender failed to copy refit version {v}: {clip(bad)}")

@@ -55,6 +55,7 @@ PITCHED = ("kernel", "memcpy2d")
 def _index(dev: torch.device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
+
 def _widened(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dst, src) viewed as the widest integer type both allow (same bits), so a strided copy
     kernel moves 8 bytes per element instead of 2."""
@@ -72,8 +73,16 @@ class IpcPush:
     """One rank's part of the IPC push: a receiver's exported targets, or a sender's opened
     views of its receivers and its copies (planned once per placement of its tensors)."""
 
-    def __init__(self, plan: ReshardPlan, rank: int, sender: bool, locals_: Mapping[str, LocalTensor],
-                 device: torch.device, *, map_peers: bool = True) -> None:
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        rank: int,
+        sender: bool,
+        locals_: Mapping[str, LocalTensor],
+        device: torch.device,
+        *,
+        map_peers: bool = True,
+    ) -> None:
         self.plan = plan
         self.rank = rank
         self.sender = sender
@@ -167,10 +176,12 @@ class IpcPush:
         # Views torch opened on another GPU's context: its kernels cannot write them (module doc).
         foreign = any(_index(t.device) != here for v in self.views.values() for t in v.values())
         if foreign and not self.raw:
-            raise RuntimeError("a receiver on another GPU could not be mapped into this GPU's context "
-                               f"({self.map_error}) and, without cuda-bindings, its column blocks would "
-                               "need torch kernels, which fault there: install cuda-bindings "
-                               "(nemo-dataplane[gpu]) or use transport='p2p'")
+            raise RuntimeError(
+                "a receiver on another GPU could not be mapped into this GPU's context "
+                f"({self.map_error}) and, without cuda-bindings, its column blocks would "
+                "need torch kernels, which fault there: install cuda-bindings "
+                "(nemo-dataplane[gpu]) or use transport='p2p'"
+            )
         self.foreign = foreign
         self.cross_gpu = foreign if cross_gpu is None else cross_gpu
         self.pitched = "memcpy2d" if foreign else "kernel"
@@ -184,8 +195,13 @@ class IpcPush:
         with torch.cuda.device(self.device):
             self.done_event = torch.cuda.Event(interprocess=True)
             handle = bytes(self.done_event.ipc_handle())
-        return json.dumps({"uuid": _ipc._uuid(self.device.index), "device": self.device.index,
-                           "handle": base64.b64encode(handle).decode()}).encode()
+        return json.dumps(
+            {
+                "uuid": _ipc._uuid(self.device.index),
+                "device": self.device.index,
+                "handle": base64.b64encode(handle).decode(),
+            }
+        ).encode()
 
     def open_signals(self, blobs: Mapping[int, bytes]) -> None:
         """Receiver: open every sender's done event (``blobs``: sender rank -> ``signal_blob()``)."""
@@ -246,9 +262,11 @@ class IpcPush:
     @property
     def bytes_issued(self) -> int:
         """Sender: bytes its copies write per refit."""
-        return (sum(w * h for _, _, _, _, w, h in self._copies)
-                + sum(r[2] for r in self._runs)
-                + sum(d.numel() * d.element_size() for d, _ in self._slow))
+        return (
+            sum(w * h for _, _, _, _, w, h in self._copies)
+            + sum(r[2] for r in self._runs)
+            + sum(d.numel() * d.element_size() for d, _ in self._slow)
+        )
 
     def _plan(self, tensors: Mapping[str, torch.Tensor]) -> None:
         key = [(t.data_ptr(), t.stride()) for t in tensors.values()] + [self.pitched]
@@ -297,7 +315,8 @@ class IpcPush:
         others (column blocks of row-parallel weights) on a second stream, so both kinds run at
         once: ``pitched="kernel"`` (the default) as torch strided copy kernels, ``"memcpy2d"``
         (the default where torch opened a receiver on another GPU, whose views take no kernel
-        writes) as 2D copy-engine copies (``pitched.PitchedCopier``). ``order``: which of the two kinds the host enqueues first
+        writes) as 2D copy-engine copies (``pitched.PitchedCopier``). ``order``: which of the two kinds
+        the host enqueues first
         (the GPU starts on them while the host enqueues the others)."""
         assert self._stream is not None and self._stream2 is not None
         self._plan(tensors)
@@ -341,8 +360,9 @@ class IpcPush:
         if marks:
             marks[1].record(s)
 
-    def _issue_other(self, tensors: Mapping[str, torch.Tensor], s2: torch.cuda.Stream,
-                     marks: list[torch.cuda.Event]) -> None:
+    def _issue_other(
+        self, tensors: Mapping[str, torch.Tensor], s2: torch.cuda.Stream, marks: list[torch.cuda.Event]
+    ) -> None:
         """The non-contiguous pieces on ``s2``: 2D copies (sources strided in their innermost
         dim gathered first) and strided copy kernels."""
         if marks:
@@ -356,8 +376,10 @@ class IpcPush:
                     self._copier2d.issue(self._copies, s2)
             except Exception as e:  # bindings refused: torch copies from now on (re-copying is harmless)
                 if self.foreign:  # torch's strided kernels would fault on these views (module doc)
-                    raise RuntimeError(f"2D copies into a receiver on another GPU were refused ({e}); "
-                                       "torch's kernels cannot write there") from e
+                    raise RuntimeError(
+                        f"2D copies into a receiver on another GPU were refused ({e}); "
+                        "torch's kernels cannot write there"
+                    ) from e
                 self.raw, self.raw_error = False, str(e)
                 self._key = None
                 self._plan(tensors)
@@ -386,8 +408,12 @@ class IpcPush:
             return {}
         e0, e1, e2, e3 = self._events
         flat = sum(r[2] for r in self._runs)
-        return {"contiguous_bytes": flat, "contiguous_ms": e0.elapsed_time(e1),
-                "pitched_bytes": self.bytes_issued - flat, "pitched_ms": e2.elapsed_time(e3)}
+        return {
+            "contiguous_bytes": flat,
+            "contiguous_ms": e0.elapsed_time(e1),
+            "pitched_bytes": self.bytes_issued - flat,
+            "pitched_ms": e2.elapsed_time(e3),
+        }
 
     def scatter(self) -> None:
         """Receiver: staged values into its non-contiguous tensors, on the current stream."""

@@ -210,19 +210,25 @@ class Layout:
         nd = len(self.mesh.dims)
         for name, p in self.params.items():
             if len(p.placements) != nd:
-                raise LayoutError(f"param {name!r}: {len(p.placements)} placements for a mesh of {nd} dims "
-                                  f"{list(self.mesh.dims)}")
+                raise LayoutError(
+                    f"param {name!r}: {len(p.placements)} placements for a mesh of {nd} dims {list(self.mesh.dims)}"
+                )
             _itemsize(p.dtype)
             for m, pl in enumerate(p.placements):
                 if isinstance(pl, Shard) and not 0 <= pl.dim < len(p.shape):
-                    raise LayoutError(f"param {name!r}: {pl} on mesh dim {self.mesh.dims[m]!r} but the "
-                                      f"parameter has {len(p.shape)} dims")
+                    raise LayoutError(
+                        f"param {name!r}: {pl} on mesh dim {self.mesh.dims[m]!r} but the "
+                        f"parameter has {len(p.shape)} dims"
+                    )
                 if isinstance(pl, Only) and not 0 <= pl.index < self.mesh.sizes[m]:
-                    raise LayoutError(f"param {name!r}: {pl} but mesh dim {self.mesh.dims[m]!r} has size "
-                                      f"{self.mesh.sizes[m]}")
+                    raise LayoutError(
+                        f"param {name!r}: {pl} but mesh dim {self.mesh.dims[m]!r} has size {self.mesh.sizes[m]}"
+                    )
                 if p.rule is None and isinstance(pl, Shard):
-                    raise LayoutError(f"param {name!r}: its rule is unknown (rule=None), so it must be held "
-                                      f"whole (Replicate/Only), not {pl} on {self.mesh.dims[m]!r}")
+                    raise LayoutError(
+                        f"param {name!r}: its rule is unknown (rule=None), so it must be held "
+                        f"whole (Replicate/Only), not {pl} on {self.mesh.dims[m]!r}"
+                    )
         owner: dict[str, str] = {}
         for local, f in self.fused.items():
             if local in self.params:
@@ -238,8 +244,10 @@ class Layout:
                 owner[part] = local
                 first = self.params[f.parts[0]]
                 if p.dtype != first.dtype or len(p.shape) != len(first.shape) or not 0 <= f.dim < len(p.shape):
-                    raise LayoutError(f"fused {local!r}: part {part!r} ({p.dtype}, {len(p.shape)} dims) cannot be "
-                                      f"concatenated with {f.parts[0]!r} along dim {f.dim}")
+                    raise LayoutError(
+                        f"fused {local!r}: part {part!r} ({p.dtype}, {len(p.shape)} dims) cannot be "
+                        f"concatenated with {f.parts[0]!r} along dim {f.dim}"
+                    )
                 if _holding(p.placements) != _holding(first.placements):
                     raise LayoutError(f"fused {local!r}: part {part!r} is held by other ranks than {f.parts[0]!r}")
 
@@ -248,8 +256,15 @@ class Layout:
     def to_dict(self) -> dict:
         return {
             "mesh": {"dims": list(self.mesh.dims), "sizes": list(self.mesh.sizes), "ranks": list(self.mesh.ranks)},
-            "params": {n: {"shape": list(p.shape), "dtype": p.dtype, "placements": [str(x) for x in p.placements],
-                           "rule": p.rule} for n, p in self.params.items()},
+            "params": {
+                n: {
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "placements": [str(x) for x in p.placements],
+                    "rule": p.rule,
+                }
+                for n, p in self.params.items()
+            },
             "fused": {n: {"dim": f.dim, "parts": list(f.parts)} for n, f in self.fused.items()},
         }
 
@@ -269,8 +284,12 @@ class Layout:
             params = {}
             for n, p in d["params"].items():
                 dtype_from_name(p["dtype"], f"layout param {n!r} dtype", LayoutError)
-                params[n] = ParamLayout(check_shape(p["shape"], f"layout param {n!r} shape", LayoutError),
-                                        p["dtype"], tuple(parse_placement(x) for x in p["placements"]), p.get("rule"))
+                params[n] = ParamLayout(
+                    check_shape(p["shape"], f"layout param {n!r} shape", LayoutError),
+                    p["dtype"],
+                    tuple(parse_placement(x) for x in p["placements"]),
+                    p.get("rule"),
+                )
             fused = {n: Fused(int(f["dim"]), tuple(f["parts"])) for n, f in d.get("fused", {}).items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise LayoutError(f"malformed layout: missing or wrong field {e}") from e
@@ -331,8 +350,10 @@ class Layout:
             if shape is None:
                 shape = ext
             elif [e for i, e in enumerate(ext) if i != f.dim] != [e for i, e in enumerate(shape) if i != f.dim]:
-                raise LayoutError(f"fused {local!r} on rank {rank}: part {part!r} holds {ext}, which does not "
-                                  f"concatenate with {shape} along dim {f.dim}")
+                raise LayoutError(
+                    f"fused {local!r} on rank {rank}: part {part!r} holds {ext}, which does not "
+                    f"concatenate with {shape} along dim {f.dim}"
+                )
             parts.append((part, b, off))
             off += ext[f.dim]
         assert shape is not None
@@ -344,8 +365,9 @@ def _holding(placements: Sequence[Placement]) -> tuple:
     return tuple(pl if isinstance(pl, Only) else None for pl in placements)
 
 
-def param_box(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int],
-              coord: Sequence[int]) -> Box | None:
+def param_box(
+    shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int], coord: Sequence[int]
+) -> Box | None:
     """The box held at mesh coordinate ``coord`` (None where an ``Only`` excludes it)."""
     box = [(0, n) for n in shape]
     for m, pl in enumerate(placements):
@@ -382,8 +404,9 @@ DEFAULT_FUSIONS: dict[str, tuple[str, ...]] = {
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def layer_stages(num_layers: int, stages: int, *, last: Sequence[str] = ("lm_head.", "model.norm.")
-                 ) -> Callable[[str], int]:
+def layer_stages(
+    num_layers: int, stages: int, *, last: Sequence[str] = ("lm_head.", "model.norm.")
+) -> Callable[[str], int]:
     """Stage of a parameter under an even pipeline split of ``num_layers`` layers: layer ``i`` on
     stage ``i * stages // num_layers``, names starting with one of ``last`` on the last stage,
     everything else (embeddings) on stage 0."""
@@ -399,8 +422,9 @@ def layer_stages(num_layers: int, stages: int, *, last: Sequence[str] = ("lm_hea
     return stage_of
 
 
-def _rule_placements(rule: str | None, shape: Sequence[int], dims: Sequence[str], tp: str, ep: str,
-                     stage: int | None, pp: str) -> tuple[Placement, ...]:
+def _rule_placements(
+    rule: str | None, shape: Sequence[int], dims: Sequence[str], tp: str, ep: str, stage: int | None, pp: str
+) -> tuple[Placement, ...]:
     out: list[Placement] = []
     for d in dims:
         if d == pp:
@@ -420,11 +444,18 @@ def _rule_placements(rule: str | None, shape: Sequence[int], dims: Sequence[str]
     return tuple(out)
 
 
-def build_layout(mesh: Mesh, params: Mapping[str, tuple[Sequence[int], torch.dtype | str]], *,
-                 rules: Sequence[tuple[str, str]] = DEFAULT_RULES, tp: str = "tp", ep: str = "ep",
-                 pp: str = "pp", stage_of: Callable[[str], int] | None = None,
-                 fusions: Mapping[str, Sequence[str]] | None = None,
-                 overrides: Mapping[str, Sequence[str] | None] | None = None) -> Layout:
+def build_layout(
+    mesh: Mesh,
+    params: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+    *,
+    rules: Sequence[tuple[str, str]] = DEFAULT_RULES,
+    tp: str = "tp",
+    ep: str = "ep",
+    pp: str = "pp",
+    stage_of: Callable[[str], int] | None = None,
+    fusions: Mapping[str, Sequence[str]] | None = None,
+    overrides: Mapping[str, Sequence[str] | None] | None = None,
+) -> Layout:
     """A layout from full parameter shapes and naming rules.
 
     ``params``: HF name -> (full shape, dtype). Rules (first regex match wins): ``column`` and
@@ -460,9 +491,12 @@ def build_layout(mesh: Mesh, params: Mapping[str, tuple[Sequence[int], torch.dty
     return Layout(mesh, out, fused)
 
 
-def fuse(params: Mapping[str, ParamLayout] | Iterable[str],
-         fusions: Mapping[str, Sequence[str]] = DEFAULT_FUSIONS, dim: int = 0,
-         exclude: str | None = r"\.experts\.") -> dict[str, Fused]:
+def fuse(
+    params: Mapping[str, ParamLayout] | Iterable[str],
+    fusions: Mapping[str, Sequence[str]] = DEFAULT_FUSIONS,
+    dim: int = 0,
+    exclude: str | None = r"\.experts\.",
+) -> dict[str, Fused]:
     """Fused local tensors for every complete group of ``fusions`` among ``params``' names.
 
     ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}`` turns ``...self_attn.q_proj.weight``,

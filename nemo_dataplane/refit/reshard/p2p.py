@@ -54,8 +54,14 @@ class Exchange:
     or took off (receiver) the wire in the last ``run``, counted at each send/recv.
     """
 
-    def __init__(self, group: StatelessProcessGroup, rounds: list[list[Message]], sender: bool,
-                 locals_: Mapping[str, LocalTensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        group: StatelessProcessGroup,
+        rounds: list[list[Message]],
+        sender: bool,
+        locals_: Mapping[str, LocalTensor],
+        device: torch.device,
+    ) -> None:
         self.group = group
         self.sender = sender
         self.device = device
@@ -118,15 +124,16 @@ class Exchange:
                     region = e.src_region if self.sender else e.dst_region
                     v = t[_slices(region)]
                     a = base + e.offset
-                    slots.append(buf[a: a + e.nbytes].view(dtype_from_name(e.dtype)).view(v.shape))
+                    slots.append(buf[a : a + e.nbytes].view(dtype_from_name(e.dtype)).view(v.shape))
                     views.append(v)
-                packed.append(((m.dst if self.sender else m.src), buf[base: base + m.nbytes], slots, views))
+                packed.append(((m.dst if self.sender else m.src), buf[base : base + m.nbytes], slots, views))
             direct = []
             for m in rnd.direct:
                 e: Entry = m.entries[0]
                 t = tensors[e.src_local if self.sender else e.dst_local]
-                direct.append(((m.dst if self.sender else m.src), t[_slices(e.src_region if self.sender
-                                                                           else e.dst_region)]))
+                direct.append(
+                    ((m.dst if self.sender else m.src), t[_slices(e.src_region if self.sender else e.dst_region)])
+                )
             out.append((packed, direct))
         self._views, self._views_key = out, key
         return out
@@ -217,8 +224,9 @@ class Exchange:
                 with torch.cuda.stream(pack):
                     if free[slot] is not None:
                         pack.wait_event(free[slot])
-                    copy_all([s for _, _, slots, _ in packed for s in slots],
-                             [v for _, _, _, src in packed for v in src])
+                    copy_all(
+                        [s for _, _, slots, _ in packed for s in slots], [v for _, _, _, src in packed for v in src]
+                    )
                     ready = torch.cuda.Event()
                     ready.record(pack)
                 comm.wait_event(ready)
@@ -269,8 +277,10 @@ class Exchange:
             got.record(comm)
             with torch.cuda.stream(unpack):
                 unpack.wait_event(got)
-                copy_all([v for _, _, _, dst in packed for v in dst] + [v for _, v in temps],
-                         [s for _, _, slots, _ in packed for s in slots] + [t for t, _ in temps])
+                copy_all(
+                    [v for _, _, _, dst in packed for v in dst] + [v for _, v in temps],
+                    [s for _, _, slots, _ in packed for s in slots] + [t for t, _ in temps],
+                )
                 done = torch.cuda.Event()
                 done.record(unpack)
             free[slot] = done

@@ -179,8 +179,9 @@ class ReshardPlan:
 
 
 @lru_cache(maxsize=4096)
-def _box_table(mesh: Mesh, shape: tuple[int, ...], placements: tuple[Placement, ...]
-               ) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+def _box_table(
+    mesh: Mesh, shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[tuple[Box, tuple[int, ...]], ...]:
     """Distinct boxes of a parameter and the ranks holding each, in mesh order."""
     groups: dict[Box, list[int]] = {}
     for rank in mesh.ranks:
@@ -288,8 +289,9 @@ _cache: OrderedDict[bytes, ReshardPlan] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def plan_reshard(src: Layout, dst: Layout, *, bucket_bytes: int = 64 << 20, direct_bytes: int | None = None
-                 ) -> ReshardPlan:
+def plan_reshard(
+    src: Layout, dst: Layout, *, bucket_bytes: int = 64 << 20, direct_bytes: int | None = None
+) -> ReshardPlan:
     """The plan from ``src`` (senders) to ``dst`` (receivers); cached per process.
 
     Raises ``ReshardPlanError`` naming every parameter at fault: a receiver parameter that no
@@ -298,8 +300,9 @@ def plan_reshard(src: Layout, dst: Layout, *, bucket_bytes: int = 64 << 20, dire
     """
     t0 = time.perf_counter()
     direct = bucket_bytes + 1 if direct_bytes is None else int(direct_bytes)
-    key = hashlib.sha256(b"|".join([src.to_json(), dst.to_json(), str(bucket_bytes).encode(),
-                                    str(direct).encode()])).digest()
+    key = hashlib.sha256(
+        b"|".join([src.to_json(), dst.to_json(), str(bucket_bytes).encode(), str(direct).encode()])
+    ).digest()
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -348,8 +351,10 @@ def _build(src: Layout, dst: Layout, bucket_bytes: int, direct_bytes: int, finge
         j = idx  # rotates the replica choice over parameters and receivers
         for db, dranks, cov, full, vol in _covers(stab, dtab):
             if not full:
-                problems.append(f"{name}: the senders cover only part of the box "
-                                f"{[list(x) for x in db]} that receiver rank {dranks[0]} holds")
+                problems.append(
+                    f"{name}: the senders cover only part of the box "
+                    f"{[list(x) for x in db]} that receiver rank {dranks[0]} holds"
+                )
                 continue
             if vol == 0:
                 continue
@@ -370,8 +375,18 @@ def _build(src: Layout, dst: Layout, bucket_bytes: int, direct_bytes: int, finge
     for s, r in pairs:
         npeers[s] = npeers.get(s, 0) + 1
         npeers[r] = npeers.get(r, 0) + 1
-    return ReshardPlan(src, dst, bucket_bytes, direct_bytes, pieces, tuple(fallback), fingerprint,
-                       _pairs=pairs, _npeers=npeers, _sides=(_Side(src), _Side(dst)))
+    return ReshardPlan(
+        src,
+        dst,
+        bucket_bytes,
+        direct_bytes,
+        pieces,
+        tuple(fallback),
+        fingerprint,
+        _pairs=pairs,
+        _npeers=npeers,
+        _sides=(_Side(src), _Side(dst)),
+    )
 
 
 def _entry(p: Piece, sside: _Side, dside: _Side) -> Entry:
@@ -379,8 +394,17 @@ def _entry(p: Piece, sside: _Side, dside: _Side) -> Entry:
     dname, dshape, ddim, doff = dside.local(p.param, p.dst, p.dst_box)
     sreg, dreg = _region(p.box, p.src_box, sdim, soff), _region(p.box, p.dst_box, ddim, doff)
     pl = sside.layout.params[p.param]
-    return Entry(p.param, sname, sreg, dname, dreg, pl.dtype, pl.itemsize, p.nbytes,
-                 contiguous=_contiguous(sreg, sshape) and _contiguous(dreg, dshape))
+    return Entry(
+        p.param,
+        sname,
+        sreg,
+        dname,
+        dreg,
+        pl.dtype,
+        pl.itemsize,
+        p.nbytes,
+        contiguous=_contiguous(sreg, sshape) and _contiguous(dreg, dshape),
+    )
 
 
 def _split(e: Entry, cap: int) -> list[Entry]:
@@ -402,7 +426,7 @@ def _split(e: Entry, cap: int) -> list[Entry]:
 def _sub(e: Entry, d: int, a: int, b: int) -> Entry:
     def cut(region: Box) -> Box:
         lo = region[d][0]
-        return region[:d] + ((lo + a, lo + b),) + region[d + 1:]
+        return region[:d] + ((lo + a, lo + b),) + region[d + 1 :]
 
     sr, dr = cut(e.src_region), cut(e.dst_region)
     n = e.itemsize
@@ -433,7 +457,7 @@ def _cut_messages(pair: tuple[int, int], entries: list[Entry], cap: int, direct_
         if e.nbytes >= direct_bytes and e.contiguous:
             out.append(Message(s, r, e.nbytes, True, (e,)))
             continue
-        for x in (_split(e, cap) if e.nbytes > cap else (e,)):
+        for x in _split(e, cap) if e.nbytes > cap else (e,):
             if size + x.nbytes > cap:
                 close()
             cur.append(x)

@@ -55,7 +55,11 @@ def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -
 
 
 def create_storage_units(
-    conf: DictConfig, name_prefix: str, namespace: str, num_cpus: float, quiet: bool,
+    conf: DictConfig,
+    name_prefix: str,
+    namespace: str,
+    num_cpus: float,
+    quiet: bool,
     node_ids: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.

@@ -45,8 +45,14 @@ def register(ref: Any, values: torch.Tensor, offsets: torch.Tensor | None, buf: 
     for d in values.shape[1:]:
         per_row *= d
     start = values.data_ptr()
-    m = _Mapped(ref, start, start + values.numel() * item, per_row, per_row,
-                None if offsets is None else offsets.numpy().astype(np.int64))
+    m = _Mapped(
+        ref,
+        start,
+        start + values.numel() * item,
+        per_row,
+        per_row,
+        None if offsets is None else offsets.numpy().astype(np.int64),
+    )
     with _CHUNKS_LOCK:
         bisect.insort(_CHUNKS, (start, m), key=operator.itemgetter(0))
     weakref.finalize(buf, _unregister, m)

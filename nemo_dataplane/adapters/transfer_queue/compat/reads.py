@@ -23,7 +23,9 @@ from nemo_dataplane.adapters.transfer_queue.compat.mapped import locate
 from nemo_dataplane.dtypes import check_lengths, view_bytes
 
 
-async def get_rows(client: AsyncTransferQueueClient, meta: BatchMeta, fields: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+async def get_rows(
+    client: AsyncTransferQueueClient, meta: BatchMeta, fields: Sequence[str]
+) -> dict[str, list[torch.Tensor]]:
     """Per-row tensors of ``fields`` in ``meta.global_indexes`` order (quirk 4: no nested copy).
 
     Raises:
@@ -69,7 +71,9 @@ class Column:
         if self.values.dim() < 2:
             raise ValueError("scalar rows cannot form a jagged tensor")
         n, length = self.values.shape[0], self.values.shape[1]
-        return Column(self.values.reshape(n * length, *self.values.shape[2:]), torch.full((n,), length, dtype=torch.int64))
+        return Column(
+            self.values.reshape(n * length, *self.values.shape[2:]), torch.full((n,), length, dtype=torch.int64)
+        )
 
 
 def column_from_rows(rows: Sequence[torch.Tensor]) -> Column:
@@ -121,7 +125,13 @@ def _unit_read(unit: Any, global_indexes: list[int], fields: list[str], stack: b
             except RuntimeError:
                 return None
             lengths = [r.shape[0] for r in rows]
-        out[f] = ("stack", t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).replace("torch.", ""), tuple(t.shape), lengths)
+        out[f] = (
+            "stack",
+            t.reshape(-1).view(torch.uint8).numpy(),
+            str(t.dtype).replace("torch.", ""),
+            tuple(t.shape),
+            lengths,
+        )
     return out
 
 
@@ -217,9 +227,7 @@ async def _assemble_from_objects(
             located[f][0][at] = remap[chunks]
             located[f][1][at] = rows
     objs = await asyncio.gather(*refs)
-    return {
-        f: assemble(f, where_of(*located[f]), lambda c, name: decode(objs[c][name]), copy=True) for f in fields
-    }
+    return {f: assemble(f, where_of(*located[f]), lambda c, name: decode(objs[c][name]), copy=True) for f in fields}
 
 
 def _merge_stacked(fields: list[str], groups: list[Any], replies: list[Any]) -> dict[str, Column]:

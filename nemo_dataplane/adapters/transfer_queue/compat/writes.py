@@ -36,12 +36,8 @@ def _storage_side_split(field_data: dict[str, Any], spec: dict[str, tuple[list[i
     """
     for name, (offsets, trailing) in spec.items():
         flat = field_data[name].reshape(-1)
-        field_data[name] = [
-            flat[offsets[i] : offsets[i + 1]].view(-1, *trailing) for i in range(len(offsets) - 1)
-        ]
+        field_data[name] = [flat[offsets[i] : offsets[i + 1]].view(-1, *trailing) for i in range(len(offsets) - 1)]
     return field_data
-
-
 
 
 def _jagged_group(t: torch.Tensor, positions: list[int], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +173,9 @@ async def _write_through_objects(
         positions = group.batch_positions
         whole = len(positions) == n and positions == list(range(n))
         if chunk is not None:
-            calls.append(units[su].__ray_call__.remote(_unit_write, group.global_indexes, None if whole else positions, [chunk]))
+            calls.append(
+                units[su].__ray_call__.remote(_unit_write, group.global_indexes, None if whole else positions, [chunk])
+            )
             continue
         # A unit elsewhere gets only its own rows (one gather here instead of a whole transfer).
         part = {name: _take_positions(t, positions) for name, t in columns.items()} if not whole else columns

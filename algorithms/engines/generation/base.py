@@ -13,11 +13,12 @@ that produced all of it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nemo_dataplane.refit import WeightTransferConfig
 
@@ -55,6 +56,21 @@ class RefitSpec:
     timeout_s: float
     transfer: WeightTransferConfig
     senders: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, for a transport that carries no classes (vLLM's worker RPC)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: RefitSpec | Mapping[str, Any]) -> RefitSpec:
+        if isinstance(data, RefitSpec):
+            return data
+        return cls(
+            backend=str(data["backend"]),
+            timeout_s=float(data["timeout_s"]),
+            transfer=WeightTransferConfig.from_dict(data["transfer"]),
+            senders=int(data["senders"]),
+        )
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,9 @@ class VLLMEngine(GenerationEngine):
         # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.
         self._rpc_timeout_s = 2 * spec.timeout_s + 60
         self.llm.collective_rpc(
-            "ndp_refit_init", timeout=self._rpc_timeout_s, args=(self.param_specs, host, port, world_size, rank, spec)
+            "ndp_refit_init",
+            timeout=self._rpc_timeout_s,
+            args=(self.param_specs, host, port, world_size, rank, spec.to_dict()),
         )
 
     def _receive_weights(self) -> int:

@@ -16,7 +16,8 @@ Names are prefixed ``ndp_``: vLLM refuses an extension method that shadows a wor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -44,12 +45,13 @@ class RefitWorkerExtension:
         port: int,
         world_size: int,
         rank: int,
-        spec: RefitSpec,
+        spec: RefitSpec | Mapping[str, Any],
     ) -> None:
         """Allocate staging tensors ``specs`` (name, shape, dtype name: the trainer's parameters,
         whole) on the worker's device, join the refit group as receiver ``rank`` and agree on the
         layout with the senders, group ranks ``0..spec.senders-1`` (collective), through the
         weight-transfer facade (``spec.transfer``: whichever family the trainer sends with)."""
+        spec = RefitSpec.from_dict(spec)  # a multiprocess engine's RPC delivers plain values
         self.ndp_refit_close()
         # The worker's own device: a CUDA worker's refit is NCCL or CUDA IPC (a gloo group then
         # carries control only), both of which write GPU tensors; a CPU worker's is gloo.

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -548,7 +548,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         ConfigError: a malformed override, an unknown key or an invalid value (names the key).
         FileNotFoundError: ``path`` does not exist.
     """
-    base = OmegaConf.create({})
+    base: Any = OmegaConf.create({})
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -562,4 +562,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot apply overrides {list(overrides)}: {e}") from e
-    return TrainerConfig.from_dict(data or {})
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
+    return TrainerConfig.from_dict(cast(Mapping[str, Any], data or {}))

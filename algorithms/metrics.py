@@ -48,7 +48,7 @@ def payload_bytes(obj: Any) -> int:
     values and offsets), recursively through dicts/lists/TensorDicts, pickled size otherwise."""
     if isinstance(obj, torch.Tensor):
         if getattr(obj, "is_nested", False) and obj.layout == torch.jagged:
-            return payload_bytes(obj.values()) + payload_bytes(obj.offsets())
+            return payload_bytes(obj.values()) + payload_bytes(obj.offsets())  # type: ignore[attr-defined]  # NJT
         return obj.numel() * obj.element_size()
     if isinstance(obj, TensorDictBase):
         return sum(payload_bytes(v) for v in obj.values(include_nested=True, leaves_only=True))
@@ -138,7 +138,7 @@ class MetricsLogger:
         assert self._file is not None, "MetricsLogger is closed"
         self._file.write(json.dumps(full) + "\n")
         self._file.flush()
-        step = int(full["step"])
+        step = int(row["step"])
         if self._tb is not None:
             for k, v in full.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":

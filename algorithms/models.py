@@ -81,7 +81,7 @@ def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) 
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    n_emb = model.get_input_embeddings().num_embeddings
+    n_emb = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]  # transformers' stubs
     if vocab_size is not None and n_emb < vocab_size:
         raise ValueError(f"model vocab_size {n_emb} < tokenizer vocab_size {vocab_size}")
     model.train()
@@ -91,7 +91,7 @@ def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) 
 def save_pretrained_dir(model: torch.nn.Module, path: str | os.PathLike[str]) -> str:
     """Write ``model`` as a local HF dir (config.json + model.safetensors); returns the path."""
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(os.fspath(path))
+    model.save_pretrained(os.fspath(path))  # type: ignore[operator]  # a transformers PreTrainedModel
     return os.fspath(path)
 
 

@@ -46,12 +46,12 @@ class Workers:
     generator: Any
     collectors: list[Any]
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
-    refit_senders: list[Any] | None = None  # the ranks that send a refit; None: policy rank 0
+    refit_senders: list[Any] = field(default_factory=list)  # the ranks that send a refit; empty: policy rank 0
 
     def __post_init__(self) -> None:
         if self.dispatch is None:
             self.dispatch = ActorDispatch(self.policy)
-        if self.refit_senders is None:
+        if not self.refit_senders:
             self.refit_senders = self.policy[:1]
 
     @property
@@ -212,7 +212,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
             peer), or the generator reports another version.
     """
     t0 = time.perf_counter()
-    senders = workers.refit_senders or workers.policy[:1]  # set by Workers.__post_init__; typed Optional
+    senders = workers.refit_senders
     sends = [s.send_weights.remote(version) for s in senders]
     recv = workers.generator.receive_weights.remote(version)
     what = f"refit of version {version}"

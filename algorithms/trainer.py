@@ -177,7 +177,7 @@ class Trainer:
             for i in range(num_collectors)
         ]
         self.actors = [*policy, generator, *collectors]
-        dispatch = make_dispatcher(
+        dispatch: Any = make_dispatcher(
             cfg.trainer.dispatch,
             policy,
             fail_compile=cfg.debug.fail_dispatch_compile,

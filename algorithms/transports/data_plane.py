@@ -239,7 +239,7 @@ class DataPlaneSource(RolloutSource):
         for gid, items in self.assembler.pop_complete():
             tags = [t for _, t in items]
             rows = KVBatchMeta(
-                keys=[k for k, _ in items], tags=tags, partition_id=ROLLOUTS, fields=list(ROLLOUT_FIELDS)
+                keys=tuple(k for k, _ in items), tags=tuple(tags), partition_id=ROLLOUTS, fields=ROLLOUT_FIELDS
             )
             out.append(group_from_tags(gid, rows, tags))
         return out
@@ -287,5 +287,5 @@ class DataPlaneBatchIO(BatchIO):
 
     def close(self) -> None:
         fetcher, self.fetcher = self.fetcher, None
-        if fetcher is not None:
+        if fetcher is not None and fetcher.client is not None:
             fetcher.client.close()

@@ -110,7 +110,7 @@ def concat_batches(batches: Sequence[TensorDict]) -> TensorDict:
     """
     if not batches:
         raise ValueError("concat_batches: no batches")
-    names = list(batches[0].keys())
+    names: list[str] = [str(k) for k in batches[0].keys()]
     for i, b in enumerate(batches[1:], 1):
         if sorted(b.keys()) != sorted(names):
             raise ValueError(f"concat_batches: batch {i} has fields {sorted(b.keys())}, batch 0 has {sorted(names)}")

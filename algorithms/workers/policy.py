@@ -286,7 +286,7 @@ class PolicyWorker:
         d.mkdir(parents=True, exist_ok=True)
         if self.dp_rank == 0:
             torch.save(self.engine.state_dict(), d / self._state_file())
-        rng = {"torch": torch.get_rng_state()}
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, d / f"rng_rank{self.rank}.pt")

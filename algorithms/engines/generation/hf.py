@@ -73,7 +73,7 @@ class HFEngine(GenerationEngine):
             self.pad_id,
             return_logprobs=True,
         )
-        return tokens, logprobs
+        return tokens, logprobs  # type: ignore[return-value]  # return_logprobs=True: the per-response lists
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         self._group = StatelessProcessGroup(

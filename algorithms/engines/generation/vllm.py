@@ -84,7 +84,8 @@ class VLLMEngine(GenerationEngine):
             self.param_specs = [
                 (n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
             ]
-            for cfg in (model.config, getattr(model, "generation_config", None)):
+            hf_model: Any = model
+            for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
                 if cfg is not None:
                     cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = int(eos_id), int(bos_id), int(pad_id)
             save_pretrained_dir(model, self._model_dir)

@@ -88,8 +88,8 @@ class RefitWorkerExtension:
         if self._ndp_receiver is None or self._ndp_staging is None:
             raise RuntimeError("ndp_refit_receive() before ndp_refit_init()")
         version = int(self._ndp_receiver.receive_weights())
-        self.reload_weights(
-            weights_iterator=iter(list(self._ndp_staging.items())),  # type: ignore[attr-defined]
+        self.reload_weights(  # type: ignore[attr-defined]  # the vLLM worker this class is mixed into
+            weights_iterator=iter(list(self._ndp_staging.items())),
             is_checkpoint_format=True,
         )
         return version

@@ -68,7 +68,7 @@ class TrainingEngine(ABC):
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         p = self.cfg.policy
-        return torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=tuple(p.betas))
+        return torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas)
 
     def _freeze_reference(self) -> None:
         self.ref_model.eval()

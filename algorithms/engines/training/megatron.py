@@ -238,14 +238,15 @@ class MegatronEngine(HFTrainingEngine):
             return super()._clip(params, flat, max_norm)
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in params:
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+            if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0):
                 sq += p.grad.float().pow(2).sum()
         dist.all_reduce(sq, group=self.tp_group)
         norm = sq.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
         return norm
 
     def named_for_refit(self) -> Iterable[tuple[str, Tensor]]:

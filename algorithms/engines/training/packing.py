@@ -25,7 +25,7 @@ def packed_from_jagged(input_ids: Tensor) -> tuple[Tensor, Tensor]:
     empty row."""
     if not (isinstance(input_ids, Tensor) and input_ids.is_nested):
         raise ValueError("packed_from_jagged: input_ids must be a jagged torch.nested tensor")
-    values, offsets = input_ids.values(), input_ids.offsets()
+    values, offsets = input_ids.values(), input_ids.offsets()  # type: ignore[attr-defined]  # NJT API, unstubbed
     lens = offsets[1:] - offsets[:-1]
     if bool((lens <= 0).any()):
         raise ValueError(f"packed_from_jagged: empty row at index {int((lens <= 0).nonzero()[0])}")

@@ -241,24 +241,32 @@ class AsyncConfig:
     and untrained, and a claimed group older than that is dropped and regenerated.
     ``max_inflight_groups`` (backpressure): groups written and not yet claimed by the trainer
     before a collector waits; ``null`` = ``(max_staleness + 1) * grpo.prompts_per_step``.
+    ``groups_per_generation``: groups one generate call draws as one batch. ``auto`` (default):
+    a step's groups split evenly over the collectors, ``ceil(prompts_per_step / num_collectors)``,
+    within ``max_inflight_groups``, i.e. the sync trainer's batch. Smaller generations draw with
+    fresher weights (a refit can land between them) but give the generator smaller batches.
     ``is_cap``/``is_mode``: the off-policy correction's cap on the proximal/behaviour weight and
     whether a weight above it is truncated to the cap or its token masked.
     """
 
     max_staleness: int = 1
     max_inflight_groups: int | None = None
-    groups_per_generation: int = 8  # groups one generate call draws (the generator's batch)
+    groups_per_generation: int | Literal["auto"] = "auto"
     num_collectors: int = 1
     is_cap: float = 2.0
     is_mode: Literal["truncate", "mask"] = "truncate"
     claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
 
     def __post_init__(self) -> None:
-        require_positive(
-            self, "groups_per_generation", "num_collectors", "is_cap", "claim_poll_s", "max_inflight_groups"
-        )
+        require_positive(self, "num_collectors", "is_cap", "claim_poll_s", "max_inflight_groups")
+        if self.groups_per_generation != "auto":
+            require_positive(self, "groups_per_generation")
         require_positive(self, "max_staleness", allow_zero=True)
-        if self.max_inflight_groups is not None and self.max_inflight_groups < self.groups_per_generation:
+        if (
+            self.max_inflight_groups is not None
+            and self.groups_per_generation != "auto"
+            and self.max_inflight_groups < self.groups_per_generation
+        ):
             raise FieldError(
                 "max_inflight_groups",
                 f"={self.max_inflight_groups} is below async.groups_per_generation="
@@ -266,7 +274,15 @@ class AsyncConfig:
             )
 
     def inflight_groups(self, groups_per_step: int) -> int:
+        """Groups written and not yet claimed before a collector waits."""
         return self.max_inflight_groups or (self.max_staleness + 1) * groups_per_step
+
+    def generation_groups(self, groups_per_step: int) -> int:
+        """Groups one generate call draws: ``groups_per_generation`` resolved (``auto``: a step's
+        groups over the collectors, within the in-flight limit)."""
+        if self.groups_per_generation != "auto":
+            return self.groups_per_generation
+        return min(-(-groups_per_step // self.num_collectors), self.inflight_groups(groups_per_step))
 
 
 @dataclass(frozen=True)
@@ -489,7 +505,8 @@ def async_min_rows(cfg: TrainerConfig) -> int:
     """The least ``data_plane.max_rows`` the async trainer can progress with: while it holds
     ``G - 1`` claimed groups and waits for one more, one collector's put of
     ``async.groups_per_generation`` groups must still fit."""
-    return (cfg.grpo.prompts_per_step + cfg.async_.groups_per_generation - 1) * cfg.generation.n
+    G = cfg.grpo.prompts_per_step
+    return (G + cfg.async_.generation_groups(G) - 1) * cfg.generation.n
 
 
 def _check_backend(backend: str) -> None:

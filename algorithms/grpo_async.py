@@ -81,13 +81,16 @@ class AsyncTrainer(Trainer):
         pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
         buffer = RolloutBuffer(cfg, pool, self.transport, self.ledger)
         gather(
-            [c.start.remote(a.inflight_groups(G), a.groups_per_generation) for c in self.workers.collectors],
+            [c.start.remote(a.inflight_groups(G), a.generation_groups(G)) for c in self.workers.collectors],
             cfg.trainer.startup_timeout_s,
             "collector start",
         )
-        bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.groups_per_generation) * n
+        bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.generation_groups(G)) * n
         self.summary["keys_outstanding_bound"] = bound
-        self._banner(f", max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}")
+        self._banner(
+            f", max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}, "
+            f"groups_per_generation={a.generation_groups(G)}"
+        )
         buffer.top_up()
         idle_before = 0.0
         with self._trained_log(start) as trained_log:

@@ -176,7 +176,7 @@ class RolloutBuffer:
         jobs = self.ledger.admit(admissible(len(self.ledger.inflight), self.G, self.S))
         if not jobs:
             return 0
-        chunk = self.cfg.async_.groups_per_generation
+        chunk = self.cfg.async_.generation_groups(self.G)
         self.pool.submit([jobs[i : i + chunk] for i in range(0, len(jobs), chunk)])
         return len(jobs)
 

@@ -80,7 +80,6 @@ def test_an_int_is_accepted_for_a_float_key() -> None:
         ("policy.lr=-.inf", "policy.lr"),
         ("data_plane.transfer_queue.op_timeout_s=.inf", "data_plane.transfer_queue.op_timeout_s"),
         ("policy.gpus_per_rank=2.5", "policy.gpus_per_rank=2.5: above 1 it must be whole"),
-        ("async.max_inflight_groups=2", "async.max_inflight_groups=2 is below async.groups_per_generation"),
         ("async.max_staleness=-1", "async.max_staleness must be >= 0"),
     ],
 )
@@ -299,3 +298,21 @@ def test_the_cli_refuses_before_ray_starts(capsys: pytest.CaptureFixture[str]) -
         assert main(AsyncTrainer, ["--config", str(YAML), "policy.device=cuda"]) == 2
         assert "policy.device=cuda" in capsys.readouterr().err
     assert ray.is_initialized() == was_up
+
+
+def test_groups_per_generation_auto_is_a_steps_groups_over_the_collectors_within_the_inflight_limit() -> None:
+    def resolved(*overrides: str) -> int:
+        cfg = load_config(YAML, list(overrides))
+        return cfg.async_.generation_groups(cfg.grpo.prompts_per_step)
+
+    assert load_config(YAML, []).async_.groups_per_generation == "auto"
+    assert resolved("grpo.prompts_per_step=32") == 32  # one collector: the sync trainer's batch
+    assert resolved("grpo.prompts_per_step=32", "async.num_collectors=3") == 11  # ceil(32 / 3)
+    assert resolved("grpo.prompts_per_step=32", "async.max_inflight_groups=12") == 12  # the in-flight limit
+    assert resolved("grpo.prompts_per_step=32", "async.groups_per_generation=8") == 8  # given: kept
+    with pytest.raises(ConfigError, match="async.groups_per_generation"):
+        load_config(YAML, ["async.groups_per_generation=0"])
+    with pytest.raises(ConfigError, match="async.groups_per_generation"):
+        load_config(YAML, ["async.groups_per_generation=most"])
+    with pytest.raises(ConfigError, match="async.max_inflight_groups=2 is below async.groups_per_generation=8"):
+        load_config(YAML, ["async.max_inflight_groups=2", "async.groups_per_generation=8"])

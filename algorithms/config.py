@@ -530,12 +530,13 @@ def _check_backend(backend: str) -> None:
         raise ConfigError(msg if "data_plane.backend" in msg else f"data_plane.backend={backend!r}: {msg}") from e
 
 
-def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
+def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None, generators: int = 1) -> None:
     """Refuse, before Ray starts, CUDA placements that a local cluster cannot satisfy.
 
     Only for a cluster this run starts itself (``ray.address`` unset): a remote cluster's GPUs are
     not visible from the driver. ``cuda_devices``: the count to check against (default: this
-    machine's). Raises :class:`ConfigError` naming the key at fault.
+    machine's); ``generators``: how many generator actors the trainer starts (one per collector).
+    Raises :class:`ConfigError` naming the key at fault.
     """
     if cfg.ray.address:
         return
@@ -547,12 +548,13 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None) -> None:
     if cfg.refit.backend == "nccl" and cuda_devices < 1:
         raise ConfigError("refit.backend=nccl needs CUDA devices; this machine has none")
     need = cfg.policy_ranks * cfg.policy_gpus_per_rank()
-    need += cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0.0
+    need += generators * cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0.0
     if need > cuda_devices + 1e-9:
         raise ConfigError(
             f"policy.device={cfg.policy.device} and generation.device={cfg.generation.device} need "
             f"{math.ceil(need - 1e-9)} CUDA devices ({cfg.policy_ranks} policy rank(s) x policy.gpus_per_rank="
-            f"{cfg.policy_gpus_per_rank():g} + generation.num_gpus={cfg.generation.num_gpus:g}); this machine has "
+            f"{cfg.policy_gpus_per_rank():g} + {generators} generator(s) x generation.num_gpus="
+            f"{cfg.generation.num_gpus:g}); this machine has "
             f"{cuda_devices}"
         )
 

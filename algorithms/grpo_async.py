@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from algorithms.config import ConfigError, async_min_rows
+from algorithms.config import ConfigError, TrainerConfig, async_min_rows
 from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
 from algorithms.remote import gather
@@ -62,8 +62,9 @@ class AsyncTrainer(Trainer):
     def _load_driver_state(self, state: dict[str, Any]) -> None:
         self.ledger.load_state_dict(state)
 
-    def _num_collectors(self) -> int:
-        return self.cfg.async_.num_collectors
+    @classmethod
+    def num_collectors(cls, cfg: TrainerConfig) -> int:
+        return cfg.async_.num_collectors
 
     def _trained_log(self, start: int) -> Any:
         """``trained_groups.jsonl``, truncated to the steps before ``start`` (a resume replays the rest)."""

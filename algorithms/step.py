@@ -43,7 +43,7 @@ class Workers:
     """Actor handles of one run (``collectors[0]`` is the one the sync trainer drives)."""
 
     policy: list[Any]
-    generator: Any
+    generators: list[Any]  # one per collector, in collector order
     collectors: list[Any]
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
     refit_senders: list[Any] = field(default_factory=list)  # the ranks that send a refit; empty: policy rank 0
@@ -202,50 +202,64 @@ def train_on_batch(
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
-    """Policy -> generator, weight version ``version``; returns seconds. The senders are
+    """Policy -> every generator, weight version ``version``; returns seconds. The senders are
     ``workers.refit_senders`` (policy rank 0, or the first replica's TP ranks for a reshard).
-    The generator installs it between two generate calls (its actor runs one call at a time),
-    so no generation mixes two versions.
+    A generator installs it between two generate calls (its engine runs one at a time), so no
+    generation mixes two versions.
 
     Raises:
-        StepError: a side failed, timed out (a sender timeout names the generator, its only
-            peer), or the generator reports another version.
+        StepError: a side failed, timed out (a sender timeout names the generator(s) that never
+            took part), or a generator reports another version.
     """
     t0 = time.perf_counter()
     senders = workers.refit_senders
     sends = [s.send_weights.remote(version) for s in senders]
-    recv = workers.generator.receive_weights.remote(version)
+    recvs = [g.receive_weights.remote(version) for g in workers.generators]
+    names = ["the generator"] if len(recvs) == 1 else [f"generator {i}" for i in range(len(recvs))]
     what = f"refit of version {version}"
     try:
-        *_, (got, _) = gather(
-            [*sends, recv],
+        got = gather(
+            [*sends, *recvs],
             cfg.trainer.step_timeout_s,
             what,
-            who=[*(f"policy rank {r} (refit sender)" for r in range(len(sends))), "the generator (refit receiver)"],
-        )
+            who=[
+                *(f"policy rank {r} (refit sender)" for r in range(len(sends))),
+                *(f"{n} (refit receiver)" for n in names),
+            ],
+        )[len(sends) :]
     except StepError as e:
-        # The sender may see the broken pair before Ray reports the receiver dead: ask the receiver.
-        try:
-            ray.get(recv, timeout=2.0)
-        except ray.exceptions.RayActorError as dead:
-            raise StepError(
-                f"{what}: the generator (refit receiver) died or was lost: {type(dead).__name__}: {dead}"
-            ) from dead
-        except Exception:  # noqa: BLE001 - alive (still waiting, or failed with the error raised below)
-            pass
+        # A sender may see the broken group before Ray reports a receiver dead: ask the receivers.
+        waiting = []
+        for n, rank, recv in zip(names, range(len(sends), len(sends) + len(recvs)), recvs):
+            try:
+                ray.get(recv, timeout=2.0)
+            except ray.exceptions.RayActorError as dead:
+                raise StepError(
+                    f"{what}: {n} (refit receiver) died or was lost: {type(dead).__name__}: {dead}"
+                ) from dead
+            except ray.exceptions.GetTimeoutError:
+                waiting.append(f"{n} (refit rank {rank})")
+            except Exception:  # noqa: BLE001 - failed with its own error: the one raised below
+                pass
         cause = e.__cause__
         # The group raises StatelessGroupTimeout for its own and gloo's expiries (work.py); the text
         # check covers a cause that reached here some other way with gloo's wording.
         said = str(cause).lower() if cause is not None else ""
         if isinstance(cause, TimeoutError) or "timeout" in said or "timed out" in said:
-            # The sender's group wait ran out: its one peer, the generator, never took part.
+            # A sender's group wait ran out: a receiver never took part (the one still waiting
+            # here, or the ones that never called in).
+            late = (
+                " and ".join(waiting)
+                if waiting
+                else " or ".join(f"{n} (refit rank {len(sends) + i})" for i, n in enumerate(names))
+            )
             raise StepError(
-                f"{what}: the generator (refit rank {len(sends)}) never took part within refit.timeout_s="
-                f"{cfg.refit.timeout_s:g}s: {cause}"
+                f"{what}: {late} never took part within refit.timeout_s={cfg.refit.timeout_s:g}s: {cause}"
             ) from e
         raise
-    if got != version:
-        raise StepError(f"refit: generator reports weight version {got}, expected {version}")
+    for n, (v, _) in zip(names, got):
+        if v != version:
+            raise StepError(f"refit: {n} reports weight version {v}, expected {version}")
     return time.perf_counter() - t0
 
 

@@ -104,7 +104,8 @@ class Trainer:
     def _start_ray(self) -> None:
         if ray.is_initialized():
             return
-        check_devices(self.cfg)  # a CUDA layout this machine cannot hold fails here, not in an actor
+        # A CUDA layout this machine cannot hold fails here, not in an actor.
+        check_devices(self.cfg, generators=self.num_collectors(self.cfg))
         # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
         # that raised) would otherwise print their own, secondary tracebacks at shutdown.
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
@@ -160,7 +161,9 @@ class Trainer:
             ).remote(r, ranks, cfg)
             for r in range(ranks)
         ]
-        generator = (
+        # One generator per collector (its own GPU, a GPU fraction, or CPU); every one receives
+        # every refit.
+        generators = [
             ray.remote(GeneratorWorker)
             .options(
                 num_cpus=cpus,
@@ -168,15 +171,16 @@ class Trainer:
                 runtime_env=gpu_env,
             )
             .remote(cfg)
-        )
+            for _ in range(num_collectors)
+        ]
         # Several concurrent calls: submit/poll/take while the producer thread generates.
         collectors = [
             ray.remote(RolloutCollector)
             .options(num_cpus=0, runtime_env=env, max_concurrency=4)
-            .remote(cfg, generator, i)
+            .remote(cfg, generators[i], i)
             for i in range(num_collectors)
         ]
-        self.actors = [*policy, generator, *collectors]
+        self.actors = [*policy, *generators, *collectors]
         dispatch: Any = make_dispatcher(
             cfg.trainer.dispatch,
             policy,
@@ -189,7 +193,7 @@ class Trainer:
         # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
         senders = policy[: cfg.refit_senders]
         self.workers = Workers(
-            policy=policy, generator=generator, collectors=collectors, dispatch=dispatch, refit_senders=senders
+            policy=policy, generators=generators, collectors=collectors, dispatch=dispatch, refit_senders=senders
         )
 
     def _connect_workers(self) -> None:
@@ -197,14 +201,14 @@ class Trainer:
         refit group (each bounded by ``trainer.startup_timeout_s``, naming the phase that failed)."""
         cfg = self.cfg
         assert self.workers is not None
-        policy, generator, collectors = self.workers.policy, self.workers.generator, self.workers.collectors
+        policy, generators, collectors = self.workers.policy, self.workers.generators, self.workers.collectors
         ranks = len(policy)  # dp * tp
         timeout = cfg.trainer.startup_timeout_s
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
         self.policy_params = int(ready[0]["params"])
         names = (
             [f"policy{r}" for r in range(ranks)]
-            + ["generator"]
+            + [f"generator{i}" if i else "generator" for i in range(len(generators))]
             + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
         )
         nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
@@ -229,7 +233,7 @@ class Trainer:
             f"{self.transport.name} transport attach",
         )
         senders = self.workers.refit_senders
-        world = len(senders) + 1  # the generator is the last refit rank
+        world = len(senders) + len(generators)  # the generators are the last refit ranks
         if cfg.refit.port:
             host, port = cfg.refit.host, cfg.refit.port
         else:
@@ -240,7 +244,7 @@ class Trainer:
         gather(
             [
                 *(s.init_refit.remote(host, port, world) for s in senders),
-                generator.init_refit.remote(host, port, world, world - 1),
+                *(g.init_refit.remote(host, port, world, len(senders) + i) for i, g in enumerate(generators)),
             ],
             timeout,
             "refit group set-up",
@@ -296,7 +300,7 @@ class Trainer:
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())
-            self._launch_workers(self._num_collectors())
+            self._launch_workers(self.num_collectors(cfg))
             self._transport_started = True  # from here on shutdown empties and closes it
             self.transport.start()
             marks.append(time.perf_counter())
@@ -364,7 +368,9 @@ class Trainer:
         )
         return code
 
-    def _num_collectors(self) -> int:
+    @classmethod
+    def num_collectors(cls, cfg: TrainerConfig) -> int:
+        """Rollout collectors, each with its own generator."""
         return 1
 
     def _init_data(self, train: list[Any]) -> None:
@@ -460,7 +466,7 @@ class Trainer:
             w = self.workers
             refs = (
                 [p.shutdown.remote() for p in w.policy]
-                + [w.generator.shutdown.remote()]
+                + [g.shutdown.remote() for g in w.generators]
                 + [c.close.remote() for c in w.collectors]
             )
             try:
@@ -496,7 +502,7 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        check_devices(cfg)
+        check_devices(cfg, generators=trainer_cls.num_collectors(cfg))
     except (ConfigError, FileNotFoundError) as e:
         print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
         return 2

@@ -315,6 +315,13 @@ class DebugConfig:
     fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
     fail_mode: Literal["raise", "sigkill", "hang"] = "raise"
     fault_marker: str | None = None  # a file the hook writes the injection time to (chaos tests)
+    # Injected work (tests of the step accounting): seconds each generate call / each policy
+    # train call sleeps, counted as that side's busy time.
+    generate_delay_s: float = 0.0
+    train_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "generate_delay_s", "train_delay_s", allow_zero=True)
 
 
 @dataclass(frozen=True)

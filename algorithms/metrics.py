@@ -38,6 +38,8 @@ STEP_KEYS: tuple[str, ...] = (
     "dp_bytes",
     "driver_bytes",
     "keys_outstanding",
+    "trainer_idle_ratio",
+    "generator_idle_ratio",
     "weight_version",
     "val_reward",
 )
@@ -203,10 +205,16 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path | 
 
 
 def summary_line(
-    rows: Sequence[Mapping[str, Any]], *, wall_s: float, status: str, path: str | Path, name: str = "grpo_sync"
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    wall_s: float,
+    status: str,
+    path: str | Path,
+    name: str = "grpo_sync",
+    idle: Mapping[str, float] | None = None,
 ) -> str:
-    """One line for the end of a run: status, steps, reward first->last, best validation, time
-    (and for async runs the staleness and stale groups dropped)."""
+    """One line for the end of a run: status, steps, reward first->last, best validation, the
+    run's idle ratios (``idle``), time (and for async runs the staleness and stale groups dropped)."""
     if not rows:
         return f"{name} {status}: 0 steps in {wall_s:.1f}s; metrics: {path}"
     first, last = rows[0], rows[-1]
@@ -221,10 +229,13 @@ def summary_line(
             f", staleness max {max(r.get('staleness_max') or 0 for r in rows)}, "
             f"stale groups dropped {sum(r.get('groups_dropped_stale') or 0 for r in rows)}"
         )
+    ratios = ""
+    if idle:
+        ratios = f", idle: trainer {idle['trainer_idle_ratio']:.2f}, generator {idle['generator_idle_ratio']:.2f}"
     return (
         f"{name} {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
         f"(first/last {head} steps){best}, loss {_fmt(last.get('loss'))}, "
-        f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}{stale}, "
+        f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}{stale}{ratios}, "
         f"{wall_s:.1f}s wall; metrics: {path}"
     )
 

@@ -194,7 +194,7 @@ class RolloutBuffer:
                     self.stats.requeued_failed += 1
         self.collector_stats = {
             k: sum(float(p.get(k, 0)) for p in polls)
-            for k in ("idle_s", "generate_s", "groups_written", "store_full_waits")
+            for k in ("idle_s", "generate_s", "generator_busy_s", "groups_written", "store_full_waits")
         }
 
     def _drop(self, group: ClaimedGroup) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,9 @@ def collect(
         response_len=float(res["response_len"]),
     )
     batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
+    # The trainer waits for the whole generation; the generator works only inside it.
+    batch.row["trainer_idle_s"] = timer.seconds["generate"]
+    batch.row["generator_busy_s"] = float(res["generator_busy_s"])
     return batch
 
 
@@ -190,6 +193,7 @@ def train_on_batch(
     with timer("refit"):
         refit(cfg, workers, step + 1)
     row["step_s"] = time.perf_counter() - t_start
+    row.update(idle_ratios(row, timer.seconds["refit"], len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
     row["dp_bytes"] = ranks.dp_bytes + transport.column_bytes
     row["driver_bytes"] = transport.driver_bytes
@@ -199,6 +203,34 @@ def train_on_batch(
     row["time/worker_compute"] = ranks.compute_s
     transport.driver_bytes = transport.column_bytes = 0
     return StepResult(row=row, trained=trained)
+
+
+def idle_ratios(row: Mapping[str, Any], refit_s: float, generators: int) -> dict[str, float]:
+    """The field's idle accounting for one step (verl's fully-async metrics): the trainer's idle
+    ratio, the seconds it waited for a batch (``trainer_idle_s``) over the step's wall time, and
+    the generators' (rollouters'), the share of the step's wall time, summed over the
+    generators, in which none was generating or receiving a refit (``generator_busy_s``, summed
+    over generators, plus ``refit_s`` each). Both in [0, 1]; a run's ratios are the same sums
+    over all its steps (:func:`run_idle_ratios`)."""
+    step_s = float(row["step_s"])
+    busy = float(row.get("generator_busy_s") or 0.0) + refit_s * generators
+    return {
+        "trainer_idle_ratio": min(1.0, max(0.0, float(row.get("trainer_idle_s") or 0.0) / step_s)),
+        "generator_idle_ratio": min(1.0, max(0.0, 1.0 - busy / (step_s * generators))),
+    }
+
+
+def run_idle_ratios(rows: Sequence[Mapping[str, Any]], generators: int) -> dict[str, float]:
+    """:func:`idle_ratios` over a whole run (sums over its steps)."""
+    step_s = sum(float(r["step_s"]) for r in rows)
+    if not rows or step_s <= 0:
+        return {}
+    idle = sum(float(r.get("trainer_idle_s") or 0.0) for r in rows)
+    busy = sum(float(r.get("generator_busy_s") or 0.0) + float(r.get("time/refit") or 0.0) * generators for r in rows)
+    return {
+        "trainer_idle_ratio": min(1.0, max(0.0, idle / step_s)),
+        "generator_idle_ratio": min(1.0, max(0.0, 1.0 - busy / (step_s * generators))),
+    }
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:

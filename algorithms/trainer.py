@@ -40,7 +40,7 @@ from algorithms.dispatch import make_dispatcher
 from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
-from algorithms.step import Workers, refit
+from algorithms.step import Workers, refit, run_idle_ratios
 from algorithms.tasks import load_jsonl_dataset, make_task_dataset, resolve_reward_fn
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
 from algorithms.workers.collector import RolloutCollector
@@ -333,6 +333,9 @@ class Trainer:
             )
             code = self._loop(start, val)
             status = "finished"
+            summary["generator_versions"] = gather(
+                [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"
+            )
             summary["workers_data_plane_modules"] = self._worker_modules()
         except KeyboardInterrupt:
             status, code = "interrupted (Ctrl-C)", 130
@@ -354,7 +357,9 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 - a plot must not turn a good run into a failure
                 print(f"{self.name}: could not write the plot: {e}", file=sys.stderr)
         wall = time.perf_counter() - t0
+        idle = run_idle_ratios(rows, self.num_collectors(cfg))
         summary.update(
+            **idle,
             status=status,
             exit_code=code,
             wall_s=wall,
@@ -364,7 +369,8 @@ class Trainer:
         )
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         print(
-            summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name), flush=True
+            summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name, idle=idle),
+            flush=True,
         )
         return code
 

@@ -57,7 +57,15 @@ class RolloutCollector:
         self._thread: threading.Thread | None = None
         self._max_inflight = 0
         self._chunk = 1
-        self._stats = {"idle_s": 0.0, "generate_s": 0.0, "groups_written": 0, "put_failures": 0}
+        # idle_s: waiting on backpressure or a full store; generator_busy_s: the generator's own
+        # time generating for this collector (cumulative; the driver takes per-step deltas).
+        self._stats = {
+            "idle_s": 0.0,
+            "generate_s": 0.0,
+            "generator_busy_s": 0.0,
+            "groups_written": 0,
+            "put_failures": 0,
+        }
 
     def ready(self) -> bool:
         return True
@@ -75,7 +83,7 @@ class RolloutCollector:
     # ------------------------------------------------------------------ generation
     def _sample(
         self, prompts: Sequence[Sequence[int]], n: int, seed: int, temperature: float | None
-    ) -> tuple[list[list[int]], list[list[float]], int]:
+    ) -> tuple[list[list[int]], list[list[float]], int, float]:
         ref = self.generator.generate.remote(list(prompts), n, seed, temperature=temperature)
         try:
             return ray.get(ref, timeout=self.timeout_s)
@@ -115,10 +123,13 @@ class RolloutCollector:
         return out
 
     def _generate(self, jobs: Sequence[Job], seed: int) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
-        """Generate and score ``jobs``: (rows, tags, weight version, mean response length)."""
+        """Generate and score ``jobs``: (rows, tags, weight version, mean response length); the
+        generator's busy seconds are added to ``generator_busy_s``."""
         n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
-        responses, logprobs, version = self._sample(prompts, n, seed, None)
+        responses, logprobs, version, busy = self._sample(prompts, n, seed, None)
+        with self._cv:
+            self._stats["generator_busy_s"] += busy
         rewards = torch.tensor(
             self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
         )
@@ -152,9 +163,10 @@ class RolloutCollector:
 
         Returns ``handle`` (what the driver's transport moves), ``rewards`` [B] float32,
         ``response_len`` (mean), ``weight_version``, ``group_ids``, ``dp_bytes`` (bytes put into
-        the store), ``generate_s``.
+        the store), ``generate_s``, ``generator_busy_s`` (the generator's own time for it).
         """
         t0 = time.perf_counter()
+        busy_before = self._stats["generator_busy_s"]
         batch, tags, version, mean_len = self._generate(jobs, seed)
         handle, stored = self._sink().deliver(jobs, batch, tags, version)
         out: dict[str, Any] = {
@@ -165,6 +177,7 @@ class RolloutCollector:
             "group_ids": [j.group_id for j in jobs],
             "generate_s": time.perf_counter() - t0,
             "dp_bytes": stored,
+            "generator_busy_s": self._stats["generator_busy_s"] - busy_before,
         }
         # After the delivery, so the test sees the driver release keys a failed step left behind.
         step = jobs[0].group_id // len(jobs)
@@ -269,7 +282,7 @@ class RolloutCollector:
         if not records:
             return float("nan")
         prompts = [self.tokenizer.encode_prompt(r.prompt) for r in records]
-        responses, _, _ = self._sample(prompts, 1, seed, self.cfg.generation.val_temperature)
+        responses, _, _, _ = self._sample(prompts, 1, seed, self.cfg.generation.val_temperature)
         scores = self._score(records, responses, 1)
         return sum(scores) / len(scores)
 

@@ -62,10 +62,14 @@ class GeneratorWorker:
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, seed: int, *, temperature: float | None = None
-    ) -> tuple[list[list[int]], list[list[float]], int]:
+    ) -> tuple[list[list[int]], list[list[float]], int, float]:
         """``len(prompt_ids) * n`` responses (group-major), the log-prob of each sampled token
-        under the sampling distribution, and the weight version that drew them (one version per
-        call: a refit is only ever installed between calls)."""
+        under the sampling distribution, the weight version that drew them (one version per
+        call: a refit is only ever installed between calls), and the seconds this generator was
+        busy with the call (its own time, not its caller's wait for it)."""
+        t0 = time.perf_counter()
+        if self.cfg.debug.generate_delay_s:
+            time.sleep(self.cfg.debug.generate_delay_s)
         g = self.cfg.generation
         spec = SamplingSpec(
             max_new_tokens=g.max_new_tokens,
@@ -81,7 +85,11 @@ class GeneratorWorker:
             step=out.version,
             what=f"in the generator generating with weight version {out.version}",
         )
-        return out.tokens, out.logprobs, out.version
+        return out.tokens, out.logprobs, out.version, time.perf_counter() - t0
+
+    def weight_version(self) -> int:
+        """The version of the last refit installed (``-1``: the initial weights)."""
+        return self.engine.weight_version
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -242,6 +242,8 @@ class PolicyWorker:
             fields.append("gen_logprobs")
         got = self._batch_io().load(batch, fields)
         t_fetch = time.perf_counter() - t0
+        if self.cfg.debug.train_delay_s:
+            time.sleep(self.cfg.debug.train_delay_s)  # injected work (tests of the step accounting)
         prepared = []
         local_tokens = 0
         for mb in got.microbatches:

@@ -253,6 +253,9 @@ class AsyncConfig:
     max_inflight_groups: int | None = None
     groups_per_generation: int | Literal["auto"] = "auto"
     num_collectors: int = 1
+    # Generations in flight when new weights arrive stop at a token boundary, keep their tokens
+    # and behaviour log-probs, and continue under the new version (docs/grpo_async.md).
+    partial_rollout: bool = False
     is_cap: float = 2.0
     is_mode: Literal["truncate", "mask"] = "truncate"
     claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between

@@ -93,7 +93,7 @@ class AsyncTrainer(Trainer):
             f"groups_per_generation={a.generation_groups(G)}"
         )
         buffer.top_up()
-        idle_before = busy_before = 0.0
+        idle_before = busy_before = partial_before = 0.0
         with self._trained_log(start) as trained_log:
             for step in range(start, cfg.trainer.steps):
                 maybe_kill_store(cfg.debug, step, cfg.data_plane)  # fault hook (chaos tests); no-op otherwise
@@ -111,6 +111,8 @@ class AsyncTrainer(Trainer):
                 )
                 busy = buffer.collector_stats.get("generator_busy_s", 0.0)
                 batch.row["generator_busy_s"], busy_before = busy - busy_before, busy
+                partial = buffer.collector_stats.get("partial_samples", 0.0)
+                batch.row["partial_samples"], partial_before = int(partial - partial_before), partial
                 result = train_on_batch(
                     cfg, self.workers, self.transport, batch, step, timer, behaviour=True, t_start=t0
                 )

@@ -11,7 +11,8 @@ seconds to import and the driver, which loads this module through the trainer, n
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
@@ -20,9 +21,11 @@ from torch import Tensor
 from algorithms.grpo import entropy_from_logits
 
 __all__ = [
+    "Samples",
     "build_model",
     "generate",
     "pad_batch",
+    "sample",
     "save_pretrained_dir",
     "sequence_logprobs",
 ]
@@ -220,8 +223,19 @@ def sequence_logprobs(
     return logp, ent
 
 
+@dataclass(frozen=True)
+class Samples:
+    """What :func:`sample` drew: per response (group-major), its tokens, the log-prob of each under
+    the distribution it was drawn from, and whether it is complete (it emitted EOS or reached its
+    limit) or was interrupted at a token boundary (``should_stop``)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
 @torch.no_grad()
-def generate(
+def sample(
     model: torch.nn.Module,
     prompt_ids: Sequence[Sequence[int]],
     n: int,
@@ -231,27 +245,37 @@ def generate(
     eos_id: int,
     pad_id: int,
     *,
-    return_logprobs: bool = False,
-) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+    limits: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+) -> Samples:
     """Sample ``n`` responses per prompt with a KV-cached loop; deterministic for a given ``generator`` state.
 
-    Returns ``len(prompt_ids) * n`` token lists, group-major (the ``n`` responses of prompt ``i``
-    are at ``[i * n, (i + 1) * n)``). A response ends with ``eos_id`` when the model emitted it,
-    otherwise it has exactly ``max_new_tokens`` tokens. ``temperature <= 0`` means greedy.
-    ``generator`` is a CPU generator (tokens are drawn on CPU even for a CUDA model, so a seed
-    gives the same samples on both). The model's train/eval mode is restored on exit.
-
-    ``return_logprobs=True`` also returns, per response, the log-prob of each sampled token under
-    the distribution it was drawn from (``log_softmax(logits / temperature)``; greedy: of the
+    Responses are group-major (the ``n`` responses of prompt ``i`` are at ``[i * n, (i + 1) * n)``).
+    A response ends with ``eos_id`` when the model emitted it (unless ``ignore_eos``), else it has
+    exactly its limit of tokens: ``limits[i]`` for prompt ``i`` (each ``<= max_new_tokens``) or
+    ``max_new_tokens``. ``temperature <= 0`` means greedy. ``generator`` is a CPU generator (tokens
+    are drawn on CPU even for a CUDA model, so a seed gives the same samples on both). The
+    log-probs are ``log_softmax(logits / temperature)`` of each sampled token (greedy: of the
     untempered logits): the behaviour log-probs an off-policy correction needs.
+
+    ``should_stop``: asked after every token; when it returns true the loop stops there and the
+    unfinished responses come back as they are (``finished`` false). The model's train/eval mode
+    is restored on exit.
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     for i, p in enumerate(prompt_ids):
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
+    if limits is not None:
+        if len(limits) != len(prompt_ids):
+            raise ValueError(f"generate: {len(limits)} limits for {len(prompt_ids)} prompts")
+        bad = [(i, m) for i, m in enumerate(limits) if not 1 <= int(m) <= max_new_tokens]
+        if bad:
+            raise ValueError(f"generate: limits must be in [1, max_new_tokens={max_new_tokens}], got {bad[:5]}")
     if not prompt_ids:
-        return ([], []) if return_logprobs else []
+        return Samples([], [], [])
     from transformers import DynamicCache
 
     rows = [list(p) for p in prompt_ids for _ in range(n)]
@@ -259,16 +283,18 @@ def generate(
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     B = input_ids.shape[0]
+    steps = max_new_tokens if limits is None else max(int(m) for m in limits)
+    limit = None if limits is None else torch.tensor([int(m) for m in limits], device=device).repeat_interleave(n)
     was_training = model.training
     model.eval()
     try:
         cache = DynamicCache()
-        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        out_tokens = torch.full((B, steps), pad_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((B, steps), dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         lengths = torch.zeros(B, dtype=torch.long, device=device)
         cur_ids, position_ids = input_ids, _position_ids(attention_mask)
-        for step in range(max_new_tokens):
+        for step in range(steps):
             out = model(
                 input_ids=cur_ids,
                 attention_mask=attention_mask,
@@ -284,23 +310,46 @@ def generate(
                 nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
             else:
                 nxt = logits.argmax(dim=-1)
-            if return_logprobs:
-                scaled = logits / temperature if temperature > 0 else logits
-                out_logprobs[:, step] = torch.log_softmax(scaled, dim=-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
+            scaled = logits / temperature if temperature > 0 else logits
+            out_logprobs[:, step] = torch.log_softmax(scaled, dim=-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
             out_tokens[:, step] = nxt
             lengths += (~finished).long()
-            finished = finished | (nxt == eos_id)
-            if bool(finished.all()):
+            if not ignore_eos:
+                finished = finished | (nxt == eos_id)
+            if limit is not None:
+                finished = finished | (lengths >= limit)
+            if bool(finished.all()) or step == steps - 1:
+                finished = finished | (lengths >= (steps if limit is None else limit))
+                break
+            if should_stop is not None and should_stop():
                 break
             cur_ids = nxt.unsqueeze(1)
             position_ids = position_ids[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
     finally:
         model.train(was_training)
-    out_cpu, len_cpu = out_tokens.cpu(), lengths.cpu()
-    tokens = [out_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]
-    if not return_logprobs:
-        return tokens
-    lp_cpu = out_logprobs.cpu()
-    return tokens, [lp_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)]
+    out_cpu, len_cpu, lp_cpu = out_tokens.cpu(), lengths.cpu(), out_logprobs.cpu()
+    return Samples(
+        tokens=[out_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)],
+        logprobs=[lp_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)],
+        finished=[bool(f) for f in finished.cpu().tolist()],
+    )
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos_id: int,
+    pad_id: int,
+    *,
+    return_logprobs: bool = False,
+) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+    """:func:`sample` to completion: the tokens of each response, and with ``return_logprobs`` the
+    log-prob of each sampled token (group-major)."""
+    out = sample(model, prompt_ids, n, max_new_tokens, temperature, generator, eos_id, pad_id)
+    return (out.tokens, out.logprobs) if return_logprobs else out.tokens

@@ -113,6 +113,17 @@ class BufferStats:
     staleness: list[int] = field(default_factory=list)
 
 
+# What the collectors count (cumulative; summed over collectors at every poll).
+COLLECTOR_COUNTERS = (
+    "idle_s",
+    "generate_s",
+    "generator_busy_s",
+    "partial_samples",
+    "groups_written",
+    "store_full_waits",
+)
+
+
 class CollectorPool:
     """The buffer's view of the collector actors: queue jobs, poll failures, take outboxes."""
 
@@ -192,10 +203,7 @@ class RolloutBuffer:
                 if gid in self.ledger.inflight:
                     self.ledger.requeue(gid)
                     self.stats.requeued_failed += 1
-        self.collector_stats = {
-            k: sum(float(p.get(k, 0)) for p in polls)
-            for k in ("idle_s", "generate_s", "generator_busy_s", "groups_written", "store_full_waits")
-        }
+        self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls) for k in COLLECTOR_COUNTERS}
 
     def _drop(self, group: ClaimedGroup) -> None:
         self.source.drop(group)

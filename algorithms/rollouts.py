@@ -10,8 +10,11 @@ in-memory baseline the same rows travel as a ``TensorDict``. A training batch of
 Fields (one row per sample): ``input_ids`` jagged int64 (``<bos>`` + prompt + response),
 ``prompt_len``, ``seq_len``, ``group_id``, ``weight_version`` int64, ``rewards`` float32,
 ``gen_logprobs`` jagged float32 of length ``seq_len - 1`` (the sampler's log-prob of token
-``t + 1`` at ``t``; 0 over the prompt: the behaviour policy of the off-policy correction). The
-trainer adds ``advantages`` and the per-token ``prev_logprobs`` / ``ref_logprobs``.
+``t + 1`` at ``t``; 0 over the prompt: the behaviour policy of the off-policy correction),
+``token_versions`` jagged int64 aligned the same way (the weight version that drew token
+``t + 1``; -1 over the prompt; a partial rollout's tokens carry two or more versions). A row's
+``weight_version`` is its oldest token's: what the lag bound counts. The trainer adds
+``advantages`` and the per-token ``prev_logprobs`` / ``ref_logprobs``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ __all__ = [
     "Job",
     "RolloutBatch",
     "RolloutKey",
+    "Sampled",
+    "continuation_seed",
     "generation_seed",
     "group_from_tags",
     "parse_rollout_key",
@@ -43,7 +48,16 @@ __all__ = [
 
 ROLLOUTS = "rollouts"  # the one partition rollouts live in; keys are released one batch at a time
 TRAINER_TASK = "trainer"  # the consumer task name of the trainer's claims
-ROLLOUT_FIELDS = ("input_ids", "prompt_len", "seq_len", "group_id", "weight_version", "rewards", "gen_logprobs")
+ROLLOUT_FIELDS = (
+    "input_ids",
+    "prompt_len",
+    "seq_len",
+    "group_id",
+    "weight_version",
+    "rewards",
+    "gen_logprobs",
+    "token_versions",
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,25 @@ def generation_seed(run_seed: int, first_group_id: int) -> int:
     """The sampling seed of one generate call, keyed by the first group it draws: a group's
     samples depend on its id and the weights only, not on when or by whom it was drawn."""
     return run_seed * 1_000_003 + first_group_id
+
+
+def continuation_seed(seed: int, segment: int) -> int:
+    """The seed of the ``segment``-th continuation of a generate call seeded ``seed`` (partial
+    rollouts: the responses a refit interrupted go on under the new weights)."""
+    return (seed * 1_000_033 + segment) % (1 << 62)
+
+
+@dataclass
+class Sampled:
+    """A generate call's responses once complete: per response its tokens, the behaviour log-prob
+    of each and the weight version that drew each (two or more where a refit interrupted it),
+    the version of the call's first tokens, and the generator's busy seconds for it all."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    first_version: int
+    busy_s: float
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "make_task_dataset",
     "resolve_reward_fn",
     "reward",
+    "task_ignores_eos",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -132,11 +134,13 @@ class CharTokenizer:
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt with its reference answer; ``uid`` is unique within a dataset."""
+    """One prompt with its reference answer; ``uid`` is unique within a dataset;
+    ``max_new_tokens``: this prompt's own response length limit (``None``: the run's)."""
 
     prompt: str
     answer: str
     uid: int
+    max_new_tokens: int | None = None
 
 
 # digit_map's fixed target per prompt digit: a permutation of 0-9 with no fixed points, so the
@@ -144,14 +148,34 @@ class PromptRecord:
 _DIGIT_MAP: tuple[int, ...] = (7, 3, 9, 5, 0, 8, 1, 4, 6, 2)
 _STRING_LEN = 3  # digit-string length of the copy / reverse tasks
 
-BUILTIN_TASKS: tuple[str, ...] = ("digit_map", "copy", "reverse")
+# Long-tail profiles: each prompt's response length is drawn from a log-normal whose p99 / p50 is
+# the value here, scaled so that p99 is the run's generation.max_new_tokens; responses run to
+# their length (EOS is ignored), so the lengths follow the declared distribution whatever the model.
+LONGTAIL_P99_OVER_P50: dict[str, float] = {"longtail": 20.0, "longtail-mild": 4.0}
+_Z99 = 2.326347874  # the standard normal's 0.99 quantile
+
+BUILTIN_TASKS: tuple[str, ...] = ("digit_map", "copy", "reverse", *LONGTAIL_P99_OVER_P50)
 
 
-def make_task_dataset(task: str, seed: int, n: int) -> list[PromptRecord]:
+def task_ignores_eos(task: str) -> bool:
+    """Whether a task's responses run to their own length limit whatever the model emits."""
+    return task in LONGTAIL_P99_OVER_P50
+
+
+def longtail_length(rng: random.Random, p99_over_p50: float, max_new_tokens: int) -> int:
+    """One draw of a long-tail profile's response length, in ``[1, max_new_tokens]``."""
+    sigma = math.log(p99_over_p50) / _Z99
+    median = max_new_tokens / p99_over_p50
+    return max(1, min(max_new_tokens, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+
+
+def make_task_dataset(task: str, seed: int, n: int, max_new_tokens: int = 8) -> list[PromptRecord]:
     """``n`` records of a built-in task drawn from ``seed``; ``uid`` = index.
 
     Tasks (prompt -> answer): ``digit_map`` ``"4="`` -> ``"0"`` (fixed permutation of the digits);
-    ``copy`` ``"381="`` -> ``"381"``; ``reverse`` ``"381="`` -> ``"183"``.
+    ``copy`` ``"381="`` -> ``"381"``; ``reverse`` ``"381="`` -> ``"183"``; ``longtail`` and
+    ``longtail-mild`` ``"381="`` -> ``"381381..."``, the digits repeated to the record's own length
+    (:func:`longtail_length` of ``max_new_tokens``), scored by character match like the others.
     """
     if task not in BUILTIN_TASKS:
         raise ValueError(f"make_task_dataset: unknown task {task!r}; built-in tasks are {list(BUILTIN_TASKS)}")
@@ -163,6 +187,11 @@ def make_task_dataset(task: str, seed: int, n: int) -> list[PromptRecord]:
         if task == "digit_map":
             d = rng.randrange(10)
             records.append(PromptRecord(prompt=f"{d}=", answer=str(_DIGIT_MAP[d]), uid=uid))
+        elif task in LONGTAIL_P99_OVER_P50:
+            s = "".join(str(rng.randrange(10)) for _ in range(_STRING_LEN))
+            length = longtail_length(rng, LONGTAIL_P99_OVER_P50[task], max_new_tokens)
+            answer = (s * (length // len(s) + 1))[:length]
+            records.append(PromptRecord(prompt=f"{s}=", answer=answer, uid=uid, max_new_tokens=length))
         else:
             s = "".join(str(rng.randrange(10)) for _ in range(_STRING_LEN))
             answer = s if task == "copy" else s[::-1]

@@ -68,8 +68,9 @@ def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
         if t.val_size and len(records) > t.val_size:
             return records[: -t.val_size], records[-t.val_size :]
         return records, []
-    train = make_task_dataset(t.name, t.seed, t.train_size)
-    val = make_task_dataset(t.name, t.seed + 1, t.val_size) if t.val_size else []
+    max_new = cfg.generation.max_new_tokens
+    train = make_task_dataset(t.name, t.seed, t.train_size, max_new)
+    val = make_task_dataset(t.name, t.seed + 1, t.val_size, max_new) if t.val_size else []
     if t.val_dataset is not None:
         val = load_jsonl_dataset(t.val_dataset)[: t.val_size]
     return train, val
@@ -169,6 +170,8 @@ class Trainer:
                 num_cpus=cpus,
                 num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
                 runtime_env=gpu_env,
+                # Partial rollouts: a refit call must reach the generator while it generates.
+                max_concurrency=2 if cfg.async_.partial_rollout else 1,
             )
             .remote(cfg)
             for _ in range(num_collectors)

@@ -27,9 +27,10 @@ import torch
 from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
+from algorithms.engines.generation import Rollouts
 from algorithms.faults import InjectedFailure, maybe_fail
-from algorithms.rollouts import Job, generation_seed, rollout_tags
-from algorithms.tasks import CharTokenizer, resolve_reward_fn
+from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags
+from algorithms.tasks import CharTokenizer, resolve_reward_fn, task_ignores_eos
 from algorithms.transports import RolloutSink
 from nemo_dataplane.codec import jagged_from_rows
 
@@ -46,6 +47,7 @@ class RolloutCollector:
         self.n = cfg.generation.n
         self.tokenizer = CharTokenizer()
         self.reward_fn = resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)
+        self.ignore_eos = task_ignores_eos(cfg.task.name)
         self.timeout_s = cfg.trainer.step_timeout_s
         self.sink: RolloutSink | None = None
         # async producer state (guarded by _cv)
@@ -63,6 +65,7 @@ class RolloutCollector:
             "idle_s": 0.0,
             "generate_s": 0.0,
             "generator_busy_s": 0.0,
+            "partial_samples": 0,
             "groups_written": 0,
             "put_failures": 0,
         }
@@ -81,16 +84,69 @@ class RolloutCollector:
         return self.sink
 
     # ------------------------------------------------------------------ generation
-    def _sample(
-        self, prompts: Sequence[Sequence[int]], n: int, seed: int, temperature: float | None
-    ) -> tuple[list[list[int]], list[list[float]], int, float]:
-        ref = self.generator.generate.remote(list(prompts), n, seed, temperature=temperature)
+    def _call(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seed: int,
+        temperature: float | None,
+        limits: Sequence[int] | None,
+        interruptible: bool,
+    ) -> tuple[Rollouts, float]:
+        ref = self.generator.generate.remote(
+            list(prompts),
+            n,
+            seed,
+            temperature=temperature,
+            limits=None if limits is None else list(limits),
+            ignore_eos=self.ignore_eos,
+            interruptible=interruptible,
+        )
         try:
             return ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(
                 f"collector {self.index}: the generator died or was lost mid-generation: {type(e).__name__}: {e}"
             ) from e
+
+    def _sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seed: int,
+        temperature: float | None,
+        limits: Sequence[int] | None = None,
+    ) -> Sampled:
+        """``n`` complete responses per prompt. With ``async.partial_rollout`` a refit may stop the
+        generator's call at a token boundary: each unfinished response then goes on from where it
+        stopped (its prompt and tokens so far as the new prompt, the rest of its limit) under the
+        new weights, until every response is complete; each token keeps the version that drew it."""
+        partial = self.cfg.async_.partial_rollout
+        out, busy = self._call(prompts, n, seed, temperature, limits, partial)
+        tokens = [list(t) for t in out.tokens]
+        logprobs = [list(lp) for lp in out.logprobs]
+        versions = [[out.version] * len(t) for t in out.tokens]
+        pending = [j for j, done in enumerate(out.finished) if not done]
+        segment = 0
+        while pending:
+            segment += 1
+            cap = self.cfg.generation.max_new_tokens
+            left = [(cap if limits is None else limits[j // n]) - len(tokens[j]) for j in pending]
+            more, b = self._call(
+                [list(prompts[j // n]) + tokens[j] for j in pending],
+                1,
+                continuation_seed(seed, segment),
+                temperature,
+                left,
+                True,
+            )
+            busy += b
+            for k, j in enumerate(pending):
+                tokens[j] += more.tokens[k]
+                logprobs[j] += more.logprobs[k]
+                versions[j] += [more.version] * len(more.tokens[k])
+            pending = [j for k, j in enumerate(pending) if not more.finished[k]]
+        return Sampled(tokens, logprobs, versions, out.version, busy)
 
     def _score(
         self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int, groups: Sequence[int] | None = None
@@ -122,23 +178,33 @@ class RolloutCollector:
                 ) from None
         return out
 
+    def _limits(self, records: Sequence[Any]) -> list[int] | None:
+        """Each prompt's own response limit, where its record has one (long-tail tasks)."""
+        if all(r.max_new_tokens is None for r in records):
+            return None
+        cap = self.cfg.generation.max_new_tokens
+        return [cap if r.max_new_tokens is None else min(int(r.max_new_tokens), cap) for r in records]
+
     def _generate(self, jobs: Sequence[Job], seed: int) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
-        """Generate and score ``jobs``: (rows, tags, weight version, mean response length); the
-        generator's busy seconds are added to ``generator_busy_s``."""
+        """Generate and score ``jobs``: (rows, tags, the oldest weight version of any token, mean
+        response length); the generator's busy seconds are added to ``generator_busy_s``."""
         n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
-        responses, logprobs, version, busy = self._sample(prompts, n, seed, None)
+        got = self._sample(prompts, n, seed, None, self._limits([j.record for j in jobs]))
+        responses, version = got.tokens, got.first_version
         with self._cv:
-            self._stats["generator_busy_s"] += busy
+            self._stats["generator_busy_s"] += got.busy_s
+            self._stats["partial_samples"] += sum(len(set(v)) > 1 for v in got.versions)
         rewards = torch.tensor(
             self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
         )
-        rows, gen_lp, prompt_len = [], [], []
-        for i, (resp, lps) in enumerate(zip(responses, logprobs)):
+        rows, gen_lp, tok_v, prompt_len = [], [], [], []
+        for i, (resp, lps, vs) in enumerate(zip(responses, got.logprobs, got.versions)):
             p = prompts[i // n]
             rows.append(torch.tensor(list(p) + list(resp), dtype=torch.int64))
             # Aligned like the trainer's log-probs: position t scores token t + 1.
             gen_lp.append(torch.tensor([0.0] * (len(p) - 1) + list(lps), dtype=torch.float32))
+            tok_v.append(torch.tensor([-1] * (len(p) - 1) + list(vs), dtype=torch.int64))
             prompt_len.append(len(p))
         seq_len = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
         gids = torch.tensor([j.group_id for j in jobs], dtype=torch.int64).repeat_interleave(n)
@@ -151,6 +217,7 @@ class RolloutCollector:
                 "weight_version": torch.full((len(rows),), version, dtype=torch.int64),
                 "rewards": rewards,
                 "gen_logprobs": jagged_from_rows(gen_lp),
+                "token_versions": jagged_from_rows(tok_v),
             },
             batch_size=[len(rows)],
         )
@@ -282,7 +349,7 @@ class RolloutCollector:
         if not records:
             return float("nan")
         prompts = [self.tokenizer.encode_prompt(r.prompt) for r in records]
-        responses, _, _, _ = self._sample(prompts, 1, seed, self.cfg.generation.val_temperature)
+        responses = self._sample(prompts, 1, seed, self.cfg.generation.val_temperature, self._limits(records)).tokens
         scores = self._score(records, responses, 1)
         return sum(scores) / len(scores)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from algorithms.config import TrainerConfig
-from algorithms.engines.generation import RefitSpec, SamplingSpec, build_engine
+from algorithms.engines.generation import RefitSpec, Rollouts, SamplingSpec, build_engine
 from algorithms.faults import maybe_fail
 from algorithms.workers.gpus import worker_device
 
@@ -54,19 +54,30 @@ class GeneratorWorker:
 
     def receive_weights(self, version: int | None = None) -> tuple[int, float]:
         """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the
-        trainer sends (only the fault hook reads it; the received header is what counts)."""
+        trainer sends (only the fault hook reads it; the received header is what counts). With
+        ``async.partial_rollout`` it stops a generation in flight at its next token boundary (the
+        actor then serves two calls at once); else it waits for that generation to end."""
         maybe_fail(self.cfg.debug, "refit", step=version, what=f"in the generator before refit {version}")
         t0 = time.perf_counter()
-        version = self.engine.receive_weights()
+        version = self.engine.receive_weights(interrupt=self.cfg.async_.partial_rollout)
         return version, time.perf_counter() - t0
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], n: int, seed: int, *, temperature: float | None = None
-    ) -> tuple[list[list[int]], list[list[float]], int, float]:
-        """``len(prompt_ids) * n`` responses (group-major), the log-prob of each sampled token
-        under the sampling distribution, the weight version that drew them (one version per
-        call: a refit is only ever installed between calls), and the seconds this generator was
-        busy with the call (its own time, not its caller's wait for it)."""
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        seed: int,
+        *,
+        temperature: float | None = None,
+        limits: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        interruptible: bool = False,
+    ) -> tuple[Rollouts, float]:
+        """``len(prompt_ids) * n`` responses (group-major) with the log-prob of each sampled token
+        under the sampling distribution and the weight version that drew them all (a refit lands
+        between calls, or with ``interruptible`` ends one early: unfinished responses come back
+        as far as they got), and the seconds this generator was busy with the call (its own
+        time, not its caller's wait for it). ``limits``/``ignore_eos``: as ``SamplingSpec``."""
         t0 = time.perf_counter()
         if self.cfg.debug.generate_delay_s:
             time.sleep(self.cfg.debug.generate_delay_s)
@@ -76,8 +87,10 @@ class GeneratorWorker:
             temperature=float(g.temperature if temperature is None else temperature),
             top_p=g.top_p,
             seed=int(seed),
+            limits=None if limits is None else tuple(int(m) for m in limits),
+            ignore_eos=ignore_eos,
         )
-        out = self.engine.generate(prompt_ids, n, spec)
+        out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible)
         # fail_in=generator: inside the call, its tokens drawn and not returned
         maybe_fail(
             self.cfg.debug,
@@ -85,7 +98,11 @@ class GeneratorWorker:
             step=out.version,
             what=f"in the generator generating with weight version {out.version}",
         )
-        return out.tokens, out.logprobs, out.version, time.perf_counter() - t0
+        return out, time.perf_counter() - t0
+
+    def busy(self) -> bool:
+        """Whether a generation or a refit holds the engine now."""
+        return self.engine.busy
 
     def weight_version(self) -> int:
         """The version of the last refit installed (``-1``: the initial weights)."""

@@ -117,7 +117,8 @@ def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
     assert cfg.generation.backend == "hf"
     worker = GeneratorWorker(cfg)
     assert worker.ready() is True
-    tokens, logprobs, version = worker.generate(PROMPTS, 2, 5)
+    out, _ = worker.generate(PROMPTS, 2, 5)
+    tokens, logprobs, version = out.tokens, out.logprobs, out.version
     ref = generate(
         build_model(MODEL, vocab_size=TOK.vocab_size),
         PROMPTS,
@@ -130,7 +131,7 @@ def test_generator_worker_keeps_its_contract_on_the_hf_backend() -> None:
         return_logprobs=True,
     )
     assert (tokens, logprobs) == ref and version == -1
-    greedy, _, _ = worker.generate(PROMPTS, 1, 5, temperature=0.0)
+    greedy = worker.generate(PROMPTS, 1, 5, temperature=0.0)[0].tokens
     assert greedy == generate(
         build_model(MODEL, vocab_size=TOK.vocab_size), PROMPTS, 1, 3, 0.0, torch.Generator(), TOK.eos_id, TOK.pad_id
     )

@@ -13,10 +13,11 @@ that produced all of it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,16 +30,24 @@ BACKENDS = ("hf", "vllm")
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How to sample one batch. ``temperature == 0``: greedy; ``top_p == 1``: the full distribution."""
+    """How to sample one batch. ``temperature == 0``: greedy; ``top_p == 1``: the full distribution.
+
+    ``limits``: each prompt's own token limit (``<= max_new_tokens``; ``None``: ``max_new_tokens``
+    for all); ``ignore_eos``: responses run to their limit whatever the model emits.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    limits: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.limits is not None and any(not 1 <= m <= self.max_new_tokens for m in self.limits):
+            raise ValueError(f"limits must be in [1, max_new_tokens={self.max_new_tokens}], got {self.limits}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -76,12 +85,14 @@ class RefitSpec:
 @dataclass(frozen=True)
 class Rollouts:
     """``len(prompts) * n`` responses, group-major (prompt ``i``'s at ``[i * n, (i + 1) * n)``), the
-    log-prob of each sampled token (same lengths), and the weight version that drew them all
-    (``-1`` before the first refit: the initial weights)."""
+    log-prob of each sampled token (same lengths), the weight version that drew them all (``-1``
+    before the first refit: the initial weights), and per response whether it is complete (it
+    emitted EOS or reached its limit) or was interrupted by a refit."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     version: int
+    finished: list[bool]
 
 
 class GenerationEngine(ABC):
@@ -91,7 +102,11 @@ class GenerationEngine(ABC):
     name: ClassVar[str]
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # One generation or refit at a time (_hold); a refit can interrupt a generation.
+        self._cond = threading.Condition()
+        self._busy = False
+        self._refits_waiting = 0
+        self._interrupt = threading.Event()
         self._version = -1
         self._refit_ready = False
         self._closed = False
@@ -101,10 +116,44 @@ class GenerationEngine(ABC):
         """Version of the last refit installed (``-1``: none yet)."""
         return self._version
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, spec: SamplingSpec) -> Rollouts:
+    @property
+    def busy(self) -> bool:
+        """Whether a generation or a refit holds the engine now."""
+        with self._cond:
+            return self._busy
+
+    @contextlib.contextmanager
+    def _hold(self, refit: bool) -> Iterator[None]:
+        """The engine for one generation or refit. A refit waiting for the engine goes before any
+        generation that asks after it (a collector's next call must not slip in between)."""
+        with self._cond:
+            if refit:
+                self._refits_waiting += 1
+            try:
+                while self._busy or (not refit and self._refits_waiting):
+                    self._cond.wait()
+            finally:
+                if refit:
+                    self._refits_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, spec: SamplingSpec, *, interruptible: bool = False
+    ) -> Rollouts:
         """Sample ``n`` responses per prompt. A response ends with the EOS token when the model
-        emitted it, else it has exactly ``spec.max_new_tokens`` tokens. Seeded: the same weights,
-        prompts and ``spec`` give the same tokens on one machine."""
+        emitted it (unless ``spec.ignore_eos``), else it has exactly its limit of tokens. Seeded:
+        the same weights, prompts and ``spec`` give the same tokens on one machine.
+
+        ``interruptible``: a refit asked for with ``receive_weights(interrupt=True)`` stops the
+        generation at the next token boundary; the responses not complete then come back as far
+        as they got (``Rollouts.finished`` false), all drawn by ``Rollouts.version``.
+        """
         self._check_open()
         if n < 1:
             raise ValueError(f"generate: n must be >= 1, got {n}")
@@ -112,23 +161,26 @@ class GenerationEngine(ABC):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
+        if spec.limits is not None and len(spec.limits) != len(prompts):
+            raise ValueError(f"generate: {len(spec.limits)} limits for {len(prompts)} prompts")
         if not prompts:
-            return Rollouts([], [], self._version)
-        with self._lock:
+            return Rollouts([], [], self._version, [])
+        stop = self._interrupt.is_set if interruptible else None
+        with self._hold(refit=False):
             version = self._version
-            tokens, logprobs = self._generate(prompts, n, spec)
-        if len(tokens) != len(prompts) * n or len(logprobs) != len(tokens):
+            tokens, logprobs, finished = self._generate(prompts, n, spec, stop)
+        if len(tokens) != len(prompts) * n or len(logprobs) != len(tokens) or len(finished) != len(tokens):
             raise RuntimeError(
-                f"{self.name} engine returned {len(tokens)} responses / {len(logprobs)} log-prob rows for "
-                f"{len(prompts)} prompts x n={n}"
+                f"{self.name} engine returned {len(tokens)} responses / {len(logprobs)} log-prob rows / "
+                f"{len(finished)} finished flags for {len(prompts)} prompts x n={n}"
             )
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            if len(t) != len(lp) or len(t) > spec.max_new_tokens:
+            limit = spec.max_new_tokens if spec.limits is None else spec.limits[i // n]
+            if len(t) != len(lp) or len(t) > limit:
                 raise RuntimeError(
-                    f"{self.name} engine: response {i} has {len(t)} tokens and {len(lp)} log-probs "
-                    f"(max_new_tokens={spec.max_new_tokens})"
+                    f"{self.name} engine: response {i} has {len(t)} tokens and {len(lp)} log-probs (its limit: {limit})"
                 )
-        return Rollouts(tokens, logprobs, version)
+        return Rollouts(tokens, logprobs, version, finished)
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         """Join the refit group at ``host:port`` as receiver ``rank`` and agree on the layout
@@ -136,20 +188,27 @@ class GenerationEngine(ABC):
         are the trainer's senders, whatever the weight-transfer family (``spec.transfer``). A
         name, shape or dtype mismatch raises ``RefitMismatchError`` naming the parameter(s)."""
         self._check_open()
-        with self._lock:
+        with self._hold(refit=True):
             self._refit_ready = False
             self._init_refit(host, int(port), int(world_size), int(rank), spec)
             self._refit_ready = True
 
-    def receive_weights(self) -> int:
+    def receive_weights(self, *, interrupt: bool = False) -> int:
         """Receive and install one refit (collective with the sender's ``send_weights``); returns
-        its version, which labels every later generation."""
+        its version, which labels every later generation. It waits for a generation in progress
+        to end, or with ``interrupt`` stops an interruptible one at its next token boundary."""
         self._check_open()
         if not self._refit_ready:
             raise RuntimeError(f"{self.name} engine: receive_weights() before init_refit()")
-        with self._lock:
-            self._version = int(self._receive_weights())
-            return self._version
+        if interrupt:
+            self._interrupt.set()
+        try:
+            with self._hold(refit=True):
+                self._interrupt.clear()
+                self._version = int(self._receive_weights())
+                return self._version
+        finally:
+            self._interrupt.clear()
 
     def shutdown(self) -> None:
         """Leave the refit group and stop the engine (idempotent; best effort after a failure)."""
@@ -170,9 +229,10 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def _generate(
-        self, prompts: list[list[int]], n: int, spec: SamplingSpec
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Tokens and per-token log-probs, group-major."""
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Tokens, per-token log-probs and finished flags, group-major; stops at the first token
+        boundary at which ``should_stop()`` is true."""
 
     @abstractmethod
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:

@@ -8,14 +8,14 @@ Only the full distribution is sampled (``top_p`` must be 1).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
-from algorithms.models import build_model, generate
+from algorithms.models import build_model, sample
 from algorithms.tasks import CharTokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
@@ -54,15 +54,15 @@ class HFEngine(GenerationEngine):
         )
 
     def _generate(
-        self, prompts: list[list[int]], n: int, spec: SamplingSpec
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         if spec.top_p != 1.0:
             raise ValueError(
                 f"the hf generation backend samples the full distribution; top_p={spec.top_p} "
                 "needs generation.backend=vllm"
             )
         gen = torch.Generator().manual_seed(int(spec.seed))
-        tokens, logprobs = generate(
+        out = sample(
             self.model,
             prompts,
             n,
@@ -71,9 +71,11 @@ class HFEngine(GenerationEngine):
             gen,
             self.eos_id,
             self.pad_id,
-            return_logprobs=True,
+            limits=spec.limits,
+            ignore_eos=spec.ignore_eos,
+            should_stop=should_stop,
         )
-        return tokens, logprobs  # type: ignore[return-value]  # return_logprobs=True: the per-response lists
+        return out.tokens, out.logprobs, out.finished
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         self._group = StatelessProcessGroup(

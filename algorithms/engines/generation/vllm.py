@@ -31,7 +31,8 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -115,24 +116,34 @@ class VLLMEngine(GenerationEngine):
         """The local HF directory the engine was built from (deleted at shutdown)."""
         return self._model_dir
 
-    def _generate(
-        self, prompts: list[list[int]], n: int, spec: SamplingSpec
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        from vllm import SamplingParams
+    def _params(self, spec: SamplingSpec, i: int, n: int, seed: int) -> Any:
+        from vllm import SamplingParams  # vLLM is an optional dependency: imported by this engine only
 
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=spec.temperature,
-                top_p=spec.top_p,
-                max_tokens=spec.max_new_tokens,
-                seed=prompt_seed(spec.seed, i),
-                logprobs=0,
-                stop_token_ids=[self.eos_id],
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
+        return SamplingParams(
+            n=n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            max_tokens=spec.max_new_tokens if spec.limits is None else spec.limits[i],
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=[] if spec.ignore_eos else [self.eos_id],
+            ignore_eos=spec.ignore_eos,
+            detokenize=False,
+        )
+
+    @staticmethod
+    def _read(completion: Any, what: str) -> tuple[list[int], list[float]]:
+        ids = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned no log-prob for some sampled token of {what}")
+        return ids, [float(step[t].logprob) for t, step in zip(ids, completion.logprobs)]
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        if should_stop is not None:
+            return self._generate_interruptible(prompts, n, spec, should_stop)
+        params = [self._params(spec, i, n, prompt_seed(spec.seed, i)) for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -141,12 +152,41 @@ class VLLMEngine(GenerationEngine):
             if len(samples) != n:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, asked for n={n}")
             for c in samples:
-                ids = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned no log-prob for some sampled token of prompt {i}")
+                ids, lps = self._read(c, f"prompt {i}")
                 tokens.append(ids)
-                logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
-        return tokens, logprobs
+                logprobs.append(lps)
+        return tokens, logprobs, [True] * len(tokens)
+
+    def _generate_interruptible(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool]
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Steps the engine itself, one request per response (sample ``j`` of prompt ``i`` seeded
+        as vLLM seeds a request's ``j``-th sample), so that a stop between two engine steps can
+        abort what is unfinished and keep each response's tokens so far."""
+        engine = self.llm.llm_engine
+        tag = uuid.uuid4().hex[:8]
+        rids = [f"ndp-{tag}-{i}-{j}" for i in range(len(prompts)) for j in range(n)]
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                params = self._params(spec, i, 1, prompt_seed(spec.seed, i) + j)
+                engine.add_request(rids[i * n + j], {"prompt_token_ids": p}, params)
+        latest: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[out.request_id] = out
+            if should_stop():
+                engine.abort_request([r for r in rids if not (r in latest and latest[r].finished)])
+                break
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        finished: list[bool] = []
+        for r in rids:
+            out = latest.get(r)
+            ids, lps = self._read(out.outputs[0], f"request {r}") if out is not None else ([], [])
+            tokens.append(ids)
+            logprobs.append(lps)
+            finished.append(bool(out is not None and out.finished))
+        return tokens, logprobs, finished
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         # The group's own waits are bounded by timeout_s; the RPC bound only catches a wedged worker.

@@ -182,6 +182,12 @@ class LoggingConfig:
     tensorboard: bool = False
     plot: bool = True  # reward/loss PNG at the end
     quiet: bool = False  # no per-step lines or banner (the bar and summary stay)
+    # keys_outstanding is the rollouts' count every step; every this many steps (and at exit) it
+    # is a listing of the whole store instead. 0: at exit only.
+    audit_every: int = 10
+
+    def __post_init__(self) -> None:
+        require_positive(self, "audit_every", allow_zero=True)
 
 
 @dataclass(frozen=True)

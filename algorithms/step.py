@@ -189,7 +189,11 @@ def train_on_batch(
     with timer("release"):
         transport.release(batch.handle)
         # Over the whole store, not the batch just released (that count could never be non-zero).
-        row["keys_outstanding"] = transport.outstanding()
+        every = cfg.logging.audit_every
+        audit = bool(every) and (step + 1) % every == 0
+        row["keys_outstanding"] = transport.outstanding(audit=audit)
+        if audit:
+            row["keys_outstanding_audited"] = True
     with timer("refit"):
         refit(cfg, workers, step + 1)
     row["step_s"] = time.perf_counter() - t_start

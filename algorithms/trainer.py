@@ -458,7 +458,7 @@ class Trainer:
         if self._transport_started:
             try:
                 self.transport.clear_all()
-                self.summary["keys_outstanding_at_exit"] = self.transport.outstanding()
+                self.summary["keys_outstanding_at_exit"] = self.transport.outstanding(audit=True)
             except Exception as e:  # noqa: BLE001
                 self.summary["keys_outstanding_at_exit"] = -1
                 print(f"{self.name}: emptying the store at exit failed: {e!r}", file=sys.stderr)

@@ -203,8 +203,10 @@ class Transport(ABC):
         """The rows of ``handle`` leave the store (a no-op where nothing is stored)."""
 
     @abstractmethod
-    def outstanding(self) -> int:
-        """Rows held outside the driver right now, over the whole store."""
+    def outstanding(self, audit: bool = False) -> int:
+        """Rows held outside the driver right now: the rollouts' count (cheap, every step), or
+        with ``audit`` a listing of the whole store (at exit and every ``logging.audit_every``
+        steps: rows anywhere else, or a count that disagrees with the listing, show up there)."""
 
     @abstractmethod
     def clear_all(self) -> None:

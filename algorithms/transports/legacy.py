@@ -166,7 +166,7 @@ class LegacyTransport(Transport):
     def release(self, handle: Any) -> None:
         return None
 
-    def outstanding(self) -> int:
+    def outstanding(self, audit: bool = False) -> int:
         return 0
 
     def clear_all(self) -> None:

@@ -149,6 +149,7 @@ def _put_group(client: InMemoryClient, job: Job, version: int, reward: float = 0
             "weight_version": torch.full((N,), version),
             "rewards": torch.full((N,), reward),
             "gen_logprobs": jagged_from_rows([torch.zeros(2)] * N),
+            "token_versions": jagged_from_rows([torch.tensor([-1, version])] * N),
         },
         batch_size=[N],
     )
@@ -277,3 +278,26 @@ def test_a_resumed_ledger_regenerates_in_flight_prompts_under_their_group_ids() 
     again = [(j.handout, j.group_id) for j in resumed.admit(3)]  # the in-flight one is regenerated too
     assert again == sorted([*uninterrupted, (first[3].handout, first[3].group_id)])
     assert len({j.group_id for j in resumed.inflight.values()}) == len(resumed.inflight)
+
+
+@pytest.mark.parametrize("backend", ["memory", "transfer_queue"])
+def test_the_per_step_count_of_outstanding_keys_agrees_with_the_whole_store_listing(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Every step counts the rollouts' rows from the store's claim status (no tags move); the
+    audit lists every partition. Both see the same keys, and a key elsewhere shows only in the audit."""
+    client = InMemoryClient() if backend == "memory" else request.getfixturevalue("tq_client")
+    transport = DataPlaneTransport(_cfg())
+    transport.client = client
+    led = _ledger()
+    jobs = led.admit(3)
+    keys = [k for j in jobs for k in _put_group(client, j, version=0)]
+    try:
+        assert transport.outstanding() == transport.outstanding(audit=True) == 3 * N
+        client.kv_clear(keys[:N], ROLLOUTS)
+        assert transport.outstanding() == transport.outstanding(audit=True) == 2 * N
+        client.kv_batch_put(["stray"], "elsewhere", {"x": torch.zeros(1)})
+        assert transport.outstanding() == 2 * N and transport.outstanding(audit=True) == 2 * N + 1
+    finally:
+        client.kv_clear(None, ROLLOUTS)
+        client.kv_clear(None, "elsewhere")

@@ -328,9 +328,12 @@ class DebugConfig:
     # train call sleeps, counted as that side's busy time.
     generate_delay_s: float = 0.0
     train_delay_s: float = 0.0
+    # Seconds the hf sampler sleeps after every token (a slow generator whose generations a refit
+    # can land in the middle of: tests of partial rollouts).
+    token_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        require_positive(self, "generate_delay_s", "train_delay_s", allow_zero=True)
+        require_positive(self, "generate_delay_s", "train_delay_s", "token_delay_s", allow_zero=True)
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,7 @@ def sample(
     limits: Sequence[int] | None = None,
     ignore_eos: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    min_running: float = 0.0,
 ) -> Samples:
     """Sample ``n`` responses per prompt with a KV-cached loop; deterministic for a given ``generator`` state.
 
@@ -260,8 +261,9 @@ def sample(
     untempered logits): the behaviour log-probs an off-policy correction needs.
 
     ``should_stop``: asked after every token; when it returns true the loop stops there and the
-    unfinished responses come back as they are (``finished`` false). The model's train/eval mode
-    is restored on exit.
+    unfinished responses come back as they are (``finished`` false). ``min_running``: the loop
+    also stops once fewer than this fraction of the responses are still running. The model's
+    train/eval mode is restored on exit.
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -323,6 +325,8 @@ def sample(
                 finished = finished | (lengths >= (steps if limit is None else limit))
                 break
             if should_stop is not None and should_stop():
+                break
+            if min_running and int((~finished).sum()) < min_running * B:
                 break
             cur_ids = nxt.unsqueeze(1)
             position_ids = position_ids[:, -1:] + 1

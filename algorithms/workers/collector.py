@@ -32,7 +32,13 @@ from algorithms.faults import InjectedFailure, maybe_fail
 from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags
 from algorithms.tasks import CharTokenizer, resolve_reward_fn, task_ignores_eos
 from algorithms.transports import RolloutSink
+from algorithms.workers.row_pool import Row, RowPool
 from nemo_dataplane.codec import jagged_from_rows
+
+# Partial rollouts: a generate call also ends once fewer than this share of its responses are
+# still running, so finished responses' places go to new prompts instead of idling until the
+# longest response is done (the long tail).
+PARTIAL_MIN_RUNNING = 0.5
 
 
 class RolloutCollector:
@@ -92,6 +98,7 @@ class RolloutCollector:
         temperature: float | None,
         limits: Sequence[int] | None,
         interruptible: bool,
+        min_running: float = 0.0,
     ) -> tuple[Rollouts, float]:
         ref = self.generator.generate.remote(
             list(prompts),
@@ -101,6 +108,7 @@ class RolloutCollector:
             limits=None if limits is None else list(limits),
             ignore_eos=self.ignore_eos,
             interruptible=interruptible,
+            min_running=min_running,
         )
         try:
             return ray.get(ref, timeout=self.timeout_s)
@@ -188,12 +196,21 @@ class RolloutCollector:
     def _generate(self, jobs: Sequence[Job], seed: int) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
         """Generate and score ``jobs``: (rows, tags, the oldest weight version of any token, mean
         response length); the generator's busy seconds are added to ``generator_busy_s``."""
-        n = self.n
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
-        got = self._sample(prompts, n, seed, None, self._limits([j.record for j in jobs]))
-        responses, version = got.tokens, got.first_version
+        got = self._sample(prompts, self.n, seed, None, self._limits([j.record for j in jobs]))
         with self._cv:
             self._stats["generator_busy_s"] += got.busy_s
+        return self._assemble(jobs, prompts, got)
+
+    def _assemble(
+        self, jobs: Sequence[Job], prompts: Sequence[Sequence[int]], got: Sampled
+    ) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
+        """Score ``jobs``' complete responses and lay them out as rollout rows: (rows, tags, the
+        oldest weight version of any token, mean response length)."""
+        n = self.n
+        responses = got.tokens
+        version = min([got.first_version, *(v for vs in got.versions for v in vs)])
+        with self._cv:
             self._stats["partial_samples"] += sum(len(set(v)) > 1 for v in got.versions)
         rewards = torch.tensor(
             self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
@@ -272,6 +289,9 @@ class RolloutCollector:
         return self._stop
 
     def _produce(self) -> None:
+        if self.cfg.async_.partial_rollout:
+            self._produce_partial()
+            return
         sink = self._sink()
         seed = self.cfg.trainer.seed
         consecutive_failures = 0
@@ -314,6 +334,104 @@ class RolloutCollector:
                     if not isinstance(e, InjectedFailure) or consecutive_failures > 3:
                         self._error = f"collector {self.index}: {type(e).__name__}: {e}"
                         return
+
+    def _produce_partial(self) -> None:
+        """Partial rollouts: one pool of responses in progress (:class:`RowPool`), drawn a stretch
+        per generate call. A refit stops the call at a token boundary, and so does the pool
+        running low (fewer than ``PARTIAL_MIN_RUNNING`` of its responses): unfinished responses
+        then go on in the next call, under whatever weights the generator holds, together with
+        new groups taking the places of finished ones. A group is delivered once all its
+        responses are complete, every token labelled with the version that drew it."""
+        sink = self._sink()
+        seed = self.cfg.trainer.seed
+        pool = RowPool(self.n)
+        calls = 0
+        consecutive_failures = 0
+        while True:
+            with self._cv:
+                while not self._queue and not pool.running and not self._stop:
+                    self._cv.wait(0.5)
+                if self._stop:
+                    return
+                room = max(0, self._chunk - pool.groups())
+                jobs = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            try:
+                t_idle = time.perf_counter()
+                pause = 0.005
+                # Backpressure counts new groups only: rows in progress always go on.
+                while (
+                    not self._stop
+                    and jobs
+                    and sink.unconsumed_groups() + pool.groups() + len(jobs) > self._max_inflight
+                ):
+                    if pool.running:  # draw what is in progress; admit the new groups later
+                        with self._cv:
+                            self._queue.extendleft(reversed(jobs))
+                        jobs = []
+                        break
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.2)
+                self._stats["idle_s"] += time.perf_counter() - t_idle
+                if self._stop:
+                    return
+                t0 = time.perf_counter()
+                prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
+                limits = self._limits([j.record for j in jobs]) or [self.cfg.generation.max_new_tokens] * len(jobs)
+                pool.start(jobs, prompts, limits)
+                rows = list(pool.running)
+                calls += 1
+                out, busy = self._call(
+                    [r.prefix for r in rows],
+                    1,
+                    continuation_seed(generation_seed(seed, self.index), calls),
+                    None,
+                    [r.left for r in rows],
+                    True,
+                    PARTIAL_MIN_RUNNING,
+                )
+                with self._cv:
+                    self._stats["generator_busy_s"] += busy
+                done = pool.absorb(rows, out.tokens, out.logprobs, out.finished, out.version)
+                self._stats["generate_s"] += time.perf_counter() - t0
+                for jobs_done, prompts_done, got in self._by_version(done):
+                    maybe_fail(
+                        self.cfg.debug,
+                        "generate",
+                        group=jobs_done[0].group_id,
+                        what=f"generating group {jobs_done[0].group_id} in collector {self.index}",
+                    )
+                    batch, tags, version, _ = self._assemble(jobs_done, prompts_done, got)
+                    self._stats["idle_s"] += sink.stream(jobs_done, batch, tags, version, self._stopped)
+                    self._stats["groups_written"] += len(jobs_done)
+                consecutive_failures = 0
+            except Exception as e:  # noqa: BLE001 - reported to the driver through poll()
+                with self._cv:
+                    self._failed.extend(pool.drop())
+                    self._stats["put_failures"] += 1
+                    consecutive_failures += 1
+                    if not isinstance(e, InjectedFailure) or consecutive_failures > 3:
+                        self._error = f"collector {self.index}: {type(e).__name__}: {e}"
+                        return
+
+    def _by_version(self, done: Sequence[tuple[Job, list[Row]]]) -> list[tuple[list[Job], list[list[int]], Sampled]]:
+        """Complete groups, batched by their oldest token's version (one put each: a put's keys
+        carry one version): their jobs, prompts and rows (group-major)."""
+        by: dict[int, list[tuple[Job, list[Row]]]] = {}
+        for job, rows in done:
+            by.setdefault(min(v for r in rows for v in (r.versions or [-1])), []).append((job, rows))
+        out = []
+        for version, groups in sorted(by.items()):
+            rows = [r for _, rs in groups for r in rs]
+            out.append(
+                (
+                    [j for j, _ in groups],
+                    [rs[0].prompt for _, rs in groups],
+                    Sampled(
+                        [r.tokens for r in rows], [r.logprobs for r in rows], [r.versions for r in rows], version, 0.0
+                    ),
+                )
+            )
+        return out
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         """Pop up to ``max_groups`` finished groups the sink holds here, waiting up to ``timeout_s``

@@ -72,12 +72,13 @@ class GeneratorWorker:
         limits: Sequence[int] | None = None,
         ignore_eos: bool = False,
         interruptible: bool = False,
+        min_running: float = 0.0,
     ) -> tuple[Rollouts, float]:
         """``len(prompt_ids) * n`` responses (group-major) with the log-prob of each sampled token
         under the sampling distribution and the weight version that drew them all (a refit lands
         between calls, or with ``interruptible`` ends one early: unfinished responses come back
         as far as they got), and the seconds this generator was busy with the call (its own
-        time, not its caller's wait for it). ``limits``/``ignore_eos``: as ``SamplingSpec``."""
+        time, not its caller's wait for it). ``limits``/``ignore_eos``/``min_running``: as ``SamplingSpec``."""
         t0 = time.perf_counter()
         if self.cfg.debug.generate_delay_s:
             time.sleep(self.cfg.debug.generate_delay_s)
@@ -89,6 +90,7 @@ class GeneratorWorker:
             seed=int(seed),
             limits=None if limits is None else tuple(int(m) for m in limits),
             ignore_eos=ignore_eos,
+            min_running=min_running,
         )
         out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible)
         # fail_in=generator: inside the call, its tokens drawn and not returned

@@ -33,7 +33,9 @@ class SamplingSpec:
     """How to sample one batch. ``temperature == 0``: greedy; ``top_p == 1``: the full distribution.
 
     ``limits``: each prompt's own token limit (``<= max_new_tokens``; ``None``: ``max_new_tokens``
-    for all); ``ignore_eos``: responses run to their limit whatever the model emits.
+    for all); ``ignore_eos``: responses run to their limit whatever the model emits;
+    ``min_running``: an interruptible generation also stops once fewer than this fraction of
+    its responses are still running (partial rollouts refill the places of finished ones).
     """
 
     max_new_tokens: int
@@ -42,10 +44,13 @@ class SamplingSpec:
     seed: int = 0
     limits: tuple[int, ...] | None = None
     ignore_eos: bool = False
+    min_running: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.min_running < 1.0:
+            raise ValueError(f"min_running must be in [0, 1), got {self.min_running}")
         if self.limits is not None and any(not 1 <= m <= self.max_new_tokens for m in self.limits):
             raise ValueError(f"limits must be in [1, max_new_tokens={self.max_new_tokens}], got {self.limits}")
         if self.temperature < 0:

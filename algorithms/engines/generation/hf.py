@@ -8,6 +8,7 @@ Only the full distribution is sampled (``top_p`` must be 1).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,16 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
 
 __all__ = ["HFEngine"]
+
+
+def _slowed(should_stop: Callable[[], bool] | None, delay_s: float) -> Callable[[], bool]:
+    """``should_stop`` that first sleeps ``delay_s`` (asked once per token: a slower sampler)."""
+
+    def check() -> bool:
+        time.sleep(delay_s)
+        return should_stop() if should_stop is not None else False
+
+    return check
 
 
 class HFEngine(GenerationEngine):
@@ -42,16 +53,20 @@ class HFEngine(GenerationEngine):
         self._group: StatelessProcessGroup | None = None
         self._receiver: WeightReceiver | None = None
 
+    token_delay_s = 0.0  # debug.token_delay_s
+
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> HFEngine:
         tok = CharTokenizer()
-        return cls(
+        engine = cls(
             cfg.policy.model,
             device=cfg.generation.device,
             vocab_size=tok.vocab_size,
             eos_id=tok.eos_id,
             pad_id=tok.pad_id,
         )
+        engine.token_delay_s = cfg.debug.token_delay_s
+        return engine
 
     def _generate(
         self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
@@ -62,6 +77,8 @@ class HFEngine(GenerationEngine):
                 "needs generation.backend=vllm"
             )
         gen = torch.Generator().manual_seed(int(spec.seed))
+        if self.token_delay_s:
+            should_stop = _slowed(should_stop, self.token_delay_s)
         out = sample(
             self.model,
             prompts,
@@ -74,6 +91,7 @@ class HFEngine(GenerationEngine):
             limits=spec.limits,
             ignore_eos=spec.ignore_eos,
             should_stop=should_stop,
+            min_running=spec.min_running if should_stop is not None else 0.0,
         )
         return out.tokens, out.logprobs, out.finished
 

@@ -174,8 +174,9 @@ class VLLMEngine(GenerationEngine):
         while engine.has_unfinished_requests():
             for out in engine.step():
                 latest[out.request_id] = out
-            if should_stop():
-                engine.abort_request([r for r in rids if not (r in latest and latest[r].finished)])
+            running = [r for r in rids if not (r in latest and latest[r].finished)]
+            if should_stop() or len(running) < spec.min_running * len(rids):
+                engine.abort_request(running)
                 break
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []

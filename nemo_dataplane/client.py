@@ -260,17 +260,22 @@ def check_keys(keys: Any, *, allow_empty: bool = False) -> list[str]:
     """
     if isinstance(keys, str):
         raise TypeError(f"keys must be a sequence of str, got the single str {keys!r}; wrap it in a list")
-    keys = list(keys)
-    if not keys and not allow_empty:
+    key_list: list[str] = list(keys)
+    if not key_list and not allow_empty:
         raise ValueError("keys must not be empty")
-    for k in keys:
+    for k in key_list:
         if not isinstance(k, str) or not k:
             raise TypeError(f"every key must be a non-empty str, got {k!r}")
     seen: set[str] = set()
-    dups = [k for k in keys if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+    dups = []
+    for k in key_list:
+        if k in seen:
+            dups.append(k)
+        else:
+            seen.add(k)
     if dups:
         raise ValueError(f"keys repeat within one call: {sorted(set(dups))[:10]}")
-    return keys
+    return key_list
 
 
 def check_select_fields(select_fields: Any) -> list[str]:

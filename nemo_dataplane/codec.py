@@ -15,7 +15,7 @@ silently: what comes back from a get has the dtype, shape and layout that was pu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -139,7 +139,7 @@ def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 def jagged_rows(t: torch.Tensor) -> list[torch.Tensor]:
     """The rows of a jagged nested tensor (views of its values) or of a dense ``[N, ...]`` tensor."""
     if getattr(t, "is_nested", False):
-        values, offsets = t.values(), t.offsets().tolist()
+        values, offsets = t.values(), t.offsets().tolist()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
         return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
     return list(t.unbind(0))
 
@@ -157,7 +157,9 @@ def batch_nbytes(fields: TensorDict | Mapping[str, torch.Tensor] | None) -> int:
     if fields is None:
         return 0
     if isinstance(fields, TensorDict):
-        return sum(tensor_nbytes(v) for _, v in fields.items(include_nested=True, leaves_only=True))
+        # A batch's leaves are tensors; TensorDict types them as tensors or tensor collections.
+        leaves = fields.items(include_nested=True, leaves_only=True)
+        return sum(tensor_nbytes(cast(torch.Tensor, v)) for _, v in leaves)
     return sum(tensor_nbytes(v) for v in fields.values() if isinstance(v, torch.Tensor))
 
 

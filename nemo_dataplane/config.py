@@ -40,11 +40,14 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
 
 from nemo_dataplane.errors import NemoDataplaneError
 
-T = TypeVar("T")
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(NemoDataplaneError, ValueError):
@@ -321,9 +324,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp!r}")  # pragma: no cover - schema bug
 
 
-def config_key(f: dataclasses.Field) -> str:
+def config_key(f: dataclasses.Field[Any]) -> str:
     """A field's YAML key (``async`` is a Python keyword, so its field is ``async_``)."""
-    return f.metadata.get("key", f.name)
+    return cast(str, f.metadata.get("key", f.name))
 
 
 def _over_default(cls: type, name: str, value: Any) -> Any:
@@ -368,7 +371,10 @@ def build_config(cls: type[T], data: Any, path: str) -> T:
         key = f"{path}.{yaml_key}" if path else yaml_key
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = value if isinstance(value, tp) else build_config(tp, _over_default(cls, name, value), key)
+            section = cast("type[DataclassInstance]", tp)  # a type hint: the class, never an instance
+            kwargs[name] = (
+                value if isinstance(value, section) else build_config(section, _over_default(cls, name, value), key)
+            )
         else:
             kwargs[name] = _coerce(value, tp, key)
     try:

@@ -97,6 +97,7 @@ def build_data_plane_client(
     cfg = DataPlaneConfig.from_dict(config)
     cls = resolve_backend(cfg.backend)
     from_config = getattr(cls, "from_config", None)
+    client: DataPlaneClient
     if callable(from_config):
         client = from_config(cfg, bootstrap=bootstrap)
     else:

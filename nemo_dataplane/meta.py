@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_dataplane.errors import NemoDataplaneError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    import transfer_queue
+    import transfer_queue.metadata
 
 
 def _duplicates(items: Iterable[str]) -> list[str]:
@@ -151,7 +151,7 @@ class KVBatchMeta:
 
     # ------------------------------------------------------------ transforms
     def _replace(self, **changes: Any) -> KVBatchMeta:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             keys=self.keys,
             tags=self.tags,
             partition_id=self.partition_id,
@@ -307,7 +307,7 @@ class KVBatchMeta:
         return self._replace(tags=[{**old, **dict(new)} for old, new in zip(self.tags, per_key)])
 
     # ------------------------------------------------------ TransferQueue I/O
-    def to_transfer_queue(self) -> transfer_queue.KVBatchMeta:
+    def to_transfer_queue(self) -> transfer_queue.metadata.KVBatchMeta:
         """The equivalent ``transfer_queue.metadata.KVBatchMeta`` (lossless)."""
         from transfer_queue.metadata import KVBatchMeta as TQMeta
 
@@ -323,9 +323,9 @@ class KVBatchMeta:
     def from_transfer_queue(cls, meta: Any) -> KVBatchMeta:
         """Build from a ``transfer_queue.metadata.KVBatchMeta`` (lossless)."""
         return cls(
-            keys=list(meta.keys),
-            tags=[dict(t) for t in meta.tags],
+            keys=tuple(meta.keys),
+            tags=tuple(dict(t) for t in meta.tags),
             partition_id=meta.partition_id,
-            fields=None if meta.fields is None else list(meta.fields),
+            fields=None if meta.fields is None else tuple(meta.fields),
             extra_info=copy.deepcopy(meta.extra_info),
         )

@@ -9,7 +9,7 @@ compared byte for byte.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -28,10 +28,11 @@ def _columns(batch: TensorDict, what: str) -> dict[str, _Column]:
     for name, value in batch.items():
         if isinstance(value, TensorDict):
             raise TypeError(f"{what}: field {name!r} is a nested TensorDict; flatten it into named tensors")
-        if getattr(value, "is_nested", False) and value.layout == torch.jagged:
-            out[name] = (value.values(), value.offsets())
+        t = cast(torch.Tensor, value)  # a field's value: a tensor (a nested TensorDict raised above)
+        if getattr(t, "is_nested", False) and t.layout == torch.jagged:
+            out[name] = (t.values(), t.offsets())  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
         else:
-            out[name] = (value, None)
+            out[name] = (t, None)
     return out
 
 
@@ -119,7 +120,7 @@ def concat_rows(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     values, lengths = [], []
     for p in parts:
         if getattr(p, "is_nested", False):
-            off = p.offsets()
+            off = p.offsets()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
             values.append(p.values()[int(off[0]) : int(off[-1])])
             lengths.append(off.diff())
         else:

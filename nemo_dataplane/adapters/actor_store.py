@@ -13,12 +13,16 @@ from __future__ import annotations
 import os
 import threading
 from abc import abstractmethod
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import ray
 
 from nemo_dataplane.client import DataPlaneClient, DataPlaneError
 from nemo_dataplane.config import DataPlaneConfig
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from typing_extensions import Self
 
 Bootstrap = bool | Literal["auto"]
 
@@ -61,7 +65,7 @@ class ActorBackedClient(DataPlaneClient):
             raise
 
     @classmethod
-    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Bootstrap = "auto") -> Any:
+    def from_config(cls, cfg: DataPlaneConfig, bootstrap: Bootstrap = "auto") -> Self:
         """Build from the ``data_plane`` config (the factory's hook).
 
         ``data_plane.backend_kwargs`` may set the actor's name (:attr:`NAME_KWARG`) and ``namespace``.
@@ -74,7 +78,9 @@ class ActorBackedClient(DataPlaneClient):
                 f"data_plane.backend_kwargs {unknown} are not understood by the {cls.BACKEND} backend "
                 f"(known: {', '.join(known)})"
             )
-        return cls(getattr(cfg, cls.SECTION), bootstrap=bootstrap, **kwargs)
+        # A subclass's __init__(config, bootstrap, <NAME_KWARG>, namespace); this base has none of its own.
+        make: Callable[..., Self] = cls
+        return make(getattr(cfg, cls.SECTION), bootstrap=bootstrap, **kwargs)
 
     # ------------------------------------------------------------- bootstrap
     def _ensure_ray(self, log_to_driver: bool) -> None:

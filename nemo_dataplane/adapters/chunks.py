@@ -54,7 +54,7 @@ def encode(t: torch.Tensor) -> Encoded:
     """A dense or jagged CPU tensor as an :data:`Encoded` (no copy when contiguous)."""
     offsets = None
     if is_jagged(t):
-        values, off = t.values(), t.offsets()
+        values, off = t.values(), t.offsets()  # type: ignore[attr-defined]  # torch's stub lacks NJT offsets()
         start, stop = int(off[0]), int(off[-1])
         if start or stop != values.shape[0]:  # a view into a larger buffer: ship only its rows
             values, off = values[start:stop], off - start
@@ -112,5 +112,5 @@ def assemble(name: str, where: tuple[Any, ...], column: Callable[[Any, str], Col
     merged = concat_rows(name, parts)
     perm = torch.argsort(torch.cat(targets))
     if getattr(merged, "is_nested", False):
-        return take_rows(merged.values(), merged.offsets(), perm, copy=False)
+        return take_rows(merged.values(), merged.offsets(), perm, copy=False)  # type: ignore[attr-defined]  # NJT
     return take_rows(merged, None, perm, copy=False)

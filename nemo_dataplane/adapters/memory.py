@@ -83,10 +83,10 @@ class InMemoryClient(DataPlaneClient):
             self._stored.notify_all()
             out_rows = [part[k] for k in keys]
             return KVBatchMeta(
-                keys=keys,
-                tags=[r.tags for r in out_rows],
+                keys=tuple(keys),
+                tags=tuple([r.tags for r in out_rows]),
                 partition_id=partition_id,
-                fields=_common_fields(out_rows),
+                fields=tuple(_common_fields(out_rows)),
             )
 
     def kv_batch_get(
@@ -150,10 +150,10 @@ class InMemoryClient(DataPlaneClient):
             part = self._partitions.get(partition_id, {})
             rows = list(part.values())
             return KVBatchMeta(
-                keys=list(part.keys()),
-                tags=[r.tags for r in rows],
+                keys=tuple(part.keys()),
+                tags=tuple([r.tags for r in rows]),
                 partition_id=partition_id,
-                fields=_common_fields(rows),
+                fields=tuple(_common_fields(rows)),
             )
 
     def kv_partitions(self) -> list[str]:
@@ -195,11 +195,14 @@ class InMemoryClient(DataPlaneClient):
                     break
                 self._stored.wait(left)
             if not ready:
-                return KVBatchMeta(keys=[], tags=[], partition_id=partition_id, fields=names)
+                return KVBatchMeta(keys=(), tags=(), partition_id=partition_id, fields=tuple(names))
             self._claims.setdefault(partition_id, {}).setdefault(task, set()).update(ready)
             rows = [self._partitions[partition_id][k] for k in ready]
             return KVBatchMeta(
-                keys=ready, tags=[r.tags for r in rows], partition_id=partition_id, fields=_common_fields(rows)
+                keys=tuple(ready),
+                tags=tuple([r.tags for r in rows]),
+                partition_id=partition_id,
+                fields=tuple(_common_fields(rows)),
             )
 
     def kv_mark_consumed(self, keys: Sequence[str], partition_id: str, task: str) -> None:

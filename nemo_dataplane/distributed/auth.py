@@ -30,7 +30,7 @@ import os
 import secrets
 import socket
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -88,7 +88,8 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+    # A SOCK_STREAM address is (host, port, ...) with a str host.
+    return bool(infos) and all(ipaddress.ip_address(cast(str, i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -132,7 +133,7 @@ class AuthStore(dist.Store):
         return value
 
     def set(self, key: str, value: Any) -> None:
-        self.inner.set(key, self._seal(key, value))
+        self.inner.set(key, self._seal(key, value))  # type: ignore[arg-type]  # torch's stub: str only
 
     def get(self, key: str) -> bytes:
         return self._open(key, self.inner.get(key))
@@ -141,7 +142,8 @@ class AuthStore(dist.Store):
         # The tag is deterministic, so a sealed ``expected`` matches the stored record exactly;
         # an empty ``expected`` means "key absent" to TCPStore and stays empty.
         exp = self._seal(key, expected) if _as_bytes(expected) else b""
-        return self._open(key, self.inner.compare_set(key, exp, self._seal(key, desired)))
+        sealed = self._seal(key, desired)
+        return self._open(key, self.inner.compare_set(key, exp, sealed))  # type: ignore[arg-type]  # as in set()
 
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(key, amount)
@@ -166,7 +168,8 @@ class AuthStore(dist.Store):
 
     @property
     def timeout(self) -> datetime.timedelta:
-        return self.inner.timeout
+        timeout: datetime.timedelta = self.inner.timeout  # type: ignore[attr-defined]  # in torch, not its stub
+        return timeout
 
 
 def authenticated(store: dist.Store, secret: bytes | None, *, where: str, loopback: bool) -> dist.Store:

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -400,7 +400,7 @@ class StatelessProcessGroup:
             return
         self._check_usable(what)
         s = torch.cuda.current_stream(self.device) if stream is None else stream
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda.Event is unannotated
         ev.record(s)
         self._poll(
             ev.query, what, watch=watch, abort_on_timeout=True, max_sleep=_EVENT_POLL_MAX_S, spin_s=_EVENT_SPIN_S
@@ -426,10 +426,18 @@ class StatelessProcessGroup:
             return None
         if self._in_coalesce:
             raise ValueError("async_op=True is not supported inside coalesce(); synchronize the stream instead")
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda.Event is unannotated
         ev.record(torch.cuda.current_stream(self.device) if stream is None else stream)
         return Work(self, what, event=ev)
 
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, *, async_op: Literal[True]
+    ) -> Work: ...
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None: ...
     def broadcast(
         self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
     ) -> Work | None:
@@ -443,6 +451,14 @@ class StatelessProcessGroup:
             return self._issue(what, async_op, stream)
         return self._issue(what, async_op, None, self._pg.broadcast(wire, src))
 
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None, *, async_op: Literal[True]
+    ) -> Work: ...
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None: ...
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", stream: torch.cuda.Stream | None = None, async_op: bool = False
     ) -> Work | None:
@@ -468,9 +484,17 @@ class StatelessProcessGroup:
         if op not in ops_g:
             raise ValueError(f"unknown reduce op {op!r} for gloo; one of {sorted(ops_g)}")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = ops_g[op]
+        opts.reduceOp = ops_g[op]  # type: ignore[assignment]  # torch's stub: ReduceOp.SUM etc. are RedOpType
         return self._issue(what, async_op, None, self._pg.allreduce([wire], opts))
 
+    @overload
+    def send(
+        self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None, *, async_op: Literal[True]
+    ) -> Work: ...
+    @overload
+    def send(
+        self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None: ...
     def send(
         self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
     ) -> Work | None:
@@ -484,6 +508,14 @@ class StatelessProcessGroup:
             return self._issue(what, async_op, stream)
         return self._issue(what, async_op, None, self._pg.send([wire], dst, 0), wait_only=True)
 
+    @overload
+    def recv(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, *, async_op: Literal[True]
+    ) -> Work: ...
+    @overload
+    def recv(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
+    ) -> Work | None: ...
     def recv(
         self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None, async_op: bool = False
     ) -> Work | None:
@@ -521,7 +553,7 @@ class StatelessProcessGroup:
         self.synchronize(what="barrier (device work before it)")
         n = self._barrier_count
         self._barrier_count += 1
-        self.store.set(self._key("barrier", n, self.rank), b"1")
+        self.store.set(self._key("barrier", n, self.rank), b"1")  # type: ignore[arg-type]  # torch's stub: str only
         self.wait_for_ranks(
             lambda r: self._key("barrier", n, r), range(self.world_size), f"barrier #{n}", timeout=timeout
         )
@@ -558,6 +590,7 @@ class StatelessProcessGroup:
                 with contextlib.suppress(Exception):
                     pg.shutdown()
         if self._owns_store:
+            # Released with the group; a destroyed group is not used again (store is typed for its life).
             self.store = None  # type: ignore[assignment]
 
     def __enter__(self) -> StatelessProcessGroup:

@@ -108,7 +108,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
 def _import_nccl() -> Any:
     """Import nccl4py lazily so CPU-only installs never need it."""
     try:
-        import nccl.core as nccl  # type: ignore[import-not-found]
+        import nccl.core as nccl
     except ImportError as e:  # also covers a missing/mismatched cuda-bindings
         raise ImportError(
             "StatelessProcessGroup(backend='nccl') needs nccl4py (import path `nccl.core`) and "
@@ -174,11 +174,12 @@ class Work:
         if self._gloo_work is not None and self._wait_only:
             if self._waiter is None:
                 self._start_waiter()
-            return not self._waiter.is_alive()  # type: ignore[union-attr]
+            assert self._waiter is not None  # _start_waiter() set it
+            return not self._waiter.is_alive()
         if self._gloo_work is not None:
             return bool(self._gloo_work.is_completed())
         assert self._event is not None
-        return bool(self._event.query())
+        return bool(self._event.query())  # type: ignore[no-untyped-call]  # torch.cuda.Event: unannotated
 
     def wait(self, *, watch: Callable[[], str | None] | None = None, timeout: float | None = None) -> None:
         """Block until done; raise ``StatelessGroupTimeout`` after ``timeout`` (default: the group's).

@@ -33,7 +33,7 @@ def max_row_bytes(t: torch.Tensor) -> int:
     if t.size(0) == 0:
         return 0
     if is_jagged(t):
-        offsets = t.offsets()
+        offsets = t.offsets()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
         longest = int((offsets[1:] - offsets[:-1]).max().item())
         row_elems = longest
         for d in t.values().shape[1:]:

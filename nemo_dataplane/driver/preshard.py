@@ -60,7 +60,8 @@ def driver_balanced_preshards(
 
 def resolve_packing_config(cfg: PackingConfig | DataPlaneConfig | Mapping[str, Any]) -> PackingConfig:
     """A :class:`PackingConfig` from itself, a :class:`DataPlaneConfig` or a ``packing`` mapping."""
-    return config_section(cfg, "packing", "packing_config")
+    section: PackingConfig = config_section(cfg, "packing", "packing_config")
+    return section
 
 
 def _lengths_from_tags(meta: KVBatchMeta, name: str) -> list[int]:
@@ -93,8 +94,8 @@ def _as_length(value: Any, where: str) -> int:
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
         or value != value
-        or int(value) != value
+        or int(value) != value  # type: ignore[call-overload]  # typeshed: Real.__trunc__ is not int-typed
         or value < 0
     ):
         raise ValueError(f"{where} must be a non-negative int, got {value!r}")
-    return int(value)
+    return int(value)  # type: ignore[call-overload, no-any-return]  # as above (so int() is untyped here)

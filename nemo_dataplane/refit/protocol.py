@@ -165,7 +165,7 @@ class Endpoint:
 
     def _publish_error(self, msg: str) -> None:
         with contextlib.suppress(Exception):
-            self.group.store.set(self._key("error", self._seq, self.group.rank), msg.encode())
+            self.group.store.set(self._key("error", self._seq, self.group.rank), msg.encode())  # type: ignore[arg-type]  # torch's stub: str only
 
     def _errors_of(self, ranks: Iterable[int]) -> str | None:
         store = self.group.store

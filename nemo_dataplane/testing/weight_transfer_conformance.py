@@ -34,7 +34,7 @@ scenario's results are computed once per class and shared by the tests that read
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from nemo_dataplane.refit.config import WeightTransferConfig
 from nemo_dataplane.refit.protocol import RefitError, RefitMismatchError
@@ -78,12 +78,12 @@ class WeightTransferConformance:
             (cls,),
             {"config": config, "setup_modules": tuple(setup_modules), "receivers": receivers},
         )
-        return suite()
+        return cast(WeightTransferConformance, suite())  # a subclass of cls
 
     # -- running scenarios
 
     def _results(self, name: str) -> dict[int, Any]:
-        cache = type(self).__dict__.get("_cache")
+        cache: dict[str, dict[int, Any]] | None = type(self).__dict__.get("_cache")
         if cache is None:
             cache = {}
             type(self)._cache = cache  # per suite class: a subclass never reads its base's

@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -340,7 +340,7 @@ class _Ranks:
                     f"scenario {kw['name']!r}: ranks {sorted(pending.values())} still running "
                     f"after {limit:g}s (a hang, or a bounded wait longer than that)"
                 )
-            for conn in ready:
+            for conn in cast("list[multiprocessing.connection.Connection]", ready):  # wait() gives back ours
                 r = pending.pop(conn)
                 try:
                     ok, payload = conn.recv()
@@ -388,4 +388,5 @@ atexit.register(shutdown_ranks)
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port

@@ -199,7 +199,8 @@ class WorkerFetcher:
         if not self.is_leader:
             return None
         cols = self._check_write(meta, fields)
-        self._client().kv_batch_put(list(meta.keys), meta.partition_id, cols)  # type: ignore[arg-type]
+        assert meta.partition_id is not None  # _check_write() refused a meta without one
+        self._client().kv_batch_put(list(meta.keys), meta.partition_id, cols)
         return meta.add_fields(cols)
 
     async def async_write_back(
@@ -209,9 +210,10 @@ class WorkerFetcher:
         if not self.is_leader:
             return None
         cols = self._check_write(meta, fields)
+        assert meta.partition_id is not None  # _check_write() refused a meta without one
         try:
             await asyncio.wait_for(
-                self._client().async_kv_batch_put(list(meta.keys), meta.partition_id, cols),  # type: ignore[arg-type]
+                self._client().async_kv_batch_put(list(meta.keys), meta.partition_id, cols),
                 self.timeout_s,
             )
         except asyncio.TimeoutError:

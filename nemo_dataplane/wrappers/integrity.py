@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ def tag_name(field: str) -> str:
 def _digest(dtype: str, shape: tuple[int, ...], data: np.ndarray) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{dtype}{shape}".encode())
-    h.update(data)
+    h.update(data)  # type: ignore[arg-type]  # numpy's stub gives ndarray __buffer__ only for Python >= 3.12
     return h.hexdigest()
 
 
@@ -52,7 +52,7 @@ def row_digests(t: torch.Tensor) -> list[str]:
         t = t.cpu()
     dtype = str(t.dtype).removeprefix("torch.")
     if is_jagged(t):
-        values, offsets = t.values().contiguous(), t.offsets().tolist()
+        values, offsets = t.values().contiguous(), t.offsets().tolist()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
         rest = tuple(values.shape[1:])
         per = values[0].numel() * values.element_size() if values.shape[0] else 0
         flat = values.reshape(-1).view(torch.uint8).numpy()
@@ -152,7 +152,8 @@ class IntegrityCheck(ForwardingClient):
         out = self.inner.kv_batch_get(meta_or_keys, select_fields, partition_id)
         keys, tags, pid = self._target(meta_or_keys, partition_id)
         if not self._judge(out, keys, tags, select_fields, pid, None):
-            self._judge(out, keys, tags, select_fields, pid, self.inner.kv_list(pid))  # type: ignore[arg-type]
+            # The get above found the partition (a get without one raises).
+            self._judge(out, keys, tags, select_fields, pid, self.inner.kv_list(cast(str, pid)))
         return out
 
     # ---------------------------------------------------------------- async
@@ -172,6 +173,6 @@ class IntegrityCheck(ForwardingClient):
         out = await self.inner.async_kv_batch_get(meta_or_keys, select_fields, partition_id)
         keys, tags, pid = self._target(meta_or_keys, partition_id)
         if not self._judge(out, keys, tags, select_fields, pid, None):
-            fresh = await self.inner.async_kv_list(pid)  # type: ignore[arg-type]
+            fresh = await self.inner.async_kv_list(cast(str, pid))  # found by the get above, as in kv_batch_get
             self._judge(out, keys, tags, select_fields, pid, fresh)
         return out

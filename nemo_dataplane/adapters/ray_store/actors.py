@@ -27,6 +27,7 @@ order, so ``commit`` (or ``abort``) may arrive before its ``begin``; it then wai
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import time
 from collections.abc import Sequence
@@ -96,11 +97,11 @@ class StoreIndex:
         self._parts: dict[str, Partition] = {}
         self._chunks: dict[int, _Chunk] = {}
         self._txns: dict[str, _Txn] = {}  # puts between begin and commit
-        self._begun: dict[str, asyncio.Future] = {}  # put id -> its begin's outcome (a _Txn or None)
+        self._begun: dict[str, asyncio.Future[_Txn | None]] = {}  # put id -> its begin's outcome (a _Txn or None)
         self._pending: dict[str, set[_Txn]] = {}  # partition -> puts between begin and commit
         self._changed: dict[str, asyncio.Condition] = {}  # partition -> notified on commit / clear
         self._keepers: dict[str, Any] = {}
-        self._adoptions: dict[str, set[asyncio.Task]] = {}  # writer -> adoptions in flight
+        self._adoptions: dict[str, set[asyncio.Task[None]]] = {}  # writer -> adoptions in flight
         self._chunk_ids = itertools.count()
         self._lock_timeout_s = float(lock_timeout_s)
         self._adopt = bool(adopt)
@@ -116,6 +117,7 @@ class StoreIndex:
         commit) and aborted, so its keys are never left locked.
         """
         while self._pending.get(pid):
+            txn: _Txn | None
             if keys is None:
                 txn = next(iter(self._pending[pid]))
             else:
@@ -137,7 +139,7 @@ class StoreIndex:
             del self._txns[tid]
         txn.done.set()
 
-    def _outcome(self, txn_id: str) -> asyncio.Future:
+    def _outcome(self, txn_id: str) -> asyncio.Future[_Txn | None]:
         """The future of put ``txn_id``'s begin, made by whichever of its messages comes first."""
         fut = self._begun.get(txn_id)
         if fut is None:
@@ -189,7 +191,7 @@ class StoreIndex:
             common = list(fields)
         else:
             assert part is not None
-            merged = [dict(part.tags[s]) if s >= 0 else {} for s in slots.tolist()]  # type: ignore[arg-type]
+            merged = [dict(part.tags[s]) if s >= 0 else {} for s in slots.tolist()]
             if tags is not None:
                 for m, t in zip(merged, tags):
                     m.update(t)
@@ -360,7 +362,8 @@ class StoreIndex:
         idx = slots.tolist()
         return ("ok", [part.keys[i] for i in idx], [part.tags[i] for i in idx], part.common_fields(slots))
 
-    async def clear(self, pid: str, keys: list[str] | None) -> Reply:
+    # (Below, ``list`` in an annotation would name the method above: hence ``builtins.list``.)
+    async def clear(self, pid: str, keys: builtins.list[str] | None) -> Reply:
         await self._wait_free(pid, keys)
         part = self._parts.get(pid)
         if part is None:
@@ -379,13 +382,13 @@ class StoreIndex:
         await self._notify(pid)
         return ("ok",)
 
-    async def partitions(self) -> list[str]:
+    async def partitions(self) -> builtins.list[str]:
         for pid in list(self._pending):
             await self._wait_free(pid, None)
         return [p for p, part in self._parts.items() if part.nlive]
 
     # ---------------------------------------------------------------- claims
-    async def claim(self, pid: str, task: str, fields: list[str], batch_size: int, timeout_s: float) -> Reply:
+    async def claim(self, pid: str, task: str, fields: builtins.list[str], batch_size: int, timeout_s: float) -> Reply:
         """Claim up to ``batch_size`` produced rows for ``task`` (see ``DataPlaneClient.kv_claim``)."""
         deadline = time.monotonic() + timeout_s
         await self._wait_free(pid, None)  # puts that returned to their writers count as produced
@@ -410,7 +413,7 @@ class StoreIndex:
         idx = take.tolist()
         return ("ok", [part.keys[i] for i in idx], [part.tags[i] for i in idx], part.common_fields(take))
 
-    async def mark_consumed(self, pid: str, task: str, keys: list[str]) -> Reply:
+    async def mark_consumed(self, pid: str, task: str, keys: builtins.list[str]) -> Reply:
         await self._wait_free(pid, keys)
         part = self._parts.get(pid)
         if part is not None:
@@ -418,7 +421,7 @@ class StoreIndex:
             part.task(task)[slots[slots >= 0]] = True
         return ("ok",)
 
-    async def claim_status(self, pid: str, task: str, fields: list[str]) -> Reply:
+    async def claim_status(self, pid: str, task: str, fields: builtins.list[str]) -> Reply:
         await self._wait_free(pid, None)
         part = self._parts.get(pid)
         if part is None:

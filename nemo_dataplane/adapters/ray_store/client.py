@@ -225,7 +225,7 @@ class RayStoreClient(ActorBackedClient):
         with self._lock:
             self._commits[committed] = f"put of {len(keys)} key(s) to {pid!r} (e.g. {keys[0]!r})"
         _, merged, common = self._call("kv_batch_put", pid, len(keys), begun)
-        return KVBatchMeta(keys=keys, tags=merged, partition_id=pid, fields=common)
+        return KVBatchMeta(keys=tuple(keys), tags=merged, partition_id=pid, fields=common)
 
     # ------------------------------------------------------------------- get
     def kv_batch_get(

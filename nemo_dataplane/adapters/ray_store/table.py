@@ -10,7 +10,7 @@ empty until :meth:`Partition.compact` renumbers the live ones (never while a put
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class Partition:
         """Point field ``name`` of ``slots`` at ``rows`` of chunk ``cid``; returns the chunk ids
         the cells pointed to before (-1: none)."""
         c, p = self.field(name)
-        old = c[slots].copy()
+        old: np.ndarray = c[slots].copy()
         c[slots] = cid
         p[slots] = rows
         return old
@@ -93,7 +93,7 @@ class Partition:
             claimed[slots] = False
         self.live[slots] = False
         for s in slots.tolist():
-            del self.index[self.keys[s]]  # type: ignore[arg-type]
+            del self.index[self.keys[s]]
             self.keys[s] = None
             self.tags[s] = None
         self.nlive -= slots.size
@@ -106,7 +106,7 @@ class Partition:
 
     def produced(self, fields: Sequence[str]) -> np.ndarray:
         """Per slot (up to ``n``): live and every field in ``fields`` stored."""
-        ok = self.live[: self.n].copy()
+        ok: np.ndarray = self.live[: self.n].copy()
         for f in fields:
             c = self.cid.get(f)
             if c is None:
@@ -122,9 +122,9 @@ class Partition:
 
     def compact(self) -> None:
         keep = np.flatnonzero(self.live[: self.n])
-        self.keys = [self.keys[i] for i in keep]  # type: ignore[misc]
+        self.keys = [self.keys[i] for i in keep]
         self.tags = [self.tags[i] for i in keep]
-        self.index = {k: i for i, k in enumerate(self.keys)}  # type: ignore[misc]
+        self.index = {k: i for i, k in enumerate(cast("list[str]", self.keys))}  # live slots only: no None
         cap = max(len(keep), 64)
         self.live = grow(np.ones(len(keep), dtype=bool), cap, False)
         for f in list(self.cid):

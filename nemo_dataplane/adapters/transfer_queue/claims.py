@@ -26,8 +26,8 @@ on any TransferQueue store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import (
@@ -42,6 +42,8 @@ from nemo_dataplane.client import (
 )
 from nemo_dataplane.meta import KVBatchMeta
 
+T = TypeVar("T")
+
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.05
 
@@ -55,8 +57,16 @@ class TransferQueueClaims(DataPlaneClient):
     _tq: Any
     cfg: Any
     _claims_unsupported: str | None
-    _run: Callable[..., Any]
-    _run_async: Callable[..., Awaitable[Any]]
+
+    if TYPE_CHECKING:  # pragma: no cover - TransferQueueStore's, declared here for the type checker
+
+        def _run(
+            self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None
+        ) -> T: ...
+
+        async def _run_async(
+            self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None
+        ) -> T: ...
 
     # ------------------------------------------------------------ checks
     def _require_claims(self) -> None:
@@ -96,14 +106,14 @@ class TransferQueueClaims(DataPlaneClient):
             await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
             delay = min(delay * 2, POLL_MAX_S)
         if not bm.size:
-            return KVBatchMeta(keys=[], tags=[], partition_id=pid, fields=names)
+            return KVBatchMeta(keys=(), tags=(), partition_id=pid, fields=tuple(names))
         keys = await compat.keys_of(self._tq, pid, bm.global_indexes)
         kept = [i for i, k in enumerate(keys) if k is not None]
         return KVBatchMeta(
-            keys=[keys[i] for i in kept],  # type: ignore[misc]
-            tags=[compat.public_tags(bm.custom_meta[i]) for i in kept],
+            keys=tuple([cast(str, keys[i]) for i in kept]),  # kept: the keys that are not None
+            tags=tuple([compat.public_tags(bm.custom_meta[i]) for i in kept]),
             partition_id=pid,
-            fields=names,
+            fields=tuple(names),
         )
 
     async def _mark(self, keys: list[str], pid: str, task: str) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -186,7 +186,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                     raise r
             if columns:
                 # Only now, with tags stored, may a claimer see the rows as produced (quirk 10).
-                await compat.mark_produced(self._tq, bm, results[1])
+                schema = cast("dict[str, dict[str, Any]]", results[1])  # put_rows's; the loop raised errors
+                await compat.mark_produced(self._tq, bm, schema)
         except BaseException as error:
             if fresh:
                 # Bounded like any op; a failed clean-up is noted on the put's own error, which
@@ -205,10 +206,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             raise
         known = _field_order(before_fields + [f for f in columns if f not in before_fields], new_meta[0])
         return KVBatchMeta(
-            keys=keys,
-            tags=[_public_tags(cm) for cm in new_meta],
+            keys=tuple(keys),
+            tags=tuple([_public_tags(cm) for cm in new_meta]),
             partition_id=partition_id,
-            fields=known,
+            fields=tuple(known),
         )
 
     def kv_batch_put(
@@ -326,10 +327,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             bm = await self._retrieve(keys, partition_id, create=False)
             fields = _field_order(list(bm.field_schema.keys()), info[keys[0]])
         return KVBatchMeta(
-            keys=keys,
-            tags=[_public_tags(info[k]) for k in keys],
+            keys=tuple(keys),
+            tags=tuple([_public_tags(info[k]) for k in keys]),
             partition_id=partition_id,
-            fields=fields,
+            fields=tuple(fields),
         )
 
     def kv_list(self, partition_id: str) -> KVBatchMeta:

@@ -103,12 +103,12 @@ class TransferQueueStore(ActorBackedClient):
 
     def _create(self) -> Any:
         cfg = self.cfg
-        free = float(ray.available_resources().get("CPU", 0.0))
+        free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]  # ray: unannotated
         nodes = None
         if cfg.storage_placement == "per_node":
             # One unit per node (num_storage_units, if set, round-robin over them): rows a reader
             # finds on its own node's unit come through shared memory, the rest node to node.
-            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]  # ray
         n_units = cfg.num_storage_units or (len(nodes) if nodes else auto_storage_units(free))
         need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
         what = (
@@ -236,11 +236,11 @@ class TransferQueueStore(ActorBackedClient):
                             f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {lost}"
                         ) from err
                     return task.result()
-                lost = await self._lost_actor()
-                if lost is not None:
-                    self._lost = lost
+                dead = await self._lost_actor()
+                if dead is not None:
+                    self._lost = dead
                     raise StoreLostError(
-                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) cannot finish: {lost}"
+                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) cannot finish: {dead}"
                     )
         finally:
             if not task.done():

@@ -11,6 +11,11 @@ import torch
 
 __all__ = ["PeerCopier", "_cudart", "batch_allowed"]
 
+Run = list[Any]  # [dst_ptr, src_ptr, nbytes, [(dst, src), ...]]: pairs adjacent in memory on both sides
+Call = tuple[list[int], list[int], list[int]]  # one call's dst pointers, src pointers, sizes
+Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src) for dst.copy_(src)
+CopyPlan = tuple[list[Run], list[Pair]]  # PeerCopier.plan(): (raw runs, pairs for copy_)
+
 
 def batch_allowed(rt: Any, call: str) -> bool:
     """Whether the runtime bindings ``rt`` have the batched copy ``call``."""
@@ -19,10 +24,10 @@ def batch_allowed(rt: Any, call: str) -> bool:
 
 def _cudart() -> Any:
     try:
-        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+        from cuda.bindings import runtime as cudart
     except ImportError:
         try:
-            from cuda import cudart  # type: ignore[import-not-found,no-redef]
+            from cuda import cudart
         except ImportError:
             return None
     return cudart
@@ -49,18 +54,18 @@ class PeerCopier:
         self.raw_error: str | None = None
         self.batch = batch and batch_allowed(self._rt, "cudaMemcpyBatchAsync")
         self.batch_error: str | None = None
-        self._attrs: list | None = None
-        self._chunks: tuple | None = None
+        self._attrs: list[Any] | None = None
+        self._chunks: tuple[list[Run], list[Call]] | None = None
 
     @property
     def mode(self) -> str:
         """How the last copies went out: ``batch``, ``memcpy`` (one call per run) or ``copy_``."""
         return "batch" if self.raw and self.batch else "memcpy" if self.raw else "copy_"
 
-    def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> tuple[list, list]:
+    def plan(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> CopyPlan:
         """(raw runs as [dst_ptr, src_ptr, nbytes, pairs], pairs for ``copy_``)."""
-        runs: list[list[Any]] = []
-        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        runs: list[Run] = []
+        slow: list[Pair] = []
         for d, s in zip(dst, src):
             if self.raw and d.is_contiguous() and s.is_contiguous():
                 n = d.numel() * d.element_size()
@@ -74,7 +79,7 @@ class PeerCopier:
                 slow.append((d, s))
         return runs, slow
 
-    def _batch(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
+    def _batch(self, part: Call, handle: int) -> None:
         rt = self._rt
         if self._attrs is None:
             a = rt.cudaMemcpyAttributes()
@@ -86,7 +91,7 @@ class PeerCopier:
         if err != rt.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
 
-    def _loop(self, part: tuple[list[int], list[int], list[int]], handle: int) -> None:
+    def _loop(self, part: Call, handle: int) -> None:
         rt = self._rt
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         for dp, sp, n in zip(*part):
@@ -94,7 +99,7 @@ class PeerCopier:
             if err != rt.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"cudaMemcpyAsync: {err}")
 
-    def _chunks_of(self, runs: list) -> list[tuple[list[int], list[int], list[int]]]:
+    def _chunks_of(self, runs: list[Run]) -> list[Call]:
         """The copies as argument lists for (at most) two calls: the first copies up to
         ``FIRST_CALL_BYTES``, then the rest. The driver spends about a microsecond of host time
         per copy in a batched call and starts copying only once it returns, so a short first
@@ -107,7 +112,7 @@ class PeerCopier:
         while cut < len(runs) and total < self.FIRST_CALL_BYTES:
             total += runs[cut][2]
             cut += 1
-        out = [
+        out: list[Call] = [
             ([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
             for chunk in (runs[:cut], runs[cut:])
             if chunk
@@ -117,8 +122,8 @@ class PeerCopier:
 
     def issue(
         self,
-        runs: list,
-        slow: list[tuple[torch.Tensor, torch.Tensor]],
+        runs: list[Run],
+        slow: list[Pair],
         raw: torch.cuda.Stream,
         streams: Sequence[torch.cuda.Stream],
     ) -> None:
@@ -143,7 +148,7 @@ class PeerCopier:
             rest = [pair for run in runs for pair in run[3]] + rest
         if rest:
             with contextlib.ExitStack() as stack:
-                for s in streams:
-                    stack.enter_context(torch.cuda.stream(s))
+                for stream in streams:
+                    stack.enter_context(torch.cuda.stream(stream))
                 for d, s in rest:
                     d.copy_(s, non_blocking=True)

@@ -26,7 +26,7 @@ import torch
 
 from nemo_dataplane.dtypes import check_shape, check_span, dtype_from_name
 from nemo_dataplane.refit.copies import copy_all, slot_views
-from nemo_dataplane.refit.cuda.copy_engine import PeerCopier, _cudart
+from nemo_dataplane.refit.cuda.copy_engine import CopyPlan, Pair, PeerCopier, Run, _cudart
 
 __all__ = [
     "PeerCopier",
@@ -182,7 +182,7 @@ def export_tensors(tensors: Sequence[torch.Tensor | None], device: torch.device)
         if t is None:
             items.append(None)
             continue
-        _, args = reduce_tensor(t.detach())
+        _, args = reduce_tensor(t.detach())  # type: ignore[no-untyped-call]  # torch: unannotated
         items.append({n: _enc(a) for n, a in zip(names, args)})
     return json.dumps({"uuid": _uuid(device.index), "device": device.index, "tensors": items}).encode()
 
@@ -219,7 +219,7 @@ def open_tensors(blob: bytes, mapping: PeerMapping | None = None) -> list[torch.
             out.append(mapping.view(kw))
             continue
         with torch.cuda.device(dev):
-            out.append(rebuild_cuda_tensor(**kw))
+            out.append(rebuild_cuda_tensor(**kw))  # type: ignore[no-untyped-call]  # torch: unannotated
     return out
 
 
@@ -297,7 +297,10 @@ class PeerMapping:
 # ---------------------------------------------------------------- push (the sender writes)
 
 
-def signature(tensors: Sequence[torch.Tensor]) -> list[tuple[int, tuple[int, ...]]]:
+Signature = list[tuple[int, tuple[int, ...]]]  # per tensor: (data pointer, strides)
+
+
+def signature(tensors: Sequence[torch.Tensor]) -> Signature:
     """Where each tensor's data lives; a change means its storage moved."""
     return [(t.data_ptr(), t.stride()) for t in tensors]
 
@@ -358,19 +361,19 @@ class PushSource:
                 raise RuntimeError(f"rank {r}: {e}") from e
             probe(views, device)
             self.dsts[r] = views
-        self._key: list | None = None
-        self._plan: tuple[list, list] = ([], [])
+        self._key: Signature | None = None
+        self._plan: CopyPlan = ([], [])
         # The tensors the current plan reads, kept alive so that issuing it before checking
         # them (see RefitSender) never reads freed memory.
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     @property
-    def current(self) -> tuple[list, list]:
+    def current(self) -> CopyPlan:
         """The plan last built (for the tensors ``plan()`` last saw)."""
         return self._plan
 
-    def plan(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> tuple[list, list] | None:
+    def plan(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> CopyPlan | None:
         """(raw runs, pairs for ``copy_``) writing ``tensors`` into every receiver; None if the
         current plan already is for them (same storage and strides)."""
         key = signature(tensors)
@@ -382,8 +385,8 @@ class PushSource:
         with torch.cuda.stream(stream):
             scratch = iter(slot_views(strided, self.device)) if strided else iter(())
         srcs = [t if (not t.numel() or t.is_contiguous()) else next(scratch) for t in tensors]
-        runs: list = []
-        slow: list = []
+        runs: list[Run] = []
+        slow: list[Pair] = []
         for views in self.dsts.values():
             pairs = [(d, s) for d, s in zip(views, srcs) if d is not None]
             rr, sl = self.copier.plan([d for d, _ in pairs], [s for _, s in pairs])

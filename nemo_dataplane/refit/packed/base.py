@@ -84,7 +84,7 @@ class PackedEndpoint(Endpoint):
 
     # -- helpers
 
-    def _specs_and_tensors(self) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+    def _specs_and_tensors(self) -> tuple[list[TensorSpec], Mapping[str, torch.Tensor]]:
         tensors = self._tensors()
         dev = self.group.device
         bad = [f"{n} on {t.device}" for n, t in tensors.items() if t.device != dev]
@@ -128,7 +128,7 @@ class PackedEndpoint(Endpoint):
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._streams is None:
             dev = self.group.device
-            self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+            self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         return self._streams
 
     def _header_on(
@@ -146,8 +146,9 @@ class PackedEndpoint(Endpoint):
                 self._hdr_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
                 self._hdr_dev = torch.empty(4, dtype=torch.int64, device=self.group.device)
             if fill:
-                self._hdr_host.numpy()[:] = (MAGIC, self._fp, version, status)  # type: ignore[union-attr]
-                self._hdr_dev.copy_(self._hdr_host, non_blocking=True)  # type: ignore[arg-type]
+                assert self._hdr_host is not None  # made together with _hdr_dev
+                self._hdr_host.numpy()[:] = (MAGIC, self._fp, version, status)
+                self._hdr_dev.copy_(self._hdr_host, non_blocking=True)
             else:
                 self._hdr_dev.zero_()
         return self._hdr_dev
@@ -174,12 +175,14 @@ class PackedEndpoint(Endpoint):
     def _watch(self) -> str | None:
         """What a peer reported failing in this refit: the sender watches every receiver, a
         receiver the sender."""
-        src = self.info.src  # type: ignore[union-attr]
+        assert self.info is not None  # watched only during a refit, after prepare
+        src = self.info.src
         g = self.group
         return self._errors_of([src] if g.rank != src else (r for r in range(g.world_size) if r != src))
 
     def _peers(self) -> list[int]:
-        return [r for r in range(self.group.world_size) if r != self.info.src]  # type: ignore[union-attr]
+        assert self.info is not None  # asked only after prepare
+        return [r for r in range(self.group.world_size) if r != self.info.src]
 
     def _handshake(self, my_status: str, what: str) -> None:
         """Post this rank's status, wait for everyone's, raise if any rank failed.
@@ -187,7 +190,7 @@ class PackedEndpoint(Endpoint):
         The error lists this rank's own problems first, then every other failing rank's.
         """
         g = self.group
-        g.store.set(self._key(self._gen, "status", g.rank), my_status.encode())
+        g.store.set(self._key(self._gen, "status", g.rank), my_status.encode())  # type: ignore[arg-type]  # torch's stub: str only
         g.wait_for_ranks(lambda r: self._key(self._gen, "status", r), range(g.world_size), what)
         others = []
         for r in range(g.world_size):

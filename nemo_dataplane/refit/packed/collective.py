@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from nemo_dataplane.distributed.stateless_group import Work
 from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.packed.base import PackedEndpoint
 from nemo_dataplane.refit.packed.plan import Bucket
@@ -31,6 +32,8 @@ class CollectiveEndpoint(PackedEndpoint):
             views: list[list[torch.Tensor]] = []
             self._wire = []
             if buckets:
+                info = self.info
+                assert info is not None  # the plan was built from it
                 size = max(b.nbytes for b in buckets)
                 bufs = [
                     torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(min(2, len(buckets)))
@@ -39,9 +42,7 @@ class CollectiveEndpoint(PackedEndpoint):
                     buf = bufs[k & 1]
                     views.append(
                         [
-                            buf[off : off + self.info.tensors[i].nbytes]  # type: ignore[union-attr]
-                            .view(self._dtypes[i])
-                            .view(self._shapes[i])
+                            buf[off : off + info.tensors[i].nbytes].view(self._dtypes[i]).view(self._shapes[i])
                             for i, off in b.entries
                         ]
                     )
@@ -50,7 +51,7 @@ class CollectiveEndpoint(PackedEndpoint):
             self._views = views
         return self._views
 
-    def _xfer(self, t: torch.Tensor, stream: torch.cuda.Stream | None = None, async_op: bool = False) -> list:
+    def _xfer(self, t: torch.Tensor, stream: torch.cuda.Stream | None = None, async_op: bool = False) -> list[Work]:
         """Move ``t`` from ``src`` to every receiver (sender: reads it; receiver: writes it).
 
         Returns the gloo work handles (``async_op``); NCCL ops are enqueued on ``stream``.
@@ -110,7 +111,7 @@ class CollectiveSender(CollectiveEndpoint):
         g = self.group
         views = self._bucket_views()
         works = [g.broadcast(self._header(version, STATUS_OK), self.src, async_op=True)]
-        in_flight: list[list] = [[], []]  # per buffer: the transfers still reading it
+        in_flight: list[list[Work]] = [[], []]  # per buffer: the transfers still reading it
         keep: list[torch.Tensor] = []  # contiguous copies of direct tensors, alive until sent
         k = 0
         for item in self.plan:
@@ -144,14 +145,15 @@ class CollectiveSender(CollectiveEndpoint):
             if isinstance(item, Bucket):
                 slot = k & 1
                 with torch.cuda.stream(pack):
-                    if free[slot] is not None:
-                        pack.wait_event(free[slot])
+                    last = free[slot]
+                    if last is not None:
+                        pack.wait_event(last)
                     copy_all(views[k], [tensors[i] for i in self._bucket_idx[k]])
-                    packed = torch.cuda.Event()
+                    packed = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                     packed.record(pack)
                 comm.wait_event(packed)
                 self._xfer(self._wire[k], stream=comm)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                 done.record(comm)
                 free[slot] = done
                 k += 1
@@ -178,14 +180,14 @@ class CollectiveReceiver(CollectiveEndpoint):
     def _recv_cpu(self, tensors: list[torch.Tensor]) -> int:
         g = self.group
         header = torch.zeros(4, dtype=torch.int64)
-        g.broadcast(header, self.src, async_op=True).wait(watch=self._watch)  # type: ignore[union-attr]
+        g.broadcast(header, self.src, async_op=True).wait(watch=self._watch)
         version = self._check_header(header)
         views = self._bucket_views()
-        pending: tuple | None = None  # (work, bucket number) received but not yet unpacked
-        directs: list[tuple] = []  # (work, tmp or None, destination)
+        pending: tuple[Work, int] | None = None  # (work, bucket number) received but not yet unpacked
+        directs: list[tuple[Work, torch.Tensor | None, torch.Tensor]] = []  # (work, tmp or None, destination)
         k = 0
 
-        def unpack(p: tuple) -> None:
+        def unpack(p: tuple[Work, int]) -> None:
             work, j = p
             work.wait(watch=self._watch)
             copy_all([tensors[i] for i in self._bucket_idx[j]], views[j])
@@ -229,15 +231,16 @@ class CollectiveReceiver(CollectiveEndpoint):
         for item in self._launches:
             if isinstance(item, Bucket):
                 slot = k & 1
-                if free[slot] is not None:
-                    comm.wait_event(free[slot])
+                last = free[slot]
+                if last is not None:
+                    comm.wait_event(last)
                 self._xfer(self._wire[k], stream=comm)
-                got = torch.cuda.Event()
+                got = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                 got.record(comm)
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(got)
                     copy_all([tensors[i] for i in self._bucket_idx[k]], views[k])
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                     done.record(unpack)
                 free[slot] = done
                 k += 1

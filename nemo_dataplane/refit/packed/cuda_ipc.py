@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.cuda import ipc as _ipc
+from nemo_dataplane.refit.cuda.copy_engine import CopyPlan
 from nemo_dataplane.refit.packed.base import STATUS_NEW_HANDLES, PackedEndpoint
 from nemo_dataplane.refit.packed.plan import DEFAULT_TRANSPORT_GPU
 from nemo_dataplane.refit.protocol import STATUS_ABORT, STATUS_OK, NamedTensors, RefitError, clip
@@ -55,9 +57,9 @@ class IpcEndpoint(PackedEndpoint):
     def __init__(self, group: StatelessProcessGroup, named_tensors: NamedTensors, channel: str) -> None:
         super().__init__(group, named_tensors, channel)
         self._ipc_views: list[torch.Tensor | None] | None = None  # receiver: sender's memory
-        self._ipc_plan_cache: tuple | None = None
+        self._ipc_plan_cache: tuple[list[torch.Tensor | None], _ipc.Signature, CopyPlan] | None = None
         self._ipc_keep: list[torch.Tensor] | None = None  # sender: the exported tensors
-        self._ipc_sig: list | None = None
+        self._ipc_sig: _ipc.Signature | None = None
         self._ipc_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         # ipc_direction="push": the sender's view of the receivers' memory and its copy stream;
         # the receiver's exported targets.
@@ -100,19 +102,19 @@ class IpcEndpoint(PackedEndpoint):
         self._ipc_streams = None
         if had and self._cuda:
             with contextlib.suppress(Exception):
-                torch.cuda.ipc_collect()
+                torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
 
     def _post_host(self) -> None:
         if self._cuda:
             g = self.group
-            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(g.device)).encode())
+            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(g.device)).encode())  # type: ignore[arg-type]  # torch's stub: str only
 
     def _ipc_agree(self, my_status: str) -> None:
         """Every rank posts whether its IPC setup worked; all decide alike: go on, fall back, or raise."""
         g = self.group
         info = self.info
         assert info is not None
-        g.store.set(self._key(self._gen, "ipc_open", g.rank), my_status.encode())
+        g.store.set(self._key(self._gen, "ipc_open", g.rank), my_status.encode())  # type: ignore[arg-type]  # torch's stub: str only
         g.wait_for_ranks(
             lambda r: self._key(self._gen, "ipc_open", r),
             range(g.world_size),
@@ -188,7 +190,7 @@ class IpcSender(IpcEndpoint):
         except Exception as e:
             status = f"sender could not export CUDA IPC handles: {e}"
             blob = json.dumps({"error": status}).encode()
-        g.store.set(self._key(self._gen, "ipc_handles"), blob)
+        g.store.set(self._key(self._gen, "ipc_handles"), blob)  # type: ignore[arg-type]  # torch's stub: str only
         if status == "ok":
             self._ipc_keep = list(tensors)
             self._ipc_sig = _ipc.signature(tensors)
@@ -198,13 +200,13 @@ class IpcSender(IpcEndpoint):
         """Push: open every receiver's exported tensors once and plan the copies into them."""
         g = self.group
         peers = self._peers()
-        key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
+        key: Callable[[int], str] = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
         g.wait_for_ranks(key, peers, "CUDA IPC handles of the receivers' tensors (ipc_direction='push')")
         status = "ok"
         try:
             if self._copier is None:
                 self._copier = _ipc.PeerCopier()
-            self._push_stream = torch.cuda.Stream(g.device)
+            self._push_stream = torch.cuda.Stream(g.device)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             self._push_src = _ipc.PushSource({r: g.store.get(key(r)) for r in peers}, g.device, self._copier)
             self._push_src.plan(tensors, self._push_stream)
         except Exception as e:
@@ -236,7 +238,7 @@ class IpcSender(IpcEndpoint):
         ready, verdict = self._flags[:1], self._flags[1:]
         timing = self.ipc_timing
         if timing:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         failed: Exception | None = None
         gated = False
         try:
@@ -280,7 +282,7 @@ class IpcSender(IpcEndpoint):
             raise RefitError(f"rank {g.rank}: failed to push refit version {version}: {failed}") from failed
         if timing:
             ph["copy_gpu_ms"] = e0.elapsed_time(e1)
-            ph["copy_mode"] = copier.mode  # type: ignore[assignment]
+            ph["copy_mode"] = copier.mode
         if int(verdict.item()):
             why = self._watch() or "no reason posted"
             raise RefitError(
@@ -298,7 +300,7 @@ class IpcSender(IpcEndpoint):
         if sig != self._ipc_sig:
             # A tensor now lives elsewhere (e.g. the callable returned new tensors): publish new
             # handles for this refit; the old tensors stay alive until the receivers' ack.
-            g.store.set(self._key(self._gen, "ipc_handles", self._seq), self._export_blob(tensors))
+            g.store.set(self._key(self._gen, "ipc_handles", self._seq), self._export_blob(tensors))  # type: ignore[arg-type]  # torch's stub: str only
             old, self._ipc_keep, self._ipc_sig = self._ipc_keep, list(tensors), sig
             status = STATUS_NEW_HANDLES
         cur = torch.cuda.current_stream(g.device)
@@ -351,7 +353,7 @@ class IpcReceiver(IpcEndpoint):
             self._push_tgt = None
             status = f"could not export CUDA IPC handles of the destination tensors: {e}"
             blob = json.dumps({"error": status}).encode()
-        g.store.set(self._key(self._gen, "ipc_dst", g.rank), blob)
+        g.store.set(self._key(self._gen, "ipc_dst", g.rank), blob)  # type: ignore[arg-type]  # torch's stub: str only
         self._ipc_agree(status)
 
     def _recv_push(self) -> int:
@@ -405,15 +407,15 @@ class IpcReceiver(IpcEndpoint):
         g = self.group
         views = _ipc.open_tensors(blob)
         src_dev = next((v.device for v in views if v is not None), g.device)
-        s_dst = torch.cuda.Stream(g.device)
-        s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)
+        s_dst = torch.cuda.Stream(g.device)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
+        s_src = s_dst if src_dev == g.device else torch.cuda.Stream(src_dev)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         _ipc.probe(views, g.device)
         if self._copier is None:
             self._copier = _ipc.PeerCopier()
         self._ipc_views = views
         self._ipc_streams = (s_dst, s_src)
 
-    def _ipc_plan(self, tensors: list[torch.Tensor]) -> tuple[list, list]:
+    def _ipc_plan(self, tensors: list[torch.Tensor]) -> CopyPlan:
         """Copy plan for our tensors, reused while they stay where they were (same pointers, strides)."""
         assert self._ipc_views is not None and self._copier is not None
         key = _ipc.signature(tensors)
@@ -427,9 +429,9 @@ class IpcReceiver(IpcEndpoint):
 
     def _ipc_copy_streams(self) -> tuple[torch.cuda.Stream, list[torch.cuda.Stream]]:
         """(the stream the raw copies go on, every stream the copies use) for ``ipc_copy_on``."""
-        assert self._ipc_streams is not None
+        assert self._ipc_streams is not None and self.info is not None
         s_dst, s_src = self._ipc_streams
-        raw = s_dst if self.info.extra.get("ipc_copy_on", "src") == "dst" else s_src  # type: ignore[union-attr]
+        raw = s_dst if self.info.extra.get("ipc_copy_on", "src") == "dst" else s_src
         return raw, list(dict.fromkeys([s_src, s_dst]))
 
     def _recv_ipc(self, tensors: list[torch.Tensor]) -> int:
@@ -441,6 +443,7 @@ class IpcReceiver(IpcEndpoint):
         comm, _ = self._side_streams()
         # Planned before the header arrives, so it overlaps with the sender's side.
         runs, slow = self._ipc_plan(tensors)
+        assert self._copier is not None  # _ipc_plan() checked it
         if self._ack is None:
             self._ack = torch.zeros(1, dtype=torch.int32, device=g.device)
         comm.wait_stream(cur)
@@ -451,7 +454,7 @@ class IpcReceiver(IpcEndpoint):
         version = self._check_header(header)
         failed = None
         if timing:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         try:
             if self._last_status == STATUS_NEW_HANDLES:
                 self._load_views(g.store.get(self._key(self._gen, "ipc_handles", self._seq)))
@@ -461,7 +464,7 @@ class IpcReceiver(IpcEndpoint):
                 s.wait_stream(cur)
             if timing:
                 e0.record(raw)
-            self._copier.issue(runs, slow, raw, used)  # type: ignore[union-attr]
+            self._copier.issue(runs, slow, raw, used)
             if timing:
                 e1.record(raw)
         except Exception as e:
@@ -476,7 +479,7 @@ class IpcReceiver(IpcEndpoint):
         # The ack leaves once the copies are done; the sender may then overwrite its tensors.
         comm.wait_stream(s_dst)
         if timing:
-            a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             a0.record(comm)
         with torch.cuda.stream(comm):
             self._ack.fill_(1 if failed else 0)
@@ -489,7 +492,7 @@ class IpcReceiver(IpcEndpoint):
         if timing and not failed:
             ph["copy_gpu_ms"] = e0.elapsed_time(e1)
             ph["ack_gpu_ms"] = a0.elapsed_time(a1)
-            ph["copy_mode"] = self._copier.mode  # type: ignore[union-attr,assignment]
+            ph["copy_mode"] = self._copier.mode
         if failed:
             raise RefitError(f"rank {g.rank}: {failed}")
         return version

@@ -144,9 +144,9 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
             )
         except Exception as e:
             # Receivers are waiting on this key; tell them why instead of letting them time out.
-            g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())
+            g.store.set(self._key(self._gen, "info"), json.dumps({"error": str(e)}).encode())  # type: ignore[arg-type]  # torch's stub: str only
             raise
-        g.store.set(self._key(self._gen, "info"), info.to_bytes())
+        g.store.set(self._key(self._gen, "info"), info.to_bytes())  # type: ignore[arg-type]  # torch's stub: str only
         self._compile(info)
         self._handshake("ok", "refit handshake (waiting for receivers to check the layout)")
         if info.transport == "ipc" and info.extra.get("ipc_direction") == "push":
@@ -154,8 +154,8 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
         elif info.transport == "ipc":
             self._export_ipc(self._ordered(tensors))
         self._connect_p2p()
-        self.transport = self.info.transport  # type: ignore[union-attr]
-        return self.info  # type: ignore[return-value]
+        self.transport = info.transport  # info is self.info now (_compile)
+        return info
 
     def send_weights(self, version: int) -> None:
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
@@ -219,7 +219,7 @@ class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
         decoded = json.loads(raw)
         if "error" in decoded:
             msg = f"sender rank {self.src} failed to prepare: {decoded['error']}"
-            g.store.set(self._key(self._gen, "status", g.rank), msg.encode())
+            g.store.set(self._key(self._gen, "status", g.rank), msg.encode())  # type: ignore[arg-type]  # torch's stub: str only
             raise RefitError(f"rank {g.rank}: {msg}")
         info = RefitInfo.from_bytes(raw)
         problems: list[str] = []
@@ -238,7 +238,7 @@ class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
         elif info.transport == "ipc":
             self._open_ipc()
         self._connect_p2p()
-        return self.info  # type: ignore[return-value]
+        return info  # self.info now (_compile)
 
     def receive_weights(self) -> int:
         """Receive one refit into our tensors in place; return (and store) its version."""

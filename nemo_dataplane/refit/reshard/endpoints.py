@@ -50,7 +50,8 @@ import contextlib
 import datetime
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -137,19 +138,19 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
     # -- prepare
 
-    def _options(self) -> dict:
+    def _options(self) -> dict[str, Any]:
         return {}
 
     def _publish(self) -> None:
         if self.group.rank == self.layout.mesh.ranks[0]:
             doc = {"layout": self.layout.to_dict(), "options": self._options(), "protocol": _PROTOCOL}
-            self.group.store.set(self._key(self._gen, "layout", self._side), json.dumps(doc).encode())
+            self.group.store.set(self._key(self._gen, "layout", self._side), json.dumps(doc).encode())  # type: ignore[arg-type]  # torch's stub: str only
 
-    def _read(self, side: str) -> dict:
+    def _read(self, side: str) -> dict[str, Any]:
         key = self._key(self._gen, "layout", side)
         what = "sending" if side == "send" else "receiving"
         self.group.wait_for_ranks(lambda r: key, [0], f"the {what} side's layout (published by that side's first rank)")
-        return json.loads(self.group.store.get(key))
+        return cast("dict[str, Any]", json.loads(self.group.store.get(key)))
 
     def prepare_refit_info(self) -> ReshardPlan:
         """Agree on both layouts and the plan with every rank (collective); see the module doc.
@@ -163,11 +164,13 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         self.close()
         self._exchange = None
         if self._cuda:
-            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(self.device)).encode())
+            g.store.set(self._key(self._gen, "host", g.rank), json.dumps(_ipc.host_record(self.device)).encode())  # type: ignore[arg-type]  # torch's stub: str only
         self._publish()
         docs = {side: self._read(side) for side in ("send", "recv")}
         problems: list[str] = []
         plan = None
+        src: Layout | None
+        dst: Layout | None
         try:
             src, dst = Layout.from_dict(docs["send"]["layout"]), Layout.from_dict(docs["recv"]["layout"])
         except LayoutError as e:
@@ -219,7 +222,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
             if g.backend != "nccl":
                 raise RefitError(f"rank {g.rank}: transport='p2p' with CUDA tensors needs an NCCL group")
             return "p2p"
-        key = lambda r: self._key(self._gen, "host", r)  # noqa: E731
+        key: Callable[[int], str] = lambda r: self._key(self._gen, "host", r)  # noqa: E731
         g.wait_for_ranks(key, range(g.world_size), "reshard host check (waiting for every rank's host and GPU)")
         records = {r: json.loads(g.store.get(key(r))) for r in range(g.world_size)}
         problems = []
@@ -250,7 +253,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         same problem (a plan error is computed alike everywhere) are listed together."""
         g = self.group
         status = "ok" if not problems else f"{len(problems)} problem(s): {clip(problems)}"
-        g.store.set(self._key(self._gen, "status", g.rank), status.encode())
+        g.store.set(self._key(self._gen, "status", g.rank), status.encode())  # type: ignore[arg-type]  # torch's stub: str only
         g.wait_for_ranks(
             lambda r: self._key(self._gen, "status", r),
             range(g.world_size),
@@ -349,7 +352,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         self._nmax += 1
         n = self._nmax
         keys = [self._key(self._gen, "max", n, r) for r in range(g.world_size)]
-        g.store.set(keys[g.rank], json.dumps(vals).encode())
+        g.store.set(keys[g.rank], json.dumps(vals).encode())  # type: ignore[arg-type]  # torch's stub: str only
         try:
             g.store.wait(keys, datetime.timedelta(seconds=g.timeout))
         except Exception as e:
@@ -389,6 +392,7 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
         mark(marks, "check")
         if self._push is not None:
             return self._refit_ipc(version, tensors, failed, marks)
+        assert self._exchange is not None  # prepared, and not for IPC
         v = self._header(version, failed)
         mark(marks, "header")
         what = f"reshard {'send' if self.sender else 'receive'} of version {v}"
@@ -405,14 +409,14 @@ class _ReshardEndpoint(IpcRefit, Endpoint):
 
     def release_buffers(self) -> None:
         super().release_buffers()
-        if getattr(self, "_exchange", None) is not None:
-            self._exchange.release_buffers()  # type: ignore[union-attr]
+        if (exchange := getattr(self, "_exchange", None)) is not None:
+            exchange.release_buffers()
 
     def close(self) -> None:
         """Free buffers and drop CUDA IPC handles; call on every rank before destroying the group."""
         super().close()
-        if getattr(self, "_push", None) is not None:
-            self._push.close()  # type: ignore[union-attr]
+        if (push := getattr(self, "_push", None)) is not None:
+            push.close()
             self._push = None
 
 
@@ -470,7 +474,7 @@ class ReshardSender(_ReshardEndpoint, WeightSender):
         self.direct_bytes = int(direct_bytes)
         self._requested = transport
 
-    def _options(self) -> dict:
+    def _options(self) -> dict[str, Any]:
         return {"bucket_bytes": self.bucket_bytes, "direct_bytes": self.direct_bytes, "transport": self._requested}
 
     def send_weights(self, version: int) -> None:

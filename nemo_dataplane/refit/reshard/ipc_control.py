@@ -110,8 +110,8 @@ class IpcRefit:
         g = self.group
         push = IpcPush(plan, g.rank, self.sender, self._locals, self.device, map_peers=self._map_peers)
         status = "ok"
-        dst_key = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
-        ev_key = lambda r: self._key(self._gen, "ipc_event", r)  # noqa: E731
+        dst_key: Callable[[int], str] = lambda r: self._key(self._gen, "ipc_dst", r)  # noqa: E731
+        ev_key: Callable[[int], str] = lambda r: self._key(self._gen, "ipc_event", r)  # noqa: E731
         try:
             if not self.sender:
                 _post(g.store, dst_key(g.rank), lambda: push.export(self._tensors()))
@@ -129,7 +129,7 @@ class IpcRefit:
         except Exception as e:
             push.close()
             status = f"CUDA IPC setup failed: {e}"
-        g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())
+        g.store.set(self._key(self._gen, "ipc_open", g.rank), status.encode())  # type: ignore[arg-type]  # torch's stub: str only
         g.wait_for_ranks(
             lambda r: self._key(self._gen, "ipc_open", r),
             range(g.world_size),
@@ -158,12 +158,12 @@ class IpcRefit:
         marks: dict[str, float] | None,
     ) -> int:
         g = self.group
-        assert self._push is not None
+        assert self._push is not None and self.reshard_plan is not None  # both made by prepare_refit_info()
         if not self.sender and failed is None:
             # Ready only once the work already queued on our tensors (e.g. generation) is done;
             # with done="event" this also covers the previous refit's copies (bounded: a stuck
             # sender surfaces here, not as a hang).
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             ev.record(torch.cuda.current_stream(self.device))
             Work(g, "reshard receiver readiness (its queued GPU work)", event=ev).wait(watch=self._watch)
             mark(marks, "ready")
@@ -176,7 +176,7 @@ class IpcRefit:
         if not self.sender:
             self._push.scatter()
             mark(marks, "scatter")
-            self.bytes_moved = self.reshard_plan.bytes_to(g.rank)  # type: ignore[union-attr]
+            self.bytes_moved = self.reshard_plan.bytes_to(g.rank)
         self.version = v
         return v
 
@@ -231,7 +231,7 @@ class IpcRefit:
         status = "ok" if failed is None else f"rank {g.rank}: sender failed to copy refit version {v}: {failed}"
         if failed is not None:
             self._publish_error(status)
-        g.store.set(self._signal_key(self._seq, g.rank), status.encode())
+        g.store.set(self._signal_key(self._seq, g.rank), status.encode())  # type: ignore[arg-type]  # torch's stub: str only
         mark(marks, "signal")
         if failed is not None:
             raise RefitError(f"rank {g.rank}: failed to copy refit version {v}: {failed}") from failed

@@ -41,6 +41,7 @@ import torch
 
 from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.cuda import ipc as _ipc
+from nemo_dataplane.refit.cuda.copy_engine import Run, _cudart
 from nemo_dataplane.refit.reshard.layout import LocalTensor
 from nemo_dataplane.refit.reshard.pitched import Copy, PitchedCopier, pitched_copies
 from nemo_dataplane.refit.reshard.plan import ReshardPlan
@@ -92,10 +93,10 @@ class IpcPush:
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.peers = sorted({(d if sender else s) for s, d in plan.pairs if (s if sender else d) == rank})
         self._stream: torch.cuda.Stream | None = None
-        self._key: list | None = None
+        self._key: list[tuple[int, tuple[int, ...]] | str] | None = None  # see _plan()
         self._copies: list[Copy] = []
         self._slow: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._runs: list = []
+        self._runs: list[Run] = []
         self._copier = _ipc.PeerCopier()
         # How non-contiguous pieces are copied (see issue()); use_views() picks it by placement.
         self.pitched = "kernel"
@@ -111,7 +112,7 @@ class IpcPush:
         self._stream2: torch.cuda.Stream | None = None
         self._sources: list[torch.Tensor] = []
         self._gather: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._rt = _ipc._cudart()
+        self._rt = _cudart()
         self.raw = self._rt is not None
         self._copier2d = PitchedCopier(self._rt)
         # Receivers on another GPU: mapped into our GPU's context (open()) unless map_peers is off.
@@ -186,15 +187,15 @@ class IpcPush:
         self.cross_gpu = foreign if cross_gpu is None else cross_gpu
         self.pitched = "memcpy2d" if foreign else "kernel"
         self._key = None
-        self._stream = torch.cuda.Stream(self.device)
-        self._stream2 = torch.cuda.Stream(self.device)
+        self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
+        self._stream2 = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
 
     def signal_blob(self) -> bytes:
         """Sender: make the interprocess CUDA event that ``issue()`` records after every copy
         and export its handle (JSON: its GPU and the handle) for the receivers to open once."""
         with torch.cuda.device(self.device):
-            self.done_event = torch.cuda.Event(interprocess=True)
-            handle = bytes(self.done_event.ipc_handle())
+            self.done_event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
+            handle = bytes(self.done_event.ipc_handle())  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         return json.dumps(
             {
                 "uuid": _ipc._uuid(self.device.index),
@@ -211,9 +212,9 @@ class IpcPush:
             if "error" in d:
                 raise RuntimeError(f"rank {r} could not export its done event: {d['error']}")
             dev = torch.device("cuda", _ipc.local_index_of(str(d.get("uuid", "")), int(d["device"])))
-            events[r] = torch.cuda.Event.from_ipc_handle(dev, base64.b64decode(d["handle"]))
+            events[r] = torch.cuda.Event.from_ipc_handle(dev, base64.b64decode(d["handle"]))  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             if dev.index != _index(self.device):
-                self._bridges[r] = torch.cuda.Stream(dev)
+                self._bridges[r] = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         self.sender_events = events
         self.cross_gpu = bool(self._bridges)
 
@@ -232,7 +233,7 @@ class IpcPush:
                 stream.wait_event(ev)
                 continue
             side.wait_event(ev)
-            plain = torch.cuda.Event()
+            plain = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             plain.record(side)
             stream.wait_event(plain)
 
@@ -250,7 +251,7 @@ class IpcPush:
             self._mapping = None
         if had:
             with contextlib.suppress(Exception):
-                torch.cuda.ipc_collect()
+                torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
 
     # -- each refit
 
@@ -262,11 +263,12 @@ class IpcPush:
     @property
     def bytes_issued(self) -> int:
         """Sender: bytes its copies write per refit."""
-        return (
+        issued: int = (
             sum(w * h for _, _, _, _, w, h in self._copies)
             + sum(r[2] for r in self._runs)
             + sum(d.numel() * d.element_size() for d, _ in self._slow)
         )
+        return issued
 
     def _plan(self, tensors: Mapping[str, torch.Tensor]) -> None:
         key = [(t.data_ptr(), t.stride()) for t in tensors.values()] + [self.pitched]
@@ -325,7 +327,7 @@ class IpcPush:
         s.wait_stream(cur)  # read the weights after whatever wrote them
         marks: list[torch.cuda.Event] = []
         if self.timing:
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         other = bool(self._slow or self._copies)
         if other:
             s2.wait_stream(cur)
@@ -342,7 +344,7 @@ class IpcPush:
             marks[2].record(s)
             marks[3].record(s)
         self._events = marks
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         ev.record(s)
         if self.done_event is not None:
             self.done_event.record(s)

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -236,24 +237,24 @@ class Layout:
             if len(f.parts) < 1:
                 raise LayoutError(f"fused {local!r}: no parts")
             for part in f.parts:
-                p = self.params.get(part)
-                if p is None:
+                q = self.params.get(part)
+                if q is None:
                     raise LayoutError(f"fused {local!r}: part {part!r} is not a parameter of this layout")
                 if part in owner:
                     raise LayoutError(f"fused {local!r}: part {part!r} already belongs to {owner[part]!r}")
                 owner[part] = local
                 first = self.params[f.parts[0]]
-                if p.dtype != first.dtype or len(p.shape) != len(first.shape) or not 0 <= f.dim < len(p.shape):
+                if q.dtype != first.dtype or len(q.shape) != len(first.shape) or not 0 <= f.dim < len(q.shape):
                     raise LayoutError(
-                        f"fused {local!r}: part {part!r} ({p.dtype}, {len(p.shape)} dims) cannot be "
+                        f"fused {local!r}: part {part!r} ({q.dtype}, {len(q.shape)} dims) cannot be "
                         f"concatenated with {f.parts[0]!r} along dim {f.dim}"
                     )
-                if _holding(p.placements) != _holding(first.placements):
+                if _holding(q.placements) != _holding(first.placements):
                     raise LayoutError(f"fused {local!r}: part {part!r} is held by other ranks than {f.parts[0]!r}")
 
     # -- the wire format
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "mesh": {"dims": list(self.mesh.dims), "sizes": list(self.mesh.sizes), "ranks": list(self.mesh.ranks)},
             "params": {
@@ -277,7 +278,7 @@ class Layout:
         return self._json
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> Layout:
+    def from_dict(cls, d: Mapping[str, Any]) -> Layout:
         try:
             m = d["mesh"]
             mesh = Mesh(tuple(m["dims"]), tuple(int(s) for s in m["sizes"]), tuple(int(r) for r in m["ranks"]))
@@ -361,7 +362,7 @@ class Layout:
         return LocalTensor(local, tuple(shape), self.params[f.parts[0]].dtype, tuple(parts), f.dim)
 
 
-def _holding(placements: Sequence[Placement]) -> tuple:
+def _holding(placements: Sequence[Placement]) -> tuple[Only | None, ...]:
     return tuple(pl if isinstance(pl, Only) else None for pl in placements)
 
 

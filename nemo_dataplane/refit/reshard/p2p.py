@@ -22,13 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup, Work
 from nemo_dataplane.refit.copies import copy_all
 from nemo_dataplane.refit.protocol import dtype_from_name
 from nemo_dataplane.refit.reshard.layout import LocalTensor
-from nemo_dataplane.refit.reshard.plan import Entry, Message
+from nemo_dataplane.refit.reshard.plan import Message
 
 __all__ = ["Exchange"]
+
+# Per round, from Exchange._view_plan(): the packed messages as (peer, wire: the message's bytes
+# of the round's buffer, its slot views, the tensor views they pack), and the direct ones as
+# (peer, tensor view).
+_Packed = tuple[int, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
+_RoundViews = tuple[list[_Packed], list[tuple[int, torch.Tensor]]]
 
 # Messages of one round sit back to back in its buffer, each starting at a multiple of this (the
 # largest itemsize), so every slot can be viewed as its dtype; the wire carries no padding.
@@ -83,8 +89,8 @@ class Exchange:
         self.buffer_sizes = sizes
         self.peers = sorted({(m.dst if sender else m.src) for msgs in rounds for m in msgs})
         self._bufs: list[torch.Tensor] | None = None
-        self._views_key: list | None = None
-        self._views: list | None = None
+        self._views_key: list[tuple[int, tuple[int, ...]]] | None = None
+        self._views: list[_RoundViews] | None = None
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.bytes_moved = 0
 
@@ -106,19 +112,20 @@ class Exchange:
             self._views = None
         return self._bufs
 
-    def _view_plan(self, tensors: Mapping[str, torch.Tensor]) -> list:
+    def _view_plan(self, tensors: Mapping[str, torch.Tensor]) -> list[_RoundViews]:
         """Per round: (packed [(wire, [slot views], [tensor views])], direct [(peer, tensor view)]).
         Rebuilt only when a tensor moved (new storage or strides)."""
         key = [(t.data_ptr(), t.stride()) for t in tensors.values()]
         bufs = self._buffers()
         if self._views is not None and key == self._views_key:
             return self._views
-        out = []
+        out: list[_RoundViews] = []
         for k, rnd in enumerate(self.rounds):
             buf = bufs[k & 1]
-            packed = []
+            packed: list[_Packed] = []
             for m, base in rnd.packed:
-                slots, views = [], []
+                slots: list[torch.Tensor] = []
+                views: list[torch.Tensor] = []
                 for e in m.entries:
                     t = tensors[e.src_local if self.sender else e.dst_local]
                     region = e.src_region if self.sender else e.dst_region
@@ -127,9 +134,9 @@ class Exchange:
                     slots.append(buf[a : a + e.nbytes].view(dtype_from_name(e.dtype)).view(v.shape))
                     views.append(v)
                 packed.append(((m.dst if self.sender else m.src), buf[base : base + m.nbytes], slots, views))
-            direct = []
+            direct: list[tuple[int, torch.Tensor]] = []
             for m in rnd.direct:
-                e: Entry = m.entries[0]
+                e = m.entries[0]
                 t = tensors[e.src_local if self.sender else e.dst_local]
                 direct.append(
                     ((m.dst if self.sender else m.src), t[_slices(e.src_region if self.sender else e.dst_region)])
@@ -140,7 +147,7 @@ class Exchange:
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._streams is None:
-            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
         return self._streams
 
     # -- running
@@ -157,14 +164,14 @@ class Exchange:
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_moved += t.numel() * t.element_size()
 
-    def _send_cpu(self, views: list, watch: Callable[[], str | None]) -> None:
+    def _send_cpu(self, views: list[_RoundViews], watch: Callable[[], str | None]) -> None:
         g = self.group
-        works: dict[int, list] = {}
+        works: dict[int, list[Work]] = {}
         keep: list[torch.Tensor] = []  # contiguous copies of strided direct sources, alive until sent
         for k, (packed, direct) in enumerate(views):
             for w in works.pop(k - 2, []):
                 w.wait(watch=watch)
-            ws = []
+            ws: list[Work] = []
             for peer, wire, slots, src in packed:
                 copy_all(slots, src)
                 ws.append(g.send(wire, peer, async_op=True))
@@ -179,21 +186,23 @@ class Exchange:
             for w in ws:
                 w.wait(watch=watch)
 
-    def _recv_cpu(self, views: list, watch: Callable[[], str | None]) -> None:
+    def _recv_cpu(self, views: list[_RoundViews], watch: Callable[[], str | None]) -> None:
         g = self.group
-        pending: dict[int, tuple[list, list, list]] = {}  # round -> (works, unpack pairs, temp pairs)
+        # round -> (works, packed messages to unpack, (temporary, destination) pairs)
+        pending: dict[int, tuple[list[Work], list[_Packed], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
         def finish(j: int) -> None:
             ws, packed, temps = pending.pop(j)
             for w in ws:
                 w.wait(watch=watch)
-            for _, _, slots, dst in packed:
-                copy_all(dst, slots)
+            for _, _, slots, dsts in packed:
+                copy_all(dsts, slots)
             for tmp, dst in temps:
                 dst.copy_(tmp)
 
         for k, (packed, direct) in enumerate(views):
-            ws, temps = [], []
+            ws: list[Work] = []
+            temps: list[tuple[torch.Tensor, torch.Tensor]] = []
             for peer, wire, _, _ in packed:
                 ws.append(g.recv(wire, peer, async_op=True))
                 self._count(wire)
@@ -209,7 +218,7 @@ class Exchange:
         for j in sorted(pending):
             finish(j)
 
-    def _send_cuda(self, views: list, watch: Callable[[], str | None], what: str) -> None:
+    def _send_cuda(self, views: list[_RoundViews], watch: Callable[[], str | None], what: str) -> None:
         g = self.group
         cur = torch.cuda.current_stream(self.device)
         comm, pack = self._side_streams()
@@ -222,12 +231,13 @@ class Exchange:
             slot = k & 1
             if packed:
                 with torch.cuda.stream(pack):
-                    if free[slot] is not None:
-                        pack.wait_event(free[slot])
+                    last = free[slot]
+                    if last is not None:
+                        pack.wait_event(last)
                     copy_all(
                         [s for _, _, slots, _ in packed for s in slots], [v for _, _, _, src in packed for v in src]
                     )
-                    ready = torch.cuda.Event()
+                    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                     ready.record(pack)
                 comm.wait_event(ready)
             with torch.cuda.stream(comm):
@@ -240,7 +250,7 @@ class Exchange:
                     for peer, wire in wires:
                         g.send(wire, peer, stream=comm)
                         self._count(wire)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             done.record(comm)
             free[slot] = done
         # Later writes to the weights (optimizer step) wait for the sends reading them.
@@ -248,7 +258,7 @@ class Exchange:
         cur.wait_stream(pack)
         g.synchronize(comm, watch=watch, what=what)
 
-    def _recv_cuda(self, views: list, watch: Callable[[], str | None], what: str) -> None:
+    def _recv_cuda(self, views: list[_RoundViews], watch: Callable[[], str | None], what: str) -> None:
         g = self.group
         cur = torch.cuda.current_stream(self.device)
         comm, unpack = self._side_streams()
@@ -258,9 +268,10 @@ class Exchange:
         free: list[torch.cuda.Event | None] = [None, None]  # per buffer: its last unpack done
         for k, (packed, direct) in enumerate(views):
             slot = k & 1
-            if free[slot] is not None:
-                comm.wait_event(free[slot])
-            temps = []
+            last = free[slot]
+            if last is not None:
+                comm.wait_event(last)
+            temps: list[tuple[torch.Tensor, torch.Tensor]] = []
             with torch.cuda.stream(comm):
                 with g.coalesce():
                     for peer, wire, _, _ in packed:
@@ -273,7 +284,7 @@ class Exchange:
                             temps.append((tmp, v))
                         g.recv(tmp, peer, stream=comm)
                         self._count(tmp)
-            got = torch.cuda.Event()
+            got = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
             got.record(comm)
             with torch.cuda.stream(unpack):
                 unpack.wait_event(got)
@@ -281,7 +292,7 @@ class Exchange:
                     [v for _, _, _, dst in packed for v in dst] + [v for _, v in temps],
                     [s for _, _, slots, _ in packed for s in slots] + [t for t, _ in temps],
                 )
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda: unannotated
                 done.record(unpack)
             free[slot] = done
         unpack.wait_stream(comm)

@@ -44,6 +44,12 @@ __all__ = [
 
 _CACHE_SIZE = 8
 
+# A parameter's distinct boxes on one side, each with the ranks holding it (_box_table).
+_BoxTable = tuple[tuple[Box, tuple[int, ...]], ...]
+# Per distinct receiver box (_covers): (box, its ranks, [(intersection, bytes-less volume,
+# sender ranks, their box)], fully covered, bytes-less volume).
+_Cover = tuple[Box, tuple[int, ...], tuple[tuple[Box, int, tuple[int, ...], Box], ...], bool, int]
+
 
 class ReshardPlanError(RefitMismatchError):
     """The two layouts do not fit together (a receiver parameter no sender covers, a shape or
@@ -109,7 +115,7 @@ class ReshardPlan:
     _npeers: dict[int, int] = field(default_factory=dict, repr=False)
     _messages: dict[tuple[int, int], list[Message]] = field(default_factory=dict, repr=False)
     _rounds: dict[int, list[list[Message]]] = field(default_factory=dict, repr=False)
-    _sides: tuple = field(default=(), repr=False)
+    _sides: tuple[_Side, ...] = field(default=(), repr=False)  # (sender's, receiver's) once planned
 
     @property
     def senders(self) -> tuple[int, ...]:
@@ -179,9 +185,7 @@ class ReshardPlan:
 
 
 @lru_cache(maxsize=4096)
-def _box_table(
-    mesh: Mesh, shape: tuple[int, ...], placements: tuple[Placement, ...]
-) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+def _box_table(mesh: Mesh, shape: tuple[int, ...], placements: tuple[Placement, ...]) -> _BoxTable:
     """Distinct boxes of a parameter and the ranks holding each, in mesh order."""
     groups: dict[Box, list[int]] = {}
     for rank in mesh.ranks:
@@ -209,13 +213,13 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 
 @lru_cache(maxsize=4096)
-def _covers(src_table: tuple, dst_table: tuple) -> tuple:
+def _covers(src_table: _BoxTable, dst_table: _BoxTable) -> tuple[_Cover, ...]:
     """Per distinct receiver box: (box, its ranks, [(intersection, bytes-less volume, sender
     ranks, their boxes)], fully covered)."""
-    out = []
+    out: list[_Cover] = []
     for db, dranks in dst_table:
         vol = _volume(db)
-        cov = []
+        cov: list[tuple[Box, int, tuple[int, ...], Box]] = []
         got = 0
         for sb, sranks in src_table:
             inter = _intersect(db, sb)

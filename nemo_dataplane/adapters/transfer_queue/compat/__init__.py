@@ -72,6 +72,9 @@ The quirks:
    object again from a row's address and map it themselves (:func:`read_columns`).
 """
 
+from transfer_queue.metadata import BatchMeta
+from transfer_queue.storage import StorageKeyNotFoundError
+
 from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
     base_config,
     create_controller,
@@ -99,9 +102,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.common import (
     quiet_logs,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.reads import (
-    BatchMeta,
     Column,
-    StorageKeyNotFoundError,
     column_from_rows,
     get_rows,
     read_columns,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from importlib import resources
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import ray
 from omegaconf import DictConfig, OmegaConf
@@ -25,7 +26,9 @@ def base_config(num_storage_units: int) -> DictConfig:
     clients (``tq.init()`` in another process) can attach to a store we created.
     """
     conf = OmegaConf.create({}, flags={"allow_objects": True})
-    conf = OmegaConf.merge(conf, OmegaConf.load(resources.files("transfer_queue") / "config.yaml"))
+    # An installed package's files are on disk: files() gives a Path, which OmegaConf.load opens.
+    defaults = OmegaConf.load(cast(Path, resources.files("transfer_queue") / "config.yaml"))
+    conf = cast(DictConfig, OmegaConf.merge(conf, defaults))  # a mapping merged into a DictConfig
     conf.backend.storage_backend = BACKEND
     conf.backend[BACKEND].num_data_storage_units = int(num_storage_units)
     # What create_controller starts, recorded so attaching clients know claims work (quirk 8).
@@ -46,12 +49,13 @@ def _actor_options(quiet: bool) -> dict[str, Any]:
 def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
     mode with :class:`ClaimSampler` (quirk 8). Pass ``quiet`` again to :func:`server_info`."""
+    # ray.remote turns the class into an ActorClass; TransferQueue's annotations don't say so.
     return TransferQueueController.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
         num_cpus=num_cpus,
         **_actor_options(quiet),
-    ).remote(sampler=ClaimSampler(), polling_mode=True)
+    ).remote(sampler=ClaimSampler(), polling_mode=True)  # type: ignore[no-untyped-call]  # TQ's sampler __init__
 
 
 def create_storage_units(
@@ -69,7 +73,8 @@ def create_storage_units(
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    unit_conf = dict(OmegaConf.to_container(conf.backend[BACKEND], resolve=True))  # type: ignore[arg-type]
+    # A DictConfig node converts to a dict.
+    unit_conf = dict(cast("dict[str, Any]", OmegaConf.to_container(conf.backend[BACKEND], resolve=True)))
     unit_conf["_run_id"] = os.urandom(8).hex()
     handles: dict[str, Any] = {}
     for rank in range(int(unit_conf["num_data_storage_units"])):
@@ -79,7 +84,7 @@ def create_storage_units(
             if node_ids
             else {}
         )
-        handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]
+        handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]  # a ray.remote class, as above
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,

@@ -45,10 +45,11 @@ class ClaimSampler(SequentialSampler):
         ready = set(ready_indexes)
         if nd_mark_keys is not None:
             mapping = partition.keys_mapping
-            picked = [gi for gi in (mapping.get(k) for k in nd_mark_keys) if gi is not None and gi in ready]
-            return picked, picked
+            marked: list[int] = [gi for gi in (mapping.get(k) for k in nd_mark_keys) if gi is not None and gi in ready]
+            return marked, marked
         # keys_mapping is a dict: insertion order of keys, and a key cleared and put again is
         # re-inserted at the end, so this is production order regardless of index reuse.
+        assert nd_take is not None  # the first check: nd_take or nd_mark_keys is set, and not nd_mark_keys
         picked: list[int] = []
         for gi in partition.keys_mapping.values():
             if gi in ready:
@@ -78,7 +79,7 @@ async def claim_rows(
 ) -> BatchMeta:
     """Claim up to ``take`` produced, unclaimed rows for ``task`` if ``min_rows`` are ready: one
     fetch request, so the controller picks and marks them atomically. Empty when too few."""
-    return await client.async_get_meta(
+    meta: BatchMeta = await client.async_get_meta(
         data_fields=fields,
         batch_size=min_rows,  # the controller's own gate (polling mode: empty below it)
         partition_id=partition_id,
@@ -86,12 +87,13 @@ async def claim_rows(
         task_name=task,
         sampling_config={"nd_take": take, "nd_min": min_rows},
     )
+    return meta
 
 
 async def mark_rows(client: AsyncTransferQueueClient, partition_id: str, task: str, keys: list[str]) -> int:
     """Mark ``keys`` consumed by ``task`` (absent or already consumed ones are skipped); returns
     how many were marked. No fields asked: every unconsumed row passes the controller's scan."""
-    meta = await client.async_get_meta(
+    meta: BatchMeta = await client.async_get_meta(
         data_fields=[],
         batch_size=1,
         partition_id=partition_id,
@@ -102,7 +104,7 @@ async def mark_rows(client: AsyncTransferQueueClient, partition_id: str, task: s
     return meta.size
 
 
-@with_controller_socket
+@with_controller_socket  # type: ignore[untyped-decorator]  # transfer_queue's decorator is unannotated
 async def keys_of(
     client: AsyncTransferQueueClient, partition_id: str, global_indexes: list[int], socket: Any = None
 ) -> list[str | None]:

@@ -7,7 +7,7 @@ import asyncio
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -31,7 +31,7 @@ async def get_rows(
     Raises:
         StorageKeyNotFoundError: a key was cleared between lookup and read.
     """
-    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    sm = cast(AsyncSimpleStorageManager, client.storage_manager)  # our stores' backend is SimpleStorage
     routing = sm._group_by_hash(meta.global_indexes)
     groups = list(routing.items())
     results = await asyncio.gather(
@@ -172,7 +172,7 @@ async def read_columns(
     Raises:
         StorageKeyNotFoundError: a key was cleared between lookup and read.
     """
-    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    sm = cast(AsyncSimpleStorageManager, client.storage_manager)  # our stores' backend is SimpleStorage
     groups = list(sm._group_by_hash(meta.global_indexes).items())
     if any(su not in units for su, _ in groups):
         return None
@@ -242,7 +242,8 @@ def _merge_stacked(fields: list[str], groups: list[Any], replies: list[Any]) -> 
         else:
             rag = [c.ragged() for c in cols]
             try:
-                merged = Column(torch.cat([c.values for c in rag], 0), torch.cat([c.lengths for c in rag]))  # type: ignore[misc]
+                lengths = cast("list[torch.Tensor]", [c.lengths for c in rag])  # ragged(): none is None
+                merged = Column(torch.cat([c.values for c in rag], 0), torch.cat(lengths))
             except RuntimeError:
                 raise ValueError(f"field {f!r}: rows cannot form one tensor") from None
         positions = torch.tensor([p for _, g in groups for p in g.batch_positions], dtype=torch.int64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -27,7 +27,9 @@ UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (local, or one
 # .reads, _node_of in .bootstrap) travel by reference (pickled as their module path, ~20 us),
 # so the units' nodes must be able to import nemo_dataplane, as every worker node already must.
 # Shipping them by value instead costs ~1 ms of cloudpickle per call.
-def _storage_side_split(field_data: dict[str, Any], spec: dict[str, tuple[list[int], tuple[int, ...]]]) -> dict:
+def _storage_side_split(
+    field_data: dict[str, Any], spec: dict[str, tuple[list[int], tuple[int, ...]]]
+) -> dict[str, Any]:
     """Runs inside a storage unit as a ``data_parser``: cut each packed jagged field into rows.
 
     ``field_data[name]`` arrives as one ``[rows, C]`` tensor holding the flat values (zero-padded
@@ -43,7 +45,7 @@ def _storage_side_split(field_data: dict[str, Any], spec: dict[str, tuple[list[i
 def _jagged_group(t: torch.Tensor, positions: list[int], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat values and int64 row lengths of the rows of jagged ``t`` at ``positions``."""
     values = t.values()
-    offsets = t.offsets()
+    offsets = t.offsets()  # type: ignore[attr-defined]  # torch's Tensor stub lacks the NJT accessor
     lengths = offsets.diff()
     if len(positions) == n_rows and positions == list(range(n_rows)):
         start = int(offsets[0])
@@ -94,7 +96,8 @@ def field_schema(n: int, columns: Mapping[str, torch.Tensor], jagged: set[str]) 
         schema.update(extract_field_schema(TensorDict(dense, batch_size=[n])))
     for name in jagged:
         t = columns[name]
-        schema[name] = _jagged_schema(t.dtype, t.offsets().diff(), tuple(t.values().shape[1:]))
+        offsets = t.offsets()  # type: ignore[attr-defined]  # torch's Tensor stub lacks the NJT accessor
+        schema[name] = _jagged_schema(t.dtype, offsets.diff(), tuple(t.values().shape[1:]))
     return schema
 
 
@@ -117,7 +120,7 @@ async def put_rows(
     The rows are not yet produced: pass the returned field schema (the one TransferQueue would
     record) to :func:`mark_produced` once the keys' tags are stored (quirk 10).
     """
-    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    sm = cast(AsyncSimpleStorageManager, client.storage_manager)  # our stores' backend is SimpleStorage
     n = meta.size
     routing = sm._group_by_hash(meta.global_indexes)
     if units and all(su in units for su in routing):
@@ -185,18 +188,18 @@ async def _write_through_objects(
 
 def _take_positions(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
     if t.is_nested:
-        return take_rows(t.values(), t.offsets(), positions, copy=False)
+        return take_rows(t.values(), t.offsets(), positions, copy=False)  # type: ignore[attr-defined]  # NJT
     return take_rows(t, None, positions, copy=False)
 
 
 async def mark_produced(client: AsyncTransferQueueClient, meta: BatchMeta, schema: dict[str, dict[str, Any]]) -> None:
     """Tell the controller ``meta``'s rows now hold the fields of ``schema`` (from :func:`put_rows`)."""
-    sm: AsyncSimpleStorageManager = client.storage_manager  # type: ignore[assignment]
+    sm = cast(AsyncSimpleStorageManager, client.storage_manager)  # our stores' backend is SimpleStorage
     # Schema rows must follow meta.global_indexes order, which is the column order of the put.
     await sm.notify_data_update(meta.partition_ids[0], meta.global_indexes, schema)
 
 
-@with_controller_socket
+@with_controller_socket  # type: ignore[untyped-decorator]  # transfer_queue's decorator is unannotated
 async def set_tags(
     client: AsyncTransferQueueClient,
     partition_id: str,

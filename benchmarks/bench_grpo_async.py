@@ -51,8 +51,15 @@ def run(module: str, config: Path, overrides: list[str], out_dir: Path, timeout:
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     )
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", f"algorithms.{module}", "--config", str(config), *overrides,
-           f"logging.output_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"algorithms.{module}",
+        "--config",
+        str(config),
+        *overrides,
+        f"logging.output_dir={out_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{module} failed:\n{proc.stderr[-4000:]}")
@@ -98,15 +105,26 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     common = [
-        f"trainer.steps={args.steps}", "trainer.val_every=0", "checkpoint.every=0", "logging.progress=false",
-        "logging.plot=false", "logging.quiet=true", "data_plane.enabled=true", *PROFILES[args.profile],
+        f"trainer.steps={args.steps}",
+        "trainer.val_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.quiet=true",
+        "data_plane.enabled=true",
+        *PROFILES[args.profile],
         *args.overrides,
     ]
     plan = [("sync", "grpo_sync", [])]
     for s in args.staleness:
         for v in args.variants:
-            plan.append((f"{v} s={s}", "grpo_async",
-                         [f"async.max_staleness={s}", f"async.partial_rollout={'true' if v == 'partial' else 'false'}"]))
+            plan.append(
+                (
+                    f"{v} s={s}",
+                    "grpo_async",
+                    [f"async.max_staleness={s}", f"async.partial_rollout={'true' if v == 'partial' else 'false'}"],
+                )
+            )
     results: dict[str, dict[str, Any]] = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
@@ -121,21 +139,30 @@ def main() -> int:
     for r in results.values():
         r["x_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["bound_fraction"] = r["x_sync"] / bound
-    print(f"\nbench_grpo_async: profile {args.profile}, {args.steps} steps (first {args.skip} skipped), "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; sync step G={g:.3f}s + "
-          f"T={t:.3f}s: ideal overlap bound (G+T)/max(G,T) = {bound:.2f}x")
-    print(f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'idle trn':>8s} {'idle gen':>8s} "
-          f"{'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} {'step_s':>7s}  phases")
+    print(
+        f"\nbench_grpo_async: profile {args.profile}, {args.steps} steps (first {args.skip} skipped), "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; sync step G={g:.3f}s + "
+        f"T={t:.3f}s: ideal overlap bound (G+T)/max(G,T) = {bound:.2f}x"
+    )
+    print(
+        f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'idle trn':>8s} {'idle gen':>8s} "
+        f"{'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} {'step_s':>7s}  phases"
+    )
     for name, r in results.items():
         ph = " ".join(f"{p}={v:.3f}" for p, v in r["phases_median_s"].items() if v)
-        print(f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} "
-              f"{r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} {str(r['staleness_max_hist']):>14s} "
-              f"{r['groups_dropped_stale']:5d} {r['partial_samples']:7d} {r['final_reward']:6.3f} "
-              f"{r['response_len']:8.1f} {r['step_s_median']:7.3f}  {ph}")
+        print(
+            f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} "
+            f"{r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} {str(r['staleness_max_hist']):>14s} "
+            f"{r['groups_dropped_stale']:5d} {r['partial_samples']:7d} {r['final_reward']:6.3f} "
+            f"{r['response_len']:8.1f} {r['step_s_median']:7.3f}  {ph}"
+        )
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"args": vars(args), "ideal_overlap_bound": bound, "wall_s": time.time() - t0,
-                                    "results": results}, indent=2))
+    out_path.write_text(
+        json.dumps(
+            {"args": vars(args), "ideal_overlap_bound": bound, "wall_s": time.time() - t0, "results": results}, indent=2
+        )
+    )
     print(f"\nwrote {out_path}")
     return 0
 

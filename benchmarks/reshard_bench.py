@@ -57,7 +57,8 @@ from nemo_dataplane.distributed import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
 from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
 from nemo_dataplane.refit.reshard import plan as _reshard  # noqa: E402
-from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Layout, Mesh, build_layout, layer_stages  # noqa: E402
+from nemo_dataplane.refit.reshard.layout import Layout, Mesh  # noqa: E402
+from nemo_dataplane.refit.reshard.rules import DEFAULT_FUSIONS, build_layout, layer_stages  # noqa: E402
 
 HOST = "127.0.0.1"
 PLAN_TARGET_MS = 50.0

@@ -25,14 +25,24 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from nemo_dataplane.refit.reshard import phase_durations
 from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 
 MODES = ("sender 0 alone", "sender 1 alone", "both senders, 2 processes", "both shards, 1 process")
+
+
+def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
+    """One refit's ``timings`` entry (phase -> time mark, in order) as seconds per phase, plus ``total``."""
+    out: dict[str, float] = {}
+    names = list(marks)
+    for prev, name in zip(names, names[1:]):
+        out[name] = marks[name] - marks[prev]
+    out["total"] = marks[names[-1]] - marks[names[0]]
+    return out
 
 
 def phase_table(per_rank: dict[int, list[dict[str, float]]]) -> dict[int, dict[str, tuple[float, float]]]:

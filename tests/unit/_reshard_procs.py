@@ -136,7 +136,8 @@ RESHARD_CASES: dict[str, tuple[dict[str, int], dict[str, int], bool, bool]] = {
 
 
 def reshard_layouts(case: str, *, extra_receiver_param: bool = False) -> tuple[Any, Any]:
-    from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout, layer_stages
+    from nemo_dataplane.refit.reshard.layout import Mesh
+    from nemo_dataplane.refit.reshard.rules import DEFAULT_FUSIONS, build_layout, layer_stages
 
     sdims, rdims, moe, fused = RESHARD_CASES[case]
     ns, nr = math.prod(sdims.values()), math.prod(rdims.values())

@@ -74,8 +74,9 @@ def test_ipc_push_options_come_from_arguments_not_the_environment(monkeypatch: p
     """The push's modes are options (the placement picks the pitched copies; benchmarks set
     ``order``); the environment variables that used to force them are ignored."""
     from nemo_dataplane.refit.reshard.ipc_push import ORDERS, PITCHED, IpcPush
-    from nemo_dataplane.refit.reshard.layout import Mesh, build_layout
+    from nemo_dataplane.refit.reshard.layout import Mesh
     from nemo_dataplane.refit.reshard.plan import plan_reshard
+    from nemo_dataplane.refit.reshard.rules import build_layout
 
     for name, value in (
         ("NEMO_DATAPLANE_IPC_OPEN", "torch"),

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from nemo_dataplane.refit.reshard.layout import (
-    DEFAULT_FUSIONS,
     Fused,
     Layout,
     LayoutError,
@@ -17,11 +16,9 @@ from nemo_dataplane.refit.reshard.layout import (
     ParamLayout,
     Replicate,
     Shard,
-    build_layout,
-    fuse,
-    layer_stages,
     parse_placement,
 )
+from nemo_dataplane.refit.reshard.rules import DEFAULT_FUSIONS, build_layout, fuse, layer_stages
 
 
 def _params() -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_dataplane.refit.reshard.layout import DEFAULT_FUSIONS, Mesh, build_layout
+from nemo_dataplane.refit.reshard.layout import Mesh
 from nemo_dataplane.refit.reshard.p2p import Exchange
 from nemo_dataplane.refit.reshard.plan import ReshardPlanError, plan_reshard
+from nemo_dataplane.refit.reshard.rules import DEFAULT_FUSIONS, build_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _reshard_procs as R  # noqa: E402

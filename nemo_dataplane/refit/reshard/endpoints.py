@@ -36,7 +36,7 @@ queued GPU work), ``header``, then for p2p ``exchange``; for ipc with ``done="ev
 ``issue``, ``signal`` (status posted), ``copies`` (host wait for them) on a sender, ``signal``
 (senders' statuses read, stream waits enqueued) and ``scatter`` on a receiver; with
 ``done="host"``: ``issue``, ``copies``, ``done`` (the done exchange) on a sender, ``done`` and
-``scatter`` on a receiver. ``phase_durations()`` turns one into seconds per phase.
+``scatter`` on a receiver. ``benchmarks/reshard_phases.py`` turns one into seconds per phase.
 
 ``bytes_moved`` holds what this rank sent or received in the last refit: counted at each
 send/recv (p2p), or the bytes of the copies a sender issued (ipc; a receiver reports the
@@ -82,7 +82,7 @@ from nemo_dataplane.refit.reshard.layout import Layout, LayoutError, LocalTensor
 from nemo_dataplane.refit.reshard.p2p import Exchange
 from nemo_dataplane.refit.reshard.plan import ReshardPlan, ReshardPlanError, plan_reshard
 
-__all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender", "phase_durations"]
+__all__ = ["DEFAULT_DIRECT_BYTES", "RESHARD_TRANSPORTS", "ReshardReceiver", "ReshardSender"]
 
 # Contiguous pieces at least this large go unpacked (zero-copy): fewer copies, while smaller ones
 # share a bucket (on gloo every send/recv costs a helper thread; measured: sending every
@@ -497,13 +497,3 @@ class ReshardReceiver(_ReshardEndpoint, WeightReceiver):
         stream current at the call (work queued on it afterwards runs after every copy), not
         yet on the host: synchronise that stream before reading them elsewhere."""
         return self._refit(None)
-
-
-def phase_durations(marks: Mapping[str, float]) -> dict[str, float]:
-    """One refit's ``timings`` entry as seconds per phase (in order), plus ``total``."""
-    out: dict[str, float] = {}
-    names = list(marks)
-    for prev, name in zip(names, names[1:]):
-        out[name] = marks[name] - marks[prev]
-    out["total"] = marks[names[-1]] - marks[names[0]]
-    return out

@@ -16,7 +16,8 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.config import WeightTransferConfig
 from nemo_dataplane.refit.protocol import NamedTensors, current_tensors, reusable
 from nemo_dataplane.refit.reshard.endpoints import ReshardReceiver, ReshardSender
-from nemo_dataplane.refit.reshard.layout import Mesh, build_layout
+from nemo_dataplane.refit.reshard.layout import Mesh
+from nemo_dataplane.refit.reshard.rules import build_layout
 
 __all__ = ["build_receiver", "build_sender"]
 

@@ -2,8 +2,8 @@
 the bytes it owns (docs/refit.md, section 6).
 
 ``layout.py`` describes one side's sharding (``rules.py`` builds it for common models),
-``plan.py`` computes who sends which slice to whom, ``endpoints.py`` holds ``ReshardSender`` / ``ReshardReceiver``; their transports are
-``p2p.py`` (send/recv over the group) and ``ipc_push.py`` + ``pitched.py`` (CUDA IPC copies)
+``plan.py`` computes who sends which slice to whom, ``endpoints.py`` holds ``ReshardSender`` /
+``ReshardReceiver``; their transports are ``p2p.py`` (send/recv over the group) and ``ipc_push.py`` + ``pitched.py`` (CUDA IPC copies)
 with ``ipc_control.py`` (the IPC setup and per-refit signals).
 """
 

@@ -3,8 +3,9 @@ the bytes it owns (docs/refit.md, section 6).
 
 ``layout.py`` describes one side's sharding (``rules.py`` builds it for common models),
 ``plan.py`` computes who sends which slice to whom, ``endpoints.py`` holds ``ReshardSender`` /
-``ReshardReceiver``; their transports are ``p2p.py`` (send/recv over the group) and ``ipc_push.py`` + ``pitched.py`` (CUDA IPC copies)
-with ``ipc_control.py`` (the IPC setup and per-refit signals).
+``ReshardReceiver``; their transports are ``p2p.py`` (send/recv over the group) and
+``ipc_push.py`` + ``pitched.py`` (CUDA IPC copies) with ``ipc_control.py`` (the IPC setup and
+per-refit signals).
 """
 
 from nemo_dataplane.refit.reshard.endpoints import DEFAULT_DIRECT_BYTES, ReshardReceiver, ReshardSender

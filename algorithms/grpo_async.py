@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from algorithms.cli import main as _main
 from algorithms.config import ConfigError, TrainerConfig, async_min_rows
 from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
@@ -36,7 +37,6 @@ from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer
 from algorithms.step import train_on_batch
 from algorithms.tasks import PromptIterator
 from algorithms.trainer import Trainer
-from algorithms.trainer import main as _main
 
 __all__ = ["AsyncTrainer", "main"]
 

@@ -18,7 +18,6 @@ cluster the run started is stopped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -27,7 +26,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, resolve_resume, save_driver_state, step_dir
-from algorithms.config import ConfigError, TrainerConfig, check_devices, load_config
+from algorithms.config import TrainerConfig, check_devices
 from algorithms.dispatch import make_dispatcher
 from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
 from algorithms.remote import gather
@@ -49,7 +47,7 @@ from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
 
-__all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded", "load_datasets", "main"]
+__all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded", "load_datasets"]
 
 
 def _node_id(actor: Any) -> str:
@@ -498,21 +496,3 @@ class Trainer:
             self.actors = []
             if self._ray_started:
                 ray.shutdown()
-
-
-def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
-    """CLI entry point of a trainer; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m algorithms.{trainer_cls.name}",
-        description=(trainer_cls.__doc__ or "").strip().splitlines()[0],
-    )
-    parser.add_argument("--config", help="YAML config (examples/configs/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.steps=10")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_devices(cfg, generators=trainer_cls.num_collectors(cfg))
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
-        return 2
-    return trainer_cls(cfg).run()

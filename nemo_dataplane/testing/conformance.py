@@ -31,96 +31,29 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient
-from nemo_dataplane.codec import SUPPORTED_DTYPES, is_jagged
+from nemo_dataplane.codec import SUPPORTED_DTYPES
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.testing.claim_conformance import ClaimConformance
+from nemo_dataplane.testing.fields import (
+    assert_same_field,
+    from_wire,
+    jagged,
+    random_field,
+    rows_of,
+    to_wire,
+    unique_keys,
+)
 
 __all__ = ["DataPlaneConformance", "assert_same_field", "jagged", "random_field"]
 
 
-# ------------------------------------------------------------------ helpers
-def jagged(lengths: list[int], *trailing: int, dtype: torch.dtype = torch.int64, seed: int = 0) -> torch.Tensor:
-    """A jagged nested tensor ``[len(lengths), j, *trailing]`` of reproducible random values."""
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    values = random_field((int(offsets[-1]), *trailing), dtype, seed)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-
-
-def random_field(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random bits of ``dtype`` (any bit pattern for floats, incl. NaN payloads; 0/1 for bool)."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
-    item = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (*shape, item) if shape else (item,), generator=g, dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-
-
-def assert_same_field(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-exact equality, same dtype, same layout (dense vs jagged), same shape / offsets."""
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert is_jagged(got) == is_jagged(want), f"{name}: jagged={is_jagged(got)}, put jagged={is_jagged(want)}"
-    if is_jagged(want):
-        go, wo = got.offsets(), want.offsets()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
-        assert torch.equal(go - go[0], wo - wo[0]), f"{name}: offsets"
-        gv, wv = got.values(), want.values()
-        assert gv.shape[1:] == wv.shape[1:], f"{name}: per-token shape {tuple(gv.shape[1:])} != {tuple(wv.shape[1:])}"
-        assert torch.equal(_bits(gv), _bits(wv)), f"{name}: values differ"
-    else:
-        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(_bits(got), _bits(want)), f"{name}: values differ"
-
-
-def _rows(t: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """Rows of dense or jagged ``t`` in ``order`` (test-side reference, loops are fine here)."""
-    if is_jagged(t):
-        parts = t.unbind()
-        picked = [parts[i] for i in order]
-        lengths = [p.shape[0] for p in picked]
-        offsets = torch.zeros(len(order) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        return torch.nested.nested_tensor_from_jagged(torch.cat(picked), offsets=offsets)
-    return t[torch.tensor(order, dtype=torch.int64)]
-
-
-def _keys(n: int, prefix: str = "k") -> list[str]:
-    return [f"{prefix}{i}" for i in range(n)]
-
-
-def _to_wire(td: TensorDict) -> dict[str, Any]:
-    """Jagged tensors as (values, offsets) so results cross Ray without nested pickling."""
-    fields = {k: cast(torch.Tensor, v) for k, v in td.items()}  # a batch's fields are tensors
-    return {
-        k: (
-            ("j", v.values().clone(), v.offsets().clone())  # type: ignore[attr-defined]  # torch's stub: no NJT offsets()
-            if is_jagged(v)
-            else ("d", v.clone())
-        )
-        for k, v in fields.items()
-    }
-
-
-def _from_wire(data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in data.items():
-        out[k] = torch.nested.nested_tensor_from_jagged(v[1], offsets=v[2]) if v[0] == "j" else v[1]
-    return out
-
-
-# ------------------------------------------------------------------ the suite
 class DataPlaneConformance(ClaimConformance):
     """Contract tests for a :class:`DataPlaneClient`; subclass and provide ``client``."""
 
@@ -147,7 +80,7 @@ class DataPlaneConformance(ClaimConformance):
             fields[f"dense_{tag}"] = random_field((n, 3), dtype, seed=i)
             fields[f"scalar_{tag}"] = random_field((n,), dtype, seed=100 + i)
             fields[f"jagged_{tag}"] = jagged([2, 0, 5, 1, 3], dtype=dtype, seed=200 + i)
-        meta = client.kv_batch_put(_keys(n), pid, fields)
+        meta = client.kv_batch_put(unique_keys(n), pid, fields)
         assert set(meta.fields or ()) == set(fields)
         out = client.kv_batch_get(meta, list(fields))
         assert set(out.keys()) == set(fields)
@@ -163,7 +96,7 @@ class DataPlaneConformance(ClaimConformance):
             "dense3d": random_field((n, 2, 3), torch.float32, seed=3),
             "reward": random_field((n,), torch.float32, seed=4),
         }
-        meta = client.kv_batch_put(_keys(n), pid, fields)
+        meta = client.kv_batch_put(unique_keys(n), pid, fields)
         out = client.kv_batch_get(meta, list(fields))
         for name, want in fields.items():
             assert_same_field(name, out[name], want)
@@ -172,18 +105,18 @@ class DataPlaneConformance(ClaimConformance):
     def test_rows_come_back_in_the_order_asked(self, client: DataPlaneClient, pid: str) -> None:
         n = 8
         fields = {"ids": jagged([1, 2, 3, 4, 5, 6, 7, 8]), "x": torch.arange(n * 2, dtype=torch.float32).view(n, 2)}
-        meta = client.kv_batch_put(_keys(n), pid, fields)
+        meta = client.kv_batch_put(unique_keys(n), pid, fields)
         order = [5, 2, 7, 0, 3, 6, 1, 4]
         out = client.kv_batch_get(meta.reorder(order), ["ids", "x"])
-        assert_same_field("ids", out["ids"], _rows(fields["ids"], order))
-        assert_same_field("x", out["x"], _rows(fields["x"], order))
+        assert_same_field("ids", out["ids"], rows_of(fields["ids"], order))
+        assert_same_field("x", out["x"], rows_of(fields["x"], order))
         by_keys = client.kv_batch_get([f"k{i}" for i in order], ["x"], partition_id=pid)
         assert torch.equal(by_keys["x"], fields["x"][order])
 
     def test_partial_field_selection_returns_only_those_fields(self, client: DataPlaneClient, pid: str) -> None:
         n = 3
         fields = {"a": torch.ones(n, 2), "b": torch.zeros(n, 4, dtype=torch.int32), "c": jagged([1, 2, 3])}
-        meta = client.kv_batch_put(_keys(n), pid, fields)
+        meta = client.kv_batch_put(unique_keys(n), pid, fields)
         out = client.kv_batch_get(meta, ["c", "a"])
         assert set(out.keys()) == {"a", "c"}
         assert_same_field("a", out["a"], fields["a"])
@@ -192,13 +125,13 @@ class DataPlaneConformance(ClaimConformance):
     def test_get_subset_of_keys(self, client: DataPlaneClient, pid: str) -> None:
         n = 6
         x = torch.arange(n, dtype=torch.int64)
-        meta = client.kv_batch_put(_keys(n), pid, {"x": x})
+        meta = client.kv_batch_put(unique_keys(n), pid, {"x": x})
         out = client.kv_batch_get(meta.subset([4, 1]), ["x"])
         assert out["x"].tolist() == [4, 1]
 
     # --------------------------------------------------------- tags & upsert
     def test_tags_round_trip_and_merge_on_upsert(self, client: DataPlaneClient, pid: str) -> None:
-        keys = _keys(3)
+        keys = unique_keys(3)
         meta = client.kv_batch_put(keys, pid, {"x": torch.zeros(3)}, tags=[{"len": i, "src": "gen"} for i in range(3)])
         assert [t["len"] for t in meta.tags] == [0, 1, 2]
         meta2 = client.kv_batch_put(keys[:2], pid, None, tags=[{"score": 0.5}, {"len": 9}])
@@ -213,7 +146,7 @@ class DataPlaneConformance(ClaimConformance):
         assert meta2.fields is not None and "x" in meta2.fields
 
     def test_upsert_of_some_fields_keeps_the_others(self, client: DataPlaneClient, pid: str) -> None:
-        keys = _keys(3)
+        keys = unique_keys(3)
         client.kv_batch_put(keys, pid, {"a": torch.zeros(3, 2), "b": jagged([1, 2, 3])})
         meta = client.kv_batch_put(keys[1:], pid, {"a": torch.ones(2, 2)})
         assert set(meta.fields or ()) == {"a", "b"}
@@ -337,21 +270,22 @@ class DataPlaneConformance(ClaimConformance):
 
     def test_mismatched_batch_size_names_the_field(self, client: DataPlaneClient, pid: str) -> None:
         with pytest.raises(ValueError, match="'short'"):
-            client.kv_batch_put(_keys(3), pid, {"ok": torch.zeros(3), "short": torch.zeros(2, 4)})
+            client.kv_batch_put(unique_keys(3), pid, {"ok": torch.zeros(3), "short": torch.zeros(2, 4)})
         with pytest.raises(ValueError, match="'jag'"):
-            client.kv_batch_put(_keys(3), pid, {"jag": jagged([1, 2])})
+            client.kv_batch_put(unique_keys(3), pid, {"jag": jagged([1, 2])})
         with pytest.raises(ValueError):
-            client.kv_batch_put(_keys(2), pid, {"x": torch.zeros(2)}, tags=[{}])
+            client.kv_batch_put(unique_keys(2), pid, {"x": torch.zeros(2)}, tags=[{}])
         assert client.kv_list(pid).keys == ()  # nothing half-written
 
     def test_bad_types_raise_type_error_naming_the_field(self, client: DataPlaneClient, pid: str) -> None:
         with pytest.raises(TypeError, match="'cplx'"):
-            client.kv_batch_put(_keys(2), pid, {"ok": torch.zeros(2), "cplx": torch.zeros(2, dtype=torch.complex64)})
+            bad = {"ok": torch.zeros(2), "cplx": torch.zeros(2, dtype=torch.complex64)}
+            client.kv_batch_put(unique_keys(2), pid, bad)
         with pytest.raises(TypeError, match="'text'"):
             not_tensors: dict[str, Any] = {"text": ["a", "b"]}  # deliberately not tensors
-            client.kv_batch_put(_keys(2), pid, not_tensors)
+            client.kv_batch_put(unique_keys(2), pid, not_tensors)
         with pytest.raises(TypeError, match="'u16'"):
-            client.kv_batch_put(_keys(2), pid, {"u16": torch.zeros(2, dtype=torch.uint16)})
+            client.kv_batch_put(unique_keys(2), pid, {"u16": torch.zeros(2, dtype=torch.uint16)})
         assert client.kv_list(pid).keys == ()
 
     def test_argument_errors(self, client: DataPlaneClient, pid: str) -> None:
@@ -377,7 +311,7 @@ class DataPlaneConformance(ClaimConformance):
             metas = await asyncio.gather(
                 *(
                     client.async_kv_batch_put(
-                        _keys(4, f"p{i}_"),
+                        unique_keys(4, f"p{i}_"),
                         p,
                         {"x": torch.full((4, 2), float(i)), "ids": jagged([1, 2, 3, i])},
                         tags=[{"i": i}] * 4,
@@ -400,7 +334,7 @@ class DataPlaneConformance(ClaimConformance):
             assert meta.partition_id == parts[i]
             assert torch.equal(out["x"], torch.full((4, 2), float(i)))
             assert_same_field("ids", out["ids"], jagged([1, 2, 3, i]))
-            assert listed.keys == tuple(_keys(4, f"p{i}_")) and listed.tags[0] == {"i": i}
+            assert listed.keys == tuple(unique_keys(4, f"p{i}_")) and listed.tags[0] == {"i": i}
             assert gone.keys == ()
 
     # ---------------------------------------------------------- cross-process
@@ -417,15 +351,15 @@ class DataPlaneConformance(ClaimConformance):
         try:
             fields = {"ids": jagged([3, 1, 4]), "logp": random_field((3, 4), torch.float32, seed=7)}
             meta = ray.get(
-                writer.put.remote(_keys(3), pid, _to_wire(TensorDict(fields, batch_size=[3])), [{"w": 1}] * 3),
+                writer.put.remote(unique_keys(3), pid, to_wire(TensorDict(fields, batch_size=[3])), [{"w": 1}] * 3),
                 timeout=120,
             )
-            assert meta.keys == tuple(_keys(3)) and meta.tags[0] == {"w": 1}
-            got = _from_wire(ray.get(reader.get.remote(meta.reorder([2, 0, 1]), ["ids", "logp"]), timeout=120))
-            assert_same_field("ids", got["ids"], _rows(fields["ids"], [2, 0, 1]))
+            assert meta.keys == tuple(unique_keys(3)) and meta.tags[0] == {"w": 1}
+            got = from_wire(ray.get(reader.get.remote(meta.reorder([2, 0, 1]), ["ids", "logp"]), timeout=120))
+            assert_same_field("ids", got["ids"], rows_of(fields["ids"], [2, 0, 1]))
             assert_same_field("logp", got["logp"], fields["logp"][[2, 0, 1]])
             # and the driver-side client sees the same store, the partition included
-            assert client.kv_list(pid).keys == tuple(_keys(3))
+            assert client.kv_list(pid).keys == tuple(unique_keys(3))
             assert pid in client.kv_partitions()
         finally:
             # Both actors are killed even when a close fails or times out.
@@ -447,7 +381,7 @@ class DataPlaneConformance(ClaimConformance):
         try:
             ray.get([p.ping.remote() for p in peers], timeout=120)  # both attached before racing
             n = 60
-            client.kv_batch_put(_keys(n), pid, {"x": torch.arange(n)})
+            client.kv_batch_put(unique_keys(n), pid, {"x": torch.arange(n)})
             remote = [p.claim_all.remote(pid, "t", ["x"], 2) for p in peers]
             local: list[str] = []
             while got := client.kv_claim(pid, "t", ["x"], 2, 0).keys:
@@ -476,10 +410,10 @@ def _peer_cls() -> Any:
             self.client = build_data_plane_client(cfg, bootstrap=False)
 
         def put(self, keys: list[str], pid: str, wire: dict[str, Any], tags: list[dict[str, Any]]) -> KVBatchMeta:
-            return self.client.kv_batch_put(keys, pid, _from_wire(wire), tags)
+            return self.client.kv_batch_put(keys, pid, from_wire(wire), tags)
 
         def get(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
-            return _to_wire(self.client.kv_batch_get(meta, fields))
+            return to_wire(self.client.kv_batch_get(meta, fields))
 
         def ping(self) -> bool:
             return True

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from nemo_dataplane.factory import build_data_plane_client  # noqa: E402
-from nemo_dataplane.testing.conformance import _from_wire, _to_wire, assert_same_field, jagged, random_field  # noqa: E402
+from nemo_dataplane.testing.fields import assert_same_field, from_wire, jagged, random_field, to_wire  # noqa: E402
 
 TIMEOUT_S = 120
 STORE_MB = 150
@@ -64,17 +64,17 @@ class Peer:
         return self.client.flush() if hasattr(self.client, "flush") else 0
 
     def get(self, meta: Any, fields: list[str]) -> dict[str, Any]:
-        return _to_wire(self.client.kv_batch_get(meta, fields))
+        return to_wire(self.client.kv_batch_get(meta, fields))
 
     def tq_get(self, keys: list[str], pid: str, fields: list[str]) -> dict[str, Any]:
         import transfer_queue as tq
 
         tq.init()  # attaches to the running controller; never tq.close() (it would kill it)
-        return _to_wire(tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
+        return to_wire(tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
 
 
 def compare(got_wire: dict[str, Any], order: list[int], n: int) -> list[str]:
-    want, got = batch(n), _from_wire(got_wire)
+    want, got = batch(n), from_wire(got_wire)
     errors = []
     for name, t in want.items():
         if name not in got:

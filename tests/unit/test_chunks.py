@@ -12,7 +12,7 @@ from nemo_dataplane.adapters.chunks import assemble, bundles, decode, encode, ro
 from nemo_dataplane.adapters.locate import MAX_RUNS, where_of
 from nemo_dataplane.codec import SUPPORTED_DTYPES
 from nemo_dataplane.rows import concat_rows, take_rows
-from nemo_dataplane.testing.conformance import assert_same_field, jagged, random_field
+from nemo_dataplane.testing.fields import assert_same_field, jagged, random_field
 
 
 def _reference(parts: list[torch.Tensor], picks: list[tuple[int, int]]) -> torch.Tensor:

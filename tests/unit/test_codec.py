@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane import codec
-from nemo_dataplane.testing.conformance import jagged
+from nemo_dataplane.testing.fields import jagged
 
 
 def test_normalize_accepts_dicts_and_tensordicts_without_copying() -> None:

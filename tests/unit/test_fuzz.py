@@ -23,7 +23,7 @@ from nemo_dataplane.codec import DTYPE_CODES
 from nemo_dataplane.config import ConfigError, PackingConfig, config_key
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
 from nemo_dataplane.meta import KVBatchMeta, MissingKeysError
-from nemo_dataplane.testing.conformance import assert_same_field, random_field
+from nemo_dataplane.testing.fields import assert_same_field, random_field
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.testing.conformance import jagged
+from nemo_dataplane.testing.fields import jagged
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 
 

@@ -20,7 +20,7 @@ from nemo_dataplane.adapters.ray_store.client import RayStoreClient
 from nemo_dataplane.client import DataPlaneError
 from nemo_dataplane.config import RayStoreConfig
 from nemo_dataplane.factory import build_data_plane_client
-from nemo_dataplane.testing.conformance import assert_same_field, jagged, random_field
+from nemo_dataplane.testing.fields import assert_same_field, jagged, random_field
 
 
 @pytest.fixture

@@ -286,8 +286,8 @@ def test_a_gloo_refit_with_a_cuda_end_is_refused_at_load_naming_the_device_key()
 def test_the_cli_refuses_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
     import ray
 
+    from algorithms.cli import main
     from algorithms.grpo_async import AsyncTrainer
-    from algorithms.trainer import main
 
     # Another test of the session may have left Ray up in this process; what matters is that the
     # refusal changes nothing (when it was down, it stays down: nothing started it).

@@ -23,7 +23,7 @@ from nemo_dataplane.adapters.transfer_queue import compat as tq_compat
 from nemo_dataplane.adapters.transfer_queue.client import LAYOUT_TAG, TransferQueueClient, auto_storage_units
 from nemo_dataplane.client import ClaimsNotSupported, ClaimStatus, DataPlaneError
 from nemo_dataplane.config import TransferQueueConfig
-from nemo_dataplane.testing.conformance import assert_same_field, jagged
+from nemo_dataplane.testing.fields import assert_same_field, jagged
 
 REPO = Path(__file__).resolve().parents[2]
 

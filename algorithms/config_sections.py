@@ -1,0 +1,326 @@
+"""The trainer config's sections: one frozen dataclass per YAML section, each default stated once
+and each range check beside it (``__post_init__``; :func:`nemo_dataplane.config.build_config`
+names the dotted key). :class:`algorithms.config.TrainerConfig` assembles them and checks what
+spans sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nemo_dataplane.config import FieldError, require_positive
+
+__all__ = [
+    "AsyncConfig",
+    "CheckpointConfig",
+    "DebugConfig",
+    "GRPOConfig",
+    "GenerationConfig",
+    "LoggingConfig",
+    "PolicyConfig",
+    "RayConfig",
+    "RefitConfig",
+    "TaskConfig",
+    "TrainerSection",
+    "VLLMEngineConfig",
+]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The trained model and its optimizer.
+
+    ``model`` is passed to ``algorithms.models.build_model``: either ``{"arch", "hf_config",
+    "seed"}`` (random init from a transformers config, nothing downloaded) or ``{"path": dir}``
+    (a local Hugging Face directory with config.json + safetensors).
+    """
+
+    model: Mapping[str, Any] = field(default_factory=dict)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    device: Literal["cpu", "cuda"] = "cpu"
+    dist_backend: Literal["gloo", "nccl"] = "gloo"  # gradient all-reduce among policy ranks
+    # torch: the HF model as built; megatron: Megatron-core GPT (local spec) converted from it
+    # (extra `megatron`, CUDA only; docs/megatron.md).
+    backend: Literal["torch", "megatron"] = "torch"
+    # megatron only: ranks per model replica; the trainer starts trainer.dp_size * this many ranks.
+    tensor_parallel_size: int = 1
+    # GPUs Ray gives each policy rank (cuda); None: all ranks share one GPU (1 / ranks each).
+    gpus_per_rank: float | None = None
+
+    def __post_init__(self) -> None:
+        require_positive(self, "lr", "tensor_parallel_size", "gpus_per_rank")
+        require_positive(self, "max_grad_norm", allow_zero=True)
+        if self.gpus_per_rank is not None and self.gpus_per_rank > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
+            raise FieldError("gpus_per_rank", f"={self.gpus_per_rank}: above 1 it must be whole")
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """vLLM engine settings (``generation.backend=vllm``; docs/generation.md)."""
+
+    # float32 matches the trainer's log-probs; bfloat16 differs per token (docs/generation.md).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # KV cache size; explicit because vLLM's CPU default reserves 90% of host memory.
+    kv_cache_memory_bytes: int = 256 << 20
+    max_num_seqs: int = 256  # sequences decoded together
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up time)
+    # false: the engine runs inside the generator process (starts faster on CPU; docs/generation.md).
+    multiprocessing: bool = False
+
+    def __post_init__(self) -> None:
+        require_positive(self, "kv_cache_memory_bytes", "max_num_seqs")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling on the generation worker."""
+
+    n: int = 8  # responses per prompt (the GRPO group size)
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    val_temperature: float = 0.0  # 0: greedy validation
+    device: Literal["cpu", "cuda"] = "cpu"
+    backend: Literal["hf", "vllm"] = "hf"  # the engine: Hugging Face sampler or vLLM (pip extra `vllm`)
+    top_p: float = 1.0  # nucleus sampling; < 1 needs backend=vllm
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    # GPUs Ray gives the generator (cuda); < 1 shares a GPU with policy ranks (refit: reshard/ipc).
+    num_gpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "n", "max_new_tokens", "num_gpus")
+        require_positive(self, "temperature", "val_temperature", allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < 1 and self.backend != "vllm":
+            raise ValueError(
+                f"generation.top_p={self.top_p} needs generation.backend=vllm (the hf backend "
+                "samples the full distribution)"
+            )
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """The algorithm."""
+
+    prompts_per_step: int = 8
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    normalize_std: bool = True
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    loss_agg: Literal["token_mean"] = "token_mean"
+    epochs: int = 1  # optimizer passes over each step's batch (>1 makes clipping bite)
+
+    def __post_init__(self) -> None:
+        require_positive(self, "prompts_per_step", "clip_eps", "epochs")
+        require_positive(self, "kl_coef", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Prompts and rewards: a built-in task generated from ``seed`` or a JSONL dataset."""
+
+    name: str = "digit_map"
+    seed: int = 0
+    train_size: int = 2048
+    val_size: int = 64
+    dataset: str | None = None  # JSONL with {"prompt", "answer"} per line; overrides the built-in
+    val_dataset: str | None = None
+    reward_fn: str | None = None  # "pkg.module:function"; None: the built-in reward of `name`
+
+    def __post_init__(self) -> None:
+        require_positive(self, "train_size")
+        require_positive(self, "val_size", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """The step loop."""
+
+    steps: int = 60
+    seed: int = 1
+    dp_size: int = 2
+    num_threads: int = 1  # torch threads per worker; 1 makes runs bitwise repeatable
+    val_every: int = 10  # 0: no periodic validation
+    step_timeout_s: float = 600.0  # bound on every wait for a worker inside a step
+    startup_timeout_s: float = 300.0  # bound on worker start-up (model build, groups)
+    # How the per-step calls reach the policy ranks (algorithms/dispatch.py): plain actor calls,
+    # or one Ray Compiled Graph compiled after the first step (falls back to actor calls if it
+    # cannot serve; its idle workers poll, see docs/grpo_sync.md "Dispatch").
+    dispatch: Literal["actors", "compiled_graph"] = "actors"
+    # compiled_graph only: tear the graph down after this many seconds without a call (its idle
+    # ranks stop polling) and recompile it on the next call; null: keep it until shutdown.
+    dispatch_idle_teardown_s: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self, "steps", "dp_size", "num_threads", "step_timeout_s", "startup_timeout_s", "dispatch_idle_teardown_s"
+        )
+        require_positive(self, "val_every", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the user sees."""
+
+    output_dir: str = "runs/grpo_tiny"
+    progress: bool = True  # tqdm bar on stderr
+    tensorboard: bool = False
+    plot: bool = True  # reward/loss PNG at the end
+    quiet: bool = False  # no per-step lines or banner (the bar and summary stay)
+    # keys_outstanding is the rollouts' count every step; every this many steps (and at exit) it
+    # is a listing of the whole store instead. 0: at exit only.
+    audit_every: int = 10
+
+    def __post_init__(self) -> None:
+        require_positive(self, "audit_every", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Policy + optimizer + step + RNG + data position, every ``every`` steps."""
+
+    every: int = 0  # 0: never
+    dir: str | None = None  # None: {logging.output_dir}/checkpoints
+    resume: str | None = None  # a checkpoint dir, or "latest" under `dir`
+    keep: int = 0  # 0: keep all
+
+    def __post_init__(self) -> None:
+        require_positive(self, "every", "keep", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """Trainer -> generator weights after every step over a stateless process group."""
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    # packed: policy rank 0 broadcasts whole weights (nemo_dataplane/refit/packed/); reshard: every
+    # TP rank of the first replica sends its shards to the generator's layout (refit/reshard/);
+    # auto: reshard when policy.tensor_parallel_size > 1, else packed.
+    mode: Literal["auto", "packed", "reshard"] = "auto"
+    # reshard only: ipc (CUDA, one host: copies into the generator's tensors, the group carries
+    # control only), p2p (send/recv over the group), auto (ipc where every pair can).
+    transport: Literal["auto", "p2p", "ipc"] = "auto"
+    bucket_bytes: int = 8 << 20
+    host: str = "127.0.0.1"  # used only with a fixed port
+    port: int = 0  # 0: policy rank 0 hosts the rendezvous on its node's address and a port it binds
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "bucket_bytes", "timeout_s")
+        require_positive(self, "port", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """The Ray cluster the trainer starts (or joins)."""
+
+    address: str | None = None  # None: start a local cluster owned by this run
+    num_cpus: int = 8  # logical CPUs of a local cluster; actors ask for fractions of them
+    worker_num_cpus: float = 0.0  # per worker actor
+
+    def __post_init__(self) -> None:
+        require_positive(self, "num_cpus")
+        require_positive(self, "worker_num_cpus", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """``grpo_async`` only: how far generation may run ahead of training (YAML key ``async``).
+
+    ``max_staleness`` bounds, in weight versions, how old a trained group may be (0: on-policy);
+    admission keeps at most ``(max_staleness + 1) * grpo.prompts_per_step`` groups handed out
+    and untrained, and a claimed group older than that is dropped and regenerated.
+    ``max_inflight_groups`` (backpressure): groups written and not yet claimed by the trainer
+    before a collector waits; ``null`` = ``(max_staleness + 1) * grpo.prompts_per_step``.
+    ``groups_per_generation``: groups one generate call draws as one batch. ``auto`` (default):
+    a step's groups split evenly over the collectors, ``ceil(prompts_per_step / num_collectors)``,
+    within ``max_inflight_groups``, i.e. the sync trainer's batch. Smaller generations draw with
+    fresher weights (a refit can land between them) but give the generator smaller batches.
+    ``is_cap``/``is_mode``: the off-policy correction's cap on the proximal/behaviour weight and
+    whether a weight above it is truncated to the cap or its token masked.
+    """
+
+    max_staleness: int = 1
+    max_inflight_groups: int | None = None
+    groups_per_generation: int | Literal["auto"] = "auto"
+    num_collectors: int = 1
+    # Generations in flight when new weights arrive stop at a token boundary, keep their tokens
+    # and behaviour log-probs, and continue under the new version (docs/grpo_async.md).
+    partial_rollout: bool = False
+    is_cap: float = 2.0
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
+
+    def __post_init__(self) -> None:
+        require_positive(self, "num_collectors", "is_cap", "claim_poll_s", "max_inflight_groups")
+        if self.groups_per_generation != "auto":
+            require_positive(self, "groups_per_generation")
+        require_positive(self, "max_staleness", allow_zero=True)
+        if (
+            self.max_inflight_groups is not None
+            and self.groups_per_generation != "auto"
+            and self.max_inflight_groups < self.groups_per_generation
+        ):
+            raise FieldError(
+                "max_inflight_groups",
+                f"={self.max_inflight_groups} is below async.groups_per_generation="
+                f"{self.groups_per_generation}: a collector could never write a generation",
+            )
+
+    def inflight_groups(self, groups_per_step: int) -> int:
+        """Groups written and not yet claimed before a collector waits."""
+        return self.max_inflight_groups or (self.max_staleness + 1) * groups_per_step
+
+    def generation_groups(self, groups_per_step: int) -> int:
+        """Groups one generate call draws: ``groups_per_generation`` resolved (``auto``: a step's
+        groups over the collectors, within the in-flight limit)."""
+        if self.groups_per_generation != "auto":
+            return self.groups_per_generation
+        return min(-(-groups_per_step // self.num_collectors), self.inflight_groups(groups_per_step))
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests (:mod:`algorithms.faults`): the named phase fails on
+    ``fail_at_step`` (``put``: the collector's write of group ``fail_at_group`` fails half-way,
+    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself, or with
+    ``fail_mode=hang`` by going silent (every point is listed in :mod:`algorithms.faults`);
+    ``fail_dispatch_compile``: the compiled graph's compile raises as in an unsupported
+    environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
+
+    fail_at_step: int | None = None
+    fail_in: (
+        Literal[
+            "collect",
+            "generate",
+            "logprobs",
+            "train",
+            "put",
+            "reward",
+            "generator",
+            "refit",
+            "store_controller",
+            "store_unit",
+        ]
+        | None
+    ) = None
+    fail_rank: int = 0
+    fail_at_group: int | None = None
+    fail_dispatch_compile: bool = False  # trainer.dispatch=compiled_graph: the compile raises (fallback test)
+    fail_mode: Literal["raise", "sigkill", "hang"] = "raise"
+    fault_marker: str | None = None  # a file the hook writes the injection time to (chaos tests)
+    # Injected work (tests of the step accounting): seconds each generate call / each policy
+    # train call sleeps, counted as that side's busy time.
+    generate_delay_s: float = 0.0
+    train_delay_s: float = 0.0
+    # Seconds the hf sampler sleeps after every token (a slow generator whose generations a refit
+    # can land in the middle of: tests of partial rollouts).
+    token_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "generate_delay_s", "train_delay_s", "token_delay_s", allow_zero=True)

@@ -29,7 +29,7 @@ class GeneratorWorker:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
-        worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
+        self.device = worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
 
     def ready(self) -> bool:
@@ -58,6 +58,7 @@ class GeneratorWorker:
         ``async.partial_rollout`` it stops a generation in flight at its next token boundary (the
         actor then serves two calls at once); else it waits for that generation to end."""
         maybe_fail(self.cfg.debug, "refit", step=version, what=f"in the generator before refit {version}")
+        self._current_device()
         t0 = time.perf_counter()
         version = self.engine.receive_weights(interrupt=self.cfg.async_.partial_rollout)
         return version, time.perf_counter() - t0
@@ -79,6 +80,7 @@ class GeneratorWorker:
         between calls, or with ``interruptible`` ends one early: unfinished responses come back
         as far as they got), and the seconds this generator was busy with the call (its own
         time, not its caller's wait for it). ``limits``/``ignore_eos``/``min_running``: as ``SamplingSpec``."""
+        self._current_device()
         t0 = time.perf_counter()
         if self.cfg.debug.generate_delay_s:
             time.sleep(self.cfg.debug.generate_delay_s)
@@ -101,6 +103,12 @@ class GeneratorWorker:
             what=f"in the generator generating with weight version {out.version}",
         )
         return out, time.perf_counter() - t0
+
+    def _current_device(self) -> None:
+        # With partial rollouts calls arrive on several threads, and a new thread's current GPU
+        # is the first visible one, not necessarily this actor's.
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def busy(self) -> bool:
         """Whether a generation or a refit holds the engine now."""

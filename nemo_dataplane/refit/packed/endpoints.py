@@ -154,8 +154,10 @@ class RefitSender(CollectiveSender, IpcSender, WeightSender):
         elif info.transport == "ipc":
             self._export_ipc(self._ordered(tensors))
         self._connect_p2p()
-        self.transport = info.transport  # info is self.info now (_compile)
-        return info
+        # self.info, not info: a failed IPC setup under transport="auto" recompiled it (broadcast).
+        assert self.info is not None
+        self.transport = self.info.transport
+        return self.info
 
     def send_weights(self, version: int) -> None:
         """Broadcast all tensors, tagged with ``version``; returns when the last byte left (bounded)."""
@@ -238,7 +240,9 @@ class RefitReceiver(CollectiveReceiver, IpcReceiver, WeightReceiver):
         elif info.transport == "ipc":
             self._open_ipc()
         self._connect_p2p()
-        return info  # self.info now (_compile)
+        # self.info, not info: a failed IPC setup under transport="auto" recompiled it (broadcast).
+        assert self.info is not None
+        return self.info
 
     def receive_weights(self) -> int:
         """Receive one refit into our tensors in place; return (and store) its version."""

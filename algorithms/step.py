@@ -195,9 +195,13 @@ def train_on_batch(
         if audit:
             row["keys_outstanding_audited"] = True
     with timer("refit"):
-        refit(cfg, workers, step + 1)
+        timing = refit(cfg, workers, step + 1)
     row["step_s"] = time.perf_counter() - t_start
-    row.update(idle_ratios(row, timer.seconds["refit"], len(workers.generators)))
+    # The senders wait with the generators in a refit: the part spent waiting for a generation
+    # in flight is the trainer's idle time too.
+    row["refit_wait_s"] = timing.waited_s
+    row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + timing.waited_s
+    row.update(idle_ratios(row, timing.total_s - timing.waited_s, len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
     row["dp_bytes"] = ranks.dp_bytes + transport.column_bytes
     row["driver_bytes"] = transport.driver_bytes
@@ -230,15 +234,29 @@ def run_idle_ratios(rows: Sequence[Mapping[str, Any]], generators: int) -> dict[
     if not rows or step_s <= 0:
         return {}
     idle = sum(float(r.get("trainer_idle_s") or 0.0) for r in rows)
-    busy = sum(float(r.get("generator_busy_s") or 0.0) + float(r.get("time/refit") or 0.0) * generators for r in rows)
+    busy = sum(
+        float(r.get("generator_busy_s") or 0.0)
+        + (float(r.get("time/refit") or 0.0) - float(r.get("refit_wait_s") or 0.0)) * generators
+        for r in rows
+    )
     return {
         "trainer_idle_ratio": min(1.0, max(0.0, idle / step_s)),
         "generator_idle_ratio": min(1.0, max(0.0, 1.0 - busy / (step_s * generators))),
     }
 
 
-def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
-    """Policy -> every generator, weight version ``version``; returns seconds. The senders are
+@dataclass
+class RefitTiming:
+    """One refit's seconds: in all, the longest any generator waited for its generation in flight
+    to end or stop before receiving (the trainer idles meanwhile), and the longest receive."""
+
+    total_s: float
+    waited_s: float
+    receive_s: float
+
+
+def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
+    """Policy -> every generator, weight version ``version``. The senders are
     ``workers.refit_senders`` (policy rank 0, or the first replica's TP ranks for a reshard).
     A generator installs it between two generate calls (its engine runs one at a time), so no
     generation mixes two versions.
@@ -293,10 +311,10 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> float:
                 f"{what}: {late} never took part within refit.timeout_s={cfg.refit.timeout_s:g}s: {cause}"
             ) from e
         raise
-    for n, (v, _) in zip(names, got):
+    for n, (v, _, _) in zip(names, got):
         if v != version:
             raise StepError(f"refit: {n} reports weight version {v}, expected {version}")
-    return time.perf_counter() - t0
+    return RefitTiming(time.perf_counter() - t0, max(w for _, _, w in got), max(r for _, r, _ in got))
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Async vs sync GRPO at the same config and seed: throughput against the ideal overlap bound.
 
     python benchmarks/bench_grpo_async.py [--profile toy|longtail|longtail-mild] [--steps 40]
-        [--staleness 1] [--variants async partial] [--config FILE] [dotted.key=value ...]
+        [--runs async:1 partial:1 ...] [--config FILE] [dotted.key=value ...]
 
-Runs ``grpo_sync`` once, then ``grpo_async`` per ``--staleness`` and variant (``async``: the
-default async config; ``partial``: with ``async.partial_rollout=true``), one after another, each
+Runs ``grpo_sync`` once, then ``grpo_async`` once per ``--runs`` entry ``variant:staleness``
+(``async``: the default async config; ``partial``: with ``async.partial_rollout=true``; the
+staleness is ``async.max_staleness``), one after another, each
 alone on the machine, from one config (``--config``; default the tiny async config, whose
 ``async`` section the sync trainer ignores) with the data plane on and every override passed to
 every run. ``--profile`` adds the task: ``toy`` (the config's own), ``longtail`` /
@@ -97,8 +98,9 @@ def main() -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="toy")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of every figure (warm-up)")
-    ap.add_argument("--staleness", type=int, nargs="+", default=[1])
-    ap.add_argument("--variants", nargs="+", choices=["async", "partial"], default=["async", "partial"])
+    ap.add_argument(
+        "--runs", nargs="+", default=["async:1", "partial:1"], help="variant:staleness, variant async|partial"
+    )
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_async_tiny.yaml"))
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_grpo_async.json"))
@@ -116,15 +118,12 @@ def main() -> int:
         *args.overrides,
     ]
     plan = [("sync", "grpo_sync", [])]
-    for s in args.staleness:
-        for v in args.variants:
-            plan.append(
-                (
-                    f"{v} s={s}",
-                    "grpo_async",
-                    [f"async.max_staleness={s}", f"async.partial_rollout={'true' if v == 'partial' else 'false'}"],
-                )
-            )
+    for spec in args.runs:
+        v, _, s = spec.partition(":")
+        if v not in ("async", "partial") or not s.isdigit():
+            ap.error(f"--runs {spec!r}: expected async:N or partial:N")
+        partial = "true" if v == "partial" else "false"
+        plan.append((f"{v} s={s}", "grpo_async", [f"async.max_staleness={s}", f"async.partial_rollout={partial}"]))
     results: dict[str, dict[str, Any]] = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:

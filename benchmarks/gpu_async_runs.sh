@@ -29,7 +29,8 @@ for name in $steps; do
         toy) cmd=(python3 benchmarks/bench_grpo_async.py --profile toy --steps 30 --skip 5 "${gpu[@]}"
                   --out "$out/toy.json") ;;
         longtail) cmd=(python3 benchmarks/bench_grpo_async.py --profile longtail --steps 20 --skip 4
-                       --config examples/configs/grpo_longtail_gpu.yaml --out "$out/longtail.json") ;;
+                       --runs async:1 partial:1 partial:2 --config examples/configs/grpo_longtail_gpu.yaml
+                       --out "$out/longtail.json") ;;
         *) echo "== $name: unknown step"; continue ;;
     esac
     t0=$(date +%s)

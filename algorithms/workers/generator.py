@@ -52,16 +52,18 @@ class GeneratorWorker:
             ),
         )
 
-    def receive_weights(self, version: int | None = None) -> tuple[int, float]:
-        """Receive one refit (collective); returns ``(version, seconds)``. ``version``: the one the
-        trainer sends (only the fault hook reads it; the received header is what counts). With
+    def receive_weights(self, version: int | None = None) -> tuple[int, float, float]:
+        """Receive one refit (collective); returns ``(version, seconds receiving, seconds waited for
+        a generation in flight first)``. ``version``: the one the trainer sends (only the fault
+        hook reads it; the received header is what counts). With
         ``async.partial_rollout`` it stops a generation in flight at its next token boundary (the
         actor then serves two calls at once); else it waits for that generation to end."""
         maybe_fail(self.cfg.debug, "refit", step=version, what=f"in the generator before refit {version}")
         self._current_device()
         t0 = time.perf_counter()
         version = self.engine.receive_weights(interrupt=self.cfg.async_.partial_rollout)
-        return version, time.perf_counter() - t0
+        waited = self.engine.last_refit_wait_s
+        return version, time.perf_counter() - t0 - waited, waited
 
     def generate(
         self,

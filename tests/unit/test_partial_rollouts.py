@@ -244,7 +244,7 @@ def test_a_collector_sample_across_a_refit_holds_two_versions_each_tokens_own(ge
         time.sleep(0.01)
     time.sleep(0.05)
     sender.send(1)
-    version, _ = ray.get(actor.receive_weights.remote(1), timeout=120)
+    version, _, _ = ray.get(actor.receive_weights.remote(1), timeout=120)
     t.join(120)
     sender.close()
     assert version == 1 and sender.error is None

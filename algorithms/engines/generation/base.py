@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class GenerationEngine(ABC):
         self._busy = False
         self._refits_waiting = 0
         self._interrupt = threading.Event()
+        self.last_refit_wait_s = 0.0  # how long the last refit waited for a generation to end or stop
         self._version = -1
         self._refit_ready = False
         self._closed = False
@@ -207,8 +209,10 @@ class GenerationEngine(ABC):
             raise RuntimeError(f"{self.name} engine: receive_weights() before init_refit()")
         if interrupt:
             self._interrupt.set()
+        asked = time.perf_counter()
         try:
             with self._hold(refit=True):
+                self.last_refit_wait_s = time.perf_counter() - asked
                 self._interrupt.clear()
                 self._version = int(self._receive_weights())
                 return self._version

@@ -247,8 +247,9 @@ def run_idle_ratios(rows: Sequence[Mapping[str, Any]], generators: int) -> dict[
 
 @dataclass
 class RefitTiming:
-    """One refit's seconds: in all, the longest any generator waited for its generation in flight
-    to end or stop before receiving (the trainer idles meanwhile), and the longest receive."""
+    """One refit's seconds: in all, what of it went to waiting for a generator to take part (for
+    its generation in flight to end or stop, queued or inside it: everything but the longest
+    receive; the trainer idles meanwhile), and the longest receive."""
 
     total_s: float
     waited_s: float
@@ -314,7 +315,9 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
     for n, (v, _, _) in zip(names, got):
         if v != version:
             raise StepError(f"refit: {n} reports weight version {v}, expected {version}")
-    return RefitTiming(time.perf_counter() - t0, max(w for _, _, w in got), max(r for _, r, _ in got))
+    total = time.perf_counter() - t0
+    receive = max(r for _, r, _ in got)
+    return RefitTiming(total, max(0.0, total - receive), receive)
 
 
 @dataclass

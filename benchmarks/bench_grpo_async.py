@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from algorithms.step import run_idle_ratios  # noqa: E402  (the trainer's own accounting)
+
 PROFILES: dict[str, list[str]] = {
     "toy": [],
     "longtail": ["task.name=longtail"],
@@ -73,17 +76,14 @@ def summarize(result: dict[str, Any], skip: int) -> dict[str, Any]:
     t_begin = rows[0]["elapsed_s"] - rows[0]["step_s"]  # the measured steps' start
     loop_s = rows[-1]["elapsed_s"] - t_begin
     stale = collections.Counter(r["staleness_max"] for r in rows if r.get("staleness_max") is not None)
-    step_s = sum(r["step_s"] for r in rows)
-    gen_busy = sum(r.get("generator_busy_s") or 0.0 for r in rows)
-    refit = sum(r.get("time/refit") or 0.0 for r in rows)
-    gens = len(result["summary"].get("generator_versions") or [1])
+    idle = run_idle_ratios(rows, len(result["summary"].get("generator_versions") or [1]))
     return {
         "steps": len(rows),
         "loop_s": loop_s,
         "samples_per_s": sum(r["samples"] for r in rows) / loop_s,
         "final_reward": statistics.mean(r["reward"] for r in rows[-3:]),
-        "trainer_idle_ratio": sum(r.get("trainer_idle_s") or 0.0 for r in rows) / step_s,
-        "generator_idle_ratio": max(0.0, 1.0 - (gen_busy + refit * gens) / (step_s * gens)),
+        "trainer_idle_ratio": idle["trainer_idle_ratio"],
+        "generator_idle_ratio": idle["generator_idle_ratio"],
         "staleness_max_hist": dict(sorted(stale.items())),
         "groups_dropped_stale": sum(r.get("groups_dropped_stale") or 0 for r in rows),
         "partial_samples": sum(r.get("partial_samples") or 0 for r in rows),

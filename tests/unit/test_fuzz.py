@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from typing import Any
 
@@ -201,6 +202,9 @@ def _wrong_value(tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return "\u2603not-an-option"
+    members = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else ()
+    if any(typing.get_origin(a) is typing.Literal for a in members) and str not in members:
+        return "\u2603not-an-option"  # e.g. int | "auto": neither a number nor the option
     if tp in (int, float) or tp in (int | None, float | None):
         return "twelve"
     if tp is bool:

@@ -192,6 +192,24 @@ def test_n_samples_per_prompt_with_one_logprob_per_sampled_token(engine: VLLMEng
     assert _max_delta(_trainer(), PROMPTS[:3], 4, out, 1.0) < LOGPROB_TOL
 
 
+def test_per_prompt_limits_ignore_eos_and_an_interruptible_call_stopping_when_half_run(engine: VLLMEngine) -> None:
+    """Long-tail support (each prompt its own limit, EOS ignored) and the stepped, interruptible
+    path partial rollouts use: a call that stops once fewer than ``min_running`` of its responses
+    still run returns the finished ones whole and the others as far as they got, each token the
+    same as the uninterrupted call's (one request per sample, seeded as vLLM seeds sample j)."""
+    limits = (2, 12, 12)
+    spec = SamplingSpec(max_new_tokens=12, temperature=1.0, seed=5, limits=limits, ignore_eos=True)
+    whole = engine.generate(PROMPTS[:3], 2, spec)
+    assert [len(t) for t in whole.tokens] == [2, 2, 12, 12, 12, 12] and all(whole.finished)
+    stop = SamplingSpec(max_new_tokens=12, temperature=1.0, seed=5, limits=limits, ignore_eos=True, min_running=0.7)
+    part = engine.generate(PROMPTS[:3], 2, stop, interruptible=True)
+    assert part.finished[:2] == [True, True] and not any(part.finished[2:]), part.finished
+    assert all(2 <= len(t) < 12 for t in part.tokens[2:]), [len(t) for t in part.tokens]
+    for j, (got, ref) in enumerate(zip(part.tokens, whole.tokens)):
+        assert got == ref[: len(got)], f"response {j} is not a prefix of the uninterrupted one"
+        assert part.logprobs[j] == pytest.approx(whole.logprobs[j][: len(got)], abs=1e-5)
+
+
 def test_prompt_seeds_differ_across_prompts_and_calls() -> None:
     seeds = {prompt_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500 and all(0 <= s < 2**61 for s in seeds)
@@ -279,7 +297,7 @@ def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(engi
         refit = threading.Thread(target=lambda: results.setdefault("version", engine.receive_weights()))
         refit.start()
         deadline = time.monotonic() + 30
-        while not engine._lock.locked() and time.monotonic() < deadline:  # the refit holds the engine
+        while not engine.busy and time.monotonic() < deadline:  # the refit holds the engine
             time.sleep(0.01)
         gen = threading.Thread(target=lambda: results.setdefault("out", engine.generate(PROMPTS, 2, spec)))
         gen.start()

@@ -5,7 +5,9 @@
 #
 # STEPS (default: tests toy longtail): tests = the GPU refit tests (the facade's families over
 # NCCL and CUDA IPC); toy = bench_grpo_async.py on the tiny config, policy on GPU 0 and the
-# generator on GPU 1 over an NCCL refit; longtail = the same on examples/configs/grpo_longtail_gpu.yaml.
+# generator on GPU 1 over an NCCL refit; longtail = the same on examples/configs/grpo_longtail_gpu.yaml;
+# mild = that config on the longtail-mild profile (p99/p50 = 4); twogen = the long tail with two
+# collectors whose generators share GPU 1 (half a GPU each, reshard refit over CUDA IPC).
 # Each step's output goes to OUT_DIR/<step>.log (its JSON beside it); a step that runs out of its
 # share of SECONDS (default 560) is killed and the next one starts. Install the carried wheels first.
 set -u
@@ -31,6 +33,13 @@ for name in $steps; do
         longtail) cmd=(python3 benchmarks/bench_grpo_async.py --profile longtail --steps 20 --skip 4
                        --runs async:1 partial:1 partial:2 --config examples/configs/grpo_longtail_gpu.yaml
                        --out "$out/longtail.json") ;;
+        mild) cmd=(python3 benchmarks/bench_grpo_async.py --profile longtail-mild --steps 16 --skip 4
+                   --runs async:1 partial:2 --config examples/configs/grpo_longtail_gpu.yaml
+                   --out "$out/mild.json") ;;
+        twogen) cmd=(python3 benchmarks/bench_grpo_async.py --profile longtail --steps 16 --skip 4
+                     --runs async:1 partial:2 --config examples/configs/grpo_longtail_gpu.yaml
+                     async.num_collectors=2 generation.num_gpus=0.5 refit.mode=reshard refit.transport=ipc
+                     refit.backend=gloo --out "$out/twogen.json") ;;
         *) echo "== $name: unknown step"; continue ;;
     esac
     t0=$(date +%s)

@@ -39,6 +39,7 @@ class GeneratorWorker:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
         group ranks ``0..refit_senders-1``)."""
         c = self.cfg
+        self._current_device()
         self.engine.init_refit(
             host,
             port,

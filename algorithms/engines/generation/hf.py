@@ -99,8 +99,9 @@ class HFEngine(GenerationEngine):
         self._group = StatelessProcessGroup(
             host, port, rank, world_size, backend=spec.backend, timeout=spec.timeout_s, group_name="refit"
         )
-        # Where the parameters live, not the group's device: an ipc refit's control group is gloo.
-        dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        # Where the parameters live, not the group's device (an ipc refit's control group is gloo)
+        # nor the current device: that is per thread, and a threaded actor may call from another.
+        dev = next(self.model.parameters()).device
         self._receiver = build_weight_receiver(
             spec.transfer, self._group, self.model.named_parameters, senders=spec.senders, device=dev
         )

@@ -83,8 +83,10 @@ class HFTokenizer:
     (:class:`NoChatTemplate` for a missing chat template).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, chat_template: bool = False, system_prompt: str | None = None):
-        from transformers import AutoTokenizer  # slow to import: only runs with a checkpoint tokenizer load it
+    def __init__(
+        self, path: str | os.PathLike[str], *, chat_template: bool = False, system_prompt: str | None = None
+    ) -> None:
+        from transformers import AutoTokenizer  # slow to import: only a run with a HF tokenizer pays for it
 
         self.path = os.fspath(path)
         try:

@@ -37,6 +37,8 @@ from algorithms.config_sections import (
     TrainerSection,
     VLLMEngineConfig,
 )
+from algorithms.rewards import BUILTIN_REWARDS
+from algorithms.tasks import DATASET_FORMATS
 from nemo_dataplane.config import (
     BUILTIN_BACKENDS,
     ConfigError,
@@ -163,8 +165,14 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     for key, val in (("task.dataset", cfg.task.dataset), ("task.val_dataset", cfg.task.val_dataset)):
         if val is not None and not Path(val).expanduser().is_file():
             raise ConfigError(f"{key}={val!r} is not a file")
-    if cfg.task.reward_fn is not None and ":" not in cfg.task.reward_fn:
-        raise ConfigError(f"task.reward_fn must look like 'pkg.module:function', got {cfg.task.reward_fn!r}")
+    if cfg.task.reward_fn is not None and cfg.task.reward_fn not in BUILTIN_REWARDS and ":" not in cfg.task.reward_fn:
+        raise ConfigError(
+            f"task.reward_fn must be one of {list(BUILTIN_REWARDS)} or look like 'pkg.module:function', "
+            f"got {cfg.task.reward_fn!r}"
+        )
+    for key, val in (("task.dataset", cfg.task.dataset), ("task.val_dataset", cfg.task.val_dataset)):
+        if val is not None and Path(val).suffix.lower() not in DATASET_FORMATS:
+            raise ConfigError(f"{key}={val!r}: expected a file ending in one of {list(DATASET_FORMATS)}")
     if cfg.debug.fail_in in ("put", "generate", "reward"):
         if cfg.debug.fail_at_group is None:
             raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs debug.fail_at_group")

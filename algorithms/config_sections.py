@@ -51,8 +51,14 @@ class PolicyConfig:
     tensor_parallel_size: int = 1
     # GPUs Ray gives each policy rank (cuda); None: all ranks share one GPU (1 / ranks each).
     gpus_per_rank: float | None = None
+    # auto: the Hugging Face tokenizer in policy.model.path if it holds one, else the character
+    # tokenizer; char: the character tokenizer; else a local directory holding a HF tokenizer
+    # (algorithms/tokenizers.py decides, once).
+    tokenizer: str = "auto"
 
     def __post_init__(self) -> None:
+        if not self.tokenizer:
+            raise FieldError("tokenizer", "is empty: give auto, char or a tokenizer directory")
         require_positive(self, "lr", "tensor_parallel_size", "gpus_per_rank")
         require_positive(self, "max_grad_norm", allow_zero=True)
         if self.gpus_per_rank is not None and self.gpus_per_rank > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
@@ -122,17 +128,28 @@ class GRPOConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Prompts and rewards: a built-in task generated from ``seed`` or a JSONL dataset."""
+    """Prompts and rewards: a built-in task generated from ``seed`` or a dataset file."""
 
     name: str = "digit_map"
     seed: int = 0
     train_size: int = 2048
     val_size: int = 64
-    dataset: str | None = None  # JSONL with {"prompt", "answer"} per line; overrides the built-in
+    # A local .jsonl (one object per line) or .parquet file; overrides the built-in task.
+    dataset: str | None = None
     val_dataset: str | None = None
-    reward_fn: str | None = None  # "pkg.module:function"; None: the built-in reward of `name`
+    prompt_key: str = "prompt"  # the dataset's field holding the prompt text
+    answer_key: str = "answer"  # ... and the reference answer (a string or a number)
+    # Put before every prompt: as the system turn with chat_template, else prepended as is.
+    system_prompt: str | None = None
+    # Render each prompt with the tokenizer's chat template (a HF tokenizer that has one).
+    chat_template: bool = False
+    # math | exact_match | char_match | "pkg.module:function"; None: the built-in reward of `name`.
+    reward_fn: str | None = None
 
     def __post_init__(self) -> None:
+        for key in ("prompt_key", "answer_key"):
+            if not getattr(self, key):
+                raise FieldError(key, "is empty")
         require_positive(self, "train_size")
         require_positive(self, "val_size", allow_zero=True)
 

@@ -21,11 +21,12 @@ from typing import Any
 
 from algorithms.cli import main as _main
 from algorithms.faults import maybe_kill_store
+from algorithms.inputs import load_datasets
 from algorithms.metrics import PhaseTimer
 from algorithms.rollouts import Job
 from algorithms.step import collect, train_on_batch
 from algorithms.tasks import PromptIterator
-from algorithms.trainer import DATA_PLANE_MODULES, Trainer, data_plane_modules_loaded, load_datasets
+from algorithms.trainer import DATA_PLANE_MODULES, Trainer, data_plane_modules_loaded
 
 __all__ = ["DATA_PLANE_MODULES", "SyncTrainer", "data_plane_modules_loaded", "load_datasets", "main"]
 

@@ -1,33 +1,31 @@
-"""Toy verifiable tasks, a character-level tokenizer, reward functions and a resumable prompt iterator.
+"""Toy verifiable tasks, a character-level tokenizer, prompt datasets and a resumable prompt iterator.
 
 Everything here is pure Python (no torch, no Ray) so the driver, the workers and the tests can
-share it. The built-in tasks are generated from a seed and scored by a pure function; the default
-task (``digit_map``) is learnable from a randomly initialised tiny model in a couple of minutes on
-a laptop CPU.
+share it. The built-in tasks are generated from a seed and scored by character match
+(:mod:`algorithms.rewards`); the default task (``digit_map``) is learnable from a randomly
+initialised tiny model in a couple of minutes on a laptop CPU. A dataset is a local JSONL or
+Parquet file (:func:`load_dataset`).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "BUILTIN_TASKS",
+    "DATASET_FORMATS",
     "CharTokenizer",
     "PromptIterator",
     "PromptRecord",
-    "RewardFn",
-    "char_match_score",
-    "load_jsonl_dataset",
+    "load_dataset",
     "make_task_dataset",
-    "resolve_reward_fn",
-    "reward",
     "task_ignores_eos",
 ]
 
@@ -43,13 +41,14 @@ _CHARS: tuple[str, ...] = tuple("0123456789abcdefghij +-*/=<>:,.")
 
 
 class CharTokenizer:
-    """Character-level tokenizer with a fixed vocabulary: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2.
+    """Character-level tokenizer with a fixed vocabulary: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2
+    (an :class:`algorithms.tokenizers.Tokenizer`; ``system_prompt``: text put before every prompt).
 
     ``encode`` raises ``ValueError`` naming the character and its position for text outside the
     vocabulary; ``decode`` stops at the first ``<eos>`` and skips ``<pad>``/``<bos>``.
     """
 
-    def __init__(self, chars: Sequence[str] = _CHARS) -> None:
+    def __init__(self, chars: Sequence[str] = _CHARS, *, system_prompt: str | None = None) -> None:
         chars = tuple(chars)
         for c in chars:
             if len(c) != 1:
@@ -59,6 +58,7 @@ class CharTokenizer:
         self._chars = chars
         self._itos: tuple[str, ...] = _SPECIALS + chars
         self._stoi: dict[str, int] = {c: i + len(_SPECIALS) for i, c in enumerate(chars)}
+        self.system_prompt = system_prompt
 
     pad_id: int = 0
     bos_id: int = 1
@@ -87,8 +87,9 @@ class CharTokenizer:
         return ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        """The canonical model input for a prompt: ``<bos>`` followed by the prompt's characters."""
-        return self.encode(text, add_bos=True)
+        """The canonical model input for a prompt: ``<bos>``, then ``system_prompt`` (if any,
+        prepended as is), then the prompt's characters."""
+        return self.encode((self.system_prompt or "") + text, add_bos=True)
 
     def decode(self, ids: Sequence[int]) -> str:
         out: list[str] = []
@@ -121,7 +122,11 @@ class CharTokenizer:
         return cls(data["chars"])
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CharTokenizer) and other._chars == self._chars
+        return (
+            isinstance(other, CharTokenizer)
+            and other._chars == self._chars
+            and other.system_prompt == self.system_prompt
+        )
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
@@ -135,12 +140,15 @@ class CharTokenizer:
 @dataclass(frozen=True)
 class PromptRecord:
     """One prompt with its reference answer; ``uid`` is unique within a dataset;
-    ``max_new_tokens``: this prompt's own response length limit (``None``: the run's)."""
+    ``max_new_tokens``: this prompt's own response length limit (``None``: the run's);
+    ``source``: where it was read from (``None`` for generated tasks)."""
 
     prompt: str
     answer: str
     uid: int
     max_new_tokens: int | None = None
+    # Where the record was read (file:line or file row i), for messages; not part of its identity.
+    source: str | None = field(default=None, compare=False)
 
 
 # digit_map's fixed target per prompt digit: a permutation of 0-9 with no fixed points, so the
@@ -199,107 +207,73 @@ def make_task_dataset(task: str, seed: int, n: int, max_new_tokens: int = 8) -> 
     return records
 
 
-def load_jsonl_dataset(path: str | os.PathLike[str]) -> list[PromptRecord]:
-    """Read a JSONL file with one ``{"prompt": str, "answer": str}`` object per line.
+DATASET_FORMATS: tuple[str, ...] = (".jsonl", ".parquet")
 
-    Blank lines are skipped; ``uid`` is the record's index. Raises ``ValueError`` naming the file
-    and 1-based line number for invalid JSON, a missing field or a non-string value.
+
+def load_dataset(path: str | os.PathLike[str], *, prompt_key: str, answer_key: str) -> list[PromptRecord]:
+    """Prompt records from a local JSONL (one object per line, blank lines skipped) or Parquet file,
+    picked by the file's suffix (:data:`DATASET_FORMATS`).
+
+    Each row's ``prompt_key`` must be a string and its ``answer_key`` a string or a number (kept
+    as its text, e.g. ``19`` -> ``"19"``); other keys are ignored. ``uid`` is the record's index;
+    ``source`` is where it came from (``file:line`` for JSONL, 1-based; ``file row i`` for Parquet,
+    0-based). Raises ``ValueError`` naming the file, the line or row and the key for invalid JSON,
+    a missing key or a value of the wrong type, and for a file without records; ``ImportError``
+    naming ``pyarrow`` when a Parquet file is given and the package is missing.
     """
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    elif suffix == ".parquet":
+        rows = _parquet_rows(path, (prompt_key, answer_key))
+    else:
+        raise ValueError(f"{path}: unknown dataset format {suffix!r}; expected one of {list(DATASET_FORMATS)}")
     records: list[PromptRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            for field in ("prompt", "answer"):
-                if field not in obj:
-                    raise ValueError(f"{path}:{lineno}: missing field {field!r}")
-                if not isinstance(obj[field], str):
-                    raise ValueError(
-                        f"{path}:{lineno}: field {field!r} must be a string, got {type(obj[field]).__name__}"
-                    )
-            records.append(PromptRecord(prompt=obj["prompt"], answer=obj["answer"], uid=len(records)))
+    for where, row in rows:
+        prompt = _value(row, prompt_key, where, (str,), "a string")
+        answer = _value(row, answer_key, where, (str, int, float), "a string or a number")
+        records.append(PromptRecord(prompt=str(prompt), answer=str(answer), uid=len(records), source=where))
     if not records:
         raise ValueError(f"{path}: no records")
     return records
 
 
-# ---------------------------------------------------------------------------------------------
-# Rewards
-# ---------------------------------------------------------------------------------------------
-
-RewardFn = Callable[[PromptRecord, str], float]
-
-
-def char_match_score(answer: str, response: str) -> float:
-    """Position-wise character agreement: matches / max(len(answer), len(response)).
-
-    1.0 only for an exact match; a right prefix followed by extra characters gets partial credit,
-    which gives a model learning from scratch a gradient towards stopping at ``<eos>``.
-    """
-    denom = max(len(answer), len(response))
-    if denom == 0:
-        return 1.0
-    return sum(a == b for a, b in zip(answer, response)) / denom
+def _jsonl_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj
 
 
-def reward(task: str, record: PromptRecord, response_text: str) -> float:
-    """Built-in reward in [0, 1] for ``task`` (a pure function of its arguments).
-
-    The built-in tasks and ``"char_match"`` (a name for custom JSONL data) use
-    :func:`char_match_score`; ``"exact_match"`` gives 1.0 iff the response equals the answer.
-    """
-    if task == "exact_match":
-        return float(response_text == record.answer)
-    if task in BUILTIN_TASKS or task == "char_match":
-        return char_match_score(record.answer, response_text)
-    raise ValueError(
-        f"reward: unknown task {task!r}; built-in rewards are {list(BUILTIN_TASKS) + ['char_match', 'exact_match']}"
-    )
-
-
-def resolve_reward_fn(spec: str | None, task: str) -> RewardFn:
-    """The reward function for a run: ``spec`` = ``"pkg.module:function"`` or ``None`` for the task's built-in.
-
-    The imported callable must accept ``(record: PromptRecord, response_text: str)`` and return a
-    float. Raises ``ValueError`` for a malformed spec, ``ImportError``/``AttributeError`` naming the
-    module/attribute when it cannot be found, ``TypeError`` when it is not callable.
-    """
-    if spec is None or spec == "":
-        reward(task, PromptRecord("", "", 0), "")  # validates the task name now, not at the first step
-        return _BuiltinReward(task)
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"reward_fn: expected 'pkg.module:function', got {spec!r}")
-    module_name, attr = spec.split(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward_fn: expected 'pkg.module:function', got {spec!r}")
+def _parquet_rows(path: str | os.PathLike[str], keys: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
-        module = importlib.import_module(module_name)
+        import pyarrow.parquet as pq  # optional: only Parquet datasets need it
     except ImportError as e:
-        raise ImportError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise AttributeError(f"reward_fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TypeError(f"reward_fn {spec!r}: {attr!r} is not callable")
-    return fn
+        raise ImportError(f"{path}: reading a Parquet dataset needs the pyarrow package (pip install pyarrow)") from e
+    names = pq.read_schema(path).names
+    for key in keys:
+        if key not in names:
+            raise ValueError(f"{path} row 0: missing key {key!r} (the file's columns are {names})")
+    table = pq.read_table(path, columns=list(dict.fromkeys(keys)))
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path} row {i}", row
 
 
-@dataclass(frozen=True)
-class _BuiltinReward:
-    """Picklable built-in reward bound to a task (a lambda would not survive Ray serialisation)."""
-
-    task: str
-
-    def __call__(self, record: PromptRecord, response_text: str) -> float:
-        return reward(self.task, record, response_text)
+def _value(row: Mapping[str, Any], key: str, where: str, types: tuple[type, ...], what: str) -> Any:
+    if key not in row or row[key] is None:
+        raise ValueError(f"{where}: missing key {key!r}")
+    value = row[key]
+    if not isinstance(value, types) or isinstance(value, bool):  # a bool is an int to Python, not an answer
+        raise ValueError(f"{where}: key {key!r} must be {what}, got {type(value).__name__}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ imports a data-plane module), and through the workers' factories the training an
 engines and the refit family.
 
 Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up failed (the
-worker's error is printed with its traceback), 130 on Ctrl-C (``main`` returns 2 for a bad
-config). In every case the store is emptied, the store and the workers are shut down, and the Ray
+worker's error is printed with its traceback), 2 when the run's inputs fail their checks before
+Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 130 on
+Ctrl-C. In every case the store is emptied, the store and the workers are shut down, and the Ray
 cluster the run started is stopped.
 """
 
@@ -33,13 +34,13 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, resolve_resume, save_driver_state, step_dir
-from algorithms.config import TrainerConfig, check_devices
+from algorithms.config import ConfigError, TrainerConfig, check_devices
 from algorithms.dispatch import make_dispatcher
+from algorithms.inputs import check_run_inputs, load_datasets
 from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.step import Workers, refit, run_idle_ratios
-from algorithms.tasks import load_jsonl_dataset, make_task_dataset, resolve_reward_fn
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
 from algorithms.workers.collector import RolloutCollector
 from algorithms.workers.generator import GeneratorWorker
@@ -47,31 +48,12 @@ from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
 
-__all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded", "load_datasets"]
+__all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded"]
 
 
 def _node_id(actor: Any) -> str:
     """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
     return ray.get_runtime_context().get_node_id()
-
-
-def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
-    """Train and held-out prompt records: a JSONL file (``task.dataset``; held-out = the last
-    ``task.val_size`` records unless ``task.val_dataset``) or the built-in task from its seed."""
-    t = cfg.task
-    if t.dataset is not None:
-        records = load_jsonl_dataset(t.dataset)
-        if t.val_dataset is not None:
-            return records, load_jsonl_dataset(t.val_dataset)[: t.val_size]
-        if t.val_size and len(records) > t.val_size:
-            return records[: -t.val_size], records[-t.val_size :]
-        return records, []
-    max_new = cfg.generation.max_new_tokens
-    train = make_task_dataset(t.name, t.seed, t.train_size, max_new)
-    val = make_task_dataset(t.name, t.seed + 1, t.val_size, max_new) if t.val_size else []
-    if t.val_dataset is not None:
-        val = load_jsonl_dataset(t.val_dataset)[: t.val_size]
-    return train, val
 
 
 def checkpoint_root(cfg: TrainerConfig) -> Path:
@@ -288,8 +270,8 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.num_threads)
         summary = self.summary
         try:
-            resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)  # fail before starting anything
             train, val = load_datasets(cfg)
+            check_run_inputs(cfg, train, val)  # tokenizer vs model and prompts, reward: before anything starts
             self._init_data(train)
             resume = resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
             start = 0
@@ -338,6 +320,10 @@ class Trainer:
                 [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"
             )
             summary["workers_data_plane_modules"] = self._worker_modules()
+        except ConfigError as e:  # the run's inputs, checked before Ray: one line, as for a bad config
+            status, code = "config error", 2
+            print(f"{self.name}: config error: {e}", file=sys.stderr)
+            summary["error"] = str(e)
         except KeyboardInterrupt:
             status, code = "interrupted (Ctrl-C)", 130
             print(f"\n{self.name}: interrupted; clearing the store and shutting down workers", file=sys.stderr)

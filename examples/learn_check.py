@@ -34,15 +34,16 @@ if str(REPO) not in sys.path:
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from algorithms.config_sections import TaskConfig  # noqa: E402
 from algorithms.grpo import dynamic_sampling_mask, group_advantages, policy_loss  # noqa: E402
 from algorithms.models import build_model, generate, pad_batch, sequence_logprobs  # noqa: E402
+from algorithms.rewards import resolve_reward_fn  # noqa: E402
 from algorithms.tasks import (  # noqa: E402
     CharTokenizer,
     PromptIterator,
     PromptRecord,
-    load_jsonl_dataset,
+    load_dataset,
     make_task_dataset,
-    resolve_reward_fn,
 )
 
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "grpo_tiny.yaml"
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = CharTokenizer()
     task_name = task.get("name", "digit_map")
+    keys = {k: task.get(k, getattr(TaskConfig, k)) for k in ("prompt_key", "answer_key")}
     if task.get("dataset"):
-        train = load_jsonl_dataset(task["dataset"])
+        train = load_dataset(task["dataset"], **keys)
     else:
         train = make_task_dataset(task_name, int(task.get("seed", 0)), int(task.get("train_size", 2048)))
     if task.get("val_dataset"):
-        val = load_jsonl_dataset(task["val_dataset"])
+        val = load_dataset(task["val_dataset"], **keys)
     else:
         val = make_task_dataset(task_name, int(task.get("seed", 0)) + 1, int(task.get("val_size", 64)))
     reward_fn = resolve_reward_fn(task.get("reward_fn"), task_name)

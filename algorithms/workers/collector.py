@@ -29,8 +29,10 @@ from tensordict import TensorDict
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation import Rollouts
 from algorithms.faults import InjectedFailure, maybe_fail
+from algorithms.rewards import RewardFn, checked_reward, resolve_reward_fn
 from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags
-from algorithms.tasks import CharTokenizer, resolve_reward_fn, task_ignores_eos
+from algorithms.tasks import PromptRecord, task_ignores_eos
+from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import RolloutSink
 from algorithms.workers.row_pool import Row, RowPool
 from nemo_dataplane.codec import jagged_from_rows
@@ -51,7 +53,7 @@ class RolloutCollector:
         self.generator = generator
         self.index = index
         self.n = cfg.generation.n
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = build_tokenizer(cfg)
         self.reward_fn = resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)
         self.ignore_eos = task_ignores_eos(cfg.task.name)
         self.timeout_s = cfg.trainer.step_timeout_s
@@ -159,32 +161,28 @@ class RolloutCollector:
     def _score(
         self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int, groups: Sequence[int] | None = None
     ) -> list[float]:
+        """One checked reward per response (:func:`algorithms.rewards.checked_reward`: a raising
+        reward or a non-finite or non-number score fails the step, naming the prompt and group)."""
         out = []
         task = self.cfg.task
         for i, resp in enumerate(responses):
             record = records[i // n]
-            try:
-                # fail_in=reward: the reward call of group fail_at_group raises, as a user's function would
-                maybe_fail(
-                    self.cfg.debug,
-                    "reward",
-                    group=groups[i // n] if groups else None,
-                    what=f"in the reward function of group {groups[i // n] if groups else '?'}",
-                )
-                value = self.reward_fn(record, self.tokenizer.decode(resp))
-            except Exception as e:
-                raise RuntimeError(
-                    f"reward_fn {task.reward_fn or task.name!r} raised {type(e).__name__} on prompt uid "
-                    f"{record.uid} ({record.prompt[:80]!r}): {e}"
-                ) from e
-            try:
-                out.append(float(value))
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"reward_fn returned {value!r} (a {type(value).__name__}) for prompt uid {record.uid}; "
-                    "it must return a float"
-                ) from None
+            group = groups[i // n] if groups else None
+            text = self.tokenizer.decode(resp)
+            name = task.reward_fn or task.name
+            out.append(checked_reward(self._reward_call(group), record, text, name=name, group=group))
         return out
+
+    def _reward_call(self, group: int | None) -> RewardFn:
+        """The reward function, with the fault hook inside it (``fail_in=reward``: the call for
+        group ``fail_at_group`` raises, as a user's function would)."""
+
+        def call(record: PromptRecord, text: str) -> float:
+            what = f"in the reward function of group {'?' if group is None else group}"
+            maybe_fail(self.cfg.debug, "reward", group=group, what=what)
+            return self.reward_fn(record, text)
+
+        return call
 
     def _limits(self, records: Sequence[Any]) -> list[int] | None:
         """Each prompt's own response limit, where its record has one (long-tail tasks)."""

@@ -31,7 +31,7 @@ from algorithms.engines.training import Prepared, TrainingEngine, build_training
 from algorithms.engines.training.base import Which
 from algorithms.faults import maybe_fail
 from algorithms.replicas import replica_of
-from algorithms.tasks import CharTokenizer
+from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
 from algorithms.workers.gpus import worker_device
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
@@ -70,7 +70,7 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed * 1000 + rank)
         self.device = worker_device(cfg.policy.device)
         self.timeout_s = cfg.trainer.step_timeout_s
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = build_tokenizer(cfg)
         self.engine: TrainingEngine = build_training_engine(
             cfg, self.device, vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id
         )

@@ -303,6 +303,7 @@ DECISIONS = {
     ("data_plane", "enabled"): {"algorithms/transports/__init__.py", "algorithms/trainer.py"},  # trainer: summary only
     ("policy", "backend"): {"algorithms/engines/training/__init__.py"},
     ("generation", "backend"): {"algorithms/engines/generation/__init__.py"},
+    ("policy", "tokenizer"): {"algorithms/tokenizers.py"},
 }
 
 
@@ -336,6 +337,7 @@ CHOICE_NAMES = {
     "megatron": {*CONFIG, "algorithms/engines/training/__init__.py"},
     "vllm": {*CONFIG, "algorithms/engines/generation/__init__.py"},
     "hf": {*CONFIG, "algorithms/engines/generation/__init__.py"},
+    "char": {*CONFIG, "algorithms/tokenizers.py"},
 }
 
 

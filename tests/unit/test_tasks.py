@@ -1,4 +1,4 @@
-"""Tokenizer, built-in tasks, rewards, JSONL loading, reward_fn resolution and the prompt iterator."""
+"""Tokenizer, built-in tasks, rewards, JSONL and Parquet loading, reward_fn resolution and the prompt iterator."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from algorithms.rewards import char_match_score, resolve_reward_fn, reward
 from algorithms.tasks import (
     BUILTIN_TASKS,
     CharTokenizer,
     PromptIterator,
     PromptRecord,
-    char_match_score,
-    load_jsonl_dataset,
+    load_dataset,
     make_task_dataset,
-    resolve_reward_fn,
-    reward,
 )
+
+
+def load_jsonl_dataset(path: Path) -> list[PromptRecord]:
+    return load_dataset(path, prompt_key="prompt", answer_key="answer")
 
 
 def test_tokenizer_roundtrip_and_specials(tmp_path: Path) -> None:
@@ -102,14 +104,61 @@ def test_load_jsonl(tmp_path: Path) -> None:
     )
     recs = load_jsonl_dataset(p)
     assert recs == [PromptRecord("12=", "21", 0), PromptRecord("3=", "3", 1)]
+    assert [r.source for r in recs] == [f"{p}:1", f"{p}:3"]
+
+
+def test_load_jsonl_with_custom_keys_and_numeric_answers(tmp_path: Path) -> None:
+    p = tmp_path / "math.jsonl"
+    p.write_text(json.dumps({"question": "What is 12 + 7?", "solution": 19}) + "\n")
+    recs = load_dataset(p, prompt_key="question", answer_key="solution")
+    assert recs == [PromptRecord("What is 12 + 7?", "19", 0)]
+    with pytest.raises(ValueError, match=r"math\.jsonl:1: missing key 'prompt'"):
+        load_jsonl_dataset(p)
+
+
+def test_load_parquet_with_custom_keys_and_a_missing_key(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["What is 1 + 2?", "What is 3 + 4?"], "gold": ["3", "7"], "x": [1, 2]}), p)
+    recs = load_dataset(p, prompt_key="question", answer_key="gold")
+    assert recs == [PromptRecord("What is 1 + 2?", "3", 0), PromptRecord("What is 3 + 4?", "7", 1)]
+    assert recs[1].source == f"{p} row 1"
+    with pytest.raises(ValueError, match=r"d\.parquet row 0: missing key 'answer' \(the file's columns are"):
+        load_dataset(p, prompt_key="question", answer_key="answer")
+    pq.write_table(pa.table({"question": ["a", None], "gold": ["1", "2"]}), p)
+    with pytest.raises(ValueError, match=r"d\.parquet row 1: missing key 'question'"):
+        load_dataset(p, prompt_key="question", answer_key="gold")
+
+
+def test_parquet_without_pyarrow_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match="needs the pyarrow package"):
+        load_dataset(tmp_path / "d.parquet", prompt_key="prompt", answer_key="answer")
+
+
+def test_a_resumed_iterator_over_a_loaded_dataset_gives_the_same_stream(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"q": f"{i}=", "a": str(i)}) + "\n" for i in range(7)))
+    recs = load_dataset(p, prompt_key="q", answer_key="a")
+    it = PromptIterator(recs, batch_size=3, seed=1)
+    it.next_batch()
+    state = json.loads(json.dumps(it.state_dict()))
+    expect = [it.next_batch() for _ in range(3)]
+    again = PromptIterator(load_dataset(p, prompt_key="q", answer_key="a"), batch_size=3, seed=1)
+    again.load_state_dict(state)
+    assert [again.next_batch() for _ in range(3)] == expect
 
 
 @pytest.mark.parametrize(
     ("lines", "match"),
     [
         (['{"prompt": "1", "answer": "2"}', "{bad json"], r"d\.jsonl:2: invalid JSON"),
-        (['{"prompt": "1"}'], r":1: missing field 'answer'"),
-        (['{"prompt": 1, "answer": "2"}'], r":1: field 'prompt' must be a string"),
+        (['{"prompt": "1"}'], r":1: missing key 'answer'"),
+        (['{"prompt": 1, "answer": "2"}'], r":1: key 'prompt' must be a string, got int"),
+        (['{"prompt": "1", "answer": true}'], r":1: key 'answer' must be a string or a number, got bool"),
         (["[1, 2]"], r":1: expected a JSON object"),
         ([""], "no records"),
     ],

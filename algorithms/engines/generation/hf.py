@@ -17,7 +17,7 @@ import torch
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.models import build_model, sample
-from algorithms.tasks import CharTokenizer
+from algorithms.tokenizers import build_tokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
 
@@ -57,7 +57,7 @@ class HFEngine(GenerationEngine):
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> HFEngine:
-        tok = CharTokenizer()
+        tok = build_tokenizer(cfg)
         engine = cls(
             cfg.policy.model,
             device=cfg.generation.device,

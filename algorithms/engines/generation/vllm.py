@@ -41,7 +41,7 @@ from algorithms.config import TrainerConfig, VLLMEngineConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
 from algorithms.models import build_model, save_pretrained_dir
-from algorithms.tasks import CharTokenizer
+from algorithms.tokenizers import build_tokenizer
 
 __all__ = ["VLLMEngine", "prompt_seed"]
 
@@ -55,7 +55,7 @@ def prompt_seed(seed: int, index: int) -> int:
 
 class VLLMEngine(GenerationEngine):
     """Args: ``model_cfg`` (``policy.model``), ``device`` ("cpu" | "cuda"), the tokenizer's
-    ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``; ``engine`` (``generation.vllm``, a
+    ``vocab_size``, ``eos_id``, ``bos_id`` (``None``: it has none), ``pad_id``; ``engine`` (``generation.vllm``, a
     :class:`~algorithms.config.VLLMEngineConfig`; default: its defaults); ``llm_kwargs``:
     further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
 
@@ -68,7 +68,7 @@ class VLLMEngine(GenerationEngine):
         device: str = "cpu",
         vocab_size: int,
         eos_id: int,
-        bos_id: int,
+        bos_id: int | None,
         pad_id: int,
         engine: VLLMEngineConfig | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
@@ -88,7 +88,8 @@ class VLLMEngine(GenerationEngine):
             hf_model: Any = model
             for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
                 if cfg is not None:
-                    cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = int(eos_id), int(bos_id), int(pad_id)
+                    cfg.eos_token_id, cfg.pad_token_id = int(eos_id), int(pad_id)
+                    cfg.bos_token_id = None if bos_id is None else int(bos_id)
             save_pretrained_dir(model, self._model_dir)
             self.head_size = _head_size(model.config)
             del model
@@ -99,7 +100,7 @@ class VLLMEngine(GenerationEngine):
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> VLLMEngine:
-        tok = CharTokenizer()
+        tok = build_tokenizer(cfg)
         g = cfg.generation
         return cls(
             cfg.policy.model,

@@ -32,12 +32,13 @@ from typing import Any
 import ray
 import torch
 
-from algorithms.checkpoint import load_driver_state, mark_complete, resolve_resume, save_driver_state, step_dir
+from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, step_dir
 from algorithms.config import TrainerConfig, check_devices
 from algorithms.dispatch import make_dispatcher
-from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
+from algorithms.metrics import MetricsLogger
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
+from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import Workers, refit, run_idle_ratios
 from algorithms.tasks import load_jsonl_dataset, make_task_dataset, resolve_reward_fn
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
@@ -74,10 +75,6 @@ def load_datasets(cfg: TrainerConfig) -> tuple[list[Any], list[Any]]:
     return train, val
 
 
-def checkpoint_root(cfg: TrainerConfig) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.logging.output_dir) / "checkpoints")
-
-
 class Trainer:
     """Owns one run: Ray, the store (data-plane path), the workers, the loop. Use :meth:`run`.
 
@@ -98,6 +95,14 @@ class Trainer:
         self._ray_started = False
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled}
+        self.plan: RunPlan | None = None
+
+    def prepare(self) -> RunPlan:
+        """Check the output directory and the checkpoint to resume from (:mod:`algorithms.run_dir`)
+        before anything starts; idempotent. Raises ``ConfigError`` (the CLI's exit 2)."""
+        if self.plan is None:
+            self.plan = plan_run_dir(self.cfg)
+        return self.plan
 
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
@@ -277,10 +282,14 @@ class Trainer:
 
     # -------------------------------------------------------------------- run
     def run(self) -> int:
-        """Run the whole training; returns the process exit status (see the module docstring)."""
+        """Run the whole training; returns the process exit status (see the module docstring).
+        Raises ``ConfigError`` (:meth:`prepare`) before anything is written or started."""
         cfg = self.cfg
+        plan = self.prepare()
+        resume = plan.resume
         t0 = self.t0 = time.perf_counter()
         status, code = "failed", 1
+        remove_results(plan.stale, self.name)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         torch.manual_seed(cfg.trainer.seed)
@@ -291,13 +300,11 @@ class Trainer:
             resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)  # fail before starting anything
             train, val = load_datasets(cfg)
             self._init_data(train)
-            resume = resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
-            start = 0
+            start = plan.start_step
             if resume is not None:
-                state = load_driver_state(resume)
-                start = int(state["step"])
-                self._load_driver_state(state["prompts"])
+                self._load_driver_state(load_driver_state(resume)["prompts"])
                 summary["resumed_from"] = str(resume)
+                print(f"{self.name}: resuming from step {start} ({resume})", file=sys.stderr, flush=True)
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())
@@ -352,11 +359,6 @@ class Trainer:
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
             self.logger.close()
-        if rows and cfg.logging.plot:
-            try:
-                plot_metrics(rows, self.out / "reward_loss.png")
-            except Exception as e:  # noqa: BLE001 - a plot must not turn a good run into a failure
-                print(f"{self.name}: could not write the plot: {e}", file=sys.stderr)
         wall = time.perf_counter() - t0
         idle = run_idle_ratios(rows, self.num_collectors(cfg))
         summary.update(
@@ -368,11 +370,8 @@ class Trainer:
             last=rows[-1] if rows else None,
             driver_data_plane_modules=data_plane_modules_loaded(sys.modules),
         )
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        print(
-            summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name, idle=idle),
-            flush=True,
-        )
+        title = plot_title(cfg, self.name, self.transport.name) if cfg.logging.plot else None
+        write_outputs(self.out, rows, summary, name=self.name, wall_s=wall, idle=idle, title=title)
         return code
 
     @classmethod

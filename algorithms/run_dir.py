@@ -123,11 +123,24 @@ class RunPlan:
     stale: tuple[Path, ...] = field(default_factory=tuple)
 
 
+def _is_result(p: Path) -> bool:
+    """A run that logged no step leaves nothing to protect: its empty JSONL files and a summary of
+    0 steps do not take the directory, so a run that failed while setting up can simply be rerun."""
+    if p.suffix == ".jsonl":
+        return p.stat().st_size > 0
+    if p.name == "summary.json":
+        try:
+            return bool(json.loads(p.read_text()).get("steps", 1))
+        except (OSError, ValueError, AttributeError):  # unreadable: someone's results all the same
+            return True
+    return True
+
+
 def existing_results(cfg: TrainerConfig) -> list[Path]:
-    """Another run's results where this run would write: :data:`RESULTS` in the output directory,
-    then the ``step_*`` folders (complete or not) under the checkpoint root."""
+    """Another run's results where this run would write: :data:`RESULTS` in the output directory
+    (see :func:`_is_result`), then the ``step_*`` folders (complete or not) under the checkpoint root."""
     out = Path(cfg.logging.output_dir)
-    found = [out / name for name in RESULTS if (out / name).exists()]
+    found = [out / name for name in RESULTS if (out / name).exists() and _is_result(out / name)]
     return found + sorted(checkpoint_root(cfg).glob("step_*"))
 
 

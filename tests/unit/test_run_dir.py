@@ -48,13 +48,20 @@ def _one_line(e: pytest.ExceptionInfo[ConfigError]) -> str:
 
 
 # ----------------------------------------------------------------------------- output directory
-def test_a_fresh_run_into_an_empty_or_new_directory_starts(tmp_path: Path) -> None:
+def test_a_fresh_run_starts_where_no_step_was_logged(tmp_path: Path) -> None:
     plan = plan_run_dir(_cfg(tmp_path / "new"))
     assert plan.resume is None and plan.start_step == 0 and plan.stale == ()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text("{}")  # every run writes it first: not a result
     (tmp_path / "mine" / "stdout.txt").write_text("")
     assert plan_run_dir(_cfg(tmp_path / "mine")).stale == ()
+    # A run that failed while setting up: an empty metrics file and a summary of 0 steps.
+    (tmp_path / "mine" / "metrics.jsonl").write_text("")
+    (tmp_path / "mine" / "summary.json").write_text('{"status": "failed", "exit_code": 1, "steps": 0}')
+    assert plan_run_dir(_cfg(tmp_path / "mine")).stale == ()
+    (tmp_path / "mine" / "summary.json").write_text('{"status": "finished", "steps": 5}')
+    with pytest.raises(ConfigError, match="summary.json"):
+        plan_run_dir(_cfg(tmp_path / "mine"))
 
 
 def test_another_runs_results_are_refused_naming_them_and_the_ways_out(tmp_path: Path) -> None:
@@ -220,7 +227,7 @@ def test_the_cli_reports_a_resume_error_as_one_line_and_exits_2(
 
 def test_the_cli_refuses_a_taken_output_dir_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "summary.json").write_text("{}")
+    (tmp_path / "run" / "summary.json").write_text('{"status": "finished", "steps": 3}')
     assert _sync_main(["--config", str(YAML), f"logging.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "summary.json" in err and "logging.overwrite" in err

@@ -85,7 +85,8 @@ def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
     """The checkpoint to resume from: ``None``, ``"latest"`` under ``root``, or a directory.
 
     Raises:
-        FileNotFoundError: no complete checkpoint matches (names where it looked).
+        FileNotFoundError: no complete checkpoint matches; the message says what is there
+            instead (nothing, a checkpoints root, a checkpoint without its marker).
     """
     if not spec:
         return None
@@ -95,8 +96,18 @@ def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
             raise FileNotFoundError(f"checkpoint.resume=latest: no complete checkpoint under {root}")
         return done[-1]
     d = Path(spec)
+    if not d.exists():
+        raise FileNotFoundError(f"checkpoint.resume={spec!r} does not exist")
+    steps = sorted(d.glob("step_*"))
+    if steps:
+        raise FileNotFoundError(
+            f"checkpoint.resume={spec!r} is a checkpoints root, not a checkpoint: give checkpoint.resume=latest "
+            f"(with checkpoint.dir={spec}) or one of its step_* folders, e.g. {steps[-1]}"
+        )
     if not (d / MARKER).exists():
-        raise FileNotFoundError(f"checkpoint.resume={spec!r} is not a complete checkpoint (no {MARKER} marker)")
+        raise FileNotFoundError(
+            f"checkpoint.resume={spec!r} is not a complete checkpoint (no {MARKER} marker: its save did not finish)"
+        )
     return d
 
 

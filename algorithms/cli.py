@@ -1,7 +1,8 @@
 """The trainers' command line: ``python -m algorithms.grpo_sync|grpo_async --config FILE [dotted.key=value ...]``.
 
 Exit status: 0 on success, 1 when a step or the set-up failed, 2 for a bad config (one line naming
-the key), 130 on Ctrl-C.
+the key; also an output directory holding another run's results, or a checkpoint that cannot be
+resumed: :mod:`algorithms.run_dir`), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_devices(cfg, generators=trainer_cls.num_collectors(cfg))
+        trainer = trainer_cls(cfg)
+        trainer.prepare()  # the output directory and the checkpoint to resume from
     except (ConfigError, FileNotFoundError) as e:
         print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
         return 2
-    return trainer_cls(cfg).run()
+    return trainer.run()

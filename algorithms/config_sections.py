@@ -189,6 +189,9 @@ class LoggingConfig:
     tensorboard: bool = False
     plot: bool = True  # reward/loss PNG at the end
     quiet: bool = False  # no per-step lines or banner (the bar and summary stay)
+    # true: a fresh run deletes another run's results in output_dir (and its checkpoints) first;
+    # false: such a run is refused (algorithms/run_dir.py).
+    overwrite: bool = False
     # keys_outstanding is the rollouts' count every step; every this many steps (and at exit) it
     # is a listing of the whole store instead. 0: at exit only.
     audit_every: int = 10
@@ -205,6 +208,9 @@ class CheckpointConfig:
     dir: str | None = None  # None: {logging.output_dir}/checkpoints
     resume: str | None = None  # a checkpoint dir, or "latest" under `dir`
     keep: int = 0  # 0: keep all
+    # true: a resume may change the keys algorithms.run_dir.SAFE_ON_RESUME lists (lr, steps, ...);
+    # the model, the task and the saved state's layout never change.
+    allow_config_change: bool = False
 
     def __post_init__(self) -> None:
         require_positive(self, "every", "keep", allow_zero=True)

@@ -173,31 +173,67 @@ class MetricsLogger:
             self._file = None
 
 
-def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
-    """Write a reward/loss PNG (train reward, validation reward, loss vs step); None if no rows."""
-    if not rows:
-        return None
+# The plot's panels after the reward: (title, [(metric key, line label)]); a panel is drawn only
+# when one of its metrics was logged (staleness: async runs).
+PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("loss", (("loss", "loss"),)),
+    ("pg_loss", (("pg_loss", "policy-gradient loss"),)),
+    ("KL", (("kl", "KL to the reference"), ("behaviour_kl", "behaviour KL"))),
+    ("staleness", (("staleness_mean", "mean"), ("staleness_max", "max"))),
+)
+
+
+def metrics_figure(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> Any:
+    """A matplotlib figure of ``rows`` (non-empty): train/validation reward, then each
+    :data:`PLOT_PANELS` panel whose metrics were logged; ``title`` is the figure's title."""
     # matplotlib (extra `train`) is slow to import and needed only here, at the end of a run.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def series(key: str) -> list[float]:
+        return [math.nan if r.get(key) is None else float(r[key]) for r in rows]
+
     steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_r.plot(steps, [r.get("reward") for r in rows], label="train reward")
+    logged = {k for r in rows for k, v in r.items() if v is not None}
+    panels = [(name, [(k, label) for k, label in lines if k in logged]) for name, lines in PLOT_PANELS]
+    panels = [(name, lines) for name, lines in panels if lines]
+    ncols = min(3, 1 + len(panels))
+    nrows = -(-(1 + len(panels)) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.6 * nrows), squeeze=False)
+    flat = list(axes.flat)
+    ax_r = flat[0]
+    ax_r.plot(steps, series("reward"), label="train reward")
     val = [(r["step"], r["val_reward"]) for r in rows if r.get("val_reward") is not None]
     if val:
         ax_r.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation reward")
-    ax_r.set_xlabel("step")
+    ax_r.set_title("reward")
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(-0.05, 1.05)
-    ax_r.legend()
-    ax_l.plot(steps, [r.get("loss") for r in rows], label="loss", color="tab:red")
-    ax_l.set_xlabel("step")
-    ax_l.set_ylabel("loss")
-    ax_l.legend()
+    for ax, (name, lines) in zip(flat[1:], panels):
+        for key, label in lines:
+            ax.plot(steps, series(key), label=label)
+        ax.set_title(name)
+        ax.set_ylabel(name)
+    for ax in flat[: 1 + len(panels)]:
+        ax.set_xlabel("step")
+        ax.legend()
+    for ax in flat[1 + len(panels) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str | None = None) -> Path | None:
+    """Write :func:`metrics_figure` as a PNG at ``path``; None (nothing written) if no rows."""
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(rows, title)
     out = Path(path)
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -209,14 +245,16 @@ def summary_line(
     *,
     wall_s: float,
     status: str,
-    path: str | Path,
+    files: Sequence[str | Path] = (),
     name: str = "grpo_sync",
     idle: Mapping[str, float] | None = None,
 ) -> str:
     """One line for the end of a run: status, steps, reward first->last, best validation, the
-    run's idle ratios (``idle``), time (and for async runs the staleness and stale groups dropped)."""
+    run's idle ratios (``idle``), time (and for async runs the staleness and stale groups
+    dropped), then ``files``: the caller passes only files that exist."""
+    where = f"; outputs: {', '.join(str(f) for f in files)}" if files else ""
     if not rows:
-        return f"{name} {status}: 0 steps in {wall_s:.1f}s; metrics: {path}"
+        return f"{name} {status}: 0 steps in {wall_s:.1f}s{where}"
     first, last = rows[0], rows[-1]
     head = min(3, len(rows))
     r0 = sum(r["reward"] for r in rows[:head]) / head
@@ -236,7 +274,7 @@ def summary_line(
         f"{name} {status}: steps {first['step']}..{last['step']}, mean reward {r0:.3f} -> {r1:.3f} "
         f"(first/last {head} steps){best}, loss {_fmt(last.get('loss'))}, "
         f"max keys outstanding {max((r.get('keys_outstanding') or 0) for r in rows)}{stale}{ratios}, "
-        f"{wall_s:.1f}s wall; metrics: {path}"
+        f"{wall_s:.1f}s wall{where}"
     )
 
 

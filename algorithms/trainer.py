@@ -33,13 +33,14 @@ from typing import Any
 import ray
 import torch
 
-from algorithms.checkpoint import load_driver_state, mark_complete, resolve_resume, save_driver_state, step_dir
-from algorithms.config import ConfigError, TrainerConfig, check_devices
+from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, step_dir
+from algorithms.config import TrainerConfig, check_devices
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
-from algorithms.metrics import MetricsLogger, plot_metrics, summary_line
+from algorithms.metrics import MetricsLogger
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
+from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import Workers, refit, run_idle_ratios
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
 from algorithms.workers.collector import RolloutCollector
@@ -54,10 +55,6 @@ __all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modul
 def _node_id(actor: Any) -> str:
     """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
     return ray.get_runtime_context().get_node_id()
-
-
-def checkpoint_root(cfg: TrainerConfig) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.logging.output_dir) / "checkpoints")
 
 
 class Trainer:
@@ -80,6 +77,21 @@ class Trainer:
         self._ray_started = False
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled}
+        self.plan: RunPlan | None = None
+        self._datasets: tuple[list[Any], list[Any]] = ([], [])
+
+    def prepare(self) -> RunPlan:
+        """Check the output directory and the checkpoint to resume from (:mod:`algorithms.run_dir`),
+        load the datasets and check them against the tokenizer, the model and the reward
+        (:mod:`algorithms.inputs`), before anything is written or started; idempotent. Raises
+        ``ConfigError`` (the CLI's exit 2)."""
+        if self.plan is None:
+            plan = plan_run_dir(self.cfg)
+            train, val = load_datasets(self.cfg)
+            check_run_inputs(self.cfg, train, val)
+            self._datasets = (train, val)
+            self.plan = plan
+        return self.plan
 
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
@@ -259,10 +271,14 @@ class Trainer:
 
     # -------------------------------------------------------------------- run
     def run(self) -> int:
-        """Run the whole training; returns the process exit status (see the module docstring)."""
+        """Run the whole training; returns the process exit status (see the module docstring).
+        Raises ``ConfigError`` (:meth:`prepare`) before anything is written or started."""
         cfg = self.cfg
+        plan = self.prepare()
+        resume = plan.resume
         t0 = self.t0 = time.perf_counter()
         status, code = "failed", 1
+        remove_results(plan.stale, self.name)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         torch.manual_seed(cfg.trainer.seed)
@@ -270,16 +286,13 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.num_threads)
         summary = self.summary
         try:
-            train, val = load_datasets(cfg)
-            check_run_inputs(cfg, train, val)  # tokenizer vs model and prompts, reward: before anything starts
+            train, val = self._datasets
             self._init_data(train)
-            resume = resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
-            start = 0
+            start = plan.start_step
             if resume is not None:
-                state = load_driver_state(resume)
-                start = int(state["step"])
-                self._load_driver_state(state["prompts"])
+                self._load_driver_state(load_driver_state(resume)["prompts"])
                 summary["resumed_from"] = str(resume)
+                print(f"{self.name}: resuming from step {start} ({resume})", file=sys.stderr, flush=True)
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())
@@ -320,10 +333,6 @@ class Trainer:
                 [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"
             )
             summary["workers_data_plane_modules"] = self._worker_modules()
-        except ConfigError as e:  # the run's inputs, checked before Ray: one line, as for a bad config
-            status, code = "config error", 2
-            print(f"{self.name}: config error: {e}", file=sys.stderr)
-            summary["error"] = str(e)
         except KeyboardInterrupt:
             status, code = "interrupted (Ctrl-C)", 130
             print(f"\n{self.name}: interrupted; clearing the store and shutting down workers", file=sys.stderr)
@@ -338,11 +347,6 @@ class Trainer:
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
             self.logger.close()
-        if rows and cfg.logging.plot:
-            try:
-                plot_metrics(rows, self.out / "reward_loss.png")
-            except Exception as e:  # noqa: BLE001 - a plot must not turn a good run into a failure
-                print(f"{self.name}: could not write the plot: {e}", file=sys.stderr)
         wall = time.perf_counter() - t0
         idle = run_idle_ratios(rows, self.num_collectors(cfg))
         summary.update(
@@ -354,11 +358,8 @@ class Trainer:
             last=rows[-1] if rows else None,
             driver_data_plane_modules=data_plane_modules_loaded(sys.modules),
         )
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        print(
-            summary_line(rows, wall_s=wall, status=status, path=self.out / "metrics.jsonl", name=self.name, idle=idle),
-            flush=True,
-        )
+        title = plot_title(cfg, self.name, self.transport.name) if cfg.logging.plot else None
+        write_outputs(self.out, rows, summary, name=self.name, wall_s=wall, idle=idle, title=title)
         return code
 
     @classmethod

@@ -108,7 +108,13 @@ def _segment(
         f"checkpoint.every={ckpt_every}",
         f"logging.output_dir={out}",
         f"debug.fault_marker={marker}",
-        *(("checkpoint.resume=latest",) if resume else ()),
+        # Segments resume with a growing trainer.steps; a segment before any checkpoint starts
+        # over in the same directory.
+        *(
+            ("checkpoint.resume=latest", "checkpoint.allow_config_change=true")
+            if resume
+            else ("logging.overwrite=true",)
+        ),
         *overrides,
     ]
     env = dict(

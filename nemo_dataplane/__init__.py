@@ -7,6 +7,12 @@ Public names are re-exported here; everything else is imported from its layer's 
 
 from typing import TYPE_CHECKING, Any
 
+from nemo_dataplane.notices import quiet_known_notices
+
+# Every process of the library and its trainers imports this package first: two dependency
+# notices that concern none of them are dropped here, once (nemo_dataplane/notices.py says which).
+quiet_known_notices()
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nemo_dataplane.client import (
         ClaimsNotSupported,

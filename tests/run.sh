@@ -4,7 +4,7 @@
 # GPU tests skip cleanly without a GPU. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash .ci/setup-env
+bash .ci/setup-env test   # .[train,test] and the vllm extra (the vLLM tests run)
 . .venv/bin/activate
 # One thread per process keeps Ray actors, TransferQueue and the trainer's workers from
 # oversubscribing a 2-core machine; tests that need another setting set it themselves.

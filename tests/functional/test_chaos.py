@@ -124,7 +124,8 @@ def chaos_runs(run_trainers_concurrently, runs_dir: Path) -> dict:
             ),
         },
     )
-    resume = ("checkpoint.resume=latest", "checkpoint.every=0")
+    # trainer.steps grows past the faulted runs' (a resume may change it when allowed).
+    resume = ("checkpoint.resume=latest", "checkpoint.every=0", "checkpoint.allow_config_change=true")
     runs |= _wave(
         run_trainers_concurrently,
         runs_dir,

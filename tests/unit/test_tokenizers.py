@@ -3,7 +3,6 @@ checkpoint built at test time (``make_real_model`` / ``real_model`` in tests/con
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -99,21 +98,19 @@ def test_a_model_with_fewer_embedding_rows_than_tokens_is_refused_naming_both(ma
     assert isinstance(check_run_inputs(config(make_real_model(tmp_path / "ok")), train, val), HFTokenizer)
 
 
-def test_the_trainer_exits_2_with_one_line_before_starting_ray(
-    make_real_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_trainer_refuses_before_writing_or_starting_ray(make_real_model, tmp_path: Path) -> None:
+    """``prepare`` (which the CLI turns into one line and exit 2) checks the inputs before the run
+    directory is written or Ray starts."""
     import ray
 
     from algorithms.grpo_sync import SyncTrainer
 
     model = make_real_model(tmp_path / "small", embedding_rows=300)
     cfg = config(model, f"logging.output_dir={tmp_path / 'run'}", "data_plane.enabled=false", "logging.progress=false")
-    capsys.readouterr()  # the fixture's own output
-    assert SyncTrainer(cfg).run() == 2
+    with pytest.raises(ConfigError, match=r"^policy.model: the model's embedding has 300"):
+        SyncTrainer(cfg).prepare()
     assert not ray.is_initialized()
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("grpo_sync: config error: policy.model: the model's embedding has 300")
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 2
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_prompt_that_does_not_tokenize_is_named_with_its_line_and_field(real_model: Path, tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def test_plot_and_summary(tmp_path: Path) -> None:
     png = plot_metrics(rows, tmp_path / "p.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_metrics([], tmp_path / "none.png") is None
-    line = summary_line(rows, wall_s=12.0, status="finished", path=tmp_path / "metrics.jsonl")
+    line = summary_line(rows, wall_s=12.0, status="finished", files=[tmp_path / "metrics.jsonl"])
     assert "finished" in line and "0.200 -> 0.600" in line and "best val reward 0.300" in line
 
 

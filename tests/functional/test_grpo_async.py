@@ -290,15 +290,17 @@ def resumed(trainer_command, run_trainers_concurrently, runs_dir: Path) -> dict[
     killed = {}
     for name, (out, _, _) in plan.items():
         latest = complete_checkpoints(out / "checkpoints")[-1]  # what checkpoint.resume=latest picks
-        killed[name] = (_jsonl(out / "metrics.jsonl"), _jsonl(out / "trained_groups.jsonl"), latest)
+        # Read now: the resumed run's own checkpoints remove this one (checkpoint.keep).
+        driver = load_trusted(latest / "driver.pt")
+        killed[name] = (_jsonl(out / "metrics.jsonl"), _jsonl(out / "trained_groups.jsonl"), latest, driver)
     runs = run_trainers_concurrently(
         [(out, (*ov, "checkpoint.resume=latest"), "grpo_async") for out, ov, _ in plan.values()], timeout=900
     )
     out = {}
-    for (name, (rows, trained, latest)), run in zip(killed.items(), runs):
+    for (name, (rows, trained, latest, driver)), run in zip(killed.items(), runs):
         assert run.returncode == 0, run.explain()
         assert run.summary["resumed_from"] == str(latest)
-        out[name] = Resumed(run, rows, trained, load_trusted(latest / "driver.pt"))
+        out[name] = Resumed(run, rows, trained, driver)
     return out
 
 

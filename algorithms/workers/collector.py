@@ -353,6 +353,11 @@ class RolloutCollector:
                     return
                 room = max(0, self._chunk - pool.groups())
                 jobs = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            # Complete groups leave the pool before they are written: until their write lands
+            # they are only here, and a failure must report them with the pool's (else the
+            # trainer's ledger waits for them for the rest of the run).
+            undelivered: list[int] = []
+            unstarted = [j.group_id for j in jobs]  # taken from the queue, not yet in the pool
             try:
                 t_idle = time.perf_counter()
                 pause = 0.005
@@ -365,7 +370,7 @@ class RolloutCollector:
                     if pool.running:  # draw what is in progress; admit the new groups later
                         with self._cv:
                             self._queue.extendleft(reversed(jobs))
-                        jobs = []
+                        jobs, unstarted = [], []
                         break
                     time.sleep(pause)
                     pause = min(pause * 2, 0.2)
@@ -376,6 +381,7 @@ class RolloutCollector:
                 prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
                 limits = self._limits([j.record for j in jobs]) or [self.cfg.generation.max_new_tokens] * len(jobs)
                 pool.start(jobs, prompts, limits)
+                unstarted = []
                 rows = list(pool.running)
                 calls += 1
                 out, busy = self._call(
@@ -390,6 +396,7 @@ class RolloutCollector:
                 with self._cv:
                     self._stats["generator_busy_s"] += busy
                 done = pool.absorb(rows, out.tokens, out.logprobs, out.finished, out.version)
+                undelivered = [j.group_id for j, _ in done]
                 self._stats["generate_s"] += time.perf_counter() - t0
                 for jobs_done, prompts_done, got in self._by_version(done):
                     maybe_fail(
@@ -401,10 +408,15 @@ class RolloutCollector:
                     batch, tags, version, _ = self._assemble(jobs_done, prompts_done, got)
                     self._stats["idle_s"] += sink.stream(jobs_done, batch, tags, version, self._stopped)
                     self._stats["groups_written"] += len(jobs_done)
+                    written = {j.group_id for j in jobs_done}
+                    undelivered = [g for g in undelivered if g not in written]
                 consecutive_failures = 0
             except Exception as e:  # noqa: BLE001 - reported to the driver through poll()
                 with self._cv:
-                    self._failed.extend(pool.drop())
+                    # Everything not in the store: the groups in progress, the ones taken from the
+                    # queue before they joined the pool (a failed backpressure check), and the
+                    # complete ones whose write failed or did not come (a write before it failed).
+                    self._failed.extend(sorted({*pool.drop(), *unstarted, *undelivered}))
                     self._stats["put_failures"] += 1
                     consecutive_failures += 1
                     if not isinstance(e, InjectedFailure) or consecutive_failures > 3:

@@ -5,8 +5,10 @@ the default async config on the store (learning, bounds, checkpoints) and a smal
 in-memory baseline (legacy, whose compiled graph is made to fail its compile); then a small run whose put
 of one group fails half-way with two
 concurrent collectors (dispatched through the compiled graph), a soak of a couple of hundred
-tiny steps under tight backpressure, and a run whose policy rank raises. Then a run SIGKILLed
-at a random step and resumed, and an interrupted run. Longer soaks with faults:
+tiny steps under tight backpressure, and a run whose policy rank raises. Then two runs
+SIGKILLed after a checkpoint and resumed, side by side (whole rollouts at a random step; partial
+rollouts, responses spanning refits, one step past a checkpoint), and an interrupted run. Longer
+soaks with faults:
 ``benchmarks/soak.py``.
 """
 
@@ -16,8 +18,10 @@ import json
 import os
 import random
 import signal
+import subprocess
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -209,33 +213,146 @@ def test_a_failed_compile_falls_back_to_actor_calls_with_one_warning(batch_runs)
     assert d["graph_calls"] == 0 and d["compile_s"] is None and "debug.fail_dispatch_compile" in d["fallback"]
 
 
-def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(
-    trainer_command, signal_trainer, run_trainer, batch_runs, runs_dir: Path
+class Resumed(NamedTuple):
+    """A run SIGKILLed and resumed: the resumed run, the killed run's metrics rows and
+    ``trained_groups.jsonl`` (read before the resume truncates them), and the ledger of the
+    checkpoint it resumed from (``driver.pt``)."""
+
+    run: Any
+    killed_rows: list[dict[str, Any]]
+    killed_trained: list[dict[str, Any]]
+    driver: dict[str, Any]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def _sigkill_after(runs: list[tuple[Path, list[str], dict[str, str], int]], timeout: float = 600) -> None:
+    """Start every ``(out_dir, argv, env, steps)`` run at once (their start-ups overlap), each in
+    its own process group, and SIGKILL the whole group (no clean-up at all) once its
+    ``metrics.jsonl`` has ``steps`` lines."""
+    procs = []
+    for out, cmd, env, steps in runs:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "killed_stdout.txt").open("w") as so, (out / "killed_stderr.txt").open("w") as se:
+            procs.append(
+                (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se, start_new_session=True), out, steps)
+            )
+    deadline = time.monotonic() + timeout
+    try:
+        left = list(procs)
+        while left and time.monotonic() < deadline:
+            for proc, out, steps in list(left):
+                assert proc.poll() is None, (
+                    f"{out.name} ended before its kill: {(out / 'killed_stderr.txt').read_text()[-4000:]}"
+                )
+                metrics = out / "metrics.jsonl"
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    left.remove((proc, out, steps))
+            time.sleep(0.05)
+        assert not left, f"{[out.name for _, out, _ in left]}: no {[s for *_, s in left]} steps within {timeout}s"
+    finally:
+        for proc, *_ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+WHOLE_RESUME = ("trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0")
+# Partial rollouts, a sampler slowed per token: the generator is always busy, so every refit stops
+# a generation in flight and responses span two versions; 5 small steps, checkpoints every 2.
+PARTIAL_RESUME = (
+    *SMALL_ASYNC,
+    "async.partial_rollout=true",
+    "debug.token_delay_s=0.1",
+    "generation.max_new_tokens=8",
+    "trainer.dp_size=1",
+    "trainer.steps=5",
+    "checkpoint.every=2",
+    "trainer.val_every=0",
+)
+
+
+@pytest.fixture(scope="module")
+def resumed(trainer_command, run_trainers_concurrently, runs_dir: Path) -> dict[str, Resumed]:
+    """Two runs SIGKILLed after a checkpoint, then resumed with ``checkpoint.resume=latest``, both
+    pairs side by side: whole rollouts (the default config, killed at a random step) and partial
+    rollouts (killed at step 3, one past the checkpoint of step 2)."""
+    from algorithms.checkpoint import complete_checkpoints, load_trusted
+
+    plan = {
+        "whole": (runs_dir / "killed", WHOLE_RESUME, random.Random(os.getpid()).randint(3, 8)),
+        "partial": (runs_dir / "killed_partial", PARTIAL_RESUME, 3),
+    }
+    _sigkill_after([(out, *trainer_command(out, *ov, module="grpo_async"), steps) for out, ov, steps in plan.values()])
+    killed = {}
+    for name, (out, _, _) in plan.items():
+        latest = complete_checkpoints(out / "checkpoints")[-1]  # what checkpoint.resume=latest picks
+        # Read now: the resumed run's own checkpoints remove this one (checkpoint.keep).
+        driver = load_trusted(latest / "driver.pt")
+        killed[name] = (_jsonl(out / "metrics.jsonl"), _jsonl(out / "trained_groups.jsonl"), latest, driver)
+    runs = run_trainers_concurrently(
+        [(out, (*ov, "checkpoint.resume=latest"), "grpo_async") for out, ov, _ in plan.values()], timeout=900
+    )
+    out = {}
+    for (name, (rows, trained, latest, driver)), run in zip(killed.items(), runs):
+        assert run.returncode == 0, run.explain()
+        assert run.summary["resumed_from"] == str(latest)
+        out[name] = Resumed(run, rows, trained, driver)
+    return out
+
+
+def _assert_replayed_exactly_once(
+    resumed, killed_trained: list[dict[str, Any]], driver: dict[str, Any], steps: int
 ) -> None:
-    out = runs_dir / "killed"
-    kill_after = random.Random(os.getpid()).randint(3, 8)  # steps logged before the SIGKILL
-    cmd, env = trainer_command(
-        out, "trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0", module="grpo_async"
-    )
-    signal_trainer(cmd, env, out, kill_after, signal.SIGKILL)  # no clean-up at all
-    resumed = run_trainer(
-        out,
-        "trainer.steps=12",
-        "checkpoint.every=2",
-        "trainer.val_every=0",
-        "checkpoint.resume=latest",
-        module="grpo_async",
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.explain()
-    assert [r["step"] for r in resumed.rows] == list(range(12)), "resumed rows replace the killed run's tail"
-    assert all(r["staleness_max"] <= 1 for r in resumed.rows)
+    """Across the killed and the resumed run, every prompt consumed is consumed once: the steps
+    before the checkpoint are the killed run's, kept as they were; every prompt the checkpoint's
+    ledger held (in flight, partially generated or waiting for a retry) and every prompt the killed
+    run trained after the checkpoint is trained again after it, exactly once, the in-flight ones
+    under their own group ids (the ledger's invariant: regenerated, never carried)."""
+    ckpt, ledger = int(driver["step"]), driver["prompts"]
+    assert [r["step"] for r in resumed.rows] == list(range(steps)), "resumed rows replace the killed run's tail"
     _assert_lossless(resumed)
+    trained = _trained(resumed)
+    assert trained[:ckpt] == [r for r in killed_trained if r["step"] < ckpt], "the steps before the checkpoint stay"
+    before = {h for r in trained[:ckpt] for h in r["handouts"]}
+    after = [h for r in trained[ckpt:] for h in r["handouts"]]
+    pending = [int(h) for h, _ in ledger["pending"]]
+    assert pending and not before & set(pending), "the ledger holds prompts in flight, none trained yet"
+    assert set(pending) <= set(after), "a prompt in flight at the checkpoint was never trained after the resume"
+    lost_steps = [h for r in killed_trained if r["step"] >= ckpt for h in r["handouts"]]
+    assert lost_steps, "the kill came after the checkpoint: the killed run trained steps the resume replays"
+    assert set(lost_steps) <= set(after), "a prompt the killed run trained after the checkpoint was lost"
+    if not any(r["groups_dropped_stale"] or r["groups_requeued_failed"] for r in resumed.rows):  # no new ids
+        group_of = {h: g for r in trained[ckpt:] for h, g in zip(r["handouts"], r["groups"])}
+        assert all(group_of[int(h)] == int(g) for h, g in ledger["inflight_group_ids"].items())
+
+
+def test_killed_at_a_random_step_and_resumed_trains_every_prompt_exactly_once(resumed, batch_runs) -> None:
+    r = resumed["whole"]
+    assert all(row["staleness_max"] <= 1 for row in r.run.rows)
+    if int(r.driver["step"]) < len(r.killed_trained):  # else the kill landed right after a checkpoint
+        _assert_replayed_exactly_once(r.run, r.killed_trained, r.driver, 12)
+    else:
+        _assert_lossless(r.run)
     # The uninterrupted run trained the same prompts at the same steps (oldest first, none dropped).
-    ref = {r["step"]: r["handouts"] for r in _trained(batch_runs["dp"])}
-    got = {r["step"]: r["handouts"] for r in _trained(resumed)}
-    if not any(r["groups_dropped_stale"] for r in (*resumed.rows, *batch_runs["dp"].rows)):
+    ref = {row["step"]: row["handouts"] for row in _trained(batch_runs["dp"])}
+    got = {row["step"]: row["handouts"] for row in _trained(r.run)}
+    if not any(row["groups_dropped_stale"] for row in (*r.run.rows, *batch_runs["dp"].rows)):
         assert all(sorted(got[s]) == sorted(ref[s]) for s in range(12)), (got, ref)
+
+
+def test_partial_rollouts_killed_after_a_checkpoint_and_resumed_lose_or_repeat_no_prompt(resumed) -> None:
+    """Partial rollouts: killed one step past a checkpoint, with responses half drawn in the
+    collector's row pool; the resume regenerates what the checkpoint's ledger held in flight
+    (partial responses are not carried) and trains every prompt exactly once."""
+    r = resumed["partial"]
+    assert sum(row["partial_samples"] for row in r.killed_rows) > 0, "no response of the killed run spanned a refit"
+    assert int(r.driver["step"]) < len(r.killed_trained), "the killed run trained past its last checkpoint"
+    _assert_replayed_exactly_once(r.run, r.killed_trained, r.driver, 5)
+    assert all(row["staleness_max"] <= 1 for row in r.run.rows)
 
 
 def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -259,3 +260,69 @@ def test_a_collector_sample_across_a_refit_holds_two_versions_each_tokens_own(ge
         for i, (lp, v) in enumerate(zip(s.logprobs[j], s.versions[j])):
             worst = max(worst, abs(lp - forced[v][i]))
     assert worst < LOGPROB_TOL, f"max |behaviour - teacher-forced under the token's version| = {worst:.3g}"
+
+
+class _FailingSink:
+    """A sink in memory whose write of any batch holding ``fail_group`` raises (once)."""
+
+    def __init__(self, fail_group: int) -> None:
+        self.fail_group = fail_group
+        self.written: list[int] = []
+
+    def open(self) -> None:
+        pass
+
+    def unconsumed_groups(self) -> int:
+        return 0
+
+    def stream(self, jobs: Any, batch: Any, tags: Any, version: int, stopped: Any) -> float:
+        ids = [j.group_id for j in jobs]
+        if self.fail_group in ids:
+            self.fail_group = -1
+            from algorithms.faults import InjectedFailure  # a failure the producer survives
+
+            raise InjectedFailure(f"write of groups {ids} failed")
+        self.written += ids
+        return 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_failed_write_of_groups_completed_in_the_pool_reports_them_for_regeneration() -> None:
+    """Complete groups leave the row pool before their write: if it fails they must be reported
+    (the driver requeues them), or their prompts are lost for the rest of the run. Even-numbered
+    groups finish in one generate call, odd ones in two, so group 1 completes together with
+    group 2, and their one write fails."""
+    from algorithms.engines.generation import Rollouts
+    from algorithms.rollouts import Job
+    from algorithms.tasks import PromptRecord
+    from algorithms.workers.collector import RolloutCollector
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_async_tiny.yaml"
+    cfg = load_config(str(tiny), ["generation.n=2", "async.partial_rollout=true", "async.groups_per_generation=2"])
+    long_prompt = len(TOK.encode_prompt("22="))
+
+    class _OneTokenCollector(RolloutCollector):
+        def _call(self, prompts: Any, n: int, seed: int, *args: Any, **kwargs: Any) -> tuple[Rollouts, float]:
+            # one token per row; a row is done once its prefix is one past the longer prompt
+            done = [len(p) + 1 > long_prompt for p in prompts]
+            return Rollouts([[5] for _ in prompts], [[-0.5] for _ in prompts], 0, done), 0.0
+
+    sink = _FailingSink(fail_group=1)
+    collector = _OneTokenCollector(cfg, None, 0)
+    collector.attach(sink)  # type: ignore[arg-type]
+    jobs = [Job(g, g, PromptRecord("22=" if g % 2 == 0 else "2=", "7", g)) for g in range(4)]
+    collector.start(max_inflight_groups=8, groups_per_generation=2)
+    collector.submit(jobs)
+    failed: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(sink.written) + len(failed) < len(jobs) and time.monotonic() < deadline:
+        p = collector.poll()
+        assert p["error"] is None, p["error"]
+        failed += p["failed"]
+        time.sleep(0.01)
+    collector.stop()
+    failed += collector.poll()["failed"]
+    assert sorted(sink.written) == [0, 3], "the groups whose write went through"
+    assert sorted(failed) == [1, 2], "every group not in the store is reported, none that is"

@@ -2,11 +2,13 @@
 
 A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) holding
 
-* ``policy.pt`` — policy, reference and AdamW state (written by policy rank 0; DP ranks are identical;
+* ``policy.pt`` — policy, reference and AdamW state (and the fp32 master weights with
+  ``policy.precision=bf16``) (written by policy rank 0; DP ranks are identical;
   with TP > 1 one ``policy_tp{t}.pt`` per TP rank);
 * ``rng_rank{r}.pt`` — each policy rank's RNG state;
-* ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states
-  and the config it was written under;
+* ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states,
+  the config it was written under and which tokenizer the run used (a resume with another one is
+  refused);
 * ``COMPLETE`` — written last: a directory without it (a crash mid-save) is never resumed from.
 
 Every file is read with ``torch.load(..., weights_only=True)`` (:func:`load_trusted`): tensors,
@@ -60,7 +62,16 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return sorted(p for p in Path(root).glob("step_*") if (p / MARKER).exists())
 
 
-def save_driver_state(d: Path, steps_done: int, prompts_state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+def save_driver_state(
+    d: Path,
+    steps_done: int,
+    prompts_state: Mapping[str, Any],
+    config: Mapping[str, Any],
+    *,
+    tokenizer: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``driver.pt``; ``tokenizer``: the run's tokenizer record
+    (:func:`algorithms.tokenizers.tokenizer_record`), which a resume checks its own against."""
     torch.save(
         {
             "step": steps_done,
@@ -68,6 +79,7 @@ def save_driver_state(d: Path, steps_done: int, prompts_state: Mapping[str, Any]
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             "config": dict(config),
+            "tokenizer": None if tokenizer is None else dict(tokenizer),
         },
         d / "driver.pt",
     )
@@ -109,6 +121,13 @@ def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
             f"checkpoint.resume={spec!r} is not a complete checkpoint (no {MARKER} marker: its save did not finish)"
         )
     return d
+
+
+def saved_tokenizer(d: Path) -> dict[str, Any] | None:
+    """The tokenizer record checkpoint ``d`` was written with (``None``: it recorded none), read
+    without touching any RNG state."""
+    record = load_trusted(d / "driver.pt").get("tokenizer")
+    return None if record is None else dict(record)
 
 
 def load_driver_state(d: Path) -> dict[str, Any]:

@@ -218,6 +218,16 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             "(the torch worker is data-parallel only)"
         )
     if cfg.policy.backend == "megatron":
+        if cfg.policy.precision != "fp32":
+            raise ConfigError(
+                f"policy.precision={cfg.policy.precision} is not supported with policy.backend=megatron "
+                "(its engine trains in fp32): use policy.precision=fp32 or policy.backend=torch"
+            )
+        if cfg.checkpoint.export_hf:
+            raise ConfigError(
+                "checkpoint.export_hf=true is not supported with policy.backend=megatron (a rank holds "
+                "1/TP of the weights): use policy.backend=torch"
+            )
         if cfg.policy.device != "cuda":
             raise ConfigError("policy.backend=megatron needs policy.device=cuda")
         tp = cfg.policy.tensor_parallel_size

@@ -55,6 +55,9 @@ class PolicyConfig:
     # tokenizer; char: the character tokenizer; else a local directory holding a HF tokenizer
     # (algorithms/tokenizers.py decides, once).
     tokenizer: str = "auto"
+    # fp32 | bf16: the weights' dtype in trainer, generator, refit and export; bf16 trains fp32
+    # master weights and AdamW state (algorithms/precision.py decides what each means, once).
+    precision: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -69,8 +72,9 @@ class PolicyConfig:
 class VLLMEngineConfig:
     """vLLM engine settings (``generation.backend=vllm``; docs/generation.md)."""
 
-    # float32 matches the trainer's log-probs; bfloat16 differs per token (docs/generation.md).
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # null: policy.precision's dtype (the trainer's weights, which the refit sends); another
+    # dtype computes in it, e.g. bfloat16 under fp32 training (log-probs then differ per token).
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # KV cache size; explicit because vLLM's CPU default reserves 90% of host memory.
     kv_cache_memory_bytes: int = 256 << 20
     max_num_seqs: int = 256  # sequences decoded together
@@ -202,7 +206,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Policy + optimizer + step + RNG + data position, every ``every`` steps."""
+    """Policy + optimizer + step + RNG + data position, every ``every`` steps; with ``export_hf``
+    also a Hugging Face directory of the policy (policy rank 0)."""
 
     every: int = 0  # 0: never
     dir: str | None = None  # None: {logging.output_dir}/checkpoints
@@ -211,6 +216,9 @@ class CheckpointConfig:
     # true: a resume may change the keys algorithms.run_dir.SAFE_ON_RESUME lists (lr, steps, ...);
     # the model, the task and the saved state's layout never change.
     allow_config_change: bool = False
+    # Also write the policy (in its precision) and tokenizer as a Hugging Face directory:
+    # {logging.output_dir}/hf/step_XXXXXX at each checkpoint and hf/final at the end.
+    export_hf: bool = False
 
     def __post_init__(self) -> None:
         require_positive(self, "every", "keep", allow_zero=True)

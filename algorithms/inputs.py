@@ -1,5 +1,6 @@
 """The run's inputs, loaded and checked in the driver before Ray starts: prompt datasets, the
-tokenizer against the model and the prompts, the reward function.
+tokenizer against the model and the prompts, the reward function, the model against the
+generation engine.
 
 Every problem is a :class:`~algorithms.config.ConfigError` naming the key at fault (the trainer
 exits 2 with that one line), so a run that cannot work fails in seconds, not after its workers
@@ -8,11 +9,11 @@ have started.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 from algorithms.config import ConfigError, TrainerConfig
+from algorithms.engines.generation import check_generation_config
+from algorithms.models import model_config_values
 from algorithms.rewards import resolve_reward_fn
 from algorithms.tasks import PromptRecord, load_dataset, make_task_dataset
 from algorithms.tokenizers import Tokenizer, build_tokenizer
@@ -57,20 +58,17 @@ def embedding_rows(cfg: TrainerConfig) -> int | None:
     """Rows of the policy's input embedding as its config states them (``policy.model.hf_config``
     or ``config.json`` under ``policy.model.path``), read without building the model; ``None``
     where the config leaves it to the tokenizer (a random-init model without ``vocab_size``)."""
-    model = cfg.policy.model
-    if model.get("path") not in (None, ""):
-        data = json.loads((Path(str(model["path"])).expanduser() / "config.json").read_text())
-        rows = data.get("vocab_size", (data.get("text_config") or {}).get("vocab_size"))
-    else:
-        rows = (model.get("hf_config") or {}).get("vocab_size")
+    rows = model_config_values(cfg.policy.model).get("vocab_size")
     return None if rows is None else int(rows)
 
 
 def check_run_inputs(cfg: TrainerConfig, train: Sequence[PromptRecord], val: Sequence[PromptRecord]) -> Tokenizer:
     """Build the run's tokenizer and check, before any worker starts: the model's embedding has a
     row for every token id; the first :data:`CHECKED_PROMPTS` prompts of each dataset tokenize;
-    the reward function resolves. Returns the tokenizer. Raises :class:`ConfigError` naming both
-    sizes, or the prompt, its source and ``task.prompt_key``, or ``task.reward_fn``."""
+    the reward function resolves; the generation engine can run the model (vLLM on CPU: its
+    attention head size). Returns the tokenizer. Raises :class:`ConfigError` naming both sizes,
+    or the prompt, its source and ``task.prompt_key``, or ``task.reward_fn``, or the model key."""
+    check_generation_config(cfg)
     tok = build_tokenizer(cfg)
     rows = embedding_rows(cfg)
     if rows is not None and tok.vocab_size > rows:

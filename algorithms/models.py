@@ -10,9 +10,11 @@ seconds to import and the driver, which loads this module through the trainer, n
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
@@ -22,8 +24,10 @@ from algorithms.grpo import entropy_from_logits
 
 __all__ = [
     "Samples",
+    "attention_head_size",
     "build_model",
     "generate",
+    "model_config_values",
     "pad_batch",
     "sample",
     "save_pretrained_dir",
@@ -91,11 +95,42 @@ def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) 
     return model
 
 
-def save_pretrained_dir(model: torch.nn.Module, path: str | os.PathLike[str]) -> str:
-    """Write ``model`` as a local HF dir (config.json + model.safetensors); returns the path."""
+def save_pretrained_dir(
+    model: torch.nn.Module, path: str | os.PathLike[str], *, special_ids: Mapping[str, int | None] | None = None
+) -> str:
+    """Write ``model`` as a local HF dir (config.json with the weights' dtype + model.safetensors,
+    and generation_config.json); returns the path. ``special_ids`` (``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id``: the tokenizer's) are set on the model's config and
+    generation config first, so a loader that reads no tokenizer (vLLM) stops at its EOS."""
+    hf_model: Any = model
+    for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
+        if cfg is not None:
+            for key, value in (special_ids or {}).items():
+                setattr(cfg, key, None if value is None else int(value))
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(os.fspath(path))  # type: ignore[operator]  # a transformers PreTrainedModel
+    hf_model.save_pretrained(os.fspath(path))
     return os.fspath(path)
+
+
+def model_config_values(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's config as its ``policy.model`` states it, read without building it or importing
+    ``transformers``: ``config.json`` under ``path`` (a multimodal one's ``text_config`` filling
+    what the top level lacks), else ``hf_config``. Keys left to the architecture's defaults are absent."""
+    if model_cfg.get("path") not in (None, ""):
+        data = json.loads((Path(str(model_cfg["path"])).expanduser() / "config.json").read_text())
+        return {**(data.get("text_config") or {}), **data}
+    return dict(model_cfg.get("hf_config") or {})
+
+
+def attention_head_size(model_cfg: Mapping[str, Any]) -> int:
+    """``head_dim``, else ``hidden_size // num_attention_heads``, of ``policy.model``; keys its
+    config leaves out take the architecture's defaults (which imports ``transformers``)."""
+    values = model_config_values(model_cfg)
+    if not {"hidden_size", "num_attention_heads"} <= values.keys() and not values.get("head_dim"):
+        values = {**_config_class(str(model_cfg.get("arch", "llama")))().to_dict(), **values}
+    if values.get("head_dim"):
+        return int(values["head_dim"])
+    return int(values["hidden_size"]) // int(values["num_attention_heads"])
 
 
 def pad_batch(

@@ -47,7 +47,14 @@ __all__ = [
 
 # What a run writes into its output directory (besides checkpoints). Another run's copy of any of
 # them means the directory is taken; config.json alone is not a result (every run writes it first).
-RESULTS: tuple[str, ...] = ("metrics.jsonl", "summary.json", "trained_groups.jsonl", "reward_loss.png", "tensorboard")
+RESULTS: tuple[str, ...] = (
+    "metrics.jsonl",
+    "summary.json",
+    "trained_groups.jsonl",
+    "reward_loss.png",
+    "tensorboard",
+    "hf",  # checkpoint.export_hf
+)
 
 # Dotted config keys (a key or a whole section) that only say how a run is executed, observed or
 # checkpointed, never what it trains: they may differ freely from the checkpoint's config

@@ -15,15 +15,26 @@ model input for a dataset prompt everywhere.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from algorithms.config import ConfigError, TrainerConfig
 from algorithms.tasks import CharTokenizer
 
-__all__ = ["TOKENIZER_FILES", "HFTokenizer", "NoChatTemplate", "Tokenizer", "build_tokenizer", "tokenizer_dir"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "HFTokenizer",
+    "NoChatTemplate",
+    "Tokenizer",
+    "build_tokenizer",
+    "check_tokenizer_record",
+    "tokenizer_dir",
+    "tokenizer_record",
+]
 
 # Any one of these in a directory means it holds a Hugging Face tokenizer.
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -193,3 +204,39 @@ def build_tokenizer(cfg: TrainerConfig) -> Tokenizer:
         raise ConfigError(f"task.chat_template=true: {e}") from e
     except ValueError as e:
         raise ConfigError(f"policy.tokenizer={cfg.policy.tokenizer!r}: {e}") from e
+
+
+def tokenizer_record(tok: Tokenizer) -> dict[str, Any]:
+    """What identifies ``tok`` for a checkpoint: its kind, where it was loaded from, its size,
+    special ids and a digest of its vocabulary (token -> id), as plain values."""
+    if isinstance(tok, HFTokenizer):
+        vocab: Any = sorted(tok._tok.get_vocab().items())
+        source: str | None = tok.path
+    else:
+        vocab = [tok.decode([i]) for i in range(tok.vocab_size)] if isinstance(tok, CharTokenizer) else None
+        source = None
+    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest() if vocab is not None else None
+    return {
+        "kind": type(tok).__name__,
+        "path": source,
+        "vocab_size": tok.vocab_size,
+        "special_ids": [tok.bos_id, tok.eos_id, tok.pad_id],
+        "vocab_sha256": digest,
+    }
+
+
+def check_tokenizer_record(saved: Mapping[str, Any] | None, tok: Tokenizer, where: str) -> None:
+    """Refuse resuming with another tokenizer than the checkpoint ``where`` was trained with
+    (``ConfigError`` naming ``policy.tokenizer``); a checkpoint that recorded none passes. The
+    path may differ (a moved directory); the vocabulary and special ids may not."""
+    if saved is None:
+        return
+    now = tokenizer_record(tok)
+    keys = ("kind", "vocab_size", "special_ids", "vocab_sha256")
+    differ = [k for k in keys if saved.get(k) != now[k]]
+    if differ:
+        raise ConfigError(
+            f"policy.tokenizer: the checkpoint {where} was trained with {saved.get('kind')} "
+            f"({saved.get('path') or 'built in'}, {saved.get('vocab_size')} tokens) but this run uses {tok!r}; "
+            f"they differ in {differ}"
+        )

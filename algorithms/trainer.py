@@ -33,7 +33,7 @@ from typing import Any
 import ray
 import torch
 
-from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, step_dir
+from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
 from algorithms.config import TrainerConfig, check_devices
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
@@ -42,6 +42,7 @@ from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import Workers, refit, run_idle_ratios
+from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
 from algorithms.workers.collector import RolloutCollector
 from algorithms.workers.generator import GeneratorWorker
@@ -69,6 +70,7 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.logging.output_dir)
+        self.tokenizer_record: dict[str, Any] | None = None  # the run's tokenizer, recorded in checkpoints
         self.workers: Workers | None = None
         self.actors: list[Any] = []
         self.logger: MetricsLogger | None = None
@@ -88,7 +90,10 @@ class Trainer:
         if self.plan is None:
             plan = plan_run_dir(self.cfg)
             train, val = load_datasets(self.cfg)
-            check_run_inputs(self.cfg, train, val)
+            tok = check_run_inputs(self.cfg, train, val)
+            if plan.resume is not None:  # the tokenizer the checkpoint was trained with
+                check_tokenizer_record(saved_tokenizer(plan.resume), tok, str(plan.resume))
+            self.tokenizer_record = tokenizer_record(tok)
             self._datasets = (train, val)
             self.plan = plan
         return self.plan
@@ -265,9 +270,17 @@ class Trainer:
             self.cfg.trainer.step_timeout_s,
             "checkpoint",
         )
-        save_driver_state(d, step_done, self._driver_state(), self.cfg.to_dict())
+        save_driver_state(d, step_done, self._driver_state(), self.cfg.to_dict(), tokenizer=self.tokenizer_record)
         mark_complete(d, step_done, root=root, keep=self.cfg.checkpoint.keep)
+        if self.cfg.checkpoint.export_hf:
+            self._export_hf(d.name)
         return d
+
+    def _export_hf(self, name: str) -> None:
+        """Policy rank 0 writes the policy and tokenizer into ``<output_dir>/hf/<name>`` (HF format)."""
+        assert self.workers is not None
+        d = self.out / "hf" / name
+        gather([self.workers.policy[0].export_hf.remote(str(d))], self.cfg.trainer.step_timeout_s, "hf export")
 
     # -------------------------------------------------------------------- run
     def run(self) -> int:
@@ -328,6 +341,8 @@ class Trainer:
                 tensorboard=cfg.logging.tensorboard,
             )
             code = self._loop(start, val)
+            if cfg.checkpoint.export_hf and code == 0:
+                self._export_hf("final")
             status = "finished"
             summary["generator_versions"] = gather(
                 [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"

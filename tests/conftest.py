@@ -13,8 +13,10 @@
   with a fresh partition (named after the test module) that is cleared afterwards.
 * ``pool``: worker processes (module scope) for the rank bodies in ``tests/unit/_refit_procs.py``.
 * ``make_real_model(dir, ...)``: a checkpoint as a user brings one, built at test time (nothing is
-  downloaded): a byte-level BPE tokenizer trained on arithmetic word problems and a tiny Llama
-  saved beside it; ``real_model``: one under ``tmp_path``.
+  downloaded) by ``examples/make_tiny_checkpoint.py`` (as docs/grpo_sync.md's walkthrough does): a
+  byte-level BPE tokenizer trained on arithmetic word problems and a tiny Llama (head size 32,
+  which vLLM's CPU attention runs) saved beside it; ``real_model``: one under ``tmp_path``;
+  ``word_problems(path)``: that script's JSONL word problems.
 
 Nothing here is importable as ``tests.*`` (TransferQueue's wheel ships a top-level ``tests``
 package); pytest runs with ``--import-mode=importlib``.
@@ -133,67 +135,27 @@ def pool() -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------- a real checkpoint
-# Word problems the BPE tokenizer is trained on (and the functional test's prompts are drawn from).
-ARITHMETIC_CORPUS: tuple[str, ...] = tuple(
-    f"What is {a} + {b}? Let's add: {a} + {b} = {a + b}. The answer is {a + b}."
-    for a in range(30)
-    for b in range(0, 30, 3)
-)
-# A minimal chat template: one turn per message, then the assistant's turn to answer.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+def _tiny_checkpoint_module() -> Any:
+    """``examples/make_tiny_checkpoint.py``: the builder the docs' walkthrough runs (examples/ is
+    no package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def build_real_model(
-    directory: Path, *, embedding_rows: int | None = None, chat_template: bool = True, pad_token: bool = True
-) -> Path:
-    """Write a HF checkpoint into ``directory``: a byte-level BPE tokenizer (``<s>``, ``</s>``,
-    ``<pad>`` unless ``pad_token=False``; the chat template unless ``chat_template=False``) and a
-    1-layer Llama (hidden 32, 2 heads) whose embedding has ``embedding_rows`` rows (default: one
-    per token). Deterministic: the same arguments give the same files."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<s>", "</s>", *(["<pad>"] if pad_token else [])]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte: any text encodes
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
-    )
-    bpe.train_from_iterator(ARITHMETIC_CORPUS, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", **({"pad_token": "<pad>"} if pad_token else {})
-    )
-    if chat_template:
-        tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(directory))
-    config = LlamaConfig(
-        vocab_size=embedding_rows or len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(str(directory))
-    return directory
+TINY_CHECKPOINT = _tiny_checkpoint_module()
+build_real_model = TINY_CHECKPOINT.build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def make_real_model() -> Any:
-    """:func:`build_real_model`, for tests that need a variant (too few embedding rows, no pad
-    token, no chat template) or their own directory."""
+    """``build_tiny_checkpoint``, for tests that need a variant (too few embedding rows, no pad
+    token, no chat template, other heads) or their own directory."""
     return build_real_model
 
 
@@ -201,3 +163,9 @@ def make_real_model() -> Any:
 def real_model(tmp_path: Path) -> Path:
     """A checkpoint directory (tokenizer + tiny Llama) under ``tmp_path``."""
     return build_real_model(tmp_path / "model")
+
+
+@pytest.fixture(scope="session")
+def word_problems() -> Any:
+    """``write_word_problems(path, count=24)``: JSONL ``{"question", "gold"}`` word problems."""
+    return TINY_CHECKPOINT.write_word_problems

@@ -294,6 +294,19 @@ class PolicyWorker:
         torch.save(rng, d / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
+    def export_hf(self, path: str) -> str | None:
+        """Policy rank 0 writes the policy (in its precision, ``save_pretrained``: safetensors) and
+        the run's tokenizer (its own ``save``) into the directory ``path``, loadable by
+        ``transformers`` and vLLM; returns ``path`` (``None`` on the other ranks, which write
+        nothing: every replica holds the same weights)."""
+        if self.rank != 0:
+            return None
+        tok = self.tokenizer
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        self.engine.save_hf(path, ids)
+        tok.save(path)
+        return path
+
     def load_checkpoint(self, path: str) -> None:
         """Every rank loads its TP rank's model/optimizer state and its own RNG state."""
         d = Path(path)

@@ -305,6 +305,7 @@ DECISIONS = {
     ("policy", "backend"): {"algorithms/engines/training/__init__.py", "algorithms/run_dir.py"},
     ("generation", "backend"): {"algorithms/engines/generation/__init__.py", "algorithms/run_dir.py"},
     ("policy", "tokenizer"): {"algorithms/tokenizers.py"},
+    ("policy", "precision"): {"algorithms/precision.py"},
 }
 
 

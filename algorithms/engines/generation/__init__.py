@@ -14,15 +14,33 @@ from algorithms.engines.generation.base import BACKENDS, GenerationEngine, Refit
 from algorithms.engines.generation.hf import HFEngine
 from algorithms.engines.generation.vllm import VLLMEngine
 
-__all__ = ["BACKENDS", "GenerationEngine", "RefitSpec", "Rollouts", "SamplingSpec", "build_engine"]
+__all__ = [
+    "BACKENDS",
+    "GenerationEngine",
+    "RefitSpec",
+    "Rollouts",
+    "SamplingSpec",
+    "build_engine",
+    "check_generation_config",
+]
+
+
+def _engine_class(cfg: TrainerConfig) -> type[HFEngine] | type[VLLMEngine]:
+    backend = cfg.generation.backend
+    if backend == "hf":
+        return HFEngine
+    if backend == "vllm":
+        return VLLMEngine
+    raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
+
+
+def check_generation_config(cfg: TrainerConfig) -> None:
+    """Refuse, before any worker starts, a model the engine ``generation.backend`` names cannot
+    run (``ConfigError`` naming the key); nothing is built and vLLM is not imported."""
+    _engine_class(cfg).check_config(cfg)
 
 
 def build_engine(cfg: TrainerConfig) -> GenerationEngine:
     """The engine ``generation.backend`` names, built from ``cfg`` with the policy's initial
-    weights (``policy.model``)."""
-    backend = cfg.generation.backend
-    if backend == "hf":
-        return HFEngine.from_config(cfg)
-    if backend == "vllm":
-        return VLLMEngine.from_config(cfg)
-    raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
+    weights (``policy.model``) in the run's precision."""
+    return _engine_class(cfg).from_config(cfg)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from algorithms.config import TrainerConfig
 from nemo_dataplane.refit import WeightTransferConfig
 
 __all__ = ["BACKENDS", "GenerationEngine", "RefitSpec", "Rollouts", "SamplingSpec"]
@@ -117,6 +118,11 @@ class GenerationEngine(ABC):
         self._version = -1
         self._refit_ready = False
         self._closed = False
+
+    @classmethod
+    def check_config(cls, cfg: TrainerConfig) -> None:
+        """Refuse a config this engine cannot run (``ConfigError`` naming the key), without
+        building anything; called in the driver before any worker starts."""
 
     @property
     def weight_version(self) -> int:

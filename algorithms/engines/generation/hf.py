@@ -17,6 +17,7 @@ import torch
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.models import build_model, sample
+from algorithms.precision import precision_of
 from algorithms.tokenizers import build_tokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
@@ -36,17 +37,25 @@ def _slowed(should_stop: Callable[[], bool] | None, delay_s: float) -> Callable[
 
 class HFEngine(GenerationEngine):
     """Args: ``model_cfg`` (``policy.model``), ``device``, the tokenizer's ``vocab_size``,
-    ``eos_id`` and ``pad_id``."""
+    ``eos_id`` and ``pad_id``; ``dtype``: the weights' (the trainer's precision: refits arrive in
+    it)."""
 
     name = "hf"
 
     def __init__(
-        self, model_cfg: Mapping[str, Any], *, device: str = "cpu", vocab_size: int, eos_id: int, pad_id: int
+        self,
+        model_cfg: Mapping[str, Any],
+        *,
+        device: str = "cpu",
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
-        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
+        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device, dtype)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -64,6 +73,7 @@ class HFEngine(GenerationEngine):
             vocab_size=tok.vocab_size,
             eos_id=tok.eos_id,
             pad_id=tok.pad_id,
+            dtype=precision_of(cfg).dtype,
         )
         engine.token_delay_s = cfg.debug.token_delay_s
         return engine

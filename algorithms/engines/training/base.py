@@ -22,6 +22,7 @@ from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.grpo import masked_sum, policy_loss
+from algorithms.precision import Precision, TrainedWeights, precision_of
 
 __all__ = ["Prepared", "Scored", "TrainingEngine", "Which"]
 
@@ -44,17 +45,20 @@ class Prepared:
 
 
 class TrainingEngine(ABC):
-    """Base of the engines. Subclasses set ``model``, ``ref_model`` and ``optimizer`` and implement
-    :meth:`score`, :meth:`named_for_refit` and :meth:`refit_shapes`."""
+    """Base of the engines. Subclasses set ``model``, ``trained`` (``self.precision.train(model)``,
+    before copying the reference), ``ref_model`` and ``optimizer`` (:meth:`_make_optimizer`) and
+    implement :meth:`score`, :meth:`named_for_refit` and :meth:`refit_shapes`."""
 
     name: ClassVar[str]
     model: torch.nn.Module
     ref_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    trained: TrainedWeights
 
     def __init__(self, cfg: TrainerConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
+        self.precision: Precision = precision_of(cfg)
         self.temperature = cfg.generation.temperature or 1.0
         self.dp_group: Any = None  # None: the whole world
         self.tp_group: Any = None  # None: no tensor parallelism
@@ -68,7 +72,7 @@ class TrainingEngine(ABC):
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         p = self.cfg.policy
-        return torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas)
+        return torch.optim.AdamW(self.trained.params, lr=p.lr, weight_decay=p.weight_decay, betas=p.betas)
 
     def _freeze_reference(self) -> None:
         self.ref_model.eval()
@@ -124,7 +128,7 @@ class TrainingEngine(ABC):
         return {**sums, "grad_norm": grad_norm}
 
     def _all_reduce_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.trained.params  # the model's own, or its float32 masters (bf16)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         # Sum over DP replicas (the loss is already divided by the global token count).
@@ -136,6 +140,7 @@ class TrainingEngine(ABC):
             off += n
         norm = self._clip(params, flat, self.cfg.policy.max_grad_norm)
         self.optimizer.step()
+        self.trained.publish()
         return float(norm)
 
     def _clip(self, params: Sequence[torch.nn.Parameter], flat: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -160,9 +165,17 @@ class TrainingEngine(ABC):
             "model": self.model.state_dict(),
             "ref_model": self.ref_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "trained": self.trained.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.ref_model.load_state_dict(state["ref_model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.trained.load_state_dict(state.get("trained", {}))
+
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
+        """Write the policy as a Hugging Face directory (``save_pretrained``: config.json with
+        ``special_ids`` and the weights' dtype, safetensors) loadable by ``transformers`` and
+        vLLM. Engines that cannot raise ``NotImplementedError`` (the config refuses them first)."""
+        raise NotImplementedError(f"the {self.name} training engine cannot export a Hugging Face directory")

@@ -4,14 +4,14 @@ data-parallel (``policy.backend=torch``)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.engines.training.base import Scored, TrainingEngine, Which
-from algorithms.models import build_model, pad_batch, sequence_logprobs
+from algorithms.models import build_model, pad_batch, save_pretrained_dir, sequence_logprobs
 from nemo_dataplane.codec import jagged_rows
 
 __all__ = ["HFTrainingEngine", "model_inputs"]
@@ -27,8 +27,9 @@ def model_inputs(mb: TensorDict, pad_id: int, device: torch.device) -> tuple[tor
 
 
 class HFTrainingEngine(TrainingEngine):
-    """``policy.model`` built with ``transformers`` (random init or a local directory), a frozen
-    deep copy as the reference, AdamW. Args: the trainer config, the device, the tokenizer's
+    """``policy.model`` built with ``transformers`` (random init or a local directory) in the
+    run's precision (:mod:`algorithms.precision`), a frozen deep copy as the reference, AdamW.
+    Args: the trainer config, the device, the tokenizer's
     ``vocab_size`` and ``pad_id``."""
 
     name = "torch"
@@ -37,6 +38,7 @@ class HFTrainingEngine(TrainingEngine):
         super().__init__(cfg, device)
         self.pad_id = pad_id
         self.model = build_model(cfg.policy.model, vocab_size=vocab_size).to(device)
+        self.trained = self.precision.train(self.model)  # casts the model first: the reference copies it
         self.ref_model = copy.deepcopy(self.model)
         self._freeze_reference()
         self.optimizer = self._make_optimizer()
@@ -58,3 +60,6 @@ class HFTrainingEngine(TrainingEngine):
 
     def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
+        save_pretrained_dir(self.model, directory, special_ids=special_ids)

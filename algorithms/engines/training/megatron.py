@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from algorithms.engines.training.base import Scored, Which
+from algorithms.engines.training.base import Scored, TrainingEngine, Which
 from algorithms.engines.training.hf import HFTrainingEngine
 from algorithms.engines.training.mcore_convert import (
     GPTShape,
@@ -211,6 +211,7 @@ class MegatronEngine(HFTrainingEngine):
         self.ref_model = build_gpt(hf_cfg, device=self.device)
         load_hf(self.ref_model, hf_state, self.shape)
         self._freeze_reference()
+        self.trained = self.precision.train(self.model)  # fp32: the config refuses bf16 here
         self.optimizer = self._make_optimizer()
         if tp > 1:
             from megatron.core import parallel_state as ps
@@ -248,6 +249,10 @@ class MegatronEngine(HFTrainingEngine):
                 if p.grad is not None:
                     p.grad.mul_(coef.to(p.grad.dtype))
         return norm
+
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
+        # The MCore model holds 1/TP of the weights per rank; the config refuses export_hf here.
+        TrainingEngine.save_hf(self, directory, special_ids)
 
     def named_for_refit(self) -> Iterable[tuple[str, Tensor]]:
         # Views of the live parameters under HF names (nothing is gathered or copied at TP=1).

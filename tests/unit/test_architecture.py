@@ -340,6 +340,8 @@ CHOICE_NAMES = {
     "vllm": {*CONFIG, "algorithms/engines/generation/__init__.py"},
     "hf": {*CONFIG, "algorithms/engines/generation/__init__.py"},
     "char": {*CONFIG, "algorithms/tokenizers.py"},
+    "fp32": {*CONFIG, "algorithms/precision.py"},
+    "bf16": {*CONFIG, "algorithms/precision.py"},
 }
 
 

@@ -25,6 +25,7 @@ package); pytest runs with ``--import-mode=importlib``.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,29 @@ def memory_client() -> Iterator[Any]:
     client = InMemoryClient()
     yield client
     client.close()
+
+
+def _wait_actor_dead(actor: Any, timeout_s: float = 60.0) -> None:
+    """Return once a killed actor is known dead: ``ray.kill`` is asynchronous, and a call made
+    right after it may still be served. Fails after ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)  # it still answered: poll again until it does not
+    raise AssertionError(f"actor still alive {timeout_s:.0f} s after ray.kill")
+
+
+@pytest.fixture
+def wait_actor_dead() -> Any:
+    """``wait_actor_dead(actor)``: block until a killed actor is known dead (see above)."""
+    return _wait_actor_dead
 
 
 @pytest.fixture(params=["memory", "transfer_queue"])

@@ -423,7 +423,7 @@ def test_per_row_fallback_reads_the_same_as_bulk_reads(
 
 
 def test_rows_travel_as_one_object_the_units_map_and_outlive_their_writer(
-    tq_client: TransferQueueClient, pid: str, plasma_mib: Any
+    tq_client: TransferQueueClient, pid: str, plasma_mib: Any, wait_actor_dead: Any
 ) -> None:
     """The writer's one copy into shared memory is the only one: storage units hold views of it
     and reads map it (quirk 11). When the writer dies the units still hold the rows, and reads
@@ -449,7 +449,7 @@ def test_rows_travel_as_one_object_the_units_map_and_outlive_their_writer(
         for name, t in tq_client.kv_batch_get(meta.reorder(order), ["x", "ids"]).items():
             assert_same_field(name, t, want[name])
         ray.kill(writer)
-        time.sleep(1)
+        wait_actor_dead(writer)
         for name, t in tq_client.kv_batch_get(meta.reorder(order), ["x", "ids"]).items():
             assert_same_field(name, t, want[name])
     finally:

@@ -98,18 +98,23 @@ def test_a_model_with_fewer_embedding_rows_than_tokens_is_refused_naming_both(ma
     assert isinstance(check_run_inputs(config(make_real_model(tmp_path / "ok")), train, val), HFTokenizer)
 
 
-def test_the_trainer_refuses_before_writing_or_starting_ray(make_real_model, tmp_path: Path) -> None:
+def test_the_trainer_refuses_before_writing_or_starting_ray(
+    make_real_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``prepare`` (which the CLI turns into one line and exit 2) checks the inputs before the run
     directory is written or Ray starts."""
     import ray
 
     from algorithms.grpo_sync import SyncTrainer
 
+    def no_ray(*args: object, **kwargs: object) -> None:  # the session may already run Ray: catch the call
+        raise AssertionError("ray.init called before the inputs were checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     model = make_real_model(tmp_path / "small", embedding_rows=300)
     cfg = config(model, f"logging.output_dir={tmp_path / 'run'}", "data_plane.enabled=false", "logging.progress=false")
     with pytest.raises(ConfigError, match=r"^policy.model: the model's embedding has 300"):
-        SyncTrainer(cfg).prepare()
-    assert not ray.is_initialized()
+        SyncTrainer(cfg).run()
     assert not (tmp_path / "run").exists()
 
 

@@ -123,9 +123,9 @@ class _Sender:
         self.thread.join(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = VLLMEngine(
+def _make_engine(dtype: torch.dtype = torch.float32) -> VLLMEngine:
+    """An in-process engine on the test model (a small KV cache; ``dtype``: the engine's own)."""
+    return VLLMEngine(
         MODEL,
         vocab_size=TOK.vocab_size,
         eos_id=TOK.eos_id,
@@ -133,7 +133,13 @@ def engine():
         pad_id=TOK.pad_id,
         engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20),
         llm_kwargs={"block_size": 32},
+        dtype=dtype,
     )
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = _make_engine()
     yield eng
     eng.shutdown()
 
@@ -188,16 +194,7 @@ BF16_LOGPROB_TOL = 0.1
 
 def test_a_bf16_engine_takes_bf16_refits_and_its_logprobs_match_the_bf16_trainer() -> None:
     # Its own engine, run before the module's fp32 one starts (one in-process engine at a time).
-    eng = VLLMEngine(
-        MODEL,
-        vocab_size=TOK.vocab_size,
-        eos_id=TOK.eos_id,
-        bos_id=TOK.bos_id,
-        pad_id=TOK.pad_id,
-        engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20),
-        dtype=torch.bfloat16,
-        llm_kwargs={"block_size": 32},
-    )
+    eng = _make_engine(torch.bfloat16)
     try:
         assert {dt for _, _, dt in eng.param_specs} == {"bfloat16"}, "the refit layout is the bf16 trainer's"
         trainer = _trainer(seed=1, noise=0.1).to(torch.bfloat16)

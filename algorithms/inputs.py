@@ -39,18 +39,18 @@ def load_datasets(cfg: TrainerConfig) -> tuple[list[PromptRecord], list[PromptRe
     ``task.val_size`` records unless ``task.val_dataset``) or the built-in task from its seed.
     Raises :class:`ConfigError` naming the key, file, line or row and field of a bad record."""
     t = cfg.task
-    if t.dataset is not None:
-        records = _load(cfg, "task.dataset", t.dataset)
-        if t.val_dataset is not None:
-            return records, _load(cfg, "task.val_dataset", t.val_dataset)[: t.val_size]
-        if t.val_size and len(records) > t.val_size:
-            return records[: -t.val_size], records[-t.val_size :]
-        return records, []
-    max_new = cfg.generation.max_new_tokens
-    train = make_task_dataset(t.name, t.seed, t.train_size, max_new)
-    val = make_task_dataset(t.name, t.seed + 1, t.val_size, max_new) if t.val_size else []
     if t.val_dataset is not None:
         val = _load(cfg, "task.val_dataset", t.val_dataset)[: t.val_size]
+    if t.dataset is not None:
+        train = _load(cfg, "task.dataset", t.dataset)
+        if t.val_dataset is None:
+            split = t.val_size if t.val_size and len(train) > t.val_size else 0
+            train, val = (train[:-split], train[-split:]) if split else (train, [])
+        return train, val
+    max_new = cfg.generation.max_new_tokens
+    train = make_task_dataset(t.name, t.seed, t.train_size, max_new)
+    if t.val_dataset is None:
+        val = make_task_dataset(t.name, t.seed + 1, t.val_size, max_new) if t.val_size else []
     return train, val
 
 

@@ -137,14 +137,15 @@ class Trainer:
         # Workers see the driver's import path, so a custom task.reward_fn module that the driver
         # can import, the collector can too.
         pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
-        # The job secret that authenticates rendezvous-store records travels through Ray, never
-        # through a store (docs/reliability.md, "Trust boundary").
+        # The job secret that authenticates rendezvous-store records reaches the workers as an
+        # argument of the calls that form the groups: in memory, never through a store nor the
+        # runtime_env (Ray logs that to a file). docs/reliability.md, "Trust boundary".
+        self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
         env = {
             "env_vars": {
                 "OMP_NUM_THREADS": str(cfg.trainer.num_threads),
                 "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONPATH": pythonpath,
-                SECRET_ENV: os.environ.get(SECRET_ENV) or new_job_secret(),
             }
         }
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
@@ -225,7 +226,7 @@ class Trainer:
         (train_at,) = gather(
             [policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous"
         )
-        gather([p.join_train_group.remote(*train_at) for p in policy], timeout, "train group set-up")
+        gather([p.join_train_group.remote(*train_at, self._secret) for p in policy], timeout, "train group set-up")
         io, sink = self.transport.batch_io(), self.transport.sink()
         gather(
             [*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)],
@@ -243,8 +244,11 @@ class Trainer:
             host, port = refit_at
         gather(
             [
-                *(s.init_refit.remote(host, port, world) for s in senders),
-                *(g.init_refit.remote(host, port, world, len(senders) + i) for i, g in enumerate(generators)),
+                *(s.init_refit.remote(host, port, world, self._secret) for s in senders),
+                *(
+                    g.init_refit.remote(host, port, world, len(senders) + i, self._secret)
+                    for i, g in enumerate(generators)
+                ),
             ],
             timeout,
             "refit group set-up",

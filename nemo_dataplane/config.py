@@ -88,11 +88,18 @@ PackingMode = Literal["none", "sequence", "dynamic"]
 
 @dataclass(frozen=True)
 class TransferQueueConfig:
-    """How the TransferQueue adapter finds or creates its controller and storage."""
+    """How the TransferQueue adapter finds or creates its controller and storage.
+
+    ``listen``: where a store this client creates listens. TransferQueue's wire format is pickle,
+    so whoever reaches its ports runs code in it. ``auto``: loopback when the Ray cluster has one
+    node at creation, else each actor's node address; ``loopback``: always (every client must be
+    on the store's node); ``node``: the node address (reachable from the network: trust it).
+    """
 
     ray_address: str | None = None
     num_storage_units: int | None = None
     storage_placement: Literal["pack", "per_node"] = "pack"
+    listen: Literal["auto", "loopback", "node"] = "auto"
     storage_unit_num_cpus: float = 0.5
     controller_num_cpus: float = 0.5
     bootstrap_timeout_s: float = 60.0
@@ -106,6 +113,10 @@ class TransferQueueConfig:
             raise ValueError(
                 "data_plane.transfer_queue.storage_placement must be 'pack' or 'per_node', "
                 f"got {self.storage_placement!r}"
+            )
+        if self.listen not in ("auto", "loopback", "node"):
+            raise ValueError(
+                f"data_plane.transfer_queue.listen must be 'auto', 'loopback' or 'node', got {self.listen!r}"
             )
         for name in ("storage_unit_num_cpus", "controller_num_cpus"):
             if getattr(self, name) < 0:

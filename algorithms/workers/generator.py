@@ -35,9 +35,10 @@ class GeneratorWorker:
     def ready(self) -> bool:
         return True
 
-    def init_refit(self, host: str, port: int, world_size: int, rank: int) -> None:
+    def init_refit(self, host: str, port: int, world_size: int, rank: int, secret: str | None = None) -> None:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
-        group ranks ``0..refit_senders-1``)."""
+        group ranks ``0..refit_senders-1``); ``secret``: the job secret, handed over in memory
+        (``None``: ``$NEMO_DATAPLANE_SECRET``)."""
         c = self.cfg
         self._current_device()
         self.engine.init_refit(
@@ -50,6 +51,7 @@ class GeneratorWorker:
                 timeout_s=c.refit.timeout_s,
                 transfer=c.weight_transfer,
                 senders=c.refit_senders,
+                secret=secret,
             ),
         )
 

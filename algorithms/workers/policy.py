@@ -36,6 +36,7 @@ from algorithms.transports import BatchIO
 from algorithms.workers.gpus import worker_device
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.distributed.loopback import LOOPBACK_HOST, pin_collectives_to_loopback
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightSender, build_weight_sender
 
@@ -94,21 +95,26 @@ class PolicyWorker:
         Returns:
             ``(address, port)`` for the group's other members.
         """
-        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        address = LOOPBACK_HOST if loopback else ray.util.get_node_ip_address()
         store = host_tcp_store(address, 0, world_size, timedelta(seconds=self.timeout_s))
         self._stores[group] = store
         return address, int(store.port)
 
-    def join_train_group(self, address: str, port: int) -> None:
+    def join_train_group(self, address: str, port: int, secret: str | None = None) -> None:
         """Join the gradient all-reduce group at rank 0's rendezvous (collective over all ranks),
         then let the engine build its parallel state over it.
 
-        Its records are authenticated with the job secret (``$NEMO_DATAPLANE_SECRET``, set by the
-        trainer through Ray), so a process outside the job cannot forge them."""
+        Its records are authenticated with the job ``secret`` (handed over in this call, in
+        memory; ``None``: ``$NEMO_DATAPLANE_SECRET``), so a process outside the job cannot forge
+        them. A rendezvous on loopback means every rank is on this node: the group's own
+        listeners (gloo, NCCL's bootstrap) then stay on loopback too."""
         timeout = timedelta(seconds=self.timeout_s)
+        loopback = is_loopback(address)
+        if loopback:
+            pin_collectives_to_loopback()
         store = self._stores.get("train") or dist.TCPStore(address, port, self.world_size, False, timeout=timeout)
         store = authenticated(
-            store, job_secret(), where=f"policy train group at {address}:{port}", loopback=is_loopback(address)
+            store, job_secret(secret), where=f"policy train group at {address}:{port}", loopback=loopback
         )
         self._stores["train"] = store  # the group keeps using it
         dist.init_process_group(
@@ -127,10 +133,11 @@ class PolicyWorker:
         io.open(self.rank, self.engine.tp_group, self.timeout_s)
         self._io = io
 
-    def init_refit(self, host: str, port: int, world_size: int) -> None:
+    def init_refit(self, host: str, port: int, world_size: int, secret: str | None = None) -> None:
         """Join the refit group as sender ``tp_rank`` (collective with the generator): policy rank 0
         with whole weights, or every TP rank of the first replica with its shards under HF names
-        (``refit_senders`` of them), the generator being the last rank."""
+        (``refit_senders`` of them), the generator being the last rank. ``secret``: the job
+        secret its records are authenticated with (as in :meth:`join_train_group`)."""
         r = self.cfg.refit
         self._refit_group = StatelessProcessGroup(
             host,
@@ -140,6 +147,7 @@ class PolicyWorker:
             backend=r.backend,
             timeout=r.timeout_s,
             group_name="refit",
+            secret=secret,
             store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )
         # Where the weights live, not the group's device: an ipc refit's control group is gloo.

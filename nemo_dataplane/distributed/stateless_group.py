@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.distributed.loopback import gloo_options, pin_collectives_to_loopback
 from nemo_dataplane.distributed.work import (
     _EVENT_POLL_MAX_S,
     _NATIVE_DTYPES,
@@ -160,12 +161,13 @@ class StatelessProcessGroup:
             self.device = torch.device("cpu")
 
         t0 = time.monotonic()
+        self._loopback = is_loopback(host)
         self._owns_store = store is None
         self.store: dist.Store = authenticated(
             store if store is not None else self._connect_store(),
             job_secret(secret),
             where=f"StatelessProcessGroup {group_name!r} at {self.store_address}",
-            loopback=is_loopback(host),
+            loopback=self._loopback,
         )
         self._rendezvous()
         if backend == "nccl":
@@ -233,16 +235,24 @@ class StatelessProcessGroup:
 
     def _init_gloo(self) -> None:
         prefixed = dist.PrefixStore(self._key("gloo"), self.store)
+        td = datetime.timedelta(seconds=self.timeout)
         try:
-            self._pg = dist.ProcessGroupGloo(
-                prefixed, self.rank, self.world_size, datetime.timedelta(seconds=self.timeout)
-            )
+            if self._loopback:
+                # Every rank is on this host: gloo listens on loopback, whatever GLOO_SOCKET_IFNAME
+                # or the hostname would pick (docs/reliability.md, "Trust boundary").
+                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, gloo_options(self.host, td))
+            else:
+                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
         except Exception as e:
             raise self._error(StatelessGroupError, f"gloo group construction failed: {e}") from e
 
     def _init_nccl(self) -> None:
         nccl = self._nccl
         uid_key = self._key("nccl_unique_id")
+        if self._loopback:
+            # NCCL's bootstrap listens on NCCL_SOCKET_IFNAME's interface (read at the process's
+            # first communicator); every rank is on this host, so that is loopback.
+            pin_collectives_to_loopback()
         if self.rank == 0:
             self.store.set(uid_key, nccl.get_unique_id().as_bytes)
         else:

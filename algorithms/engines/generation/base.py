@@ -66,12 +66,14 @@ class RefitSpec:
     """How an engine joins the refit: the group's ``backend`` and its bound on every wait
     (``timeout_s``), the weight-transfer options (``transfer``: the family and its transport),
     and how many group ranks send (``senders``: ranks ``0..senders-1``; the engine is one of the
-    others)."""
+    others). ``secret``: the job secret the group's records are authenticated with, carried in
+    memory only (``None``: ``$NEMO_DATAPLANE_SECRET``); never shown in a repr."""
 
     backend: str
     timeout_s: float
     transfer: WeightTransferConfig
     senders: int
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for a transport that carries no classes (vLLM's worker RPC)."""
@@ -86,6 +88,7 @@ class RefitSpec:
             timeout_s=float(data["timeout_s"]),
             transfer=WeightTransferConfig.from_dict(data["transfer"]),
             senders=int(data["senders"]),
+            secret=data.get("secret"),
         )
 
 

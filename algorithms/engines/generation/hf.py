@@ -107,7 +107,14 @@ class HFEngine(GenerationEngine):
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         self._group = StatelessProcessGroup(
-            host, port, rank, world_size, backend=spec.backend, timeout=spec.timeout_s, group_name="refit"
+            host,
+            port,
+            rank,
+            world_size,
+            backend=spec.backend,
+            timeout=spec.timeout_s,
+            group_name="refit",
+            secret=spec.secret,
         )
         # Where the parameters live, not the group's device (an ipc refit's control group is gloo)
         # nor the current device: that is per thread, and a threaded actor may call from another.

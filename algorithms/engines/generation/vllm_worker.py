@@ -73,6 +73,7 @@ class RefitWorkerExtension:
             timeout=spec.timeout_s,
             device=device if spec.backend == "nccl" else None,
             group_name="refit",
+            secret=spec.secret,
         )
         try:
             receiver = build_weight_receiver(spec.transfer, group, staging, senders=spec.senders, device=device)

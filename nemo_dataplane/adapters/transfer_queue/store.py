@@ -28,6 +28,7 @@ T = TypeVar("T")
 # a dead controller or storage unit fails the op within ~LIVENESS_EVERY_S + LIVENESS_PING_S,
 # naming the actor, instead of running into op_timeout_s.
 LIVENESS_EVERY_S = 1.0
+LOOPBACK_HOST = "127.0.0.1"
 LIVENESS_PING_S = 2.0
 
 
@@ -105,10 +106,15 @@ class TransferQueueStore(ActorBackedClient):
         cfg = self.cfg
         free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]  # ray: unannotated
         nodes = None
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]  # ray
         if cfg.storage_placement == "per_node":
             # One unit per node (num_storage_units, if set, round-robin over them): rows a reader
             # finds on its own node's unit come through shared memory, the rest node to node.
-            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]  # ray
+            nodes = alive
+        # TransferQueue decodes what reaches its ports with pickle: a one-node cluster's store
+        # listens on loopback only (compat quirk 12; docs/reliability.md, "Trust boundary").
+        loopback = cfg.listen == "loopback" or (cfg.listen == "auto" and len(alive) == 1)
+        listen_host = LOOPBACK_HOST if loopback else None
         n_units = cfg.num_storage_units or (len(nodes) if nodes else auto_storage_units(free))
         need = cfg.controller_num_cpus + n_units * cfg.storage_unit_num_cpus
         what = (
@@ -135,12 +141,12 @@ class TransferQueueStore(ActorBackedClient):
         # Controller and units start at once: each is a fresh worker importing TransferQueue
         # (seconds each), and none needs another to construct.
         self._controller = compat.create_controller(
-            self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet
+            self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet, listen_host
         )
         self.owns_store = True
         conf = compat.base_config(n_units)
         self._storage = compat.create_storage_units(
-            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes
+            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes, listen_host
         )
         conf.controller.zmq_info = wait_info(self._controller, "the controller")
         conf.backend[compat.BACKEND].zmq_info = {

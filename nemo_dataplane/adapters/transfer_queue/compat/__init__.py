@@ -3,11 +3,13 @@
 The adapter (:mod:`nemo_dataplane.adapters.transfer_queue.client` and its store and claims
 halves) talks to TransferQueue only through this package (import it as a whole:
 ``from nemo_dataplane.adapters.transfer_queue import compat``; every name below is re-exported
-here). Nothing here patches the dependency: each function calls a TransferQueue API (public
-or, where the public one misbehaves, the internal one it wraps) in a way that sidesteps one of
-the behaviours below, each seen on a 2-CPU machine. By responsibility:
+here). Nothing here patches the dependency in the caller's process: each function calls a
+TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a
+way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the one change
+inside TransferQueue's own actors is quirk 12's. By responsibility:
 
-* :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients);
+* :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients,
+  where they listen);
 * :mod:`.writes`: rows into the units, tags and production notices to the controller;
 * :mod:`.reads`: rows back out (mapped from the writers' objects, stacked by units, or per row);
 * :mod:`.mapped`: which writer's object a stored row is a view of (runs inside the units);
@@ -70,6 +72,13 @@ The quirks:
    one view per row through the very ``storage_data.put_data`` call its PUT handler makes, so
    TransferQueue's own clients read the rows as usual; :mod:`.mapped` lets our reads find the
    object again from a row's address and map it themselves (:func:`read_columns`).
+12. The controller and storage units bind their ZMQ sockets to the node's routable address (Ray's
+   ``get_node_ip_address``, which never answers loopback), even when every client is on that
+   node, and decode what they receive with ``pickle``: anyone who reaches the port runs code in
+   them -> :func:`create_controller` / :func:`create_storage_units` start subclasses whose
+   ``__init__`` first points the TransferQueue module's ``get_node_ip_address`` (in that actor's
+   own process only) at ``listen_host``, so a single-node store listens on loopback and its
+   published endpoints say so.
 """
 
 from transfer_queue.metadata import BatchMeta

@@ -1,8 +1,9 @@
-"""Starting and finding a TransferQueue store: controller, storage units, placement, clients
-(quirks 1, 2, 8)."""
+"""Starting and finding a TransferQueue store: controller, storage units, placement, clients,
+where they listen (quirks 1, 2, 8, 12)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -46,16 +47,56 @@ def _actor_options(quiet: bool) -> dict[str, Any]:
     return {} if quiet else {"runtime_env": {"env_vars": {"TQ_NUM_THREADS": "1"}}}
 
 
-def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool) -> Any:
+def _listen_on(host: str | None, actor: Any) -> None:
+    """Make ``actor``'s ``_init_zmq_socket`` bind ``host`` (quirk 12). Runs in the actor's own
+    process, which exists only to serve this store, before the TransferQueue class binds anything.
+
+    The name is replaced in the globals that very function reads: Ray ships a class that is not
+    importable under its own name (TransferQueue's raw class hides behind its ``ray.remote``
+    wrapper) by value, with a copy of its module's globals, and wraps its methods; so neither
+    the module nor the wrapper's globals would do.
+    """
+    if host is None:
+        return
+    for cls in type(actor).__mro__:
+        if "_init_zmq_socket" in vars(cls):
+            inspect.unwrap(vars(cls)["_init_zmq_socket"]).__globals__["get_node_ip_address"] = lambda: host
+            return
+    raise TypeError(f"{type(actor).__name__} has no _init_zmq_socket: TransferQueue changed, quirk 12 needs a look")
+
+
+# ray.remote turns TransferQueue's classes into ActorClasses; the class itself is
+# ``__ray_actor_class__``. TransferQueue's annotations say neither.
+class _Controller(TransferQueueController.__ray_actor_class__):  # type: ignore[attr-defined,misc]
+    """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address)."""
+
+    def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
+        _listen_on(listen_host, self)
+        super().__init__(*args, **kwargs)
+
+
+class _StorageUnit(SimpleStorageUnit.__ray_actor_class__):  # type: ignore[attr-defined,misc]
+    """TransferQueue's storage unit, listening on ``listen_host`` (``None``: the node's address)."""
+
+    def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
+        _listen_on(listen_host, self)
+        super().__init__(*args, **kwargs)
+
+
+_ControllerActor: Any = ray.remote(_Controller)
+_StorageUnitActor: Any = ray.remote(_StorageUnit)
+
+
+def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool, listen_host: str | None = None) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
-    mode with :class:`ClaimSampler` (quirk 8). Pass ``quiet`` again to :func:`server_info`."""
-    # ray.remote turns the class into an ActorClass; TransferQueue's annotations don't say so.
-    return TransferQueueController.options(  # type: ignore[attr-defined]
+    mode with :class:`ClaimSampler` (quirk 8), its sockets bound to ``listen_host`` (``None``:
+    the node's address; quirk 12). Pass ``quiet`` again to :func:`server_info`."""
+    return _ControllerActor.options(
         name=name,
         namespace=namespace,
         num_cpus=num_cpus,
         **_actor_options(quiet),
-    ).remote(sampler=ClaimSampler(), polling_mode=True)  # type: ignore[no-untyped-call]  # TQ's sampler __init__
+    ).remote(sampler=ClaimSampler(), polling_mode=True, listen_host=listen_host)
 
 
 def create_storage_units(
@@ -65,11 +106,13 @@ def create_storage_units(
     num_cpus: float,
     quiet: bool,
     node_ids: Sequence[str] | None = None,
+    listen_host: str | None = None,
 ) -> dict[str, Any]:
     """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
 
-    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Pass
-    ``quiet`` again to :func:`server_info`.
+    With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Their
+    sockets bind ``listen_host`` (``None``: their node's address; quirk 12). Pass ``quiet``
+    again to :func:`server_info`.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -84,13 +127,13 @@ def create_storage_units(
             if node_ids
             else {}
         )
-        handles[name] = SimpleStorageUnit.options(  # type: ignore[attr-defined]  # a ray.remote class, as above
+        handles[name] = _StorageUnitActor.options(
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,
             **_actor_options(quiet),
             **where,
-        ).remote(config=unit_conf)
+        ).remote(config=unit_conf, listen_host=listen_host)
     return handles
 
 

@@ -1,0 +1,173 @@
+"""What a running trainer exposes: every listener the project opens is on loopback, Ray keeps its
+token authentication on, and the job secret never reaches a file.
+
+One real run (TransferQueue store, 2 policy ranks over gloo, gloo refit) with a known secret and
+``GLOO_SOCKET_IFNAME`` pointing at a routable interface (the setting that once moved gloo off
+loopback). While it trains, every listening socket of its process tree is listed (psutil); a
+socket is Ray's own when it belongs to one of Ray's system processes or is a Ray worker's
+core-worker port (from that worker's own log line). Everything else must be on loopback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.slow
+
+# Ray's own processes (by command line): they listen where Ray decides and rely on its token auth.
+RAY_SYSTEM = ("gcs_server", "raylet", "ray/dashboard", "log_monitor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+CORE_WORKER_PORT = re.compile(r"(?:worker|driver) server started, listening on port (\d+)")
+
+
+def _routable_interface() -> str | None:
+    names = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
+    return names[0] if names else None
+
+
+def _tree(pid: int) -> list[Any]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _session_dir(procs: list[Any]) -> Path:
+    for p in procs:
+        try:
+            for arg in p.cmdline():
+                if arg.startswith("--session_dir=") or arg.startswith("--session-dir="):
+                    return Path(arg.split("=", 1)[1])
+        except psutil.Error:
+            continue
+    raise AssertionError("no Ray process of the run names its session dir")
+
+
+def _core_worker_ports(session: Path) -> dict[int, set[int]]:
+    """pid -> the gRPC port Ray's core worker in that process listens on (its own log says)."""
+    out: dict[int, set[int]] = {}
+    for log in (session / "logs").glob("python-core-*.log"):
+        pid = int(log.stem.rsplit("_", 1)[1])
+        for m in CORE_WORKER_PORT.finditer(log.read_text(errors="replace")):
+            out.setdefault(pid, set()).add(int(m.group(1)))
+    return out
+
+
+def _listeners(procs: list[Any]) -> list[tuple[int, str, str, int]]:
+    out = []
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+            conns = p.net_connections("inet")
+        except psutil.Error:  # exited meanwhile
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                out.append((p.pid, cmd[:120], c.laddr.ip, c.laddr.port))
+    return out
+
+
+def _files_containing(roots: list[Path], needle: bytes, since: float) -> list[str]:
+    hits = []
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                f = Path(dirpath) / name
+                try:
+                    st = f.lstat()
+                    if not f.is_file() or st.st_mtime < since or st.st_size > 64 << 20:
+                        continue
+                    if needle in f.read_bytes():
+                        hits.append(str(f))
+                except OSError:
+                    continue
+    return hits
+
+
+@pytest.fixture(scope="module")
+def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("exposure")
+    secret = secrets.token_hex(32)
+    extra = {"NEMO_DATAPLANE_SECRET": secret}
+    iface = _routable_interface()
+    if iface:
+        extra["GLOO_SOCKET_IFNAME"] = iface
+    cmd, env = trainer_command(out, "trainer.steps=40", "trainer.val_every=0")
+    env.update(extra)
+    t0 = time.time()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    seen: list[tuple[int, str, str, int]] = []
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the run ended before it could be inspected: {proc.communicate()[1][-4000:]}"
+        procs = _tree(proc.pid)
+        seen = _listeners(procs)
+        session = _session_dir(procs)
+        ray_ports = _core_worker_ports(session)
+        gcs_env = next(p.environ() for p in procs if "gcs_server" in " ".join(p.cmdline()))
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    return {
+        "proc": proc,
+        "stdout": stdout,
+        "stderr": stderr,
+        "listeners": seen,
+        "ray_ports": ray_ports,
+        "gcs_env": gcs_env,
+        "session": session,
+        "out": out,
+        "secret": secret,
+        "t0": t0,
+        "iface": iface,
+    }
+
+
+def test_every_listener_the_run_opens_is_on_loopback(exposed_run: dict[str, Any]) -> None:
+    assert exposed_run["proc"].returncode == 0, exposed_run["stderr"][-4000:]
+    ours, ray_own = [], []
+    for pid, cmd, ip, port in exposed_run["listeners"]:
+        if any(m in cmd for m in RAY_SYSTEM) or port in exposed_run["ray_ports"].get(pid, set()):
+            ray_own.append((pid, cmd, ip, port))
+        else:
+            ours.append((pid, cmd, ip, port))
+    # The scan sees what it must: the store's controller (2 sockets) and unit, the train group's
+    # and refit group's stores, gloo's listeners in every rank.
+    assert len(ours) >= 6, f"too few listeners found to judge: {ours}; Ray's own: {ray_own}"
+    assert any("_Controller" in c for _, c, _, _ in ours) and any("_StorageUnit" in c for _, c, _, _ in ours), ours
+    exposed = [x for x in ours if not ipaddress.ip_address(x[2].split("%")[0]).is_loopback]
+    assert exposed == [], f"listeners beyond loopback (pid, process, address, port): {exposed}"
+
+
+def test_ray_keeps_token_authentication_on(exposed_run: dict[str, Any]) -> None:
+    # Ray's own listeners are on every interface; what guards them is Ray's token auth (on by
+    # default in Ray 2.60). The run must not turn it off.
+    assert exposed_run["gcs_env"].get("RAY_AUTH_MODE") == "token", exposed_run["gcs_env"].get("RAY_AUTH_MODE")
+
+
+def test_the_job_secret_reaches_no_file(exposed_run: dict[str, Any]) -> None:
+    assert exposed_run["proc"].returncode == 0, exposed_run["stderr"][-4000:]
+    needle = exposed_run["secret"].encode()
+    roots = [exposed_run["session"], exposed_run["out"], Path("/tmp")]
+    hits = _files_containing(roots, needle, exposed_run["t0"] - 1)
+    assert hits == [], f"the job secret was written to {hits}"
+    # The scan reads what Ray wrote: the session's logs are there and were searched.
+    assert any((exposed_run["session"] / "logs").glob("raylet.*"))

@@ -28,7 +28,15 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow
 
 # Ray's own processes (by command line): they listen where Ray decides and rely on its token auth.
-RAY_SYSTEM = ("gcs_server", "raylet", "ray/dashboard", "log_monitor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+RAY_SYSTEM = (
+    "gcs_server",
+    "raylet",
+    "ray/dashboard",
+    "ray/autoscaler",
+    "log_monitor",
+    "ray::DashboardAgent",
+    "ray::RuntimeEnvAgent",
+)
 CORE_WORKER_PORT = re.compile(r"(?:worker|driver) server started, listening on port (\d+)")
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 
 from nemo_dataplane.errors import NemoDataplaneError
+from nemo_dataplane.timeouts import check_timeout
 
 __all__ = ["StepError", "gather"]
 
@@ -27,7 +28,9 @@ def gather(
 
     Raises:
         StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
+        ValueError: ``timeout_s`` is negative, NaN or infinite.
     """
+    timeout_s = check_timeout(timeout_s, "timeout_s")  # a NaN deadline is never reached
     pending = list(refs)
     index = {r: i for i, r in enumerate(refs)}
     results: list[Any] = [None] * len(refs)

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from algorithms.tasks import BUILTIN_TASKS, PromptRecord
+from nemo_dataplane.errors import NonFiniteError
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "NonFiniteReward",
     "RewardError",
     "RewardFn",
     "char_match_score",
@@ -40,6 +42,11 @@ BUILTIN_REWARDS: tuple[str, ...] = ("math", "exact_match", "char_match")
 class RewardError(RuntimeError):
     """A reward function raised, or returned something other than a finite real number; the
     message names the reward, the prompt (uid, text, source) and the group when known."""
+
+
+class NonFiniteReward(NonFiniteError, RewardError):
+    """A reward function returned NaN or an infinity: one of the trainer's non-finite refusals
+    (:class:`~nemo_dataplane.errors.NonFiniteError`) and a :class:`RewardError`."""
 
 
 def char_match_score(answer: str, response: str) -> float:
@@ -162,5 +169,5 @@ def checked_reward(
             f"reward_fn {name!r} returned {value!r} (a {type(value).__name__}) on {where}; it must return a real number"
         )
     if not math.isfinite(float(value)):
-        raise RewardError(f"reward_fn {name!r} returned {value!r} on {where}; it must be finite")
+        raise NonFiniteReward(f"reward_fn {name!r} returned {value!r} on {where}; it must be finite")
     return float(value)

@@ -254,4 +254,9 @@ class RolloutBuffer:
             group_ids=[g.group_id for g in groups],
             versions=[g.version for g in groups],
             response_len=sum(g.response_len for g in groups) / len(groups),
+            prompts=[self._prompt(g.group_id) for g in groups],
         )
+
+    def _prompt(self, group_id: int) -> str:
+        job = self.ledger.inflight.get(group_id)
+        return str(getattr(job.record, "prompt", "")) if job is not None else ""

@@ -204,7 +204,8 @@ class RolloutBatch:
 
     ``handle`` is what the transport moves (a meta of store keys, or the rows themselves);
     ``rewards`` [B] come with it (tags or the collector's reply), never from a store read;
-    ``versions`` is the weight version that generated each group, ``group_ids`` its id.
+    ``versions`` is the weight version that generated each group, ``group_ids`` its id,
+    ``prompts`` its prompt text where the source knows it (named when a value is refused).
     """
 
     handle: Any
@@ -214,3 +215,4 @@ class RolloutBatch:
     versions: list[int]
     response_len: float
     row: dict[str, Any] = field(default_factory=dict)  # metrics the source adds (timings, drops)
+    prompts: list[str] = field(default_factory=list)

@@ -31,6 +31,7 @@ import torch
 
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import ActorDispatch
+from algorithms.finite import refuse_nonfinite_groups
 from algorithms.grpo import dynamic_sampling_mask, group_advantages
 from algorithms.metrics import PhaseTimer, payload_bytes
 from algorithms.remote import StepError, gather
@@ -89,6 +90,7 @@ def collect(
         group_ids=gids,
         versions=[int(res["weight_version"])] * len(gids),
         response_len=float(res["response_len"]),
+        prompts=[str(getattr(j.record, "prompt", "")) for j in jobs],
     )
     batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
     # The trainer waits for the whole generation; the generator works only inside it.
@@ -117,7 +119,10 @@ def train_on_batch(
     source's wait or generation included in ``step_s``); default now.
 
     Raises:
-        StepError: any worker raised (quoting its error) or a wait timed out.
+        StepError: any worker raised (quoting its error; a worker's ``NonFiniteError`` is its
+            cause) or a wait timed out.
+        NonFiniteError: a reward or advantage is NaN or infinite (names the group and prompt);
+            raised before any worker trains.
     """
     timeout = cfg.trainer.step_timeout_s
     n, dp = batch.group_size, cfg.trainer.dp_size
@@ -137,6 +142,8 @@ def train_on_batch(
         with timer("advantages"):
             if rewards.shape != (len(handle),):
                 raise StepError(f"step {step}: {tuple(rewards.shape)} rewards for {len(handle)} rows")
+            # The collector refuses a non-finite reward already; rewards also arrive as store tags.
+            refuse_nonfinite_groups(f"step {step}: reward", rewards, n, batch.group_ids, batch.prompts)
             keep_mask = (
                 dynamic_sampling_mask(rewards, n)
                 if cfg.grpo.dynamic_sampling
@@ -151,6 +158,9 @@ def train_on_batch(
                 trained = False  # every group had equal rewards: no learning signal this step
             else:
                 adv = group_advantages(rewards[keep_idx], n, normalize_std=cfg.grpo.normalize_std)
+                refuse_nonfinite_groups(
+                    f"step {step}: advantage", adv, n, batch.group_ids, batch.prompts, rows=keep_idx
+                )
                 handle = transport.write_advantages(handle, adv)
         if trained:
             with timer("preshard"):

@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from nemo_dataplane.codec import normalize_fields
 from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.timeouts import check_timeout
 
 Fields = TensorDict | Mapping[str, torch.Tensor]
 
@@ -161,7 +162,8 @@ class DataPlaneClient(ABC):
             ``partition_id`` set and ``fields`` naming (at least) ``fields``.
 
         Raises:
-            ValueError: empty ``task`` or ``fields``, ``batch_size < 1``, negative ``timeout_s``.
+            ValueError: empty ``task`` or ``fields``, ``batch_size < 1``, a negative, NaN or
+                infinite ``timeout_s``.
             ClaimsNotSupported: the backend has no claims.
         """
         raise ClaimsNotSupported(f"{type(self).__name__} does not implement kv_claim (task-mediated claims)")
@@ -308,9 +310,7 @@ def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) ->
     names = check_select_fields(fields)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
-        raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
-    return task, names, batch_size, float(timeout_s)
+    return task, names, batch_size, check_timeout(timeout_s, "timeout_s")
 
 
 def check_tags(tags: Any, n_keys: int) -> list[dict[str, Any]] | None:

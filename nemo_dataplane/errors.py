@@ -15,13 +15,20 @@ family                                 where                                    
 ``StoreAuthError``                     ``nemo_dataplane.distributed.auth``         ``RuntimeError``
 ``RefitError``                         ``nemo_dataplane.refit.protocol``           ``RuntimeError``
 ``LayoutError``                        ``nemo_dataplane.refit.reshard.layout``     ``ValueError``
+``NonFiniteError``                     ``nemo_dataplane.errors``                   ``ArithmeticError``
 =====================================  ==========================================  ===================
 """
 
 from __future__ import annotations
 
-__all__ = ["NemoDataplaneError"]
+__all__ = ["NemoDataplaneError", "NonFiniteError"]
 
 
 class NemoDataplaneError(Exception):
     """Base of every error family of nemo-dataplane."""
+
+
+class NonFiniteError(NemoDataplaneError, ArithmeticError):
+    """A value a training step depends on is NaN or infinite (a reward, an advantage, a behaviour,
+    proximal, reference or current log-prob, the gradient norm). Raised before any optimizer
+    step of the step it fails; the message names the value, the group(s) and the prompt(s)."""

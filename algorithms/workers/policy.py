@@ -30,6 +30,7 @@ from algorithms.config import TrainerConfig
 from algorithms.engines.training import Prepared, TrainingEngine, build_training_engine
 from algorithms.engines.training.base import Which
 from algorithms.faults import maybe_fail
+from algorithms.finite import NonFiniteError, nonfinite_message
 from algorithms.replicas import replica_of
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
@@ -75,6 +76,7 @@ class PolicyWorker:
         self.engine: TrainingEngine = build_training_engine(
             cfg, self.device, vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id
         )
+        self.engine.decode = self.tokenizer.decode
         self.tp = cfg.policy.tensor_parallel_size
         self.dp_rank, self.tp_rank = replica_of(rank, self.tp)
         self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
@@ -180,17 +182,30 @@ class PolicyWorker:
         return self._io
 
     def _logprobs(self, models: Sequence[tuple[Which, str]], batch: Any) -> dict[str, Any]:
-        """One read, then per-token log-probs of each ``(model, field)``; one write-back of all."""
+        """One read, then per-token log-probs of each ``(model, field)``; one write-back of all.
+
+        Raises:
+            NonFiniteError: a log-prob of a row is NaN or infinite (names its group and prompt);
+                nothing is written back.
+        """
         io = self._batch_io()
         t0 = time.perf_counter()
-        got = io.load(batch, ["input_ids", "prompt_len"])
+        got = io.load(batch, ["input_ids", "prompt_len", "group_id"])
         t_fetch = time.perf_counter() - t0
         rows: dict[str, list[torch.Tensor]] = {f: [torch.empty(0)] * got.size for _, f in models}
         with torch.no_grad():
             for mb, pos in zip(got.microbatches, got.positions):
                 lens = [r.numel() for r in jagged_rows(mb["input_ids"])]
+                width = max(lens) - 1
+                valid = torch.arange(width).reshape(1, -1) < (torch.tensor(lens) - 1).reshape(-1, 1)
                 for which, f in models:
                     lp = self.engine.score(which, mb, False)[0].float().cpu()
+                    # Refused before the write-back: a NaN here would reach every later loss.
+                    bad = nonfinite_message(
+                        f"{which} log-prob ({f})", lp[:, :width], mb, mask=valid, decode=self._decode
+                    )
+                    if bad is not None:
+                        raise NonFiniteError(f"policy rank {self.rank}: {bad}")
                     for j, p in enumerate(pos):
                         rows[f][p] = lp[j, : int(lens[j]) - 1].clone()
         cols = {f: jagged_from_rows(r) for f, r in rows.items()}
@@ -201,6 +216,9 @@ class PolicyWorker:
             compute_s=compute_s, dp_bytes=got.nbytes + written, io_s=t_fetch + time.perf_counter() - t1
         )  # getting the rows + writing results back
         return out
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def get_logprobs(self, batch: Any, step: int, *, with_reference: bool = False) -> dict[str, Any]:
         """Per-token log-probs of the current policy (``prev_logprobs``) for this rank's rows, and
@@ -242,10 +260,16 @@ class PolicyWorker:
         The loss is the token mean over the *whole* step batch (all ranks): each rank's token
         count is all-reduced first, gradients are summed across ranks. Metrics are this rank's
         share with the same denominator, so the driver sums them over ranks.
+
+        Raises:
+            NonFiniteError: an advantage or a proximal / reference / behaviour log-prob (in the
+                response) of a row is NaN or infinite on this rank (names its group and prompt)
+                or on another (every rank refuses the step together); or the engine refused a
+                current log-prob or the gradient norm. No optimizer step runs.
         """
         self._maybe_fail("train", step)
         t0 = time.perf_counter()
-        fields = ["input_ids", "prompt_len", "advantages", "prev_logprobs", "ref_logprobs"]
+        fields = ["input_ids", "prompt_len", "group_id", "advantages", "prev_logprobs", "ref_logprobs"]
         if behaviour:
             fields.append("gen_logprobs")
         got = self._batch_io().load(batch, fields)
@@ -254,6 +278,7 @@ class PolicyWorker:
             time.sleep(self.cfg.debug.train_delay_s)  # injected work (tests of the step accounting)
         prepared = []
         local_tokens = 0
+        bad: str | None = None
         for mb in got.microbatches:
             lens = torch.tensor([r.numel() for r in jagged_rows(mb["input_ids"])])
             width = int(lens.max()) - 1
@@ -273,9 +298,20 @@ class PolicyWorker:
                 )
             )
             local_tokens += int(mask.sum().item())
-        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
+            bad = bad or self._nonfinite_inputs(prepared[-1])
+        # The second entry counts ranks with non-finite inputs: all ranks learn it from the
+        # all-reduce they run anyway, and refuse together (none waits in a collective for a
+        # peer that left, none steps alone).
+        counts = torch.tensor([float(local_tokens), float(bad is not None)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.engine.dp_group)  # a replica's TP ranks hold the same rows
-        metrics = self.engine.train_step(prepared, max(float(counts.item()), 1.0), behaviour)
+        if bad is not None:
+            raise NonFiniteError(f"policy rank {self.rank}: {bad}; no optimizer step ran")
+        if counts[1].item() > 0:
+            raise NonFiniteError(
+                f"policy rank {self.rank}: {int(counts[1].item())} other rank(s) refused non-finite inputs; "
+                "no optimizer step ran"
+            )
+        metrics = self.engine.train_step(prepared, max(float(counts[0].item()), 1.0), behaviour)
         return {
             **metrics,
             "tokens": float(local_tokens),
@@ -283,6 +319,19 @@ class PolicyWorker:
             "compute_s": time.perf_counter() - t0 - t_fetch,
             "dp_bytes": float(got.nbytes),
         }
+
+    def _nonfinite_inputs(self, p: Prepared) -> str | None:
+        """The first non-finite input of micro-batch ``p`` (advantages, then the log-probs within
+        the response mask), as a message naming its rows' groups and prompts; ``None`` if none."""
+        checks = [("advantage", p.adv, None), ("proximal log-prob (prev_logprobs)", p.old, p.mask)]
+        checks.append(("reference log-prob (ref_logprobs)", p.ref, p.mask))
+        if p.behaviour is not None:
+            checks.append(("behaviour log-prob (gen_logprobs)", p.behaviour, p.mask))
+        for what, values, mask in checks:
+            msg = nonfinite_message(what, values, p.mb, mask=mask, decode=self._decode)
+            if msg is not None:
+                return msg
+        return None
 
     # ------------------------------------------------------------ checkpoint
     def _state_file(self) -> str:

@@ -49,6 +49,7 @@ from nemo_dataplane.distributed.work import (
     call_with_deadline,
     wire_view,
 )
+from nemo_dataplane.timeouts import check_timeout
 
 __all__ = [
     "StatelessGroupError",
@@ -129,8 +130,7 @@ class StatelessProcessGroup:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        timeout = check_timeout(timeout, "timeout", allow_zero=False)
         self.host = host
         self.port = int(port)
         self.rank = rank
@@ -316,7 +316,8 @@ class StatelessProcessGroup:
         max_sleep: float = _POLL_MAX_S,
         spin_s: float = 0.0,
     ) -> None:
-        timeout = self.timeout if timeout is None else timeout
+        # Every per-call wait (barrier, wait_for_ranks, ...) ends here: a NaN would never expire.
+        timeout = self.timeout if timeout is None else check_timeout(timeout, "timeout")
         start = time.monotonic()
         spin_until = start + spin_s
         deadline = start + timeout
@@ -559,6 +560,8 @@ class StatelessProcessGroup:
         On nccl, first waits (bounded) for this rank's current stream so that a barrier also
         orders device work, then meets through the store.
         """
+        if timeout is not None:
+            check_timeout(timeout, "timeout")  # before the barrier's key is posted
         self._check_usable("barrier")
         self.synchronize(what="barrier (device work before it)")
         n = self._barrier_count

@@ -19,6 +19,7 @@ import torch
 
 from nemo_dataplane.dtypes import DTYPES
 from nemo_dataplane.errors import NemoDataplaneError
+from nemo_dataplane.timeouts import check_timeout
 
 if TYPE_CHECKING:
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
@@ -86,6 +87,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
             the interpreter from exiting, unlike a ``ThreadPoolExecutor`` worker, which is
             joined at exit.
     """
+    timeout = check_timeout(timeout, "timeout")
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -191,7 +193,7 @@ class Work:
         if self._done:
             return
         g = self._group
-        timeout = g.timeout if timeout is None else timeout
+        timeout = g.timeout if timeout is None else check_timeout(timeout, "timeout")
         if self._gloo_work is not None and watch is None:
             try:
                 self._gloo_work.wait(datetime.timedelta(seconds=timeout))

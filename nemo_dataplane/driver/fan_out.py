@@ -19,6 +19,7 @@ from nemo_dataplane.client import DataPlaneClient, add_error_note, check_partiti
 from nemo_dataplane.driver.planner import Preshards
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import select_rows
+from nemo_dataplane.timeouts import check_timeout
 
 __all__ = ["async_fan_out_per_rank_metas", "fan_out_per_rank_metas", "rank_extra_info", "run_sync"]
 
@@ -92,10 +93,7 @@ async def async_fan_out_per_rank_metas(
         raise ValueError(f"fan-out: the batch has {rows} rows but the plan covers {n} samples")
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"fan-out: key_prefix must be a non-empty str, got {key_prefix!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(
-            f"fan-out: timeout_s must be a positive number of seconds (every wait is bounded), got {timeout_s!r}"
-        )
+    timeout_s = check_timeout(timeout_s, "fan-out: timeout_s", allow_zero=False)  # every wait is bounded
     tensor_fields: dict[str, torch.Tensor] = {}
     for name, value in source.items():
         if isinstance(value, TensorDict):

@@ -256,6 +256,20 @@ class ClaimConformance:
         with pytest.raises(ValueError):
             client.kv_claim_status(pid, "t", [])
 
+    @pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), float("-inf"), -1.0, True, "1"])
+    def test_claim_refuses_a_timeout_that_is_not_a_finite_number_ge_0(
+        self, claims: tuple[DataPlaneClient, str], timeout_s: Any
+    ) -> None:
+        # NaN passes a `< 0` check and makes a deadline that is never reached: the claim would
+        # wait forever. It must be refused, by name, and claim nothing (sync and async alike).
+        client, pid = claims
+        client.kv_batch_put(["k0"], pid, {"x": torch.arange(1)})
+        with pytest.raises(ValueError, match="timeout_s"):
+            client.kv_claim(pid, "t", ["x"], 1, timeout_s)
+        with pytest.raises(ValueError, match="timeout_s"):
+            asyncio.run(client.async_kv_claim(pid, "t", ["x"], 1, timeout_s))
+        assert client.kv_claim(pid, "t", ["x"], 1, 0).keys == ("k0",)
+
     # -------------------------------------------------------------------- async
     def test_async_claim_twins(self, claims: tuple[DataPlaneClient, str]) -> None:
         client, pid = claims

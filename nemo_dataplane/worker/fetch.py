@@ -36,6 +36,7 @@ from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
 from nemo_dataplane.config import FetchPolicy
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import split_microbatches
+from nemo_dataplane.timeouts import check_timeout
 
 __all__ = ["FetchPolicy", "FetchedBatch", "WorkerFetcher"]
 
@@ -72,8 +73,9 @@ class WorkerFetcher:
             by the client's own op timeout, e.g. ``data_plane.transfer_queue.op_timeout_s``).
 
     Raises:
-        ValueError: an unknown policy, this rank missing from ``replica_ranks``, or a rank that
-            must touch the store without a client (names the rank).
+        ValueError: an unknown policy, a ``timeout_s`` that is not a finite number > 0, this rank
+            missing from ``replica_ranks``, or a rank that must touch the store without a client
+            (names the rank).
     """
 
     def __init__(
@@ -87,11 +89,9 @@ class WorkerFetcher:
     ) -> None:
         if fetch_policy not in get_args(FetchPolicy):
             raise ValueError(f"fetch_policy must be 'independent', 'leader_broadcast' or 'auto', got {fetch_policy!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.client = client
         self.replica_group = replica_group
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_timeout(timeout_s, "timeout_s", allow_zero=False)
         if replica_group is not None:
             ranks = list(replica_ranks) if replica_ranks is not None else dist.get_process_group_ranks(replica_group)
             self.rank = dist.get_rank()
@@ -332,7 +332,9 @@ def wait_work(work: Any, timeout_s: float, what: str, *, on_device: bool = False
     Raises:
         TimeoutError: not done within ``timeout_s`` (names ``what`` and the bound).
         RuntimeError: the backend reported another failure, e.g. a peer that went away.
+        ValueError: ``timeout_s`` is not a finite number > 0.
     """
+    timeout_s = check_timeout(timeout_s, "timeout_s", allow_zero=False)
     deadline = time.monotonic() + timeout_s
     try:
         finished = work.wait(timeout=timedelta(seconds=timeout_s))

@@ -194,8 +194,8 @@ def test_mismatched_sizes_raise() -> None:
         fan_out_per_rank_metas(
             InMemoryClient(), driver_balanced_preshards(batch, 2, SEQ), batch, partition_id="p", key_prefix=""
         )
-    for bad in (None, 0, -1.0, float("nan"), "10"):
-        with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+    for bad in (None, 0, -1.0, float("nan"), float("inf"), "10"):
+        with pytest.raises(ValueError, match="fan-out: timeout_s must be"):
             fan_out_per_rank_metas(
                 InMemoryClient(),
                 driver_balanced_preshards(batch, 2, SEQ),

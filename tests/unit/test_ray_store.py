@@ -98,6 +98,15 @@ def test_upserts_share_chunks_until_the_last_row_lets_go() -> None:
 
 
 # ------------------------------------------------------------------ lifetime
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_flush_refuses_a_timeout_that_is_not_a_finite_number_ge_0(ray_store_client: RayStoreClient, bad: float) -> None:
+    # A NaN would reach the index's wait as a deadline that is never reached.
+    with pytest.raises(ValueError, match="^timeout_s must be"):
+        ray_store_client.flush(bad)
+    assert ray_store_client.flush(5.0) == 0  # the client is still usable
+
+
+# ------------------------------------------------------------------ lifetime
 def test_clear_frees_the_objects(ray_store_client: RayStoreClient, pid: str, plasma_mib: Any) -> None:
     before = plasma_mib()
     big = {"x": torch.arange(4 * 1024 * 1024, dtype=torch.int64).view(64, -1)}  # 32 MiB

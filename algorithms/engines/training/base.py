@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
+from algorithms.finite import Decode, NonFiniteError, nonfinite_message
 from algorithms.grpo import masked_sum, policy_loss
 from algorithms.precision import Precision, TrainedWeights, precision_of
 
@@ -62,6 +63,7 @@ class TrainingEngine(ABC):
         self.temperature = cfg.generation.temperature or 1.0
         self.dp_group: Any = None  # None: the whole world
         self.tp_group: Any = None  # None: no tensor parallelism
+        self.decode: Decode | None = None  # the worker's tokenizer: names prompts in a NonFiniteError
 
     def connect(self, rank: int) -> None:
         """Called once ``torch.distributed`` spans every policy rank: set up the engine's own
@@ -87,7 +89,14 @@ class TrainingEngine(ABC):
 
     def train_step(self, prepared: Sequence[Prepared], global_tokens: float, behaviour: bool) -> dict[str, float]:
         """``grpo.epochs`` optimizer steps over ``prepared``; returns this rank's share of the loss
-        metrics (denominator: ``global_tokens``, the whole step's token count) and ``grad_norm``."""
+        metrics (denominator: ``global_tokens``, the whole step's token count) and ``grad_norm``.
+
+        Raises:
+            NonFiniteError: a current log-prob (in the response) or the gradient norm is NaN or
+                infinite, on this rank or another; that epoch's optimizer step is skipped and
+                the gradients zeroed, so the weights keep their values (earlier epochs of a
+                ``grpo.epochs > 1`` step have stepped already).
+        """
         g, a = self.cfg.grpo, self.cfg.async_
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         if behaviour:
@@ -96,8 +105,12 @@ class TrainingEngine(ABC):
         for epoch in range(g.epochs):
             self.optimizer.zero_grad(set_to_none=False)
             last = epoch == g.epochs - 1
+            bad: str | None = None
             for p in prepared:
                 lp, ent, _ = self.score("policy", p.mb, True)
+                # Kept, not raised: the other ranks learn of it in the gradient all-reduce, so
+                # no rank steps while another refuses.
+                bad = bad or nonfinite_message("current log-prob", lp, p.mb, mask=p.mask, decode=self.decode)
                 loss, m = policy_loss(
                     lp,
                     p.old,
@@ -124,21 +137,37 @@ class TrainingEngine(ABC):
                         sums[k] += float(m[k])
                     assert ent is not None
                     sums["entropy"] += float(masked_sum(ent.detach(), p.mask)) / global_tokens
-            grad_norm = self._all_reduce_and_step()
+            grad_norm = self._all_reduce_and_step(bad)
         return {**sums, "grad_norm": grad_norm}
 
-    def _all_reduce_and_step(self) -> float:
+    def _all_reduce_and_step(self, bad: str | None = None) -> float:
+        """Sum the gradients over DP, clip, step. ``bad``: this rank's non-finite message, if any.
+
+        Raises:
+            NonFiniteError: ``bad`` on any DP rank, or a non-finite gradient norm (checked before
+                ``optimizer.step()``, which then never runs; the gradients are zeroed).
+        """
         params = self.trained.params  # the model's own, or its float32 masters (bf16)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # One more element carries "some rank refused its values": every rank learns it from the
+        # same all-reduce, so all of them skip the step together (no replica diverges).
+        flag = torch.ones(1, dtype=grads[0].dtype, device=grads[0].device) if bad else grads[0].new_zeros(1)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
         # Sum over DP replicas (the loss is already divided by the global token count).
         dist.all_reduce(flat, group=self.dp_group)
+        refused = int(flat[-1].item())
+        flat = flat[:-1]
         off = 0
         for p, g in zip(params, grads):
             n = g.numel()
             p.grad = flat[off : off + n].view_as(p).clone()
             off += n
         norm = self._clip(params, flat, self.cfg.policy.max_grad_norm)
+        if refused or not torch.isfinite(norm).item():
+            self.optimizer.zero_grad(set_to_none=False)  # nothing of this step may reach a later one
+            why = bad or (f"{refused} other rank(s) saw a non-finite current log-prob" if refused else None)
+            detail = f"; {why}" if why else " (every input of this rank was finite)"
+            raise NonFiniteError(f"gradient norm is {float(norm)}: optimizer step skipped, weights unchanged{detail}")
         self.optimizer.step()
         self.trained.publish()
         return float(norm)

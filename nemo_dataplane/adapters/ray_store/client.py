@@ -51,6 +51,7 @@ from nemo_dataplane.client import (
 from nemo_dataplane.codec import make_batch
 from nemo_dataplane.config import DataPlaneConfig, RayStoreConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
+from nemo_dataplane.timeouts import check_timeout
 
 DEFAULT_ACTOR = "nemo_dataplane.RayStoreIndex"
 DEFAULT_NAMESPACE = "nemo_dataplane"
@@ -121,7 +122,10 @@ class RayStoreClient(ActorBackedClient):
 
         Raises:
             DataPlaneError: an earlier put's commit was refused by the index.
+            ValueError: ``timeout_s`` is negative, NaN or infinite.
         """
+        if timeout_s is not None:
+            timeout_s = check_timeout(timeout_s, "timeout_s")
         self._check_open()
         return self._flush(timeout_s)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from nemo_dataplane.client import DataPlaneClient
-from nemo_dataplane.config import BUILTIN_BACKENDS, DataPlaneConfig
+from nemo_dataplane.config import BUILTIN_BACKENDS, DataPlaneConfig, backend_path
 from nemo_dataplane.wrappers.capacity import CapacityGuard
 from nemo_dataplane.wrappers.integrity import IntegrityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
@@ -46,16 +46,15 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     """The client class for a backend name or ``"pkg.module:ClassName"`` path.
 
     Raises:
-        ValueError: an unknown name, a malformed path, or a class that is not a DataPlaneClient.
+        ValueError: an unknown name, a malformed path (refused before any import), or a class
+            that is not a DataPlaneClient.
         ImportError: the backend's module (or its dependency) cannot be imported.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"data_plane.backend must be a str, got {type(name).__name__}: {name!r}")
     target, hint = _BUILTIN.get(name, (name, None))
-    if ":" not in target:
-        raise ValueError(
-            f"data_plane.backend={name!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
-            "nor a 'pkg.module:ClassName' path"
-        )
-    module_name, _, attr = target.partition(":")
+    # The form is checked before anything is imported: a malformed path never runs a module.
+    module_name, attr = backend_path(target)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -83,6 +85,36 @@ def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
         resolve_backend("no_such_pkg.sub:Client")
     with pytest.raises(ValueError, match="bootstrap must be"):
         build_data_plane_client({"backend": "memory"}, bootstrap="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        ":Client",  # no module
+        "pkg.mod:",  # no class
+        ".pkg.mod:Client",  # relative: importlib would ask for a package argument
+        "pkg..mod:Client",
+        "pkg.mod:Client:Extra",
+        "pkg.mod:Outer.Inner",
+        "my pkg:Client",
+        "pkg.mod:1Client",
+        "pkg.class:Client",  # a keyword is no module name
+        "pkg.mod.Client",  # dotted, no colon: the colon form is suggested
+    ],
+)
+def test_a_malformed_backend_path_is_refused_before_any_import(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+    monkeypatch.setattr(importlib, "import_module", lambda mod, *a, **k: imported.append(mod))
+    with pytest.raises(ValueError, match=rf"data_plane.backend={re.escape(repr(name))} .*'pkg.module:ClassName'"):
+        resolve_backend(name)
+    with pytest.raises(ValueError, match=r"data_plane\.backend="):
+        DataPlaneConfig.from_dict({"backend": name})
+    assert imported == []
+
+
+def test_a_dotted_class_path_gets_the_colon_spelling_suggested() -> None:
+    with pytest.raises(ValueError, match=r"did you mean 'pkg.mod:Client'\?"):
+        resolve_backend("pkg.mod.Client")
 
 
 def test_every_builtin_backend_name_resolves_to_its_adapter() -> None:

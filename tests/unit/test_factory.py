@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.config import ConfigError, DataPlaneConfig
+from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.factory import build_data_plane_client, resolve_backend
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
@@ -142,3 +143,26 @@ def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> 
         client.close()
     with pytest.raises(ValueError, match=r"backend_kwargs \['port'\]"):
         build_data_plane_client({"backend": "transfer_queue", "backend_kwargs": {"port": 1}}, bootstrap=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (None, "no data_plane config"),
+        ({}, "names no backend"),
+        ({"enabled": False}, "data_plane.enabled=false"),
+        ({"enabled": False, "backend": "memory"}, "data_plane.enabled=false"),
+    ],
+)
+def test_a_config_that_asks_for_no_store_is_refused(config: Any, match: str) -> None:
+    # Not a silent TransferQueue on Ray: the error points to the in-process store.
+    with pytest.raises(ConfigError, match=match) as info:
+        build_data_plane_client(config)
+    assert "{'backend': 'memory'}" in str(info.value) and isinstance(info.value, NemoDataplaneError)
+
+
+def test_the_trainers_config_shape_still_builds() -> None:
+    # enabled: true without a backend is the trainers' YAML (default backend); a built config is taken as is.
+    assert DataPlaneConfig.from_dict({"enabled": True}).backend == "transfer_queue"
+    assert type(build_data_plane_client(DataPlaneConfig(backend="memory"))) is InMemoryClient
+    assert type(build_data_plane_client({"enabled": True, "backend": "memory"})) is InMemoryClient

@@ -55,8 +55,7 @@ DTYPES: dict[str, torch.dtype] = {n: dt for n in _NAMES if isinstance(dt := geta
 # Ordered: a dtype's position is its wire code where tensors travel with a small integer header
 # (the worker broadcast). Append only, so both ends of a mixed-version job agree.
 WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(
-    DTYPES[n]
-    for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+    DTYPES[n] for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 )
 
 

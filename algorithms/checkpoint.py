@@ -11,16 +11,23 @@ A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) ho
   refused);
 * ``COMPLETE`` — written last: a directory without it (a crash mid-save) is never resumed from.
 
+Every file is written through :func:`save_file` (``fsync`` of the file and of the directory), and
+:func:`mark_complete` fsyncs the directory before the marker and the marker after it: a marker
+that survives a power loss never stands beside a file whose bytes did not.
+
 Every file is read with ``torch.load(..., weights_only=True)`` (:func:`load_trusted`): tensors,
 plain containers and numbers, plus the classes in :data:`SAFE_GLOBALS` (the prompt records a
-driver state holds). A checkpoint naming any other Python object is refused, not executed.
+driver state holds). A checkpoint naming any other Python object is refused, not executed; a
+file that cannot be read (truncated, corrupt) raises :class:`CheckpointReadError` naming it.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,10 @@ import torch
 from algorithms.tasks import PromptRecord
 
 MARKER = "COMPLETE"
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file exists but cannot be read (truncated, corrupt); the message names it."""
 
 
 def _safe_globals() -> list[Any]:
@@ -42,15 +53,55 @@ def load_trusted(path: str | Path, **kwargs: Any) -> Any:
     Raises:
         pickle.UnpicklingError: the file names another global (an arbitrary object); the
             message names the file.
+        CheckpointReadError: the file cannot be read (truncated, corrupt: torch's own error would
+            not say which file); the message names it and keeps torch's.
+        FileNotFoundError, PermissionError, IsADirectoryError: as raised (they name the file).
     """
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, weights_only=True, **kwargs)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
     except pickle.UnpicklingError as e:
+        if not zipfile.is_zipfile(path):
+            # torch.save writes a zip; a file cut short in its first bytes is read as a legacy
+            # pickle and fails to unpickle: that is corruption, not a forged object.
+            raise _unreadable(path, e) from e
         raise pickle.UnpicklingError(
             f"refusing to load checkpoint file {str(path)!r}: it holds objects "
             f"other than tensors, containers and {_safe_globals()} ({e})"
         ) from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        # A zip cut short: RuntimeError "failed finding central directory"; an empty file:
+        # EOFError; a short member: OSError EINVAL. None of them names the file.
+        raise _unreadable(path, e) from e
+
+
+def _unreadable(path: str | Path, e: BaseException) -> CheckpointReadError:
+    return CheckpointReadError(
+        f"cannot read checkpoint file {str(path)!r} (truncated or corrupt? a save cut short leaves "
+        f"its step without the {MARKER} marker): {type(e).__name__}: {e}"
+    )
+
+
+def fsync_dir(d: str | Path) -> None:
+    """``fsync`` the directory ``d``: its entries (the names of files just written) reach disk."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)``, then ``fsync`` of the file and of its directory, so the file is
+    on disk before anyone writes the :data:`MARKER` that vouches for it."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(path.parent)
 
 
 def step_dir(root: str | Path, steps_done: int) -> Path:
@@ -72,7 +123,7 @@ def save_driver_state(
 ) -> None:
     """Write ``driver.pt``; ``tokenizer``: the run's tokenizer record
     (:func:`algorithms.tokenizers.tokenizer_record`), which a resume checks its own against."""
-    torch.save(
+    save_file(
         {
             "step": steps_done,
             "prompts": dict(prompts_state),
@@ -86,8 +137,17 @@ def save_driver_state(
 
 
 def mark_complete(d: Path, steps_done: int, *, root: str | Path, keep: int) -> None:
-    """Write the marker, then drop all but the newest ``keep`` complete checkpoints (0: keep all)."""
-    (d / MARKER).write_text(str(steps_done))
+    """Write the marker, then drop all but the newest ``keep`` complete checkpoints (0: keep all).
+
+    Every file of ``d`` was fsync'd by its writer (:func:`save_file`); the directory is fsync'd
+    again before the marker (its entries, whoever wrote them), then the marker and the directory.
+    """
+    fsync_dir(d)
+    with open(d / MARKER, "w") as f:
+        f.write(str(steps_done))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(d)
     if keep:
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -37,6 +37,12 @@ class DataIntegrityError(DataPlaneError):
     (``data_plane.verify_integrity``); the message names the key and the field."""
 
 
+class StoreFullError(DataPlaneError):
+    """A put would exceed a store capacity (``data_plane.max_rows``, or a backend's own byte
+    bound such as ``InMemoryClient(max_bytes=...)``); the message names the bound, and nothing of
+    the put was written."""
+
+
 class ClaimsNotSupported(NemoDataplaneError, NotImplementedError):
     """The backend implements the by-key contract (``kv_partitions`` included) but not
     task-mediated claims."""
@@ -73,6 +79,10 @@ class DataPlaneClient(ABC):
     * A missing key or field raises ``KeyError`` naming what is missing; nothing is dropped.
     * ``kv_clear`` of absent keys or an unknown partition is a no-op.
     * A partition exists while it holds at least one key: ``kv_partitions`` lists exactly those.
+    * Capacity is counted in keys (rows), every partition together: ``data_plane.max_rows``,
+      enforced for every backend by :class:`~nemo_dataplane.wrappers.capacity.CapacityGuard`. A
+      backend may also bound the bytes of the tensors it stores (the in-memory ``max_bytes``).
+      A put past either bound raises :class:`StoreFullError` and writes nothing.
 
     Sync methods may be called from any thread; the ``async_`` twins may be gathered
     concurrently on one event loop.
@@ -97,6 +107,7 @@ class DataPlaneClient(ABC):
             ValueError: no keys, a repeated key, ``tags`` of the wrong length, a field whose batch
                 size is not ``len(keys)``, or neither fields nor tags given.
             TypeError: a non-tensor value or unsupported dtype (names the field).
+            StoreFullError: the put would exceed a capacity (nothing was written).
         """
 
     @abstractmethod

@@ -20,20 +20,10 @@ from typing import Any, cast
 import torch
 from tensordict import TensorDict
 
-# Ordered: a dtype's position is its wire code where tensors travel with a small integer
-# header (worker broadcast). Append only, so both ends of a mixed-version job agree.
-DTYPE_CODES: tuple[torch.dtype, ...] = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
+from nemo_dataplane.dtypes import WIRE_DTYPES
+
+# The wire codes live in the dtype table (nemo_dataplane.dtypes); re-exported for codec users.
+DTYPE_CODES: tuple[torch.dtype, ...] = WIRE_DTYPES
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(DTYPE_CODES)
 
 

@@ -35,6 +35,7 @@ YAML shape (all keys optional)::
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import types
 import typing
@@ -84,6 +85,33 @@ FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
 # adapter, and code that must not import Ray or TransferQueue (trainer configs) checks against it.
 BUILTIN_BACKENDS: tuple[str, ...] = ("transfer_queue", "ray", "memory")
 PackingMode = Literal["none", "sequence", "dynamic"]
+
+
+def _is_name(part: str) -> bool:
+    return part.isidentifier() and not keyword.iskeyword(part)
+
+
+def backend_path(name: str) -> tuple[str, str]:
+    """``(module, class)`` of a custom ``data_plane.backend`` ``"pkg.module:ClassName"``, its form
+    checked without importing anything: a dotted module path of identifiers, one ``:``, one
+    identifier. (``importlib`` given ``".pkg"`` or ``"a b"`` would fail with an unrelated error, or
+    import a package's ``__init__`` before the class path is ever looked at.)
+
+    Raises:
+        ValueError: any other form (names ``data_plane.backend``; a dotted ``pkg.module.Class``
+            gets the ``pkg.module:Class`` spelling suggested).
+    """
+    module, colon, attr = name.partition(":")
+    if colon and module and all(_is_name(p) for p in module.split(".")) and _is_name(attr):
+        return module, attr
+    hint = ""
+    if not colon and "." in name:
+        head, _, tail = name.rpartition(".")
+        hint = f" (did you mean {head + ':' + tail!r}?)"
+    raise ValueError(
+        f"data_plane.backend={name!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
+        f"nor a 'pkg.module:ClassName' path{hint}"
+    )
 
 
 @dataclass(frozen=True)
@@ -217,11 +245,8 @@ class DataPlaneConfig:
             raise ValueError(f"data_plane.max_rows must be >= 1 (or null: unbounded), got {self.max_rows}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"data_plane.backend must be a non-empty str, got {self.backend!r}")
-        if self.backend not in BUILTIN_BACKENDS and ":" not in self.backend:
-            raise ValueError(
-                f"data_plane.backend={self.backend!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
-                "nor a 'pkg.module:ClassName' path"
-            )
+        if self.backend not in BUILTIN_BACKENDS:
+            backend_path(self.backend)
         if self.fetch_policy not in get_args(FetchPolicy):
             raise ValueError(
                 f"data_plane.fetch_policy must be one of {get_args(FetchPolicy)}, got {self.fetch_policy!r}"

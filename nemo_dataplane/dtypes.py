@@ -14,7 +14,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "check_lengths", "check_shape", "check_span", "dtype_from_name", "dtype_name", "view_bytes"]
+__all__ = [
+    "DTYPES",
+    "WIRE_DTYPES",
+    "check_lengths",
+    "check_shape",
+    "check_span",
+    "dtype_code",
+    "dtype_from_code",
+    "dtype_from_name",
+    "dtype_name",
+    "view_bytes",
+]
 
 # Names as ``str(dtype)`` without "torch."; fp8 variants only where this torch build has them.
 _NAMES = (
@@ -41,6 +52,12 @@ _NAMES = (
 )
 DTYPES: dict[str, torch.dtype] = {n: dt for n in _NAMES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
+# Ordered: a dtype's position is its wire code where tensors travel with a small integer header
+# (the worker broadcast). Append only, so both ends of a mixed-version job agree.
+WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(
+    DTYPES[n] for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the key of :data:`DTYPES`)."""
@@ -57,6 +74,34 @@ def dtype_from_name(name: Any, field: str = "dtype", error: type[Exception] = Va
     if dt is None:
         raise error(f"{field}: unknown dtype {name!r} (accepted: {', '.join(DTYPES)})")
     return dt
+
+
+def dtype_code(dtype: torch.dtype, field: str = "dtype", error: type[Exception] = TypeError) -> int:
+    """``dtype``'s wire code (its position in :data:`WIRE_DTYPES`).
+
+    Raises:
+        error: ``dtype`` has no wire code (message names ``field``).
+    """
+    try:
+        return WIRE_DTYPES.index(dtype)
+    except ValueError:
+        raise error(f"{field}: dtype {dtype} has no wire code (accepted: {_wire_names()})") from None
+
+
+def dtype_from_code(code: Any, field: str = "dtype code", error: type[Exception] = ValueError) -> torch.dtype:
+    """The dtype of wire code ``code``: an int in ``[0, len(WIRE_DTYPES))``, nothing else (a
+    negative code must not index the table from its end).
+
+    Raises:
+        error: ``code`` is not an int in range (message names ``field`` and the value).
+    """
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < len(WIRE_DTYPES):
+        raise error(f"{field}: unknown dtype code {code!r} (accepted: 0..{len(WIRE_DTYPES) - 1}: {_wire_names()})")
+    return WIRE_DTYPES[code]
+
+
+def _wire_names() -> str:
+    return ", ".join(dtype_name(d) for d in WIRE_DTYPES)
 
 
 def check_shape(shape: Any, field: str = "shape", error: type[Exception] = ValueError) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from nemo_dataplane.client import DataPlaneClient
-from nemo_dataplane.config import BUILTIN_BACKENDS, DataPlaneConfig
+from nemo_dataplane.config import BUILTIN_BACKENDS, ConfigError, DataPlaneConfig, backend_path
 from nemo_dataplane.wrappers.capacity import CapacityGuard
 from nemo_dataplane.wrappers.integrity import IntegrityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
@@ -46,16 +46,15 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     """The client class for a backend name or ``"pkg.module:ClassName"`` path.
 
     Raises:
-        ValueError: an unknown name, a malformed path, or a class that is not a DataPlaneClient.
+        ValueError: an unknown name, a malformed path (refused before any import), or a class
+            that is not a DataPlaneClient.
         ImportError: the backend's module (or its dependency) cannot be imported.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"data_plane.backend must be a str, got {type(name).__name__}: {name!r}")
     target, hint = _BUILTIN.get(name, (name, None))
-    if ":" not in target:
-        raise ValueError(
-            f"data_plane.backend={name!r} is neither a built-in backend {sorted(BUILTIN_BACKENDS)} "
-            "nor a 'pkg.module:ClassName' path"
-        )
-    module_name, _, attr = target.partition(":")
+    # The form is checked before anything is imported: a malformed path never runs a module.
+    module_name, attr = backend_path(target)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -71,15 +70,51 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     return cls
 
 
+_MEMORY_HINT = "pass {'backend': 'memory'} for an in-process store"
+
+
+def _check_asked_for(config: DataPlaneConfig | Mapping[str, Any] | None) -> None:
+    """Refuse a config that does not ask for a store: the default backend is a TransferQueue
+    on Ray, far too heavy to start by accident (a missing section, a disabled data plane).
+
+    Raises:
+        ConfigError: ``config`` is ``None``, a mapping with ``enabled: false``, or a mapping that
+            neither names a ``backend`` nor sets ``enabled: true``.
+    """
+    if config is None:
+        raise ConfigError(
+            "build_data_plane_client: no data_plane config; name a backend (data_plane.backend: "
+            f"{' | '.join(BUILTIN_BACKENDS)} | 'pkg.module:ClassName'), or {_MEMORY_HINT}"
+        )
+    if isinstance(config, DataPlaneConfig):
+        return  # built on purpose; the trainers call the factory only when data_plane.enabled
+    if not isinstance(config, Mapping):
+        return  # DataPlaneConfig.from_dict names the wrong type
+    if config.get("enabled") is False:
+        raise ConfigError(
+            "build_data_plane_client: data_plane.enabled=false says this config uses no store; "
+            f"set data_plane.enabled=true, or drop 'enabled' and {_MEMORY_HINT}"
+        )
+    if "backend" not in config and config.get("enabled") is not True:
+        raise ConfigError(
+            f"build_data_plane_client: the data_plane config {dict(config)!r} names no backend "
+            f"(the default would start TransferQueue on Ray); name one, or {_MEMORY_HINT}"
+        )
+
+
 def build_data_plane_client(
-    config: DataPlaneConfig | Mapping[str, Any] | None = None,
+    config: DataPlaneConfig | Mapping[str, Any] | None,
     bootstrap: Bootstrap = "auto",
     on_event: Callable[[OpEvent], None] | None = None,
 ) -> DataPlaneClient:
     """Build the client named by ``config.backend``.
 
     Args:
-        config: the ``data_plane`` section (a :class:`DataPlaneConfig` or a plain mapping).
+        config: the ``data_plane`` section (a :class:`DataPlaneConfig` or a plain mapping). A
+            mapping must name its ``backend`` (or set ``enabled: true``, the trainers' shape);
+            ``None``, ``{}`` and ``enabled: false`` are refused (``ConfigError``) rather than
+            starting the default TransferQueue on Ray: ``{"backend": "memory"}`` is the
+            in-process store.
         bootstrap: for shared backends, ``"auto"`` attaches to a running store or creates one;
             ``True`` always creates; ``False`` only attaches (worker processes) and fails clearly
             when there is nothing to attach to.
@@ -94,6 +129,7 @@ def build_data_plane_client(
     """
     if bootstrap not in (True, False, "auto"):
         raise ValueError(f"bootstrap must be True, False or 'auto', got {bootstrap!r}")
+    _check_asked_for(config)
     cfg = DataPlaneConfig.from_dict(config)
     cls = resolve_backend(cfg.backend)
     from_config = getattr(cls, "from_config", None)

@@ -82,6 +82,7 @@ class KVBatchMeta:
           another meta's dicts; treat them as read-only.
 
     Raises:
+        TypeError: ``keys`` or ``fields`` is one ``str``/``bytes`` (it would split into characters).
         ValueError: on misaligned tags, duplicated keys or fields, or non-string keys.
     """
 
@@ -92,6 +93,14 @@ class KVBatchMeta:
     extra_info: dict[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # tuple("abc") is ("a", "b", "c"): one string is a caller's mistake, never three keys.
+        for name in ("keys", "fields"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)):
+                raise TypeError(
+                    f"KVBatchMeta.{name} must be a sequence of str, got one {type(value).__name__} {value!r} "
+                    f"(wrap it: {name}=[{value!r}])"
+                )
         keys = tuple(self.keys)
         tags = tuple(self.tags) if self.tags is not None else ()
         # Fast checks first (one C-level pass each); the loops below only name the culprit.

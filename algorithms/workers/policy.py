@@ -25,7 +25,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from algorithms.checkpoint import load_trusted
+from algorithms.checkpoint import load_trusted, save_file
 from algorithms.config import TrainerConfig
 from algorithms.engines.training import Prepared, TrainingEngine, build_training_engine
 from algorithms.engines.training.base import Which
@@ -344,11 +344,12 @@ class PolicyWorker:
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
         if self.dp_rank == 0:
-            torch.save(self.engine.state_dict(), d / self._state_file())
+            save_file(self.engine.state_dict(), d / self._state_file())
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, d / f"rng_rank{self.rank}.pt")
+        # fsync'd (save_file) before returning: the driver writes the COMPLETE marker after this call.
+        save_file(rng, d / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
     def export_hf(self, path: str) -> str | None:

@@ -8,6 +8,11 @@ Claims: per ``(partition, task)`` a set of claimed keys, under the same lock. A 
 ``kv_claim`` sleeps on a condition of that lock that every put notifies. Clearing a key drops it
 from every claimed set (so a key cleared and put again is a new, claimable row); upserting a
 claimed key leaves it claimed.
+
+Capacity: like every backend, keys are bounded by ``data_plane.max_rows`` (the factory's
+``CapacityGuard``). ``max_bytes`` (``data_plane.backend_kwargs``) additionally bounds the bytes
+of the tensors held, every partition together, counted exactly at each put and clear: a put that
+would leave more raises :class:`~nemo_dataplane.client.StoreFullError` and writes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from nemo_dataplane.client import (
     ClaimStatus,
     DataPlaneClient,
     Fields,
+    StoreFullError,
     check_claim_args,
     check_keys,
     check_partition,
@@ -44,10 +50,30 @@ class _Row:
     values: dict[str, tuple[torch.Tensor, bool]] = field(default_factory=dict)
 
 
-class InMemoryClient(DataPlaneClient):
-    """Dict-backed :class:`DataPlaneClient`; thread-safe; copies on the way in."""
+def _nbytes(row: _Row) -> int:
+    return sum(_tensor_bytes(t) for t, _ in row.values.values())
 
-    def __init__(self) -> None:
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class InMemoryClient(DataPlaneClient):
+    """Dict-backed :class:`DataPlaneClient`; thread-safe; copies on the way in.
+
+    Args:
+        max_bytes: bound on the bytes of stored tensors, all partitions together (tags are not
+            counted); ``None``: unbounded. Replacing a field counts its new size minus its old.
+
+    Raises:
+        ValueError: ``max_bytes`` is not an int >= 1 or ``None``.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"InMemoryClient: max_bytes must be an int >= 1 (or None: unbounded), got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._bytes = 0  # bytes of every stored tensor; changed only under the lock
         self._partitions: dict[str, dict[str, _Row]] = {}
         # partition -> task -> keys claimed (or marked consumed), only keys still stored
         self._claims: dict[str, dict[str, set[str]]] = {}
@@ -73,6 +99,14 @@ class InMemoryClient(DataPlaneClient):
             name: ([r.clone() for r in split_rows(t.detach())], is_jagged(t)) for name, t in columns.items()
         }
         with self._lock:
+            grow = self._growth(partition_id, keys, per_field_rows)
+            if self.max_bytes is not None and grow > 0 and self._bytes + grow > self.max_bytes:
+                raise StoreFullError(
+                    f"store full: InMemoryClient max_bytes={self.max_bytes} reached ({self._bytes} bytes held, a "
+                    f"put of {len(keys)} keys to partition {partition_id!r} would make {self._bytes + grow}); "
+                    "nothing was written"
+                )
+            self._bytes += grow
             part = self._partitions.setdefault(partition_id, {})
             for i, key in enumerate(keys):
                 row = part.setdefault(key, _Row())
@@ -88,6 +122,25 @@ class InMemoryClient(DataPlaneClient):
                 partition_id=partition_id,
                 fields=tuple(_common_fields(out_rows)),
             )
+
+    def _growth(
+        self, partition_id: str, keys: Sequence[str], per_field_rows: Mapping[str, tuple[list[torch.Tensor], bool]]
+    ) -> int:
+        """Bytes a put adds: its tensors minus those of the fields it replaces (caller holds the lock)."""
+        part = self._partitions.get(partition_id, {})
+        grow = 0
+        for i, key in enumerate(keys):
+            old = part.get(key)
+            for name, (rows, _) in per_field_rows.items():
+                grow += _tensor_bytes(rows[i])
+                if old is not None and name in old.values:
+                    grow -= _tensor_bytes(old.values[name][0])
+        return grow
+
+    def bytes_stored(self) -> int:
+        """Bytes of every tensor held, all partitions together (what ``max_bytes`` bounds)."""
+        with self._lock:
+            return self._bytes
 
     def kv_batch_get(
         self,
@@ -129,14 +182,17 @@ class InMemoryClient(DataPlaneClient):
         key_list = None if keys is None else check_keys(keys, allow_empty=True)
         with self._lock:
             if key_list is None:
-                self._partitions.pop(partition_id, None)
+                dropped = self._partitions.pop(partition_id, {})
+                self._bytes -= sum(_nbytes(r) for r in dropped.values())
                 self._claims.pop(partition_id, None)
                 return
             part = self._partitions.get(partition_id)
             if part is None:
                 return
             for k in key_list:
-                part.pop(k, None)
+                row = part.pop(k, None)
+                if row is not None:
+                    self._bytes -= _nbytes(row)
             for claimed in self._claims.get(partition_id, {}).values():
                 claimed.difference_update(key_list)
             if not part:
@@ -238,6 +294,7 @@ class InMemoryClient(DataPlaneClient):
         with self._lock:
             self._partitions.clear()
             self._claims.clear()
+            self._bytes = 0
             self._closed = True
             self._stored.notify_all()  # waiting claimers wake up and see the client closed
 

@@ -30,6 +30,7 @@ import datetime
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, overload
 
@@ -582,29 +583,42 @@ class StatelessProcessGroup:
             raise ValueError(f"{name}={r} is this rank itself")
 
     def destroy(self) -> None:
-        """Release the communicator (and the store, if this rank hosts it). Idempotent.
+        """Release the communicator (and the store, if this rank hosts it). Idempotent; never raises.
 
         nccl: a healthy communicator is destroyed (which, per NCCL, all ranks on a node should
         do together); a broken one is aborted so destroy cannot hang on a dead peer.
+
+        Every part is released even when an earlier one fails (destroy runs on shutdown and
+        error paths, where raising would hide the first error); each failure is then reported
+        as one ``RuntimeWarning`` naming the group, this rank and what failed.
         """
         if self._destroyed:
             return
         self._destroyed = True
+        failed: list[str] = []
         if self._comm is not None:
             comm, self._comm = self._comm, None
-            with contextlib.suppress(Exception):
-                if self._broken:
-                    comm.abort()
-                else:
-                    comm.destroy()
+            how = "abort" if self._broken else "destroy"
+            try:
+                getattr(comm, how)()
+            except Exception as e:  # noqa: BLE001 - reported below, after the rest is released
+                failed.append(f"communicator {how}: {type(e).__name__}: {e}")
         if self._pg is not None:
             pg, self._pg = self._pg, None
             if hasattr(pg, "shutdown"):
-                with contextlib.suppress(Exception):
+                try:
                     pg.shutdown()
+                except Exception as e:  # noqa: BLE001 - reported below
+                    failed.append(f"process group shutdown: {type(e).__name__}: {e}")
         if self._owns_store:
             # Released with the group; a destroyed group is not used again (store is typed for its life).
             self.store = None  # type: ignore[assignment]
+        if failed:
+            warnings.warn(
+                f"[{self._where()}] destroy released the group, but {'; '.join(failed)}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> StatelessProcessGroup:
         return self

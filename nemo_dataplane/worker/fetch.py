@@ -32,8 +32,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, check_select_fields
-from nemo_dataplane.codec import DTYPE_CODES, normalize_fields
+from nemo_dataplane.codec import normalize_fields
 from nemo_dataplane.config import FetchPolicy
+from nemo_dataplane.dtypes import check_shape, dtype_code, dtype_from_code
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import split_microbatches
 from nemo_dataplane.timeouts import check_timeout
@@ -270,9 +271,8 @@ class WorkerFetcher:
             t = data.get(name)
             jagged = bool(getattr(t, "is_nested", False))
             values = t.values() if jagged else t
-            if values.dtype not in DTYPE_CODES:
-                raise TypeError(f"field {name!r}: dtype {values.dtype} cannot be broadcast")
-            header += [int(jagged), DTYPE_CODES.index(values.dtype), values.dim(), *values.shape]
+            code = dtype_code(values.dtype, f"field {name!r}")
+            header += [int(jagged), code, values.dim(), *values.shape]
             payload.append(values)
             if jagged:
                 payload.append(t.offsets().to(torch.int64))
@@ -285,6 +285,12 @@ class WorkerFetcher:
                 self._bcast(_as_bytes(t).to(self._device))
 
     def _receive(self, names: list[str]) -> TensorDict:
+        """A non-leader's side of :meth:`_send`: the header, then each field's tensors.
+
+        Raises:
+            RuntimeError: the leader relayed its failure, or sent other fields than asked for.
+            ValueError: a dtype code, ndim or shape in the header out of range (names the field).
+        """
         header = self._recv_header()
         if header[0] == _ERROR:
             raw = torch.zeros(header[1], dtype=torch.uint8, device=self._device)
@@ -300,9 +306,13 @@ class WorkerFetcher:
         out: dict[str, torch.Tensor] = {}
         for name in names:
             jagged, code, ndim = header[pos], header[pos + 1], header[pos + 2]
-            shape = header[pos + 3 : pos + 3 + ndim]
+            # Decoded only through the dtype table: DTYPE_CODES[-1] would pick a dtype.
+            dtype = dtype_from_code(code, f"rank {self.rank}: field {name!r} dtype code (header[{pos + 1}])")
+            if not 0 <= ndim <= len(header) - pos - 3:
+                raise ValueError(f"rank {self.rank}: field {name!r} ndim (header[{pos + 2}]): {ndim} out of range")
+            shape = check_shape(header[pos + 3 : pos + 3 + ndim], f"rank {self.rank}: field {name!r}")
             pos += 3 + ndim
-            values = self._recv_tensor(DTYPE_CODES[code], shape)
+            values = self._recv_tensor(dtype, shape)
             if jagged:
                 offsets = self._recv_tensor(torch.int64, [n + 1])
                 out[name] = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)

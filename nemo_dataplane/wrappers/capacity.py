@@ -1,11 +1,12 @@
 """A store capacity for every backend: ``data_plane.max_rows`` keys, all partitions together.
 
 TransferQueue's SimpleStorage has a per-unit ``total_storage_size`` that fails a put half-way
-through its units; the Ray and in-memory backends have no capacity at all. :class:`CapacityGuard`
-gives them one meaning, checked in one place: before a put that creates keys, the store is
-listed (``kv_partitions`` + ``kv_list``: every writer's keys, not only this client's) and a put
-that would leave more than ``max_rows`` keys raises :class:`StoreFullError` naming the key and
-writes nothing. Writes to keys that already exist (new fields of a row) never count.
+through its units; the Ray backend has no capacity at all (the in-memory one only an optional
+byte bound, ``max_bytes``). :class:`CapacityGuard` gives them one meaning, checked in one place:
+before a put that creates keys, the store is listed (``kv_partitions`` + ``kv_list``: every
+writer's keys, not only this client's) and a put that would leave more than ``max_rows`` keys
+raises :class:`StoreFullError` naming the key and writes nothing. Writes to keys that already
+exist (new fields of a row) never count.
 
 The check is not atomic across processes: writers that check at the same moment can together
 overshoot ``max_rows`` by at most one put each. It costs one listing per put, and only when
@@ -18,15 +19,12 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nemo_dataplane.client import DataPlaneClient, DataPlaneError, Fields
+# StoreFullError lives in the client module (a backend's own bound raises it too); re-exported here.
+from nemo_dataplane.client import DataPlaneClient, Fields, StoreFullError
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.wrappers.base import ForwardingClient
 
 __all__ = ["CapacityGuard", "StoreFullError"]
-
-
-class StoreFullError(DataPlaneError):
-    """A put would exceed ``data_plane.max_rows``; nothing of it was written."""
 
 
 class CapacityGuard(ForwardingClient):

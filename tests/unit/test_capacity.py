@@ -66,3 +66,35 @@ def test_the_trainer_refuses_a_capacity_below_one_step_naming_the_key() -> None:
         load_config(str(cfg), [*small, "data_plane.max_rows=15"])
     ok = load_config(str(cfg), [*small, "data_plane.max_rows=16", "async.groups_per_generation=2"])
     assert async_min_rows(ok) == (4 + 2 - 1) * 4
+
+
+def test_the_memory_backend_bounds_the_bytes_of_stored_tensors_not_the_keys() -> None:
+    from nemo_dataplane.adapters.memory import InMemoryClient
+    from nemo_dataplane.codec import jagged_from_rows
+
+    store = InMemoryClient(max_bytes=100)
+    store.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 4)})  # 2 rows of 4 float32: 32 bytes
+    store.kv_batch_put(["t"], "q", None, tags=[{"only": "tags"}])  # a key without tensors costs nothing
+    assert store.bytes_stored() == 32
+    with pytest.raises(StoreFullError, match=r"max_bytes=100 reached \(32 bytes held, .* would make 104\)"):
+        store.kv_batch_put(["c"], "p", {"y": torch.zeros(1, 9, dtype=torch.float64)})  # 72 bytes, one key
+    assert store.kv_list("p").keys == ("a", "b") and store.bytes_stored() == 32  # nothing written
+    store.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 2)})  # replacing a field: 16 - 32
+    assert store.bytes_stored() == 16
+    store.kv_batch_put(["c", "d"], "q", {"j": jagged_from_rows([torch.zeros(3), torch.zeros(18)])})  # 84
+    assert store.bytes_stored() == 100  # exactly at the bound
+    store.kv_clear(["c"], "q")
+    store.kv_clear(None, "p")
+    assert store.bytes_stored() == 72
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+        InMemoryClient(max_bytes=0)
+
+
+def test_max_bytes_reaches_the_memory_backend_through_backend_kwargs() -> None:
+    from nemo_dataplane.adapters.memory import InMemoryClient
+    from nemo_dataplane.factory import build_data_plane_client
+
+    client = build_data_plane_client({"backend": "memory", "backend_kwargs": {"max_bytes": 8}})
+    assert isinstance(client, InMemoryClient) and client.max_bytes == 8
+    with pytest.raises(StoreFullError, match="max_bytes=8"):
+        client.kv_batch_put(["a"], "p", {"x": torch.zeros(1, 3)})

@@ -3,7 +3,8 @@
 ``TestMemoryConformance`` pins the reference semantics; ``TestTransferQueueConformance`` holds
 the real TransferQueue on local Ray (the session ``tq_client``) and ``TestRayStoreConformance``
 the Ray object-store backend (the session ``ray_store_client``) to the same tests.
-``TestByKeyOnlyConformance`` runs a backend that opts out of claims (``supports_claims = False``).
+``TestByKeyOnlyConformance`` runs a backend that opts out of claims (``supports_claims = False``);
+``TestByteBoundedMemoryConformance`` the reference store with a byte bound it never reaches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ class TestMemoryConformance(DataPlaneConformance):
     def client(self) -> Iterator[DataPlaneClient]:
         c = InMemoryClient()
         yield c
+        c.close()
+
+
+class TestByteBoundedMemoryConformance(DataPlaneConformance):
+    """A byte bound the tests never reach changes nothing; every clear gives its bytes back."""
+
+    @pytest.fixture
+    def client(self) -> Iterator[DataPlaneClient]:
+        c = InMemoryClient(max_bytes=1 << 30)
+        yield c
+        for p in c.kv_partitions():
+            c.kv_clear(None, p)
+        assert c.bytes_stored() == 0
         c.close()
 
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from nemo_dataplane.adapters.chunks import decode, encode
-from nemo_dataplane.dtypes import DTYPES, check_shape, check_span, dtype_from_name, view_bytes
+from nemo_dataplane.dtypes import (
+    DTYPES,
+    WIRE_DTYPES,
+    check_shape,
+    check_span,
+    dtype_code,
+    dtype_from_code,
+    dtype_from_name,
+    view_bytes,
+)
 from nemo_dataplane.refit.cuda.ipc import _check_view
 from nemo_dataplane.refit.packed import RefitInfo
 from nemo_dataplane.refit.protocol import RefitError, TensorSpec
@@ -79,3 +89,10 @@ def test_shapes_spans_and_byte_counts_are_checked() -> None:
         _check_view({**ok, "tensor_offset": 1})  # one element past the storage
     with pytest.raises(ValueError, match="tensor_stride"):
         _check_view({**ok, "tensor_stride": (3,)})
+
+
+def test_wire_codes_round_trip_and_out_of_range_codes_are_refused() -> None:
+    assert [dtype_from_code(dtype_code(d)) for d in WIRE_DTYPES] == list(WIRE_DTYPES)
+    for bad in (-1, len(WIRE_DTYPES), True, 1.0, "5"):
+        with pytest.raises(ValueError, match=rf"field 'x' code: unknown dtype code {re.escape(repr(bad))}"):
+            dtype_from_code(bad, "field 'x' code")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from nemo_dataplane.adapters.memory import InMemoryClient
-from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.config import ConfigError, DataPlaneConfig
+from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.factory import build_data_plane_client, resolve_backend
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
@@ -85,6 +88,36 @@ def test_resolve_backend_errors_are_specific(fake_module: str) -> None:
         build_data_plane_client({"backend": "memory"}, bootstrap="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        ":Client",  # no module
+        "pkg.mod:",  # no class
+        ".pkg.mod:Client",  # relative: importlib would ask for a package argument
+        "pkg..mod:Client",
+        "pkg.mod:Client:Extra",
+        "pkg.mod:Outer.Inner",
+        "my pkg:Client",
+        "pkg.mod:1Client",
+        "pkg.class:Client",  # a keyword is no module name
+        "pkg.mod.Client",  # dotted, no colon: the colon form is suggested
+    ],
+)
+def test_a_malformed_backend_path_is_refused_before_any_import(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+    monkeypatch.setattr(importlib, "import_module", lambda mod, *a, **k: imported.append(mod))
+    with pytest.raises(ValueError, match=rf"data_plane.backend={re.escape(repr(name))} .*'pkg.module:ClassName'"):
+        resolve_backend(name)
+    with pytest.raises(ValueError, match=r"data_plane\.backend="):
+        DataPlaneConfig.from_dict({"backend": name})
+    assert imported == []
+
+
+def test_a_dotted_class_path_gets_the_colon_spelling_suggested() -> None:
+    with pytest.raises(ValueError, match=r"did you mean 'pkg.mod:Client'\?"):
+        resolve_backend("pkg.mod.Client")
+
+
 def test_every_builtin_backend_name_resolves_to_its_adapter() -> None:
     from nemo_dataplane.adapters import InMemoryClient, RayStoreClient, TransferQueueClient
     from nemo_dataplane.config import BUILTIN_BACKENDS
@@ -110,3 +143,26 @@ def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> 
         client.close()
     with pytest.raises(ValueError, match=r"backend_kwargs \['port'\]"):
         build_data_plane_client({"backend": "transfer_queue", "backend_kwargs": {"port": 1}}, bootstrap=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (None, "no data_plane config"),
+        ({}, "names no backend"),
+        ({"enabled": False}, "data_plane.enabled=false"),
+        ({"enabled": False, "backend": "memory"}, "data_plane.enabled=false"),
+    ],
+)
+def test_a_config_that_asks_for_no_store_is_refused(config: Any, match: str) -> None:
+    # Not a silent TransferQueue on Ray: the error points to the in-process store.
+    with pytest.raises(ConfigError, match=match) as info:
+        build_data_plane_client(config)
+    assert "{'backend': 'memory'}" in str(info.value) and isinstance(info.value, NemoDataplaneError)
+
+
+def test_the_trainers_config_shape_still_builds() -> None:
+    # enabled: true without a backend is the trainers' YAML (default backend); a built config is taken as is.
+    assert DataPlaneConfig.from_dict({"enabled": True}).backend == "transfer_queue"
+    assert type(build_data_plane_client(DataPlaneConfig(backend="memory"))) is InMemoryClient
+    assert type(build_data_plane_client({"enabled": True, "backend": "memory"})) is InMemoryClient

@@ -103,6 +103,34 @@ def test_bad_construction() -> None:
         WorkerFetcher(InMemoryClient(), replica_ranks=[0, 1])
 
 
+@pytest.mark.parametrize(
+    ("field_header", "match"),
+    [
+        ([0, -1, 1, 2], r"field 'x' dtype code \(header\[4\]\): unknown dtype code -1"),  # not float64
+        ([0, 10, 1, 2], r"field 'x' dtype code \(header\[4\]\): unknown dtype code 10"),
+        ([0, 5, -1, 2], r"field 'x' ndim \(header\[5\]\): -1 out of range"),
+        ([0, 5, 1, -2], r"field 'x': shape must hold non-negative ints"),
+    ],
+)
+def test_a_broadcast_header_is_decoded_only_through_the_dtype_table(
+    field_header: list[int], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A non-leader decoding a forged or corrupt header: [OK, rows, fields, jagged, code, ndim, *shape].
+    fetcher = WorkerFetcher(InMemoryClient(), fetch_policy="independent")
+    monkeypatch.setattr(fetcher, "_recv_header", lambda: [0, 2, 1, *field_header])
+    monkeypatch.setattr(fetcher, "_bcast", lambda t: None)
+    with pytest.raises(ValueError, match=match):
+        fetcher._receive(["x"])
+    monkeypatch.setattr(fetcher, "_recv_header", lambda: [0, 2, 1, 0, 5, 1, 2])  # int64 [2]: accepted
+    assert fetcher._receive(["x"])["x"].dtype == torch.int64
+
+
+def test_a_field_of_a_dtype_without_a_wire_code_is_refused_by_name() -> None:
+    data = TensorDict({"z": torch.zeros(2, dtype=torch.complex64)}, batch_size=[2])
+    with pytest.raises(TypeError, match=r"field 'z': dtype torch.complex64 has no wire code"):
+        WorkerFetcher._encode(data, ["z"])
+
+
 def test_fetch_of_mismatched_plan_raises() -> None:
     client = InMemoryClient()
     meta = client.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2)})

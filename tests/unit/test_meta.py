@@ -34,6 +34,20 @@ def test_invalid_metas_are_rejected_with_a_reason(kwargs: dict, match: str) -> N
         KVBatchMeta(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"keys": "abc", "tags": [{}, {}, {}]},  # would be the keys "a", "b", "c"
+        {"keys": b"ab", "tags": [{}, {}]},
+        {"keys": ["a"], "tags": [{}], "fields": "ids"},  # would be the fields "i", "d", "s"
+    ],
+)
+def test_one_string_for_keys_or_fields_is_refused_not_split(kwargs: dict) -> None:
+    name = "fields" if "fields" in kwargs else "keys"
+    with pytest.raises(TypeError, match=rf"KVBatchMeta\.{name} must be a sequence of str"):
+        KVBatchMeta(**kwargs)
+
+
 def test_meta_is_frozen_and_owns_its_dicts() -> None:
     tags = [{"i": 0}]
     info = {"plan": [1]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,32 @@ def test_single_rank_group_and_validation() -> None:
         StatelessProcessGroup(P.HOST, port, 2, 2)
     with pytest.raises(ValueError, match="backend"):
         StatelessProcessGroup(P.HOST, port, 0, 1, "mpi")
+
+
+class _FailingComm:
+    def destroy(self) -> None:
+        raise RuntimeError("ncclCommDestroy: unhandled system error")
+
+
+class _RecordingPg:
+    def __init__(self, pg: object) -> None:
+        self.pg, self.shut = pg, False
+
+    def shutdown(self) -> None:
+        self.shut = True
+        getattr(self.pg, "shutdown", lambda: None)()
+
+
+def test_a_failed_communicator_release_is_reported_after_everything_is_released() -> None:
+    g = StatelessProcessGroup(P.HOST, P.free_port(), 0, 1, "gloo", timeout=5, group_name="refit")
+    pg = _RecordingPg(g._pg)
+    g._comm, g._pg = _FailingComm(), pg  # as a nccl group whose communicator will not go
+    with pytest.warns(RuntimeWarning, match=r"rank 0 of world size 1, group 'refit'.*communicator destroy: "):
+        g.destroy()
+    assert pg.shut and g.store is None, "the rest is released despite the failure"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g.destroy()  # idempotent: nothing left to fail
 
 
 @pytest.mark.skipif(not P.HAS_FP8, reason="torch without float8 dtypes")

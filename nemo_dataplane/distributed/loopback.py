@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from typing import Any
 
 import torch.distributed as dist
 
@@ -52,10 +53,11 @@ def pin_collectives_to_loopback() -> dict[str, str]:
     return dict.fromkeys(INTERFACE_VARS, lo)
 
 
-def gloo_options(host: str, timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options:
+def gloo_options(host: str, timeout: datetime.timedelta) -> Any:
     """Options for a ``ProcessGroupGloo`` whose one device listens on exactly ``host``
     (``GLOO_SOCKET_IFNAME`` and the hostname are not consulted)."""
-    options = dist.ProcessGroupGloo._Options()
+    # A ProcessGroupGloo._Options (torch's stubs omit the class).
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout
     return options

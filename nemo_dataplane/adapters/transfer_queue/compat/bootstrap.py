@@ -67,7 +67,11 @@ def _listen_on(host: str | None, actor: Any) -> None:
 
 # ray.remote turns TransferQueue's classes into ActorClasses; the class itself is
 # ``__ray_actor_class__``. TransferQueue's annotations say neither.
-class _Controller(TransferQueueController.__ray_actor_class__):  # type: ignore[attr-defined,misc]
+_RawController: Any = TransferQueueController.__ray_actor_class__  # type: ignore[attr-defined]
+_RawStorageUnit: Any = SimpleStorageUnit.__ray_actor_class__  # type: ignore[attr-defined]
+
+
+class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's class is untyped
     """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address)."""
 
     def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
@@ -75,7 +79,7 @@ class _Controller(TransferQueueController.__ray_actor_class__):  # type: ignore[
         super().__init__(*args, **kwargs)
 
 
-class _StorageUnit(SimpleStorageUnit.__ray_actor_class__):  # type: ignore[attr-defined,misc]
+class _StorageUnit(_RawStorageUnit):  # type: ignore[misc]  # as above
     """TransferQueue's storage unit, listening on ``listen_host`` (``None``: the node's address)."""
 
     def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
@@ -96,7 +100,11 @@ def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool, l
         namespace=namespace,
         num_cpus=num_cpus,
         **_actor_options(quiet),
-    ).remote(sampler=ClaimSampler(), polling_mode=True, listen_host=listen_host)
+    ).remote(
+        sampler=ClaimSampler(),  # type: ignore[no-untyped-call]  # TQ's sampler __init__
+        polling_mode=True,
+        listen_host=listen_host,
+    )
 
 
 def create_storage_units(

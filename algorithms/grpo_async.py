@@ -56,6 +56,10 @@ class AsyncTrainer(Trainer):
 
         self.ledger = PromptLedger(PromptIterator(train, 1, self.cfg.trainer.seed))
 
+    def _groups_in_flight(self) -> set[int]:
+        ledger = getattr(self, "ledger", None)  # none before the run set it up
+        return set(ledger.inflight) if ledger is not None else set()
+
     def _driver_state(self) -> dict[str, Any]:
         return self.ledger.state_dict()
 

@@ -40,6 +40,7 @@ from algorithms.inputs import check_run_inputs, load_datasets
 from algorithms.metrics import MetricsLogger
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
+from algorithms.rollouts import ROLLOUTS, parse_rollout_key
 from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
@@ -262,6 +263,26 @@ class Trainer:
     def _load_driver_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def _groups_in_flight(self) -> set[int]:
+        """Group ids handed out and not trained, whose rows may rightly be in the store at exit
+        (the async stream's); none in the sync loop, whose every step releases its rows."""
+        return set()
+
+    def _account_stored_keys(self) -> None:
+        """Record the keys in the store before the final clear: ``keys_in_store_at_exit`` (all)
+        and ``keys_leaked_at_exit`` (those not rows of a group in flight); name a few leaked."""
+        stored = self.transport.stored_keys()
+        in_flight = self._groups_in_flight()
+        leaked = [k for p, keys in stored.items() for k in keys if not _row_of(p, k, in_flight)]
+        self.summary["keys_in_store_at_exit"] = sum(len(keys) for keys in stored.values())
+        self.summary["keys_leaked_at_exit"] = len(leaked)
+        if leaked:
+            print(
+                f"{self.name}: {len(leaked)} key(s) left in the store at exit belong to no group in flight "
+                f"(e.g. {leaked[:5]}); cleared now",
+                file=sys.stderr,
+            )
+
     def _save_checkpoint(self, step_done: int) -> Path:
         """Policy + optimizer (+ RNG) from the ranks, then the driver's state, then the marker:
         a checkpoint without the marker (a crash mid-save) is never resumed from."""
@@ -461,10 +482,13 @@ class Trainer:
                 pass
         if self._transport_started:
             try:
+                # Counted before the clear, or a leak could never show.
+                self._account_stored_keys()
                 self.transport.clear_all()
                 self.summary["keys_outstanding_at_exit"] = self.transport.outstanding(audit=True)
             except Exception as e:  # noqa: BLE001
                 self.summary["keys_outstanding_at_exit"] = -1
+                self.summary.setdefault("keys_leaked_at_exit", -1)
                 print(f"{self.name}: emptying the store at exit failed: {e!r}", file=sys.stderr)
         if self.workers is not None and ray.is_initialized():
             # The graph's loops run inside the policy actors: tear them down (bounded) while the
@@ -502,3 +526,13 @@ class Trainer:
             self.actors = []
             if self._ray_started:
                 ray.shutdown()
+
+
+def _row_of(partition: str, key: str, groups: set[int]) -> bool:
+    """Whether ``key`` of ``partition`` is a rollout row of one of ``groups``."""
+    if partition != ROLLOUTS:
+        return False
+    try:
+        return parse_rollout_key(key).group in groups
+    except ValueError:
+        return False

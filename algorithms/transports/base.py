@@ -209,5 +209,11 @@ class Transport(ABC):
         steps: rows anywhere else, or a count that disagrees with the listing, show up there)."""
 
     @abstractmethod
+    def stored_keys(self) -> dict[str, list[str]]:
+        """Every key held, by partition (a listing of the whole store; empty where nothing is
+        stored). The trainer reads it before its final clear to tell leaked rows from rows of
+        groups still in flight."""
+
+    @abstractmethod
     def clear_all(self) -> None:
         """Drop every row held (resume, shutdown)."""

@@ -135,6 +135,11 @@ class DataPlaneTransport(Transport):
                 pass
         return sum(len(self.client.kv_list(p)) for p in self.client.kv_partitions())
 
+    def stored_keys(self) -> dict[str, list[str]]:
+        if self.client is None:
+            return {}
+        return {p: list(self.client.kv_list(p).keys) for p in self.client.kv_partitions()}
+
     def clear_all(self) -> None:
         if self.client is None:
             return

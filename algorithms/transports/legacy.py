@@ -169,6 +169,9 @@ class LegacyTransport(Transport):
     def outstanding(self, audit: bool = False) -> int:
         return 0
 
+    def stored_keys(self) -> dict[str, list[str]]:
+        return {}
+
     def clear_all(self) -> None:
         return None
 

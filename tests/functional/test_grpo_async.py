@@ -179,7 +179,7 @@ def test_backpressure_bounds_a_soak_of_a_hundred_tiny_steps(batch_runs) -> None:
     assert all(r["keys_outstanding"] <= (2 + 4) * n for r in run.rows)
     assert sum(r["collector_idle_s"] for r in run.rows) > 0, "the collector waited on backpressure"
     assert max(r["staleness_max"] for r in run.rows) <= 2
-    assert run.summary["keys_outstanding_at_exit"] == 0
+    assert run.summary["keys_outstanding_at_exit"] == 0 and run.summary["keys_leaked_at_exit"] == 0
     _assert_lossless(run)
 
 
@@ -370,6 +370,7 @@ def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
     assert code == 130, stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted") and summary["keys_outstanding_at_exit"] == 0
+    assert summary["keys_leaked_at_exit"] == 0
 
 
 def test_idle_ratios_move_with_work_injected_on_each_side(run_trainers_concurrently, runs_dir: Path) -> None:

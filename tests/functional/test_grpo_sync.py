@@ -84,7 +84,7 @@ def test_every_step_leaves_zero_keys_and_moves_data_through_the_store(dp_run, le
     for r in dp_run.rows:
         assert r["keys_outstanding"] == 0, r
         assert r["dp_bytes"] > 0
-    assert dp_run.summary["keys_outstanding_at_exit"] == 0
+    assert dp_run.summary["keys_outstanding_at_exit"] == 0 and dp_run.summary["keys_leaked_at_exit"] == 0
     # The driver only sees metas and small columns on the data-plane path; the legacy driver
     # holds and ships the whole batch twice per step.
     for d, base in zip(dp_run.rows, legacy_run.rows):
@@ -148,7 +148,7 @@ def test_resume_reproduces_the_uninterrupted_losses(run_trainer, dp_run, runs_di
     for key in ("loss", "pg_loss", "reward", "grad_norm", "kl", "entropy"):
         assert [r[key] for r in resumed.rows] == [r[key] for r in tail], key
     assert resumed.summary["dispatch"]["graph_calls"] == 2 * 7 and resumed.summary["dispatch"]["fallback"] is None
-    assert resumed.summary["keys_outstanding_at_exit"] == 0
+    assert resumed.summary["keys_outstanding_at_exit"] == 0 and resumed.summary["keys_leaked_at_exit"] == 0
 
 
 def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_trainer, runs_dir: Path) -> None:
@@ -206,7 +206,7 @@ def test_worker_failure_mid_step_leaves_no_keys_and_exits_with_the_error(run_tra
     assert d["killed_actors"] is True, d
     summary = run.summary
     assert summary["status"] == "failed"
-    assert summary["keys_outstanding_at_exit"] == 0
+    assert summary["keys_outstanding_at_exit"] == 0 and summary["keys_leaked_at_exit"] == 0
     assert [r["step"] for r in run.rows] == [0], "step 0 completed and was logged; step 1 was not"
     assert summary["policy_params"] == n_params
     assert summary["prompts"] == {"train": 16, "val": 4}
@@ -227,7 +227,7 @@ def test_ctrl_c_stops_cleanly_with_no_keys_left(trainer_command, signal_trainer,
     assert "interrupted" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted")
-    assert summary["keys_outstanding_at_exit"] == 0
+    assert summary["keys_outstanding_at_exit"] == 0 and summary["keys_leaked_at_exit"] == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["keys_outstanding"] == 0 for r in rows)
     assert any(r["samples_dropped"] > 0 for r in rows), "dynamic sampling dropped equal-reward groups"

@@ -11,7 +11,9 @@ core-worker port (from that worker's own log line). Everything else must be on l
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -102,6 +104,45 @@ def _files_containing(roots: list[Path], needle: bytes, since: float) -> list[st
     return hits
 
 
+# What a stranger on this host might send: noise, a ZMTP greeting cut short, a frame whose length
+# header claims 2^63 - 1 bytes, and a TCPStore-style request claiming a huge key.
+HOSTILE: tuple[bytes, ...] = (
+    b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f",
+    b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03\x00NULL" + b"\x00" * 16,
+    b"\x02" + b"\x7f\xff\xff\xff\xff\xff\xff\xff" + b"A" * 64,
+    b"\x00" + (2**62).to_bytes(8, "little") + b"key",
+)
+
+
+def _disturb(ports: list[int], seed: int) -> int:
+    """Send every :data:`HOSTILE` payload and 4 KiB of random bytes to each loopback ``port``, one
+    connection each, then hang up; returns the connections made."""
+    rng = random.Random(seed)
+    made = 0
+    for port in ports:
+        for payload in (*HOSTILE, rng.randbytes(4096)):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                    made += 1
+                    s.sendall(payload)
+            except OSError:  # refused, reset or slow: the listener's business
+                continue
+    return made
+
+
+def _actors(procs: list[Any]) -> dict[int, str]:
+    """pid -> command line of the run's own actors (Ray names their processes ``ray::<Class>``)."""
+    out = {}
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if cmd.startswith("ray::") and "IDLE" not in cmd and "Agent" not in cmd:
+            out[p.pid] = cmd
+    return out
+
+
 @pytest.fixture(scope="module")
 def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("exposure")
@@ -110,10 +151,15 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
     iface = _routable_interface()
     if iface:
         extra["GLOO_SOCKET_IFNAME"] = iface
-    cmd, env = trainer_command(out, "trainer.steps=40", "trainer.val_every=0")
+    overrides = ("trainer.steps=24", "trainer.val_every=0")
+    cmd, env = trainer_command(out, *overrides)
     env.update(extra)
+    # The same run, undisturbed, beside it: seeded sync runs are bitwise reproducible.
+    quiet = tmp_path_factory.mktemp("undisturbed")
+    qcmd, qenv = trainer_command(quiet, *overrides)
     t0 = time.time()
     repo = Path(__file__).resolve().parents[2]
+    twin = subprocess.Popen(qcmd, cwd=repo, env=qenv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     seen: list[tuple[int, str, str, int]] = []
@@ -129,11 +175,17 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
         session = _session_dir(procs)
         ray_ports = _core_worker_ports(session)
         gcs_env = next(p.environ() for p in procs if "gcs_server" in " ".join(p.cmdline()))
+        actors = _actors(procs)
+        connections = _disturb(sorted({port for *_, port in seen}), seed=len(seen))
+        actors_after = _actors(_tree(proc.pid)) if proc.poll() is None else {}
+        steps_at_attack_end = len(metrics.read_text().splitlines())
         stdout, stderr = proc.communicate(timeout=400)
+        _, twin_err = twin.communicate(timeout=400)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+        for p in (proc, twin):
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
     return {
         "proc": proc,
         "stdout": stdout,
@@ -146,6 +198,13 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
         "secret": secret,
         "t0": t0,
         "iface": iface,
+        "actors": actors,
+        "actors_after": actors_after,
+        "connections": connections,
+        "steps_at_attack_end": steps_at_attack_end,
+        "twin": twin,
+        "twin_err": twin_err,
+        "twin_out": quiet,
     }
 
 
@@ -179,3 +238,23 @@ def test_the_job_secret_reaches_no_file(exposed_run: dict[str, Any]) -> None:
     assert hits == [], f"the job secret was written to {hits}"
     # The scan reads what Ray wrote: the session's logs are there and were searched.
     assert any((exposed_run["session"] / "logs").glob("raylet.*"))
+
+
+def _losses(out: Path) -> dict[int, tuple[Any, ...]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {int(r["step"]): tuple(r.get(k) for k in ("loss", "pg_loss", "kl", "reward", "grad_norm")) for r in rows}
+
+
+def test_hostile_traffic_on_every_port_changes_nothing(exposed_run: dict[str, Any]) -> None:
+    run = exposed_run
+    assert run["proc"].returncode == 0, run["stderr"][-4000:]
+    assert run["twin"].returncode == 0, run["twin_err"][-4000:]
+    # The traffic really reached the ports, while the run was training (not after it ended).
+    assert run["connections"] >= 5 * len({port for *_, port in run["listeners"]}) // 2, run["connections"]
+    assert run["steps_at_attack_end"] < 24, "the run finished before the traffic ended: nothing was tested"
+    # No process lost: every actor alive before the traffic was alive after it.
+    assert set(run["actors"]) <= set(run["actors_after"]), (run["actors"], run["actors_after"])
+    assert len(run["actors"]) >= 5, run["actors"]  # 2 policy ranks, generator, collector, store
+    # Losses bitwise equal to the undisturbed run's, every step.
+    disturbed, undisturbed = _losses(run["out"]), _losses(run["twin_out"])
+    assert sorted(disturbed) == list(range(24)) and disturbed == undisturbed

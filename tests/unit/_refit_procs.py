@@ -445,3 +445,41 @@ def refit_missing_receiver(rank: int, world: int, port: int, timeout: float, bac
 
 def format_exc(e: BaseException) -> str:
     return "".join(traceback.format_exception(e))
+
+
+def _listening_addresses() -> list[str]:
+    """The addresses this process's listening TCP sockets are bound to (from /proc: no psutil)."""
+    import ipaddress
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in mine:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(cols[1].split(":")[0])
+                # /proc prints the address as 32-bit words in host (little-endian) order.
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append(str(ipaddress.IPv6Address(words) if v6 else ipaddress.IPv4Address(words)))
+    return out
+
+
+def listeners(rank: int, world: int, port: int, backend: str = "gloo", interface: str | None = None) -> list[str]:
+    """Join a group hosted on loopback with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to
+    ``interface`` (a routable one) and return where this rank's sockets listen once it is up."""
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+    g = _group(rank, world, port, backend)
+    try:
+        found = _listening_addresses()
+        g.barrier()
+        return found
+    finally:
+        g.destroy()

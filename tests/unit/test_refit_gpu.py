@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,3 +229,22 @@ def test_nccl_dead_peer_times_out(pool: P.Pool) -> None:
     assert out["error"] == "StatelessGroupTimeout", out
     assert "did not finish within 3s" in out["msg"] and "rank 0 of world size 2" in out["msg"], out["msg"]
     assert out["elapsed"] < timeout + 3.0
+
+
+def test_an_nccl_group_hosted_on_loopback_listens_on_loopback_only(pool: P.Pool) -> None:
+    """NCCL's bootstrap listens on NCCL_SOCKET_IFNAME's interface; a group whose every rank is on
+    this host pins it to loopback, even when the variable names a routable interface."""
+    routable = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
+    res = P.run_ranks(
+        pool,
+        P.listeners,
+        [0, 1],
+        world=2,
+        port=P.free_port(),
+        backend="nccl",
+        interface=routable[0] if routable else None,
+    )
+    _ok(res)
+    for r in (0, 1):
+        assert res[r], f"rank {r}: no listener found, nothing was checked"
+        assert all(ipaddress.ip_address(a).is_loopback for a in res[r]), (r, res[r])

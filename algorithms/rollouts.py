@@ -20,7 +20,7 @@ Fields (one row per sample): ``input_ids`` jagged int64 (``<bos>`` + prompt + re
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,3 +216,18 @@ class RolloutBatch:
     response_len: float
     row: dict[str, Any] = field(default_factory=dict)  # metrics the source adds (timings, drops)
     prompts: list[str] = field(default_factory=list)
+
+
+def keys_outside_groups(stored: Mapping[str, Sequence[str]], groups: Set[int]) -> list[str]:
+    """The keys of ``stored`` (partition -> keys) that are not rollout rows of one of ``groups``:
+    at a run's exit, what nothing accounts for (a leak)."""
+    out = []
+    for partition, keys in stored.items():
+        for key in keys:
+            try:
+                ours = partition == ROLLOUTS and parse_rollout_key(key).group in groups
+            except ValueError:
+                ours = False
+            if not ours:
+                out.append(key)
+    return out

@@ -34,13 +34,14 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.config import TrainerConfig, check_devices
+from algorithms.cluster import start_ray
+from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
 from algorithms.metrics import MetricsLogger
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
-from algorithms.rollouts import ROLLOUTS, parse_rollout_key
+from algorithms.rollouts import keys_outside_groups
 from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
@@ -101,34 +102,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        # A CUDA layout this machine cannot hold fails here, not in an actor.
-        check_devices(self.cfg, generators=self.num_collectors(self.cfg))
-        # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
-        # that raised) would otherwise print their own, secondary tracebacks at shutdown.
-        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
-        if self.cfg.ray.address:
-            ray.init(address=self.cfg.ray.address, **kwargs)
-        else:
-            num_gpus = (
-                torch.cuda.device_count() if "cuda" in (self.cfg.policy.device, self.cfg.generation.device) else 0
-            )
-            for attempt in (1, 2):
-                try:
-                    # address="local": a cluster of this run's own, even if `ray start` left one running.
-                    ray.init(address="local", num_cpus=self.cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
-                    break
-                except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-                    # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.
-                    if attempt == 2 or "timed out during startup" not in str(e):
-                        raise
-                    print(
-                        f"{self.name}: local Ray did not start within its 30 s ({e}); trying once more", file=sys.stderr
-                    )
-                    ray.shutdown()
-            self._ray_started = True
+        if not ray.is_initialized():
+            self._ray_started = start_ray(self.cfg, self.name, self.num_collectors(self.cfg))
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
         """Create the worker actors without waiting for them: their processes start (and import
@@ -272,15 +247,12 @@ class Trainer:
         """Record the keys in the store before the final clear: ``keys_in_store_at_exit`` (all)
         and ``keys_leaked_at_exit`` (those not rows of a group in flight); name a few leaked."""
         stored = self.transport.stored_keys()
-        in_flight = self._groups_in_flight()
-        leaked = [k for p, keys in stored.items() for k in keys if not _row_of(p, k, in_flight)]
+        leaked = keys_outside_groups(stored, self._groups_in_flight())
         self.summary["keys_in_store_at_exit"] = sum(len(keys) for keys in stored.values())
         self.summary["keys_leaked_at_exit"] = len(leaked)
         if leaked:
             print(
-                f"{self.name}: {len(leaked)} key(s) left in the store at exit belong to no group in flight "
-                f"(e.g. {leaked[:5]}); cleared now",
-                file=sys.stderr,
+                f"{self.name}: {len(leaked)} key(s) at exit in no group in flight, e.g. {leaked[:5]}", file=sys.stderr
             )
 
     def _save_checkpoint(self, step_done: int) -> Path:
@@ -526,13 +498,3 @@ class Trainer:
             self.actors = []
             if self._ray_started:
                 ray.shutdown()
-
-
-def _row_of(partition: str, key: str, groups: set[int]) -> bool:
-    """Whether ``key`` of ``partition`` is a rollout row of one of ``groups``."""
-    if partition != ROLLOUTS:
-        return False
-    try:
-        return parse_rollout_key(key).group in groups
-    except ValueError:
-        return False

@@ -18,7 +18,15 @@ from tensordict import TensorDict
 from algorithms.config import TrainerConfig
 from algorithms.remote import StepError
 from algorithms.rollout_buffer import PromptLedger, RolloutBuffer, admissible
-from algorithms.rollouts import ROLLOUT_FIELDS, ROLLOUTS, TRAINER_TASK, GroupAssembler, Job, rollout_keys
+from algorithms.rollouts import (
+    ROLLOUT_FIELDS,
+    ROLLOUTS,
+    TRAINER_TASK,
+    GroupAssembler,
+    Job,
+    keys_outside_groups,
+    rollout_keys,
+)
 from algorithms.tasks import PromptIterator, PromptRecord
 from algorithms.transports.data_plane import DataPlaneTransport
 from nemo_dataplane.adapters.memory import InMemoryClient
@@ -301,3 +309,13 @@ def test_the_per_step_count_of_outstanding_keys_agrees_with_the_whole_store_list
     finally:
         client.kv_clear(None, ROLLOUTS)
         client.kv_clear(None, "elsewhere")
+
+
+def test_keys_outside_groups_in_flight_are_the_leak_at_exit() -> None:
+    in_flight = rollout_keys(3, [7], 2)  # rows of group 7, still in flight
+    stray = rollout_keys(2, [5], 2)  # rows of group 5, trained or dropped: nothing accounts for them
+    stored = {ROLLOUTS: [*in_flight, *stray, "not-a-rollout-key"], "step4": ["v0/g7/s0"]}
+    # A key of another partition is a leak even if it looks like a row of a group in flight.
+    assert keys_outside_groups(stored, {7}) == [*stray, "not-a-rollout-key", "v0/g7/s0"]
+    assert keys_outside_groups(stored, set()) == [*in_flight, *stray, "not-a-rollout-key", "v0/g7/s0"]
+    assert keys_outside_groups({}, {7}) == []

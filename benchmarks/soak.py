@@ -16,6 +16,11 @@ included), max keys outstanding over every step, keys left in the store at each 
 the store itself was killed, nothing to empty) and at the final exit, store bytes at the final
 exit (0 when no key is left: rows live only under keys), and whether every handed-out prompt
 was trained exactly once or is still pending (``trained_groups.jsonl``).
+
+``--outside-kills N``: no hook in the code; N trials, each one trainer signalled from this process
+at a random moment (a policy rank, the generator, a collector, a TransferQueue actor, the driver,
+the raylet or the GCS), then checked for a bounded, named exit, orphan processes and a resume
+(:mod:`soak_outside`; JSON in ``benchmarks/results/soak_outside.json``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "grpo_async_tiny.yaml"
+CONFIG_SYNC = REPO / "examples" / "configs" / "grpo_tiny.yaml"
+# Victim kinds of --outside-kills (soak_outside.KINDS plus the driver), kept here so --help needs no psutil.
+VICTIMS = ("driver", "policy_rank", "generator", "collector", "store_controller", "store_unit", "raylet", "gcs_server")
 
 # kind -> (debug overrides with {step}/{group} placeholders, regex the error must match)
 FAULTS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -91,8 +99,27 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
+def trainer_env() -> dict[str, str]:
+    """The environment of a soak's trainer process."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RAY_DEDUP_LOGS="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 def _segment(
-    out: Path, steps: int, ckpt_every: int, overrides: tuple[str, ...], resume: bool, timeout: float
+    out: Path,
+    steps: int,
+    ckpt_every: int,
+    overrides: tuple[str, ...],
+    resume: bool,
+    timeout: float,
+    module: str = "grpo_async",
 ) -> dict[str, Any]:
     marker = out / "fault_marker"
     marker.unlink(missing_ok=True)
@@ -100,10 +127,10 @@ def _segment(
     cmd = [
         sys.executable,
         "-m",
-        "algorithms.grpo_async",
+        f"algorithms.{module}",
         "--config",
-        str(CONFIG),
-        *BASE,
+        str(CONFIG if module == "grpo_async" else CONFIG_SYNC),
+        *(o for o in BASE if module == "grpo_async" or not o.startswith("async.")),
         f"trainer.steps={steps}",
         f"checkpoint.every={ckpt_every}",
         f"logging.output_dir={out}",
@@ -117,17 +144,9 @@ def _segment(
         ),
         *overrides,
     ]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        RAY_DEDUP_LOGS="0",
-        RAY_USAGE_STATS_ENABLED="0",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    env.pop("RAY_ADDRESS", None)
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
         code, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
         code, stderr = -1, f"segment timed out after {timeout}s: {(e.stderr or b'')[-2000:]!r}"
@@ -171,9 +190,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=2)
     ap.add_argument("--faults", nargs="+", default=sorted(FAULTS), choices=sorted(FAULTS))
     ap.add_argument("--segment-timeout", type=float, default=600)
-    ap.add_argument("--dir", default=str(REPO / "runs" / "soak"))
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "soak.json"))
+    ap.add_argument("--dir", default=None, help="runs/soak (runs/soak_outside with --outside-kills)")
+    ap.add_argument("--out", default=None, help="benchmarks/results/soak.json (soak_outside.json)")
+    out_side = ap.add_argument_group("outside kills (benchmarks/soak_outside.py)")
+    out_side.add_argument("--outside-kills", type=int, default=0, metavar="N", help="run N outside-kill trials")
+    out_side.add_argument("--trainer", default="grpo_async", choices=["grpo_async", "grpo_sync"])
+    out_side.add_argument("--trial-steps", type=int, default=10, help="trainer.steps of each trial")
+    out_side.add_argument(
+        "--victims", nargs="+", default=list(VICTIMS), choices=list(VICTIMS), help="kinds to draw victims from"
+    )
+    out_side.add_argument(
+        "--signal-weights",
+        nargs="+",
+        default=["SIGKILL=0.6", "SIGTERM=0.2", "SIGINT=0.2"],
+        help="NAME=weight for SIGKILL, SIGTERM, SIGINT",
+    )
+    out_side.add_argument("--startup-frac", type=float, default=0.25, help="share of trials signalled in start-up")
+    out_side.add_argument(
+        "--startup-window", type=float, default=10.0, help="start-up kill: 0..this s after the victim's kind is up"
+    )
+    out_side.add_argument("--kill-window", type=float, default=15.0, help="0..this s after the first step")
+    out_side.add_argument("--startup-timeout", type=float, default=400.0, help="wait this long for a first step")
+    out_side.add_argument("--exit-bound", type=float, default=120.0, help="the run must end this long after the signal")
+    out_side.add_argument("--grace", type=float, default=60.0, help="the run's processes must be gone this long after")
+    out_side.add_argument(
+        "--linger", type=float, default=150.0, help="watch orphans this long after the exit before killing them"
+    )
+    out_side.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
+    name = "soak_outside" if args.outside_kills else "soak"
+    args.dir = args.dir or str(REPO / "runs" / name)
+    args.out = args.out or str(REPO / "benchmarks" / "results" / f"{name}.json")
+    if args.outside_kills:
+        import soak_outside
+
+        return soak_outside.main(args)
     steps = args.steps if args.steps is not None else (10**6 if args.minutes else 300)
     deadline = time.time() + args.minutes * 60 if args.minutes else float("inf")
     rng = random.Random(args.seed)

@@ -181,14 +181,14 @@ class Trainer:
         policy, generators, collectors = self.workers.policy, self.workers.generators, self.workers.collectors
         ranks = len(policy)  # dp * tp
         timeout = cfg.trainer.startup_timeout_s
-        ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up")
-        self.policy_params = int(ready[0]["params"])
         names = (
             [f"policy{r}" for r in range(ranks)]
             + [f"generator{i}" if i else "generator" for i in range(len(generators))]
             + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
         )
-        nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement")
+        ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up", names)
+        self.policy_params = int(ready[0]["params"])
+        nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement", names)
         self.summary["worker_nodes"] = dict(zip(names, nodes))
         self.summary["policy_layout"] = {
             "dp": cfg.trainer.dp_size,

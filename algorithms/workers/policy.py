@@ -35,7 +35,14 @@ from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
 from algorithms.workers.gpus import worker_device
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
-from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.distributed.auth import (
+    AuthStore,
+    authenticated,
+    bind_instance,
+    host_tcp_store,
+    is_loopback,
+    job_secret,
+)
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightSender, build_weight_sender
 
@@ -104,12 +111,16 @@ class PolicyWorker:
         then let the engine build its parallel state over it.
 
         Its records are authenticated with the job secret (``$NEMO_DATAPLANE_SECRET``, set by the
-        trainer through Ray), so a process outside the job cannot forge them."""
+        trainer through Ray) and bound to this instance of the group, so a process outside the
+        job cannot forge them nor replay records of another run or store."""
         timeout = timedelta(seconds=self.timeout_s)
         store = self._stores.get("train") or dist.TCPStore(address, port, self.world_size, False, timeout=timeout)
         store = authenticated(
             store, job_secret(), where=f"policy train group at {address}:{port}", loopback=is_loopback(address)
         )
+        if isinstance(store, AuthStore):
+            base = store
+            store = bind_instance(base, "train", self.rank, self.world_size, lambda keys: base.wait(keys, timeout))
         self._stores["train"] = store  # the group keeps using it
         dist.init_process_group(
             backend=self.cfg.policy.dist_backend,

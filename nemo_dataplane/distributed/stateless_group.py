@@ -372,19 +372,28 @@ class StatelessProcessGroup:
         *,
         timeout: float | None = None,
         watch: Callable[[], str | None] | None = None,
+        verify: Callable[[int], None] | None = None,
     ) -> None:
         """Wait until ``key_of(r)`` exists in the store for every rank ``r`` in ``ranks``.
 
-        On timeout raises ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
+        ``verify(r)``, if given, runs once ``r``'s key exists (in the same poll, so no extra
+        round trips follow the last arrival) and raises to refuse it. On timeout raises
+        ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
         """
         pending = sorted(set(ranks))
 
-        def done() -> bool:
+        def arrived(present: list[int]) -> None:
             nonlocal pending
+            for r in present:
+                if verify is not None:
+                    verify(r)
+            pending = [r for r in pending if r not in present]
+
+        def done() -> bool:
             if pending and self.store.check([key_of(r) for r in pending]):
-                pending = []
+                arrived(pending)
             elif len(pending) > 1:
-                pending = [r for r in pending if not self.store.check([key_of(r)])]
+                arrived([r for r in pending if self.store.check([key_of(r)])])
             return not pending
 
         self._poll(done, what, timeout=timeout, watch=watch, detail=lambda: f"missing ranks {pending} never arrived")
@@ -572,6 +581,8 @@ class StatelessProcessGroup:
         orders device work, then meets through the store. With a job secret a rank counts as
         arrived only once its arrival record authenticates: a forged one, or one replayed from
         another group instance, raises ``StoreAuthError`` naming its key (and breaks the group).
+        Rank 0, when it hosts the store, returns only after every rank has seen the barrier
+        complete, so it may ``destroy()`` (and stop the store) right after.
         """
         self._check_usable("barrier")
         self.synchronize(what="barrier (device work before it)")
@@ -579,21 +590,35 @@ class StatelessProcessGroup:
         self._barrier_count += 1
         key_of: Callable[[int], str] = lambda r: self._key("barrier", n, r)  # noqa: E731
         self.store.set(key_of(self.rank), b"1")  # type: ignore[arg-type]  # torch's stub: str only
-        self.wait_for_ranks(key_of, range(self.world_size), f"barrier #{n}", timeout=timeout)
-        # A key's presence proves nothing: any process reaching the store can create one.
-        # Reading each record makes AuthStore check its tag.
-        for r in range(self.world_size):
+
+        def verify(r: int) -> None:
+            # A key's presence proves nothing: any process reaching the store can create one.
+            # Reading the record makes AuthStore check its tag.
             if r == self.rank:
-                continue
+                return
             try:
                 self.store.get(key_of(r))
             except StoreAuthError as e:
                 self._broken = True
                 raise StoreAuthError(f"[{self._where()}] barrier #{n}, arrival of rank {r}: {e}") from e
+
+        self.wait_for_ranks(key_of, range(self.world_size), f"barrier #{n}", timeout=timeout, verify=verify)
+        # The rank hosting the store leaves last: a destroy() right after the barrier would
+        # otherwise take the store from under peers that have not yet polled the last arrival.
+        left_key = self._key("barrier", n, "left")
+        left = self.store.add(left_key, 1)
+        if self._owns_store and self.rank == 0 and left < self.world_size:
+            self._poll(
+                lambda: self.store.add(left_key, 0) >= self.world_size,
+                f"barrier #{n} (waiting for every rank to leave it)",
+                timeout=timeout,
+            )
         # Every rank in barrier n has left barrier n-1, so barrier n-2's keys are unobserved.
         if n >= 2:
             with contextlib.suppress(Exception):
                 self.store.delete_key(self._key("barrier", n - 2, self.rank))
+                if self.rank == 0:
+                    self.store.delete_key(self._key("barrier", n - 2, "left"))
 
     def _check_peer(self, r: int, name: str, not_self: bool = False) -> None:
         if not 0 <= r < self.world_size:

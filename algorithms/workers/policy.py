@@ -36,7 +36,14 @@ from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
 from algorithms.workers.gpus import worker_device
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
-from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.distributed.auth import (
+    AuthStore,
+    authenticated,
+    bind_instance,
+    host_tcp_store,
+    is_loopback,
+    job_secret,
+)
 from nemo_dataplane.distributed.loopback import LOOPBACK_HOST, pin_collectives_to_loopback
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightSender, build_weight_sender
@@ -107,8 +114,9 @@ class PolicyWorker:
         then let the engine build its parallel state over it.
 
         Its records are authenticated with the job ``secret`` (handed over in this call, in
-        memory; ``None``: ``$NEMO_DATAPLANE_SECRET``), so a process outside the job cannot forge
-        them. A rendezvous on loopback means every rank is on this node: the group's own
+        memory; ``None``: ``$NEMO_DATAPLANE_SECRET``) and bound to this instance of the group, so
+        a process outside the job can neither forge them nor replay records of another run or
+        store. A rendezvous on loopback means every rank is on this node: the group's own
         listeners (gloo, NCCL's bootstrap) then stay on loopback too."""
         timeout = timedelta(seconds=self.timeout_s)
         loopback = is_loopback(address)
@@ -118,6 +126,9 @@ class PolicyWorker:
         store = authenticated(
             store, job_secret(secret), where=f"policy train group at {address}:{port}", loopback=loopback
         )
+        if isinstance(store, AuthStore):
+            base = store
+            store = bind_instance(base, "train", self.rank, self.world_size, lambda keys: base.wait(keys, timeout))
         self._stores["train"] = store  # the group keeps using it
         dist.init_process_group(
             backend=self.cfg.policy.dist_backend,

@@ -7,17 +7,20 @@ whatever host it is given, and serves anyone who connects. Two measures bound th
   address for single-node runs, the node's address for multi-node ones) and hands it to
   TCPStore through ``master_listen_fd``, so nothing listens on other interfaces.
 * :class:`AuthStore` wraps any store so that every value is written as
-  ``HMAC-SHA256(secret, key, value) || value`` and checked on every read: a record forged or
-  altered by a process without the job's secret is refused with :class:`StoreAuthError` naming
-  the key. Counters (``add``) and key presence (``check``/``wait``) are not authenticated: a
-  forger can delay or fail a rendezvous (denial of service), never make a process use a value
-  it supplied.
+  ``HMAC-SHA256(secret, instance, version, key, value) || version || value`` and checked on
+  every read: a record forged or altered by a process without the job's secret, copied under
+  another key, replayed from another store or group instance (``instance``, agreed by
+  :func:`bind_instance`) or from an older version of a record rewritten in place
+  (``version``) is refused with :class:`StoreAuthError` naming the key. Counters (``add``) and
+  key presence (``check``/``wait``) are not authenticated: a forger can delay or fail a
+  rendezvous (denial of service), never make a process use a value it supplied.
 
 The secret is per job: the trainer makes one (:func:`new_job_secret`) and hands it to its
 processes through Ray (the ``NEMO_DATAPLANE_SECRET`` environment variable of the actors'
 ``runtime_env``) or a constructor argument, never through the store. :func:`job_secret`
 resolves the argument, else that variable, else ``None`` (unauthenticated; see
-:func:`authenticated` for the warning this gives).
+:func:`authenticated` for the warning this gives). The variable may be shared by several runs:
+the instance binding, not the secret, keeps their records apart.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import secrets
 import socket
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -42,6 +46,7 @@ __all__ = [
     "StoreAuthError",
     "StoreSecurityWarning",
     "authenticated",
+    "bind_instance",
     "host_tcp_store",
     "is_loopback",
     "job_secret",
@@ -50,6 +55,10 @@ __all__ = [
 
 SECRET_ENV = "NEMO_DATAPLANE_SECRET"
 _MAC_BYTES = hashlib.sha256().digest_size
+_VERSION_BYTES = 8
+# Domain separation: a tag of this format can never equal one computed over another message layout.
+_DOMAIN = b"nemo-dataplane/store-record/2\0"
+_NONCE_BYTES = 32
 
 
 class StoreAuthError(NemoDataplaneError, RuntimeError):
@@ -97,46 +106,89 @@ def _as_bytes(value: Any) -> bytes:
 
 
 class AuthStore(dist.Store):
-    """A ``torch.distributed.Store`` whose values carry an HMAC-SHA256 over key and value.
+    """A ``torch.distributed.Store`` whose values carry an HMAC-SHA256 over their context, key and value.
 
     Usable wherever a store is (``PrefixStore``, ``ProcessGroupGloo``, ``init_process_group``):
-    every ``set``/``compare_set`` writes a tagged value, every ``get`` checks it. A record with a
-    missing or wrong tag raises :class:`StoreAuthError` naming the key. ``add``, ``check``,
+    every ``set``/``compare_set`` writes ``tag || version || value`` and every ``get`` checks it,
+    where ``tag = HMAC-SHA256(secret, instance, version, key, value)``:
+
+    * ``instance``: bytes unique to one instance of a group (empty until :func:`bind_instance`
+      or :meth:`bound`): a record written for another store or group instance, even with the
+      same secret, is refused;
+    * ``version``: for a record rewritten in place, which rewrite it is (``0`` for records
+      written once); ``get(key, version=n)`` refuses a genuine record of any other version, so
+      an older one replayed over a newer one is caught;
+    * ``key``: a record copied under another key is refused.
+
+    A refused record raises :class:`StoreAuthError` naming the key. ``add``, ``check``,
     ``wait``, ``delete_key`` and ``num_keys`` pass through unauthenticated (counters and presence
     carry no data a process acts on beyond timing).
     """
 
-    def __init__(self, inner: dist.Store, secret: bytes) -> None:
+    def __init__(self, inner: dist.Store, secret: bytes, *, instance: bytes = b"") -> None:
         super().__init__()
         if not secret:
             raise ValueError("AuthStore needs a non-empty secret")
-        self.inner = inner
+        # Never nest: a view of a view would tag twice and only ever read its own records.
+        self.inner: dist.Store = inner.inner if isinstance(inner, AuthStore) else inner
         self._secret = bytes(secret)
+        self.instance = bytes(instance)
 
-    def _tag(self, key: str, value: bytes) -> bytes:
+    def bound(self, instance: bytes) -> AuthStore:
+        """A view of the same store whose records are bound to ``instance`` (this one is unchanged,
+        so groups sharing one store each bind their own view)."""
+        return AuthStore(self.inner, self._secret, instance=instance)
+
+    def _tag(self, key: str, version: bytes, value: bytes) -> bytes:
         k = key.encode()
-        msg = len(k).to_bytes(4, "big") + k + value
+        # Length prefixes keep the fields apart: no two (instance, key, value) split alike.
+        msg = b"".join(
+            (
+                _DOMAIN,
+                len(self.instance).to_bytes(4, "big"),
+                self.instance,
+                version,
+                len(k).to_bytes(4, "big"),
+                k,
+                value,
+            )
+        )
         return hmac.new(self._secret, msg, hashlib.sha256).digest()
 
-    def _seal(self, key: str, value: Any) -> bytes:
+    def _seal(self, key: str, value: Any, version: int = 0) -> bytes:
+        if not 0 <= version < 1 << (8 * _VERSION_BYTES):
+            raise ValueError(f"record version must be in [0, 2**64), got {version}")
         v = _as_bytes(value)
-        return self._tag(key, v) + v
+        ver = version.to_bytes(_VERSION_BYTES, "big")
+        return self._tag(key, ver, v) + ver + v
 
-    def _open(self, key: str, raw: bytes) -> bytes:
+    def _open(self, key: str, raw: bytes, version: int = 0) -> bytes:
         raw = bytes(raw)
-        tag, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
-        if len(raw) < _MAC_BYTES or not hmac.compare_digest(tag, self._tag(key, value)):
+        head = _MAC_BYTES + _VERSION_BYTES
+        tag, ver, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:head], raw[head:]
+        if len(raw) < head or not hmac.compare_digest(tag, self._tag(key, ver, value)):
             raise StoreAuthError(
-                f"store record {key!r} failed authentication: it was forged, tampered with, or written "
-                f"by a process without this job's secret (${SECRET_ENV}); refusing to use it"
+                f"store record {key!r} failed authentication: it was forged, tampered with, written by a "
+                f"process without this job's secret (${SECRET_ENV}), or replayed from another store or "
+                "group instance; refusing to use it"
+            )
+        got = int.from_bytes(ver, "big")
+        if got != version:
+            older = "an older record replayed over a newer one" if got < version else "not the one expected"
+            raise StoreAuthError(
+                f"store record {key!r} is version {got}, expected version {version} ({older}); refusing to use it"
             )
         return value
 
-    def set(self, key: str, value: Any) -> None:
-        self.inner.set(key, self._seal(key, value))  # type: ignore[arg-type]  # torch's stub: str only
+    # ``version`` is keyword-only with a default, so torch (PrefixStore, gloo) calls these as
+    # plain Store methods.
+    def set(self, key: str, value: Any, *, version: int = 0) -> None:
+        """Write ``value`` under ``key`` as record ``version`` (0: a record written once)."""
+        self.inner.set(key, self._seal(key, value, version))  # type: ignore[arg-type]  # torch's stub: str only
 
-    def get(self, key: str) -> bytes:
-        return self._open(key, self.inner.get(key))
+    def get(self, key: str, *, version: int = 0) -> bytes:
+        """The value under ``key``; :class:`StoreAuthError` unless it authenticates as record ``version``."""
+        return self._open(key, self.inner.get(key), version)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         # The tag is deterministic, so a sealed ``expected`` matches the stored record exactly;
@@ -191,6 +243,38 @@ def authenticated(store: dist.Store, secret: bytes | None, *, where: str, loopba
             stacklevel=3,
         )
     return store
+
+
+def bind_instance(
+    store: AuthStore, prefix: str, rank: int, world_size: int, wait: Callable[[list[str]], None]
+) -> AuthStore:
+    """Agree with every rank of a group on an identifier of this group instance; return ``store``
+    bound to it (collective: every rank of the group calls it once, with the same ``prefix``).
+
+    Each rank draws a fresh 256-bit nonce and publishes it (an authenticated record under
+    ``<prefix>/instance/<rank>``); ``wait(keys)`` returns once every rank's key exists (bounded,
+    the caller's wait); the instance is SHA-256 over the prefix, the world size and every rank's
+    nonce, this rank's taken from memory, never from the store. So no instance repeats one of
+    another run or store (each rank's own fresh nonce is in it), and a nonce record replayed
+    from elsewhere only makes ranks disagree: their records then fail authentication (a
+    refusal, not an acceptance).
+
+    Raises:
+        StoreAuthError: a rank's nonce record failed authentication (names its key).
+    """
+    keys = [f"{prefix}/instance/{r}" for r in range(world_size)]
+    mine = secrets.token_bytes(_NONCE_BYTES)
+    store.set(keys[rank], mine)
+    wait(keys)
+    h = hashlib.sha256(_DOMAIN + b"instance\0" + prefix.encode() + b"\0" + world_size.to_bytes(4, "big"))
+    for r, key in enumerate(keys):
+        nonce = mine if r == rank else store.get(key)
+        if len(nonce) != _NONCE_BYTES:
+            raise StoreAuthError(
+                f"store record {key!r} is not a {_NONCE_BYTES}-byte instance nonce; refusing to use it"
+            )
+        h.update(nonce)
+    return store.bound(h.digest())
 
 
 def host_tcp_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -14,8 +14,9 @@ number of groups can live in one process. Every host-side wait is bounded by ``t
 
 Rank 0's store listens on ``host`` only (loopback stays loopback, see
 :func:`~nemo_dataplane.distributed.auth.host_tcp_store`); with a job secret every record is
-authenticated (:class:`~nemo_dataplane.distributed.auth.AuthStore`), see ``docs/reliability.md``
-("Trust boundary").
+authenticated (:class:`~nemo_dataplane.distributed.auth.AuthStore`) and bound to this instance
+of the group (:func:`~nemo_dataplane.distributed.auth.bind_instance`, agreed at the
+rendezvous), see ``docs/reliability.md`` ("Trust boundary").
 
 Size: one class, ~530 lines, on purpose. Its bootstrap, collectives and bounded waits share one
 state machine (usable, broken, aborted, destroyed) that every op checks and every failure sets;
@@ -37,7 +38,15 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from nemo_dataplane.distributed.auth import authenticated, host_tcp_store, is_loopback, job_secret
+from nemo_dataplane.distributed.auth import (
+    AuthStore,
+    StoreAuthError,
+    authenticated,
+    bind_instance,
+    host_tcp_store,
+    is_loopback,
+    job_secret,
+)
 from nemo_dataplane.distributed.loopback import gloo_options, pin_collectives_to_loopback
 from nemo_dataplane.distributed.work import (
     _EVENT_POLL_MAX_S,
@@ -103,8 +112,10 @@ class StatelessProcessGroup:
         nccl_config: fields of ``nccl.core.NCCLConfig`` (e.g. ``{"min_ctas": 32}``) for the
             communicator; ignored for gloo.
         secret: the job's secret (default: ``$NEMO_DATAPLANE_SECRET``). With one, every record
-            this group (gloo's rendezvous included) writes or reads is HMAC-authenticated and a
-            forged one raises ``StoreAuthError`` naming its key; every rank needs the same one.
+            this group (gloo's rendezvous and barriers included) writes or reads is
+            HMAC-authenticated and bound to this group instance: a forged record, or one
+            replayed from another store or group instance, raises ``StoreAuthError`` naming its
+            key; every rank needs the same one.
             Without one, records are unauthenticated: accepted silently when ``host`` is a
             loopback address (only this host can reach the store), with a
             ``StoreSecurityWarning`` otherwise.
@@ -232,7 +243,18 @@ class StatelessProcessGroup:
         # instead of corrupting the communicator later.
         if self.store.add(self._key("arrived", self.rank), 1) != 1:
             raise self._error(StatelessGroupError, f"rank {self.rank} joined twice: another process already claimed it")
-        self.wait_for_ranks(lambda r: self._key("arrived", r), range(self.world_size), "rendezvous")
+        if isinstance(self.store, AuthStore):
+            # Every rank publishes its instance nonce on arrival, so waiting for them all is the
+            # rendezvous; from here on every record is bound to this group instance.
+            self.store = bind_instance(
+                self.store,
+                self.prefix,
+                self.rank,
+                self.world_size,
+                lambda keys: self.wait_for_ranks(keys.__getitem__, range(self.world_size), "rendezvous"),
+            )
+        else:
+            self.wait_for_ranks(lambda r: self._key("arrived", r), range(self.world_size), "rendezvous")
 
     def _init_gloo(self) -> None:
         prefixed = dist.PrefixStore(self._key("gloo"), self.store)
@@ -362,19 +384,28 @@ class StatelessProcessGroup:
         *,
         timeout: float | None = None,
         watch: Callable[[], str | None] | None = None,
+        verify: Callable[[int], None] | None = None,
     ) -> None:
         """Wait until ``key_of(r)`` exists in the store for every rank ``r`` in ``ranks``.
 
-        On timeout raises ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
+        ``verify(r)``, if given, runs once ``r``'s key exists (in the same poll, so no extra
+        round trips follow the last arrival) and raises to refuse it. On timeout raises
+        ``StatelessGroupTimeout`` listing the ranks whose key never appeared.
         """
         pending = sorted(set(ranks))
 
-        def done() -> bool:
+        def arrived(present: list[int]) -> None:
             nonlocal pending
+            for r in present:
+                if verify is not None:
+                    verify(r)
+            pending = [r for r in pending if r not in present]
+
+        def done() -> bool:
             if pending and self.store.check([key_of(r) for r in pending]):
-                pending = []
+                arrived(pending)
             elif len(pending) > 1:
-                pending = [r for r in pending if not self.store.check([key_of(r)])]
+                arrived([r for r in pending if self.store.check([key_of(r)])])
             return not pending
 
         self._poll(done, what, timeout=timeout, watch=watch, detail=lambda: f"missing ranks {pending} never arrived")
@@ -559,7 +590,11 @@ class StatelessProcessGroup:
         """Wait until every rank reached this barrier; on timeout name the ranks that did not.
 
         On nccl, first waits (bounded) for this rank's current stream so that a barrier also
-        orders device work, then meets through the store.
+        orders device work, then meets through the store. With a job secret a rank counts as
+        arrived only once its arrival record authenticates: a forged one, or one replayed from
+        another group instance, raises ``StoreAuthError`` naming its key (and breaks the group).
+        Rank 0, when it hosts the store, returns only after every rank has seen the barrier
+        complete, so it may ``destroy()`` (and stop the store) right after.
         """
         if timeout is not None:
             check_timeout(timeout, "timeout")  # before the barrier's key is posted
@@ -567,14 +602,37 @@ class StatelessProcessGroup:
         self.synchronize(what="barrier (device work before it)")
         n = self._barrier_count
         self._barrier_count += 1
-        self.store.set(self._key("barrier", n, self.rank), b"1")  # type: ignore[arg-type]  # torch's stub: str only
-        self.wait_for_ranks(
-            lambda r: self._key("barrier", n, r), range(self.world_size), f"barrier #{n}", timeout=timeout
-        )
+        key_of: Callable[[int], str] = lambda r: self._key("barrier", n, r)  # noqa: E731
+        self.store.set(key_of(self.rank), b"1")  # type: ignore[arg-type]  # torch's stub: str only
+
+        def verify(r: int) -> None:
+            # A key's presence proves nothing: any process reaching the store can create one.
+            # Reading the record makes AuthStore check its tag.
+            if r == self.rank:
+                return
+            try:
+                self.store.get(key_of(r))
+            except StoreAuthError as e:
+                self._broken = True
+                raise StoreAuthError(f"[{self._where()}] barrier #{n}, arrival of rank {r}: {e}") from e
+
+        self.wait_for_ranks(key_of, range(self.world_size), f"barrier #{n}", timeout=timeout, verify=verify)
+        # The rank hosting the store leaves last: a destroy() right after the barrier would
+        # otherwise take the store from under peers that have not yet polled the last arrival.
+        left_key = self._key("barrier", n, "left")
+        left = self.store.add(left_key, 1)
+        if self._owns_store and self.rank == 0 and left < self.world_size:
+            self._poll(
+                lambda: self.store.add(left_key, 0) >= self.world_size,
+                f"barrier #{n} (waiting for every rank to leave it)",
+                timeout=timeout,
+            )
         # Every rank in barrier n has left barrier n-1, so barrier n-2's keys are unobserved.
         if n >= 2:
             with contextlib.suppress(Exception):
                 self.store.delete_key(self._key("barrier", n - 2, self.rank))
+                if self.rank == 0:
+                    self.store.delete_key(self._key("barrier", n - 2, "left"))
 
     def _check_peer(self, r: int, name: str, not_self: bool = False) -> None:
         if not 0 <= r < self.world_size:

@@ -11,6 +11,7 @@ import importlib.util
 import re
 import socket
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from nemo_dataplane.distributed.auth import (
     is_loopback,
 )
 from nemo_dataplane.distributed.stateless_group import StatelessGroupError, StatelessProcessGroup
+from nemo_dataplane.refit.protocol import Endpoint
 
 _spec = importlib.util.spec_from_file_location("_refit_procs", Path(__file__).with_name("_refit_procs.py"))
 P: Any = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -88,6 +90,110 @@ def test_forged_and_tampered_records_are_refused_naming_the_key() -> None:
         g.barrier()
 
 
+def test_an_older_version_of_a_rewritten_record_is_refused() -> None:
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10, group_name="refit", secret="job-1") as g:
+        assert isinstance(g.store, AuthStore)
+        forger = _client(port)
+        key = "spg/refit/weights_version"
+        g.store.set(key, b"version=1", version=1)
+        old = forger.get(key)  # captured by whoever reaches the store
+        g.store.set(key, b"version=2", version=2)
+        assert g.store.get(key, version=2) == b"version=2"
+        forger.set(key, old)  # the version 1 record replayed over version 2
+        with pytest.raises(StoreAuthError, match=r"'spg/refit/weights_version' is version 1, expected version 2"):
+            g.store.get(key, version=2)
+        # The version is under the tag: relabelling the old record as version 2 breaks it.
+        forger.set(key, old[:32] + (2).to_bytes(8, "big") + old[40:])
+        with pytest.raises(StoreAuthError, match=r"'spg/refit/weights_version' failed authentication"):
+            g.store.get(key, version=2)
+
+
+def test_a_refit_record_of_an_earlier_round_is_refused_in_a_later_one() -> None:
+    # Refit records are never rewritten in place: each round's keys carry the prepare
+    # generation and the refit sequence, so an earlier round's record replayed into a later
+    # round sits under another key than the one it was tagged for.
+    port = P.free_port()
+    with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10, group_name="refit", secret="job-1") as g:
+        forger = _client(port)
+        ep = Endpoint(g, {}, "default")
+        ep._seq = 1
+        ep._publish_error("rank 0: sender failed during refit of version 1")
+        old = forger.get(ep._key("error", 1, 0))
+        ep._seq = 2
+        forger.set(ep._key("error", 2, 0), old)
+        with pytest.raises(StoreAuthError, match=re.escape(repr(ep._key("error", 2, 0)))):
+            ep._errors_of([0])
+
+
+def test_a_record_copied_from_another_store_with_the_same_secret_is_refused() -> None:
+    ports = (P.free_port(), P.free_port())
+    kw: dict[str, Any] = {"timeout": 10, "group_name": "refit", "secret": "shared-by-every-run"}
+    with (
+        StatelessProcessGroup(P.HOST, ports[0], 0, 1, "gloo", **kw) as a,
+        StatelessProcessGroup(P.HOST, ports[1], 0, 1, "gloo", **kw) as b,
+    ):
+        key = "spg/refit/0/info"
+        a.store.set(key, b'{"params": {}}')
+        assert a.store.get(key) == b'{"params": {}}'
+        _client(ports[1]).set(key, _client(ports[0]).get(key))  # same key, same secret, other store
+        with pytest.raises(StoreAuthError, match=r"'spg/refit/0/info' failed authentication.*another store"):
+            b.store.get(key)
+        assert isinstance(a.store, AuthStore) and isinstance(b.store, AuthStore)
+        assert a.store.instance and a.store.instance != b.store.instance
+        # A record tagged with the job secret but bound to no instance (as before this binding).
+        AuthStore(_client(ports[1]), b"shared-by-every-run").set(key, b"{}")
+        with pytest.raises(StoreAuthError, match="spg/refit/0/info"):
+            b.store.get(key)
+
+
+def _pair(port: int, secret: str) -> tuple[StatelessProcessGroup, StatelessProcessGroup]:
+    """Ranks 0 and 1 of a gloo group, built on two threads of this process."""
+    out: dict[int, StatelessProcessGroup] = {}
+
+    def join(r: int) -> None:
+        out[r] = StatelessProcessGroup(P.HOST, port, r, 2, "gloo", timeout=10, secret=secret)
+
+    t = threading.Thread(target=join, args=(1,))
+    t.start()
+    join(0)
+    t.join(30)
+    assert not t.is_alive() and set(out) == {0, 1}
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("arrival", ["forged", "replayed"])
+def test_a_false_barrier_arrival_does_not_release_the_barrier(arrival: str) -> None:
+    port = P.free_port()
+    key = "spg/default/barrier/0/1"  # rank 1's arrival at barrier #0
+    if arrival == "forged":
+        record = b"1"  # what a genuine arrival wrote before records were authenticated
+    else:  # a genuine arrival of rank 1, from another instance of the group (same secret)
+        other_port = P.free_port()
+        o0, o1 = _pair(other_port, "job-1")
+        t = threading.Thread(target=o1.barrier)
+        t.start()
+        o0.barrier()
+        t.join(30)
+        record = _client(other_port).get(key)
+        o0.destroy()
+        o1.destroy()
+    g0, g1 = _pair(port, "job-1")
+    try:
+        # Rank 1 never reaches the barrier; the forger makes its key exist. Checking presence
+        # alone, barrier() returned here.
+        _client(port).set(key, record)
+        t0 = time.monotonic()
+        with pytest.raises(StoreAuthError, match=rf"arrival of rank 1: store record '{key}' failed authentication"):
+            g0.barrier(timeout=5)
+        assert time.monotonic() - t0 < 5, "refused on sight, not at the barrier's timeout"
+        with pytest.raises(StatelessGroupError, match="broken"):
+            g0.barrier(timeout=5)
+    finally:
+        g0.destroy()
+        g1.destroy()
+
+
 def test_compare_set_round_trips_through_the_tag() -> None:
     store = AuthStore(host_tcp_store(P.HOST, 0, 1, TD), b"s")
     assert store.compare_set("k", b"", b"first") == b"first"
@@ -111,9 +217,9 @@ def test_a_rank_with_another_secret_cannot_join() -> None:
     rank(1, "job-2")
     t.join(30)
     assert not t.is_alive()
-    # gloo's rendezvous reads the address record rank 0 wrote: rank 1 refuses it, naming the key.
+    # The rendezvous reads the instance nonce rank 0 wrote: rank 1 refuses it, naming the key.
     assert isinstance(errors.get(1), (StoreAuthError, StatelessGroupError)), errors
-    assert "failed authentication" in str(errors[1]) and "spg/default/gloo" in str(errors[1])
+    assert "failed authentication" in str(errors[1]) and "spg/default/instance/0" in str(errors[1])
     assert 0 in errors  # rank 0 never sees a working peer: it fails within its timeout
 
 
@@ -123,7 +229,8 @@ def test_the_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     with StatelessProcessGroup(P.HOST, port, 0, 1, "gloo", timeout=10) as g:
         assert isinstance(g.store, AuthStore)
         g.store.set("x", b"1")
-        assert AuthStore(_client(port), b"from-env").get("x") == b"1"
+        # Another process with the same secret reads it once bound to the same group instance.
+        assert AuthStore(_client(port), b"from-env", instance=g.store.instance).get("x") == b"1"
     monkeypatch.delenv(SECRET_ENV)
     with StatelessProcessGroup(P.HOST, P.free_port(), 0, 1, "gloo", timeout=10) as g:
         assert not isinstance(g.store, AuthStore)  # loopback, no secret: unauthenticated, silently

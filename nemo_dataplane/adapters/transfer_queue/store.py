@@ -92,6 +92,11 @@ class TransferQueueStore(ActorBackedClient):
                 conf = ray.get(handle.get_config.remote(), timeout=max(left, 0.01))
             except ray.exceptions.GetTimeoutError:
                 conf = None
+            except ray.exceptions.RayActorError as e:
+                raise StoreLostError(
+                    f"TransferQueue controller {self.controller_name!r} died or was lost while attaching "
+                    f"({type(e).__name__})"
+                ) from e
             if conf is not None:
                 return self._connect(conf)
             if time.monotonic() >= deadline:
@@ -137,6 +142,8 @@ class TransferQueueStore(ActorBackedClient):
                     f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "
                     f"{what} (other actors may hold CPUs); {hint}"
                 ) from None
+            except ray.exceptions.RayActorError as e:
+                raise StoreLostError(f"TransferQueue bootstrap: {who} died or was lost ({type(e).__name__})") from e
 
         # Controller and units start at once: each is a fresh worker importing TransferQueue
         # (seconds each), and none needs another to construct.
@@ -152,7 +159,11 @@ class TransferQueueStore(ActorBackedClient):
         conf.backend[compat.BACKEND].zmq_info = {
             name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
         }
-        ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
+        try:
+            ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
+        except ray.exceptions.RayActorError as e:
+            lost = f"the controller died or was lost ({type(e).__name__})"
+            raise StoreLostError(f"TransferQueue bootstrap: {lost}") from e
         return self._connect(conf)
 
     # ------------------------------------------------------------- lifecycle

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from algorithms.config import TrainerConfig
+from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightTransferConfig
 
 __all__ = ["BACKENDS", "GenerationEngine", "RefitSpec", "Rollouts", "SamplingSpec"]
@@ -74,6 +75,21 @@ class RefitSpec:
     transfer: WeightTransferConfig
     senders: int
     secret: str | None = dataclasses.field(default=None, repr=False)
+
+    def join(self, host: str, port: int, world_size: int, rank: int, device: Any = None) -> StatelessProcessGroup:
+        """Join the refit group at ``host:port`` as ``rank`` (collective): this spec's backend,
+        bound and secret; ``device``: the CUDA device of an nccl group (ignored otherwise)."""
+        return StatelessProcessGroup(
+            host,
+            port,
+            rank,
+            world_size,
+            backend=self.backend,
+            timeout=self.timeout_s,
+            device=device if self.backend == "nccl" else None,
+            group_name="refit",
+            secret=self.secret,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for a transport that carries no classes (vLLM's worker RPC)."""

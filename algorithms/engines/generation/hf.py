@@ -106,16 +106,7 @@ class HFEngine(GenerationEngine):
         return out.tokens, out.logprobs, out.finished
 
     def _init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
-        self._group = StatelessProcessGroup(
-            host,
-            port,
-            rank,
-            world_size,
-            backend=spec.backend,
-            timeout=spec.timeout_s,
-            group_name="refit",
-            secret=spec.secret,
-        )
+        self._group = spec.join(host, port, world_size, rank)
         # Where the parameters live, not the group's device (an ipc refit's control group is gloo)
         # nor the current device: that is per thread, and a threaded actor may call from another.
         dev = next(self.model.parameters()).device

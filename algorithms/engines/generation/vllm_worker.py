@@ -64,17 +64,7 @@ class RefitWorkerExtension:
             )
             for name, shape, dtype in specs
         }
-        group = StatelessProcessGroup(
-            host,
-            port,
-            rank,
-            world_size,
-            backend=spec.backend,
-            timeout=spec.timeout_s,
-            device=device if spec.backend == "nccl" else None,
-            group_name="refit",
-            secret=spec.secret,
-        )
+        group = spec.join(host, port, world_size, rank, device)
         try:
             receiver = build_weight_receiver(spec.transfer, group, staging, senders=spec.senders, device=device)
             receiver.prepare_refit_info()

@@ -57,10 +57,21 @@ class SyncTrainer(Trainer):
             # Group ids (and with them the sampling seed) follow from the step: a resumed run and
             # the legacy transport draw exactly the same samples.
             jobs = [Job(step * G + i, step * G + i, r) for i, r in enumerate(self.prompts.next_batch())]
-            batch = collect(cfg, self.workers, self.transport, jobs, timer, step)
+            self._collecting = {j.group_id for j in jobs}
+            try:
+                batch = collect(cfg, self.workers, self.transport, jobs, timer, step)
+            except Exception:
+                # A failed collect rolled its rows back (the sink's contract): none may remain. An
+                # interrupt (Ctrl-C) may land while the collector still writes them: in flight.
+                self._collecting = set()
+                raise
+            self._collecting = set()  # the batch's handle releases them from here on
             result = train_on_batch(cfg, self.workers, self.transport, batch, step, timer, behaviour=False, t_start=t0)
             self._after_step(step, result.row, val)
         return 0
+
+    def _groups_in_flight(self) -> set[int]:
+        return set(getattr(self, "_collecting", ()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

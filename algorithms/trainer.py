@@ -239,8 +239,8 @@ class Trainer:
         raise NotImplementedError
 
     def _groups_in_flight(self) -> set[int]:
-        """Group ids handed out and not trained, whose rows may rightly be in the store at exit
-        (the async stream's); none in the sync loop, whose every step releases its rows."""
+        """Group ids handed out whose rows may rightly be in the store at exit: the async stream's
+        untrained groups; the sync step's while its collector writes them (an interrupt there)."""
         return set()
 
     def _account_stored_keys(self) -> None:

@@ -197,7 +197,7 @@ def _failed_naming(run, text: str) -> None:  # noqa: ANN001 - TrainerRun
 # ------------------------------------------------------------------------------ faults
 def _no_key_leaked(run) -> None:  # noqa: ANN001 - TrainerRun
     """The keys in the store at exit, counted before the final clear, are all rows of groups still
-    in flight (the sync loop has none, so there every key counts), and the clear left none."""
+    in flight (in the sync loop only those of a step interrupted mid-collect), and the clear left none."""
     s = run.summary
     assert s["keys_leaked_at_exit"] == 0, (s.get("keys_in_store_at_exit"), run.stderr[-3000:])
     assert s["keys_outstanding_at_exit"] == 0

@@ -471,6 +471,13 @@ def _listening_addresses() -> list[str]:
     return out
 
 
+def routable_interface() -> str | None:
+    """A non-loopback interface of this host, if it has one (to point the collectives' interface
+    variables away from loopback)."""
+    names = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
+    return names[0] if names else None
+
+
 def listeners(rank: int, world: int, port: int, backend: str = "gloo", interface: str | None = None) -> list[str]:
     """Join a group hosted on loopback with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to
     ``interface`` (a routable one) and return where this rank's sockets listen once it is up."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,16 +233,8 @@ def test_nccl_dead_peer_times_out(pool: P.Pool) -> None:
 def test_an_nccl_group_hosted_on_loopback_listens_on_loopback_only(pool: P.Pool) -> None:
     """NCCL's bootstrap listens on NCCL_SOCKET_IFNAME's interface; a group whose every rank is on
     this host pins it to loopback, even when the variable names a routable interface."""
-    routable = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
-    res = P.run_ranks(
-        pool,
-        P.listeners,
-        [0, 1],
-        world=2,
-        port=P.free_port(),
-        backend="nccl",
-        interface=routable[0] if routable else None,
-    )
+    iface = P.routable_interface()
+    res = P.run_ranks(pool, P.listeners, [0, 1], world=2, port=P.free_port(), backend="nccl", interface=iface)
     _ok(res)
     for r in (0, 1):
         assert res[r], f"rank {r}: no listener found, nothing was checked"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -45,10 +44,7 @@ def test_collectives_gloo(pool: P.Pool, world: int) -> None:
 def test_a_gloo_group_hosted_on_loopback_listens_on_loopback_only(pool: P.Pool) -> None:
     """gloo listens where GLOO_SOCKET_IFNAME points; a group whose every rank is on this host
     builds its device on loopback even when the variable names a routable interface."""
-    routable = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
-    res = P.run_ranks(
-        pool, P.listeners, [0, 1], world=2, port=P.free_port(), interface=routable[0] if routable else None
-    )
+    res = P.run_ranks(pool, P.listeners, [0, 1], world=2, port=P.free_port(), interface=P.routable_interface())
     for r in (0, 1):
         assert not isinstance(res[r], BaseException), P.format_exc(res[r])
         # rank 0 hosts the store (loopback by host_tcp_store) and both run gloo's listener.

@@ -221,22 +221,54 @@ def test_scattered_reads_across_puts_match_the_reference(ray_store_client: RaySt
     assert ray_store_client.kv_list(pid).tags == ref.kv_list(pid).tags
 
 
-def test_a_failed_write_leaves_no_keys_and_no_lock(
-    ray_store_client: RayStoreClient, pid: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import nemo_dataplane.adapters.ray_store.client as rs
+# A Ray of its own: an 80 MiB object store whose disk fallback is refused
+# (local_fs_capacity_threshold 0 makes every disk count as full), so puts really fill it.
+_FILL_STORE = r"""
+import json, sys, time, ray, torch
+from nemo_dataplane.adapters.ray_store.client import RayStoreClient
+from nemo_dataplane.client import StoreFullError
+from nemo_dataplane.config import RayStoreConfig
 
-    def full(*_: Any, **__: Any) -> Any:
-        raise MemoryError("object store full")
+ray.init(num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False,
+         _system_config={"local_fs_capacity_threshold": 0.0})
+c = RayStoreClient(RayStoreConfig(op_timeout_s=30), bootstrap=True, actor_name="full", namespace="full")
+row = 4 * 2**20  # bytes per key (float32)
+stored, error = [], None
+for i in range(40):
+    try:
+        c.kv_batch_put([f"k{i}a", f"k{i}b"], "p", {"x": torch.full((2, row // 4), float(i))})
+        stored += [f"k{i}a", f"k{i}b"]
+    except StoreFullError as e:
+        error = str(e)
+        break
+c.flush()
+listed = list(c.kv_list("p").keys)
+first = c.kv_batch_get(stored[:1], ["x"], partition_id="p")["x"]
+c.kv_clear(stored[: len(stored) // 2], "p")
+t0 = time.monotonic()
+c.kv_batch_put(["again"], "p", {"x": torch.full((1, row // 4), 7.0)})
+again = c.kv_batch_get(["again"], ["x"], partition_id="p")["x"]
+print(json.dumps({"stored": stored, "error": error, "listed": listed, "first_ok": bool((first == 0).all()),
+                  "again_ok": bool((again == 7).all()), "again_s": time.monotonic() - t0}))
+"""
 
-    monkeypatch.setattr(rs.ray, "put", full)
-    with pytest.raises(MemoryError):
-        ray_store_client.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)})
-    monkeypatch.undo()
-    t0 = time.monotonic()
-    assert ray_store_client.kv_list(pid).keys == ()  # nothing half-written, and no wait on a lock
-    ray_store_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
-    assert time.monotonic() - t0 < 10
+
+def test_a_full_ray_object_store_refuses_the_put_whole_and_takes_writes_again_once_cleared() -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FILL_STORE], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None, f"80 MiB of Ray object store took {len(got['stored'])} x 4 MiB rows"
+    n = len(got["stored"]) // 2
+    assert 4 <= n < 20, got["stored"]  # the store filled near its 80 MiB, not at the first put
+    assert f"'k{n}a'" in got["error"] and "object store is full" in got["error"]
+    # Nothing of the refused put, every earlier row still there (concurrent puts may commit in any order).
+    assert sorted(got["listed"]) == sorted(got["stored"])
+    assert got["first_ok"]
+    assert got["again_ok"] and got["again_s"] < 30  # clearing freed room, and no key stayed locked
 
 
 # ------------------------------------------------------------------ claims

@@ -40,6 +40,7 @@ from nemo_dataplane.client import (
     ClaimStatus,
     DataPlaneError,
     Fields,
+    StoreFullError,
     check_claim_args,
     check_keys,
     check_partition,
@@ -220,6 +221,14 @@ class RayStoreClient(ActorBackedClient):
             chunks = [
                 (list(group), ray.put({n: encode(group[n].detach()) for n in group})) for group in bundles(columns)
             ]
+        except (ray.exceptions.ObjectStoreFullError, ray.exceptions.OutOfDiskError) as e:
+            # Ray's own bound: the object store is full and spilling cannot take the chunk.
+            # The chunks already put are unreferenced once this frame is gone: nothing stays.
+            self._index.abort.remote(txn)
+            raise StoreFullError(
+                f"Ray store put of {len(keys)} key(s) to {pid!r} (e.g. {keys[0]!r}): the Ray object store "
+                f"is full and cannot spill ({type(e).__name__}); nothing of the put was written"
+            ) from None
         except BaseException:
             self._index.abort.remote(txn)
             raise

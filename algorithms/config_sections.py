@@ -274,6 +274,10 @@ class AsyncConfig:
     fresher weights (a refit can land between them) but give the generator smaller batches.
     ``is_cap``/``is_mode``: the off-policy correction's cap on the proximal/behaviour weight and
     whether a weight above it is truncated to the cap or its token masked.
+    ``mode``: ``free`` (a group is drawn by whatever weights the generator holds) or
+    ``deterministic`` (step ``s``'s groups are drawn by weight version ``max(0, s - max_staleness)``
+    exactly, per-sample seeds, canonical order: a run is reproducible bit for bit;
+    docs/grpo_async.md). Deterministic mode refuses ``partial_rollout`` and the vLLM backend.
     """
 
     max_staleness: int = 1
@@ -286,9 +290,16 @@ class AsyncConfig:
     is_cap: float = 2.0
     is_mode: Literal["truncate", "mask"] = "truncate"
     claim_poll_s: float = 1.0  # longest single claim wait; collectors are checked in between
+    mode: Literal["free", "deterministic"] = "free"
 
     def __post_init__(self) -> None:
         require_positive(self, "num_collectors", "is_cap", "claim_poll_s", "max_inflight_groups")
+        if self.mode == "deterministic" and self.partial_rollout:
+            raise FieldError(
+                "partial_rollout",
+                "=true cannot run with async.mode=deterministic: a refit interrupts a generation at a "
+                "moment set by timing, so which version draws a token would vary from run to run",
+            )
         if self.groups_per_generation != "auto":
             require_positive(self, "groups_per_generation")
         require_positive(self, "max_staleness", allow_zero=True)
@@ -349,9 +360,15 @@ class DebugConfig:
     # train call sleeps, counted as that side's busy time.
     generate_delay_s: float = 0.0
     train_delay_s: float = 0.0
+    # Each generate call also sleeps a random time in [0, generate_jitter_s), drawn from its own
+    # stream seeded jitter_seed (reproducibility tests: two runs, different timing).
+    generate_jitter_s: float = 0.0
+    jitter_seed: int = 0
     # Seconds the hf sampler sleeps after every token (a slow generator whose generations a refit
     # can land in the middle of: tests of partial rollouts).
     token_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        require_positive(self, "generate_delay_s", "train_delay_s", "token_delay_s", allow_zero=True)
+        require_positive(
+            self, "generate_delay_s", "train_delay_s", "token_delay_s", "generate_jitter_s", allow_zero=True
+        )

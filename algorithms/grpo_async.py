@@ -33,7 +33,7 @@ from algorithms.config import ConfigError, TrainerConfig, async_min_rows
 from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
 from algorithms.remote import gather
-from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer
+from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer, make_buffer
 from algorithms.step import train_on_batch
 from algorithms.tasks import PromptIterator
 from algorithms.trainer import Trainer
@@ -55,16 +55,20 @@ class AsyncTrainer(Trainer):
             )
 
         self.ledger = PromptLedger(PromptIterator(train, 1, self.cfg.trainer.seed))
+        self.buffer: RolloutBuffer | None = None
+        self._buffer_state: dict[str, Any] = {}  # a resume's, restored once the transport is up
 
     def _groups_in_flight(self) -> set[int]:
         ledger = getattr(self, "ledger", None)  # none before the run set it up
         return set(ledger.inflight) if ledger is not None else set()
 
     def _driver_state(self) -> dict[str, Any]:
-        return self.ledger.state_dict()
+        assert self.buffer is not None
+        return {**self.ledger.state_dict(), "buffer": self.buffer.state_dict()}
 
     def _load_driver_state(self, state: dict[str, Any]) -> None:
         self.ledger.load_state_dict(state)
+        self._buffer_state = dict(state.get("buffer") or {})
 
     @classmethod
     def num_collectors(cls, cfg: TrainerConfig) -> int:
@@ -84,7 +88,7 @@ class AsyncTrainer(Trainer):
         assert self.workers is not None
         G, n = cfg.grpo.prompts_per_step, cfg.generation.n
         pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
-        buffer = RolloutBuffer(cfg, pool, self.transport, self.ledger)
+        buffer = self.buffer = make_buffer(cfg, pool, self.transport, self.ledger)
         gather(
             [c.start.remote(a.inflight_groups(G), a.generation_groups(G)) for c in self.workers.collectors],
             cfg.trainer.startup_timeout_s,
@@ -93,9 +97,11 @@ class AsyncTrainer(Trainer):
         bound = (a.inflight_groups(G) + G + (len(self.workers.collectors) - 1) * a.generation_groups(G)) * n
         self.summary["keys_outstanding_bound"] = bound
         self._banner(
-            f", max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}, "
+            f", mode={a.mode}, max_staleness={a.max_staleness}, max_inflight_groups={a.inflight_groups(G)}, "
             f"groups_per_generation={a.generation_groups(G)}"
         )
+        self.summary["async_mode"] = a.mode
+        buffer.load_state_dict(self._buffer_state, start)
         buffer.top_up()
         idle_before = busy_before = partial_before = 0.0
         with self._trained_log(start) as trained_log:
@@ -118,7 +124,15 @@ class AsyncTrainer(Trainer):
                 partial = buffer.collector_stats.get("partial_samples", 0.0)
                 batch.row["partial_samples"], partial_before = int(partial - partial_before), partial
                 result = train_on_batch(
-                    cfg, self.workers, self.transport, batch, step, timer, behaviour=True, t_start=t0
+                    cfg,
+                    self.workers,
+                    self.transport,
+                    batch,
+                    step,
+                    timer,
+                    behaviour=True,
+                    t_start=t0,
+                    before_refit=buffer.before_refit,
                 )
                 jobs = self.ledger.trained(batch.group_ids)
                 trained_log.write(

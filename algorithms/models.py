@@ -276,10 +276,11 @@ def sample(
     n: int,
     max_new_tokens: int,
     temperature: float,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     eos_id: int,
     pad_id: int,
     *,
+    row_seeds: Sequence[int] | None = None,
     limits: Sequence[int] | None = None,
     ignore_eos: bool = False,
     should_stop: Callable[[], bool] | None = None,
@@ -316,6 +317,10 @@ def sample(
     from transformers import DynamicCache
 
     rows = [list(p) for p in prompt_ids for _ in range(n)]
+    if row_seeds is not None and len(row_seeds) != len(rows):
+        raise ValueError(f"generate: {len(row_seeds)} row seeds for {len(rows)} responses")
+    if row_seeds is None and generator is None:
+        raise ValueError("generate: a generator or row seeds")
     input_ids, attention_mask = pad_batch(rows, pad_id, left=True)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -331,6 +336,7 @@ def sample(
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         lengths = torch.zeros(B, dtype=torch.long, device=device)
         cur_ids, position_ids = input_ids, _position_ids(attention_mask)
+        seeds = None if row_seeds is None else torch.tensor([int(x) for x in row_seeds], device=device)
         for step in range(steps):
             out = model(
                 input_ids=cur_ids,
@@ -344,7 +350,11 @@ def sample(
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)
                 # Sampled on CPU so one generator drives CPU and GPU runs alike.
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
+                if seeds is not None:
+                    gumbel = -torch.log(-torch.log(hash_uniform(seeds, step, logits.shape[-1])))
+                    nxt = ((logits / temperature).double() + gumbel).argmax(dim=-1)
+                else:
+                    nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
             else:
                 nxt = logits.argmax(dim=-1)
             scaled = logits / temperature if temperature > 0 else logits
@@ -374,6 +384,32 @@ def sample(
         logprobs=[lp_cpu[i, : int(len_cpu[i])].tolist() for i in range(B)],
         finished=[bool(f) for f in finished.cpu().tolist()],
     )
+
+
+_MASK = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 holds (arithmetic wraps mod 2**64)."""
+    c &= _MASK
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def hash_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` float64 in (0, 1): splitmix64 of (seed, step, token id), a pure function of
+    its inputs on any device (a counter-based stream: no generator state, no batch dependence)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * _i64(0xD1342543DE82EF95) + _i64(step * 0x2545F4914F6CDD1D) + ids[None, :]
+    z = x + _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).double() + 0.5) * (1.0 / (1 << 53))
 
 
 def generate(

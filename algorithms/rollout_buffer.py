@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -198,12 +198,17 @@ class RolloutBuffer:
         for p in polls:
             if p["error"]:
                 raise StepError(f"rollout collection stopped: {p['error']}")
-            for gid in p["failed"]:
-                self.source.discard(gid)  # its rows were cleared by the collector's rollback
-                if gid in self.ledger.inflight:
-                    self.ledger.requeue(gid)
-                    self.stats.requeued_failed += 1
+            self._failed([int(g) for g in p["failed"]])
         self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls) for k in COLLECTOR_COUNTERS}
+
+    def _failed(self, group_ids: Sequence[int]) -> None:
+        """Groups whose write failed (their rows were cleared by the collector's rollback): the
+        prompts go back in line under new group ids."""
+        for gid in group_ids:
+            self.source.discard(gid)
+            if gid in self.ledger.inflight:
+                self.ledger.requeue(gid)
+                self.stats.requeued_failed += 1
 
     def _drop(self, group: ClaimedGroup) -> None:
         self.source.drop(group)
@@ -257,6 +262,183 @@ class RolloutBuffer:
             prompts=[self._prompt(g.group_id) for g in groups],
         )
 
+    def before_refit(self, version: int) -> float:
+        """Called before the trainer installs weight ``version``; returns seconds waited (free
+        mode: none, a generator takes whatever version is installed)."""
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the buffer beyond the ledger (free mode: nothing; the
+        in-flight prompts are generated again)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], start: int) -> None:
+        """Restore :meth:`state_dict` for a resume at step ``start`` (transport up, ledger restored)."""
+
     def _prompt(self, group_id: int) -> str:
         job = self.ledger.inflight.get(group_id)
         return str(getattr(job.record, "prompt", "")) if job is not None else ""
+
+
+class DeterministicBuffer(RolloutBuffer):
+    """``async.mode=deterministic``: the same batches whatever the timing.
+
+    Step ``s``'s ``G`` groups are admitted together (``s`` at most ``max_staleness`` ahead of
+    the step being trained), each marked with the weight version that must draw it,
+    ``max(0, s - max_staleness)``, and cut into fixed pieces (one generate call each, by group
+    order). A generator waits for that version and never serves an older one; the trainer
+    installs version ``v + 1`` only once every group drawn by ``v`` has arrived
+    (:meth:`before_refit`), and takes a step's groups in group-id order. Nothing is dropped as
+    stale (every group is exactly as old as the schedule says); a failed write regenerates the
+    same groups under the same ids and seeds. A checkpoint holds the groups already generated for
+    later steps (:meth:`state_dict`): their weight versions are gone after a resume.
+    """
+
+    def __init__(self, cfg: TrainerConfig, pool: Any, transport: Transport, ledger: PromptLedger) -> None:
+        super().__init__(cfg, pool, transport, ledger)
+        self.piece = cfg.async_.generation_groups(self.G)
+        self.held: dict[int, ClaimedGroup] = {}  # arrived, not yet trained
+        self.steps: dict[int, list[int]] = {}  # admitted, untrained step -> its group ids in order
+        self.jobs: dict[int, Job] = {}
+        self.next_step = 0  # the next step to admit
+        self.training = 0  # the step being trained (admission runs max_staleness ahead of it)
+
+    def version_of(self, step: int) -> int:
+        return max(0, step - self.S)
+
+    # ------------------------------------------------------------------ admission
+    def top_up(self) -> int:
+        admitted = 0
+        while self.next_step <= self.training + self.S:
+            self._admit(self.next_step, self.ledger.admit(self.G))
+            admitted += self.G
+        return admitted
+
+    def _admit(self, step: int, jobs: Sequence[Job], skip: Set[int] = frozenset()) -> None:
+        v = self.version_of(step)
+        pieces = [
+            [replace(j, version=v, piece=chunk[0].group_id) for j in chunk]
+            for chunk in (jobs[i : i + self.piece] for i in range(0, len(jobs), self.piece))
+        ]
+        self.steps[step] = [j.group_id for j in jobs]
+        for piece in pieces:
+            for j in piece:
+                self.jobs[j.group_id] = j
+        self.next_step = step + 1
+        todo = [p for p in pieces if not all(j.group_id in skip for j in p)]
+        if todo:
+            self.pool.submit(todo)
+
+    def _failed(self, group_ids: Sequence[int]) -> None:
+        """The same groups again (same ids, seeds and pieces): their version is still installed,
+        since the refit past it waits for them."""
+        lost = [g for g in group_ids if g in self.jobs and g not in self.held]
+        for gid in lost:
+            self.source.discard(gid)
+        by_piece: dict[int | None, list[Job]] = {}
+        for gid in sorted(lost):
+            by_piece.setdefault(self.jobs[gid].piece, []).append(self.jobs[gid])
+        if by_piece:
+            self.stats.requeued_failed += len(lost)
+            self.pool.submit(list(by_piece.values()))
+
+    # ------------------------------------------------------------------ arrivals
+    def _await(self, group_ids: Sequence[int], deadline: float, what: str) -> None:
+        """Claim until every one of ``group_ids`` has arrived (bounded by ``deadline``)."""
+        while True:
+            missing = [g for g in group_ids if g not in self.held]
+            if not missing:
+                return
+            self._poll_collectors()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StepError(
+                    f"{what}: waited {self.cfg.trainer.step_timeout_s}s for groups {missing[:8]} "
+                    f"(+{self.source.partial_rows()} rows of incomplete groups); collectors: {self.collector_stats}"
+                )
+            for g in self.source.claim(len(missing), min(self.cfg.async_.claim_poll_s, left)):
+                job = self.jobs.get(g.group_id)
+                if job is None or g.version != job.version:
+                    raise StepError(
+                        f"{what}: group {g.group_id} arrived drawn by weight version {g.version}, the schedule "
+                        f"says {None if job is None else job.version} (async.mode=deterministic)"
+                    )
+                self.held[g.group_id] = g
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        """Step ``step``'s groups, in group-id order, once all have arrived."""
+        self.stats = BufferStats()
+        t0 = time.perf_counter()
+        self.training = step
+        self.top_up()
+        gids = sorted(self.steps[step])
+        self._await(gids, time.monotonic() + self.cfg.trainer.step_timeout_s, f"step {step}")
+        taken = [self.held.pop(g) for g in gids]
+        del self.steps[step]
+        for g in gids:
+            self.jobs.pop(g)
+        self._poll_collectors()
+        self.stats.wait_s = time.perf_counter() - t0
+        self.stats.staleness = [step - g.version for g in taken]
+        return self._batch(taken)
+
+    def before_refit(self, version: int) -> float:
+        """Wait until every group weight version ``version - 1`` draws has arrived, so the refit to
+        ``version`` finds no generator still owing one; returns the seconds waited."""
+        t0 = time.perf_counter()
+        last = version - 1 + self.S  # the last step drawn by version - 1
+        while self.next_step <= last:  # admitted in step order: the schedule runs ahead by max_staleness
+            self._admit(self.next_step, self.ledger.admit(self.G))
+        owed = [g for s, ids in self.steps.items() if s <= last for g in ids]
+        self._await(owed, time.monotonic() + self.cfg.trainer.step_timeout_s, f"refit of version {version}")
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The admitted steps and the groups arrived for them that installed weights can no longer
+        draw (rows included): those of versions up to the step just trained."""
+        return {
+            "steps": {int(s): list(ids) for s, ids in self.steps.items()},
+            "held": [
+                {
+                    "group_id": g.group_id,
+                    "version": g.version,
+                    "rewards": list(g.rewards),
+                    "response_len": g.response_len,
+                    "rows": self.transport.snapshot(g),
+                }
+                for g in self.held.values()
+                if g.version <= self.training
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], start: int) -> None:
+        """Resume at step ``start`` (the transport up, the ledger restored): the held groups go
+        back into the transport; the other admitted groups are generated again, in the same
+        pieces, under the same ids and seeds."""
+        self.training = self.next_step = start
+        if start and "steps" not in state:
+            raise StepError(
+                f"resume at step {start}: the checkpoint holds no deterministic schedule (it was written "
+                "with async.mode=free); resume it in free mode"
+            )
+        for g in state.get("held", ()):
+            rows = self.transport.restore(int(g["group_id"]), int(g["version"]), g["rows"])
+            self.held[int(g["group_id"])] = ClaimedGroup(
+                int(g["group_id"]), int(g["version"]), rows, [float(r) for r in g["rewards"]], float(g["response_len"])
+            )
+        for step in sorted(int(s) for s in state.get("steps", {})):
+            want = [int(g) for g in state["steps"][step]]
+            jobs = self.ledger.admit(len(want))
+            if [j.group_id for j in jobs] != want or step != self.next_step:
+                raise StepError(
+                    f"resume: step {step}'s groups came back as {[j.group_id for j in jobs]}, the checkpoint "
+                    f"says {want} (async.mode=deterministic)"
+                )
+            self._admit(step, jobs, skip=set(self.held))
+
+
+def make_buffer(cfg: TrainerConfig, pool: Any, transport: Transport, ledger: PromptLedger) -> RolloutBuffer:
+    """The async trainer's buffer for ``async.mode``."""
+    cls = DeterministicBuffer if cfg.async_.mode == "deterministic" else RolloutBuffer
+    return cls(cfg, pool, transport, ledger)

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from algorithms.remote import StepError
+from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 
 __all__ = [
     "ROLLOUTS",
@@ -44,6 +46,9 @@ __all__ = [
     "parse_rollout_key",
     "rollout_keys",
     "rollout_tags",
+    "rows_from_state",
+    "rows_state",
+    "sample_seed",
 ]
 
 ROLLOUTS = "rollouts"  # the one partition rollouts live in; keys are released one batch at a time
@@ -64,17 +69,29 @@ ROLLOUT_FIELDS = (
 class Job:
     """One group to generate: ``group_id`` is unique per attempt (it keys the sampling seed),
     ``handout`` is the prompt's position in the prompt stream (a retried prompt keeps its
-    handout and gets a new group id), ``record`` the prompt record."""
+    handout and gets a new group id), ``record`` the prompt record.
+
+    Deterministic async mode only: ``version`` is the weight version that must draw the group,
+    and ``piece`` names the generate call it belongs to (the groups one call draws together are
+    fixed by the schedule, not by what a collector found queued)."""
 
     group_id: int
     handout: int
     record: Any
+    version: int | None = None
+    piece: int | None = None
 
 
 def generation_seed(run_seed: int, first_group_id: int) -> int:
     """The sampling seed of one generate call, keyed by the first group it draws: a group's
     samples depend on its id and the weights only, not on when or by whom it was drawn."""
     return run_seed * 1_000_003 + first_group_id
+
+
+def sample_seed(run_seed: int, group_id: int, sample: int) -> int:
+    """The sampling seed of one response (deterministic async mode): a function of the run's
+    seed, its group and its index in the group only."""
+    return (run_seed * 1_000_003 + group_id) * 1_009 + sample
 
 
 def continuation_seed(seed: int, segment: int) -> int:
@@ -231,3 +248,19 @@ def keys_outside_groups(stored: Mapping[str, Sequence[str]], groups: Set[int]) -
             if not ours:
                 out.append(key)
     return out
+
+
+def rows_state(rows: Any) -> dict[str, Any]:
+    """A group's rows (a ``TensorDict`` of :data:`ROLLOUT_FIELDS`) as plain tensors and lists, for a
+    checkpoint (``torch.load(weights_only=True)`` reads it back): jagged fields as per-row tensors."""
+    out: dict[str, Any] = {}
+    for name in ROLLOUT_FIELDS:
+        t = rows[name]
+        out[name] = [r.clone() for r in jagged_rows(t)] if getattr(t, "is_nested", False) else t.clone()
+    return out
+
+
+def rows_from_state(state: Mapping[str, Any]) -> TensorDict:
+    """The ``TensorDict`` :func:`rows_state` was made from."""
+    fields = {k: jagged_from_rows(v) if isinstance(v, list) else v for k, v in state.items()}
+    return TensorDict(fields, batch_size=[len(fields["seq_len"])])

@@ -77,7 +77,7 @@ FREE_ON_RESUME: tuple[str, ...] = (
 # tensor_parallel_size (the checkpoint's layout), trainer.dp_size (one RNG file per rank),
 # trainer.seed, the task (task.name, seed, train_size, dataset, reward_fn; generation.max_new_tokens
 # shapes the built-in task's prompts), grpo.prompts_per_step and generation.n (what a step and the
-# data position mean) and async.num_collectors.
+# data position mean), async.num_collectors and async.mode (a deterministic checkpoint holds a schedule).
 SAFE_ON_RESUME: tuple[str, ...] = (
     "policy.lr",
     "policy.weight_decay",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,7 @@ def train_on_batch(
     *,
     behaviour: bool,
     t_start: float | None = None,
+    before_refit: Callable[[int], float] | None = None,
 ) -> StepResult:
     """Train step ``step`` on ``batch``, release its keys, refit the generator to ``step + 1``.
 
@@ -116,7 +117,9 @@ def train_on_batch(
     applies the off-policy correction (async). The batch's keys are released before the refit,
     and also when anything here raises (then the step's own error propagates), so a failed step
     leaves no keys of its batch behind. ``t_start``: when the step began for the caller (its
-    source's wait or generation included in ``step_s``); default now.
+    source's wait or generation included in ``step_s``); default now. ``before_refit(version)``:
+    called before the refit, returns seconds waited (trainer idle): deterministic async mode
+    waits there for every group the outgoing version still owes.
 
     Raises:
         StepError: any worker raised (quoting its error; a worker's ``NonFiniteError`` is its
@@ -204,6 +207,9 @@ def train_on_batch(
         row["keys_outstanding"] = transport.outstanding(audit=audit)
         if audit:
             row["keys_outstanding_audited"] = True
+    if before_refit is not None:
+        with timer("wait_generation"):
+            row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + before_refit(step + 1)
     with timer("refit"):
         timing = refit(cfg, workers, step + 1)
     row["step_s"] = time.perf_counter() - t_start

@@ -144,8 +144,8 @@ class Trainer:
                 num_cpus=cpus,
                 num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
                 runtime_env=gpu_env,
-                # Partial rollouts: a refit call must reach the generator while it generates.
-                max_concurrency=2 if cfg.async_.partial_rollout else 1,
+                # A refit must reach a generator that generates (partial) or waits for a version.
+                max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
             )
             .remote(cfg)
             for _ in range(num_collectors)

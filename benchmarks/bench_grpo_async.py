@@ -1,11 +1,11 @@
 """Async vs sync GRPO at the same config and seed: throughput against the ideal overlap bound.
 
     python benchmarks/bench_grpo_async.py [--profile toy|longtail|longtail-mild] [--steps 40]
-        [--runs async:1 partial:1 ...] [--config FILE] [dotted.key=value ...]
+        [--runs async:1 partial:1 det:1 ...] [--config FILE] [dotted.key=value ...]
 
 Runs ``grpo_sync`` once, then ``grpo_async`` once per ``--runs`` entry ``variant:staleness``
-(``async``: the default async config; ``partial``: with ``async.partial_rollout=true``; the
-staleness is ``async.max_staleness``), one after another, each
+(``async``: the default async config, free mode; ``partial``: with ``async.partial_rollout=true``;
+``det``: ``async.mode=deterministic``; the staleness is ``async.max_staleness``), one after another, each
 alone on the machine, from one config (``--config``; default the tiny async config, whose
 ``async`` section the sync trainer ignores) with the data plane on and every override passed to
 every run. ``--profile`` adds the task: ``toy`` (the config's own), ``longtail`` /
@@ -15,8 +15,9 @@ every run. ``--profile`` adds the task: ``toy`` (the config's own), ``longtail``
 Per run: samples trained per second of loop time (start-up and the first ``--skip`` steps
 excluded), x sync, the **ideal overlap bound** from the sync run's own phases (G = its generation,
 T = the rest of its step: ``(G + T) / max(G, T)``), the fraction of that bound reached
-(``x sync / bound``), the trainer's and the generators' idle ratios, the staleness histogram of
-trained groups, groups dropped, the trainer's phase medians and the final reward. Prints a
+(``x sync / bound``), for a ``det`` run its throughput over the free-mode run of the same
+staleness (``x free``, when ``async:N`` ran too), the trainer's and the generators' idle ratios,
+the staleness histogram of trained groups, groups dropped, the trainer's phase medians and the final reward. Prints a
 table; writes ``benchmarks/results/bench_grpo_async.json``.
 """
 
@@ -99,7 +100,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of every figure (warm-up)")
     ap.add_argument(
-        "--runs", nargs="+", default=["async:1", "partial:1"], help="variant:staleness, variant async|partial"
+        "--runs", nargs="+", default=["async:1", "partial:1"], help="variant:staleness, variant async|partial|det"
     )
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_async_tiny.yaml"))
     ap.add_argument("--timeout", type=float, default=1800)
@@ -120,10 +121,17 @@ def main() -> int:
     plan = [("sync", "grpo_sync", [])]
     for spec in args.runs:
         v, _, s = spec.partition(":")
-        if v not in ("async", "partial") or not s.isdigit():
-            ap.error(f"--runs {spec!r}: expected async:N or partial:N")
+        if v not in ("async", "partial", "det") or not s.isdigit():
+            ap.error(f"--runs {spec!r}: expected async:N, partial:N or det:N")
         partial = "true" if v == "partial" else "false"
-        plan.append((f"{v} s={s}", "grpo_async", [f"async.max_staleness={s}", f"async.partial_rollout={partial}"]))
+        mode = "deterministic" if v == "det" else "free"
+        plan.append(
+            (
+                f"{v} s={s}",
+                "grpo_async",
+                [f"async.max_staleness={s}", f"async.partial_rollout={partial}", f"async.mode={mode}"],
+            )
+        )
     results: dict[str, dict[str, Any]] = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
@@ -135,22 +143,26 @@ def main() -> int:
     g = base["phases_median_s"]["generate"]
     t = base["step_s_median"] - g
     bound = (g + t) / max(g, t) if max(g, t) > 0 else 1.0
-    for r in results.values():
+    for name, r in results.items():
         r["x_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["bound_fraction"] = r["x_sync"] / bound
+        free = results.get(name.replace("det ", "async ")) if name.startswith("det ") else None
+        r["x_free"] = r["samples_per_s"] / free["samples_per_s"] if free else None
     print(
         f"\nbench_grpo_async: profile {args.profile}, {args.steps} steps (first {args.skip} skipped), "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; sync step G={g:.3f}s + "
         f"T={t:.3f}s: ideal overlap bound (G+T)/max(G,T) = {bound:.2f}x"
     )
     print(
-        f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'idle trn':>8s} {'idle gen':>8s} "
-        f"{'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} {'step_s':>7s}  phases"
+        f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'x free':>6s} {'idle trn':>8s} "
+        f"{'idle gen':>8s} {'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} "
+        f"{'step_s':>7s}  phases"
     )
     for name, r in results.items():
         ph = " ".join(f"{p}={v:.3f}" for p, v in r["phases_median_s"].items() if v)
+        x_free = f"{r['x_free']:6.2f}" if r["x_free"] is not None else f"{'-':>6s}"
         print(
-            f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} "
+            f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} {x_free} "
             f"{r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} {str(r['staleness_max_hist']):>14s} "
             f"{r['groups_dropped_stale']:5d} {r['partial_samples']:7d} {r['final_reward']:6.3f} "
             f"{r['response_len']:8.1f} {r['step_s_median']:7.3f}  {ph}"

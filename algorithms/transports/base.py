@@ -217,3 +217,14 @@ class Transport(ABC):
     @abstractmethod
     def clear_all(self) -> None:
         """Drop every row held (resume, shutdown)."""
+
+    # ------------------------------------------------------------------ checkpointed groups
+    @abstractmethod
+    def snapshot(self, group: ClaimedGroup) -> dict[str, Any]:
+        """A claimed group's rows (and tags) as plain tensors, for a checkpoint: what
+        :meth:`restore` takes back (``torch.load(weights_only=True)`` reads it)."""
+
+    @abstractmethod
+    def restore(self, group_id: int, version: int, state: Mapping[str, Any]) -> Any:
+        """Put a :meth:`snapshot` back where this transport keeps rows, already taken by the
+        trainer (a source never delivers it again); returns the rows' handle."""

@@ -33,6 +33,8 @@ from algorithms.rollouts import (
     group_from_tags,
     parse_rollout_key,
     rollout_keys,
+    rows_from_state,
+    rows_state,
 )
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
 from nemo_dataplane.client import ClaimsNotSupported, DataPlaneClient
@@ -145,6 +147,18 @@ class DataPlaneTransport(Transport):
             return
         for p in self.client.kv_partitions():
             self.client.kv_clear(None, p)
+
+    def snapshot(self, group: ClaimedGroup) -> dict[str, Any]:
+        meta = group.rows
+        rows = self.store.kv_batch_get(meta, list(ROLLOUT_FIELDS))
+        return {"rows": rows_state(rows), "tags": [dict(t) for t in meta.tags]}
+
+    def restore(self, group_id: int, version: int, state: Mapping[str, Any]) -> KVBatchMeta:
+        tags = [dict(t) for t in state["tags"]]
+        keys = rollout_keys(version, [group_id], len(tags))
+        self.store.kv_batch_put(keys, ROLLOUTS, rows_from_state(state["rows"]), tags=tags)
+        self.store.kv_mark_consumed(keys, ROLLOUTS, TRAINER_TASK)
+        return KVBatchMeta(keys=tuple(keys), tags=tuple(tags), partition_id=ROLLOUTS, fields=ROLLOUT_FIELDS)
 
 
 class DataPlaneSink(RolloutSink):

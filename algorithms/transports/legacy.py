@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from algorithms.metrics import payload_bytes
-from algorithms.rollouts import ClaimedGroup, Job, group_from_tags
+from algorithms.rollouts import ClaimedGroup, Job, group_from_tags, rows_from_state, rows_state
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
 from nemo_dataplane.codec import is_jagged, jagged_from_rows, jagged_rows
 from nemo_dataplane.driver.planner import Preshards
@@ -174,6 +174,12 @@ class LegacyTransport(Transport):
 
     def clear_all(self) -> None:
         return None
+
+    def snapshot(self, group: ClaimedGroup) -> dict[str, Any]:
+        return {"rows": rows_state(group.rows)}
+
+    def restore(self, group_id: int, version: int, state: Mapping[str, Any]) -> TensorDict:
+        return rows_from_state(state["rows"])
 
 
 class LegacySink(RolloutSink):

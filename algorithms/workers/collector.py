@@ -30,7 +30,7 @@ from algorithms.config import TrainerConfig
 from algorithms.engines.generation import Rollouts
 from algorithms.faults import InjectedFailure, maybe_fail
 from algorithms.rewards import RewardFn, checked_reward, resolve_reward_fn
-from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags
+from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags, sample_seed
 from algorithms.tasks import PromptRecord, task_ignores_eos
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import RolloutSink
@@ -101,6 +101,8 @@ class RolloutCollector:
         limits: Sequence[int] | None,
         interruptible: bool,
         min_running: float = 0.0,
+        row_seeds: Sequence[int] | None = None,
+        version: int | None = None,
     ) -> tuple[Rollouts, float]:
         ref = self.generator.generate.remote(
             list(prompts),
@@ -111,9 +113,12 @@ class RolloutCollector:
             ignore_eos=self.ignore_eos,
             interruptible=interruptible,
             min_running=min_running,
+            row_seeds=None if row_seeds is None else list(row_seeds),
+            version=version,
         )
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            # A version wait is bounded by the same timeout inside the generator.
+            return ray.get(ref, timeout=self.timeout_s * (2 if version is not None else 1))
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(
                 f"collector {self.index}: the generator died or was lost mid-generation: {type(e).__name__}: {e}"
@@ -126,13 +131,17 @@ class RolloutCollector:
         seed: int,
         temperature: float | None,
         limits: Sequence[int] | None = None,
+        row_seeds: Sequence[int] | None = None,
+        version: int | None = None,
     ) -> Sampled:
         """``n`` complete responses per prompt. With ``async.partial_rollout`` a refit may stop the
         generator's call at a token boundary: each unfinished response then goes on from where it
         stopped (its prompt and tokens so far as the new prompt, the rest of its limit) under the
-        new weights, until every response is complete; each token keeps the version that drew it."""
+        new weights, until every response is complete; each token keeps the version that drew it.
+        ``row_seeds``/``version``: per-response seeds and the exact weight version (deterministic
+        mode, where partial rollouts are refused)."""
         partial = self.cfg.async_.partial_rollout
-        out, busy = self._call(prompts, n, seed, temperature, limits, partial)
+        out, busy = self._call(prompts, n, seed, temperature, limits, partial, row_seeds=row_seeds, version=version)
         tokens = [list(t) for t in out.tokens]
         logprobs = [list(lp) for lp in out.logprobs]
         versions = [[out.version] * len(t) for t in out.tokens]
@@ -195,7 +204,15 @@ class RolloutCollector:
         """Generate and score ``jobs``: (rows, tags, the oldest weight version of any token, mean
         response length); the generator's busy seconds are added to ``generator_busy_s``."""
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
-        got = self._sample(prompts, self.n, seed, None, self._limits([j.record for j in jobs]))
+        version = jobs[0].version  # deterministic mode: the schedule's version and per-sample seeds
+        row_seeds = (
+            None
+            if version is None
+            else [sample_seed(self.cfg.trainer.seed, j.group_id, i) for j in jobs for i in range(self.n)]
+        )
+        got = self._sample(
+            prompts, self.n, seed, None, self._limits([j.record for j in jobs]), row_seeds=row_seeds, version=version
+        )
         with self._cv:
             self._stats["generator_busy_s"] += got.busy_s
         return self._assemble(jobs, prompts, got)
@@ -286,6 +303,17 @@ class RolloutCollector:
     def _stopped(self) -> bool:
         return self._stop
 
+    def _next_jobs(self) -> list[Job]:
+        """The next generate call's jobs (caller holds ``_cv``): a whole piece where the schedule
+        fixed them (deterministic mode), else up to ``groups_per_generation`` queued ones."""
+        piece = self._queue[0].piece
+        if piece is None:
+            return [self._queue.popleft() for _ in range(min(self._chunk, len(self._queue)))]
+        jobs = []
+        while self._queue and self._queue[0].piece == piece:
+            jobs.append(self._queue.popleft())
+        return jobs
+
     def _produce(self) -> None:
         if self.cfg.async_.partial_rollout:
             self._produce_partial()
@@ -299,7 +327,7 @@ class RolloutCollector:
                     self._cv.wait(0.5)
                 if self._stop:
                     return
-                jobs = [self._queue.popleft() for _ in range(min(self._chunk, len(self._queue)))]
+                jobs = self._next_jobs()
             try:
                 t_idle = time.perf_counter()
                 pause = 0.005

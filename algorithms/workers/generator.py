@@ -8,6 +8,7 @@ run, sample the same tokens.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ class GeneratorWorker:
         torch.set_num_threads(cfg.trainer.num_threads)
         self.device = worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
+        self._jitter = random.Random(cfg.debug.jitter_seed)  # debug.generate_jitter_s's own stream
 
     def ready(self) -> bool:
         return True
@@ -79,16 +81,25 @@ class GeneratorWorker:
         ignore_eos: bool = False,
         interruptible: bool = False,
         min_running: float = 0.0,
+        row_seeds: Sequence[int] | None = None,
+        version: int | None = None,
     ) -> tuple[Rollouts, float]:
         """``len(prompt_ids) * n`` responses (group-major) with the log-prob of each sampled token
         under the sampling distribution and the weight version that drew them all (a refit lands
         between calls, or with ``interruptible`` ends one early: unfinished responses come back
         as far as they got), and the seconds this generator was busy with the call (its own
-        time, not its caller's wait for it). ``limits``/``ignore_eos``/``min_running``: as ``SamplingSpec``."""
+        time, not its caller's wait for it, nor a wait for ``version``).
+        ``limits``/``ignore_eos``/``min_running``/``row_seeds``: as ``SamplingSpec``; ``version``: draw
+        with exactly that weight version, waiting for it (deterministic async mode)."""
         self._current_device()
+        d = self.cfg.debug
+        if d.generate_jitter_s:
+            time.sleep(self._jitter.uniform(0.0, d.generate_jitter_s))
+        if version is not None:  # a wait, not busy time
+            self.engine.wait_for_version(int(version), self.cfg.trainer.step_timeout_s)
         t0 = time.perf_counter()
-        if self.cfg.debug.generate_delay_s:
-            time.sleep(self.cfg.debug.generate_delay_s)
+        if d.generate_delay_s:
+            time.sleep(d.generate_delay_s)
         g = self.cfg.generation
         spec = SamplingSpec(
             max_new_tokens=g.max_new_tokens,
@@ -98,8 +109,9 @@ class GeneratorWorker:
             limits=None if limits is None else tuple(int(m) for m in limits),
             ignore_eos=ignore_eos,
             min_running=min_running,
+            row_seeds=None if row_seeds is None else tuple(int(s) for s in row_seeds),
         )
-        out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible)
+        out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible, version=version)
         # fail_in=generator: inside the call, its tokens drawn and not returned
         maybe_fail(
             self.cfg.debug,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,3 +278,42 @@ def resume_checks():
         loss_keys=LOSS_KEYS,
         assert_resumed_like_uninterrupted=assert_resumed_like_uninterrupted,
     )
+
+
+def _sigkill_after(runs: list[tuple[Path, list[str], dict[str, str], int]], timeout: float = 600) -> None:
+    """Start every ``(out_dir, argv, env, steps)`` run at once (their start-ups overlap), each in
+    its own process group, and SIGKILL the whole group (no clean-up at all) once its
+    ``metrics.jsonl`` has ``steps`` lines."""
+    procs = []
+    for out, cmd, env, steps in runs:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "killed_stdout.txt").open("w") as so, (out / "killed_stderr.txt").open("w") as se:
+            procs.append(
+                (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se, start_new_session=True), out, steps)
+            )
+    deadline = time.monotonic() + timeout
+    try:
+        left = list(procs)
+        while left and time.monotonic() < deadline:
+            for proc, out, steps in list(left):
+                assert proc.poll() is None, (
+                    f"{out.name} ended before its kill: {(out / 'killed_stderr.txt').read_text()[-4000:]}"
+                )
+                metrics = out / "metrics.jsonl"
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    left.remove((proc, out, steps))
+            time.sleep(0.05)
+        assert not left, f"{[out.name for _, out, _ in left]}: no {[s for *_, s in left]} steps within {timeout}s"
+    finally:
+        for proc, *_ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def sigkill_after():
+    """``sigkill_after([(out_dir, argv, env, steps), ...])``: start the runs together and SIGKILL
+    each one's whole process group once it logged ``steps`` steps."""
+    return _sigkill_after

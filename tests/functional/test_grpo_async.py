@@ -18,8 +18,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -228,38 +226,6 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
-def _sigkill_after(runs: list[tuple[Path, list[str], dict[str, str], int]], timeout: float = 600) -> None:
-    """Start every ``(out_dir, argv, env, steps)`` run at once (their start-ups overlap), each in
-    its own process group, and SIGKILL the whole group (no clean-up at all) once its
-    ``metrics.jsonl`` has ``steps`` lines."""
-    procs = []
-    for out, cmd, env, steps in runs:
-        out.mkdir(parents=True, exist_ok=True)
-        with (out / "killed_stdout.txt").open("w") as so, (out / "killed_stderr.txt").open("w") as se:
-            procs.append(
-                (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se, start_new_session=True), out, steps)
-            )
-    deadline = time.monotonic() + timeout
-    try:
-        left = list(procs)
-        while left and time.monotonic() < deadline:
-            for proc, out, steps in list(left):
-                assert proc.poll() is None, (
-                    f"{out.name} ended before its kill: {(out / 'killed_stderr.txt').read_text()[-4000:]}"
-                )
-                metrics = out / "metrics.jsonl"
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    left.remove((proc, out, steps))
-            time.sleep(0.05)
-        assert not left, f"{[out.name for _, out, _ in left]}: no {[s for *_, s in left]} steps within {timeout}s"
-    finally:
-        for proc, *_ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 WHOLE_RESUME = ("trainer.steps=12", "checkpoint.every=2", "trainer.val_every=0")
 # Partial rollouts, a sampler slowed per token: the generator is always busy, so every refit stops
 # a generation in flight and responses span two versions; 5 small steps, checkpoints every 2.
@@ -276,7 +242,7 @@ PARTIAL_RESUME = (
 
 
 @pytest.fixture(scope="module")
-def resumed(trainer_command, run_trainers_concurrently, runs_dir: Path) -> dict[str, Resumed]:
+def resumed(trainer_command, run_trainers_concurrently, sigkill_after, runs_dir: Path) -> dict[str, Resumed]:
     """Two runs SIGKILLed after a checkpoint, then resumed with ``checkpoint.resume=latest``, both
     pairs side by side: whole rollouts (the default config, killed at a random step) and partial
     rollouts (killed at step 3, one past the checkpoint of step 2)."""
@@ -286,7 +252,7 @@ def resumed(trainer_command, run_trainers_concurrently, runs_dir: Path) -> dict[
         "whole": (runs_dir / "killed", WHOLE_RESUME, random.Random(os.getpid()).randint(3, 8)),
         "partial": (runs_dir / "killed_partial", PARTIAL_RESUME, 3),
     }
-    _sigkill_after([(out, *trainer_command(out, *ov, module="grpo_async"), steps) for out, ov, steps in plan.values()])
+    sigkill_after([(out, *trainer_command(out, *ov, module="grpo_async"), steps) for out, ov, steps in plan.values()])
     killed = {}
     for name, (out, _, _) in plan.items():
         latest = complete_checkpoints(out / "checkpoints")[-1]  # what checkpoint.resume=latest picks

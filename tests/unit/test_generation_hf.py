@@ -219,3 +219,78 @@ def test_sampler_logprobs_match_the_trainer_engine_in_each_precision(precision: 
     print(f"{precision}: max |sampler - trainer| log-prob = {delta:.3g}")
     assert delta < PARITY_TOL[precision], delta
     eng.shutdown()
+
+
+# ------------------------------------------------------------------ deterministic async mode
+def test_row_seeded_responses_do_not_depend_on_the_batch_they_share() -> None:
+    eng = _engine()
+    same_len = [[1, 5, 6, 7], [1, 9, 9, 2], [1, 4, 4, 4]]  # one length: no padding difference
+    seeds = (11, 12, 13, 21, 22, 23, 31, 32, 33)
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, row_seeds=seeds)
+    whole = eng.generate(same_len, 3, spec)
+    alone = eng.generate(same_len[1:2], 3, dataclasses.replace(spec, row_seeds=seeds[3:6]))
+    assert whole.tokens[3:6] == alone.tokens and whole.logprobs[3:6] == alone.logprobs
+    reordered = eng.generate(same_len[::-1], 3, dataclasses.replace(spec, row_seeds=seeds[6:] + seeds[3:6] + seeds[:3]))
+    assert reordered.tokens[:3] == whole.tokens[6:] and reordered.tokens[6:] == whole.tokens[:3]
+    other = eng.generate(same_len, 3, dataclasses.replace(spec, row_seeds=tuple(s + 100 for s in seeds)))
+    assert other.tokens != whole.tokens, "the seeds drive the draw"
+    with pytest.raises(ValueError, match="row seeds"):
+        eng.generate(same_len, 3, dataclasses.replace(spec, row_seeds=seeds[:4]))
+
+
+def test_hash_noise_samples_the_softmax_distribution() -> None:
+    from algorithms.models import hash_uniform
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -30.0])
+    draws = 100_000
+    noise = -torch.log(-torch.log(hash_uniform(torch.arange(draws), 3, 5)))
+    freq = torch.bincount((logits.double() + noise).argmax(-1), minlength=5).double() / draws
+    want = torch.softmax(logits.double(), 0)
+    # 5 standard deviations of a binomial frequency
+    assert torch.all((freq - want).abs() <= 5 * (want * (1 - want) / draws).sqrt() + 1e-9), (freq, want)
+    assert torch.equal(hash_uniform(torch.tensor([5, 5]), 0, 7)[0], hash_uniform(torch.tensor([5]), 0, 7)[0])
+    assert not torch.equal(hash_uniform(torch.tensor([5]), 0, 7), hash_uniform(torch.tensor([5]), 1, 7))
+
+
+def test_a_generation_pinned_to_a_version_waits_for_it_and_refuses_an_older_one() -> None:
+    eng = _engine()
+    trainer = build_model(MODEL, vocab_size=TOK.vocab_size)
+    port = _free_port()
+    spec = SamplingSpec(max_new_tokens=3, row_seeds=tuple(range(2)))
+    results: list[Any] = []
+
+    def pinned() -> None:
+        try:
+            results.append(eng.generate(PROMPTS[:1], 2, spec, version=1, timeout_s=60))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results.append(e)
+
+    waiter = threading.Thread(target=pinned)
+    sender_group: list[StatelessProcessGroup] = []
+
+    def send() -> None:
+        g = StatelessProcessGroup("127.0.0.1", port, 0, 2, "gloo", 60.0, group_name="refit")
+        sender_group.append(g)
+        s = RefitSender(g, trainer.named_parameters)
+        s.prepare_refit_info()
+        s.send_weights(1)
+        s.send_weights(2)
+
+    t = threading.Thread(target=send)
+    t.start()
+    eng.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not results, "a generation pinned to version 1 ran on the initial weights"
+    assert eng.receive_weights() == 1
+    waiter.join(60)
+    assert results and not isinstance(results[0], BaseException), results
+    assert results[0].version == 1
+    assert eng.receive_weights() == 2
+    t.join(60)
+    with pytest.raises(RuntimeError, match="already holds the newer 2"):
+        eng.generate(PROMPTS[:1], 2, spec, version=1, timeout_s=5)
+    with pytest.raises(RuntimeError, match="did not arrive within"):
+        eng.generate(PROMPTS[:1], 2, spec, version=3, timeout_s=0.2)
+    sender_group[0].destroy()
+    eng.shutdown()

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.remote import StepError
-from algorithms.rollout_buffer import PromptLedger, RolloutBuffer, admissible
+from algorithms.rollout_buffer import DeterministicBuffer, PromptLedger, RolloutBuffer, admissible, make_buffer
 from algorithms.rollouts import (
     ROLLOUT_FIELDS,
     ROLLOUTS,
@@ -177,10 +177,10 @@ def _put_group(client: InMemoryClient, job: Job, version: int, reward: float = 0
 
 
 def _buffer(cfg: TrainerConfig, pool: Any, client: InMemoryClient, ledger: PromptLedger) -> RolloutBuffer:
-    """The buffer over the data-plane transport, its store the given in-memory client."""
+    """The buffer ``async.mode`` picks over the data-plane transport, its store the given in-memory client."""
     transport = DataPlaneTransport(cfg)
     transport.client = client
-    return RolloutBuffer(cfg, pool, transport, ledger)
+    return make_buffer(cfg, pool, transport, ledger)
 
 
 class _Pool:
@@ -319,3 +319,66 @@ def test_keys_outside_groups_in_flight_are_the_leak_at_exit() -> None:
     assert keys_outside_groups(stored, {7}) == [*stray, "not-a-rollout-key", "v0/g7/s0"]
     assert keys_outside_groups(stored, set()) == [*in_flight, *stray, "not-a-rollout-key", "v0/g7/s0"]
     assert keys_outside_groups({}, {7}) == []
+
+
+# ------------------------------------------------------------------------------ deterministic mode
+def test_deterministic_schedule_pins_versions_orders_groups_and_gates_the_refit() -> None:
+    client = InMemoryClient()
+    pool = _Pool()
+    led = _ledger()
+    cfg = _cfg(max_staleness=1, mode="deterministic", groups_per_generation=1)
+    buf = _buffer(cfg, pool, client, led)
+    assert isinstance(buf, DeterministicBuffer)
+    assert buf.top_up() == 4  # steps 0 and 1, G = 2 each
+    assert [(j.group_id, j.version, j.piece) for j in pool.jobs] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3)]
+    j0, j1, j2, j3 = pool.jobs
+    for j in (j1, j0):  # written out of order
+        _put_group(client, j, version=0)
+    batch = buf.next_batch(step=0)
+    assert batch.group_ids == [0, 1] and buf.stats.staleness == [0, 0]
+    led.trained(batch.group_ids)
+    assert len(pool.jobs) == 4, "step 2 (version 1) is admitted once step 1 is trained"
+    # The refit to version 1 waits for step 1's groups (drawn by version 0).
+    with pytest.raises(StepError, match=r"refit of version 1: waited 5.0s for groups \[2, 3\]"):
+        buf.before_refit(1)
+    pool.failed = [3]  # its write was rolled back: the same group again, same id, version, piece
+    _put_group(client, j2, version=0)
+    with pytest.raises(StepError, match=r"for groups \[3\]"):
+        buf.before_refit(1)
+    assert [(j.group_id, j.version, j.piece) for j in pool.jobs[4:]] == [(3, 0, 3)]
+    _put_group(client, j3, version=0)
+    assert buf.before_refit(1) >= 0
+    state = buf.state_dict()  # a checkpoint after step 0: step 1's groups are kept with their rows
+    assert state["steps"] == {1: [2, 3]} and [g["group_id"] for g in state["held"]] == [2, 3]
+    ledger_state = led.state_dict()
+
+    # Resume at step 1 on a fresh store: held groups come back (not generated again, not delivered twice).
+    client2, pool2, led2 = InMemoryClient(), _Pool(), _ledger()
+    led2.load_state_dict(ledger_state)
+    buf2 = _buffer(cfg, pool2, client2, led2)
+    buf2.load_state_dict(state, start=1)
+    assert pool2.jobs == []
+    assert client2.kv_claim_status(ROLLOUTS, TRAINER_TASK, ["input_ids"]).claimable == 0, "restored rows re-delivered"
+    again = buf2.next_batch(step=1)
+    assert again.group_ids == [2, 3] and again.rewards.tolist() == batch.rewards.tolist()
+    assert [(j.group_id, j.version) for j in pool2.jobs] == [(4, 1), (5, 1)]
+    _put_group(client2, pool2.jobs[0], version=0)  # drawn by the wrong version: refused
+    with pytest.raises(StepError, match="group 4 arrived drawn by weight version 0, the schedule says 1"):
+        buf2.before_refit(2)
+
+
+def test_deterministic_mode_refuses_partial_rollouts_and_vllm() -> None:
+    from algorithms.config import ConfigError
+    from algorithms.engines.generation import check_generation_config
+
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        _cfg(mode="deterministic", partial_rollout=True)
+    cfg = TrainerConfig.from_dict(
+        {
+            "policy": {"model": {"arch": "llama", "hf_config": {}}},
+            "generation": {"n": N, "backend": "vllm"},
+            "async": {"mode": "deterministic"},
+        }
+    )
+    with pytest.raises(ConfigError, match="async.mode=deterministic needs generation.backend=hf"):
+        check_generation_config(cfg)

@@ -38,7 +38,9 @@ class SamplingSpec:
     ``limits``: each prompt's own token limit (``<= max_new_tokens``; ``None``: ``max_new_tokens``
     for all); ``ignore_eos``: responses run to their limit whatever the model emits;
     ``min_running``: an interruptible generation also stops once fewer than this fraction of
-    its responses are still running (partial rollouts refill the places of finished ones).
+    its responses are still running (partial rollouts refill the places of finished ones);
+    ``row_seeds``: one seed per response (group-major), each response drawn from its own stream
+    (``seed`` is then unused), so its tokens do not depend on the batch it shares.
     """
 
     max_new_tokens: int
@@ -48,6 +50,7 @@ class SamplingSpec:
     limits: tuple[int, ...] | None = None
     ignore_eos: bool = False
     min_running: float = 0.0
+    row_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -176,7 +179,14 @@ class GenerationEngine(ABC):
                 self._cond.notify_all()
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], n: int, spec: SamplingSpec, *, interruptible: bool = False
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        spec: SamplingSpec,
+        *,
+        interruptible: bool = False,
+        version: int | None = None,
+        timeout_s: float | None = None,
     ) -> Rollouts:
         """Sample ``n`` responses per prompt. A response ends with the EOS token when the model
         emitted it (unless ``spec.ignore_eos``), else it has exactly its limit of tokens. Seeded:
@@ -185,6 +195,9 @@ class GenerationEngine(ABC):
         ``interruptible``: a refit asked for with ``receive_weights(interrupt=True)`` stops the
         generation at the next token boundary; the responses not complete then come back as far
         as they got (``Rollouts.finished`` false), all drawn by ``Rollouts.version``.
+
+        ``version``: draw with exactly this weight version: wait (up to ``timeout_s``) until it is
+        installed; raise ``RuntimeError`` if a newer one already is, or the wait runs out.
         """
         self._check_open()
         if n < 1:
@@ -195,10 +208,16 @@ class GenerationEngine(ABC):
                 raise ValueError(f"generate: prompt {i} is empty (prepend <bos>)")
         if spec.limits is not None and len(spec.limits) != len(prompts):
             raise ValueError(f"generate: {len(spec.limits)} limits for {len(prompts)} prompts")
+        if spec.row_seeds is not None and len(spec.row_seeds) != len(prompts) * n:
+            raise ValueError(f"generate: {len(spec.row_seeds)} row seeds for {len(prompts)} prompts x n={n}")
         if not prompts:
             return Rollouts([], [], self._version, [])
         stop = self._interrupt.is_set if interruptible else None
+        if version is not None:
+            self.wait_for_version(int(version), timeout_s)
         with self._hold(refit=False):
+            if version is not None and self._version != version:
+                raise RuntimeError(f"{self.name} engine: asked for weight version {version}, holds {self._version}")
             version = self._version
             tokens, logprobs, finished = self._generate(prompts, n, spec, stop)
         if len(tokens) != len(prompts) * n or len(logprobs) != len(tokens) or len(finished) != len(tokens):
@@ -213,6 +232,27 @@ class GenerationEngine(ABC):
                     f"{self.name} engine: response {i} has {len(t)} tokens and {len(lp)} log-probs (its limit: {limit})"
                 )
         return Rollouts(tokens, logprobs, version, finished)
+
+    def wait_for_version(self, version: int, timeout_s: float | None) -> None:
+        """Return once weight ``version`` is installed (bounded by ``timeout_s``).
+
+        Raises:
+            RuntimeError: a newer version is installed already, or the wait ran out.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._version < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RuntimeError(
+                        f"{self.name} engine: weight version {version} did not arrive within {timeout_s:g}s "
+                        f"(holds {self._version})"
+                    )
+                self._cond.wait(left if left is None else min(left, 1.0))
+            if self._version > version:
+                raise RuntimeError(
+                    f"{self.name} engine: asked for weight version {version}, already holds the newer {self._version}"
+                )
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int, spec: RefitSpec) -> None:
         """Join the refit group at ``host:port`` as receiver ``rank`` and agree on the layout

@@ -98,6 +98,7 @@ class HFEngine(GenerationEngine):
             gen,
             self.eos_id,
             self.pad_id,
+            row_seeds=spec.row_seeds,
             limits=spec.limits,
             ignore_eos=spec.ignore_eos,
             should_stop=should_stop,

@@ -133,7 +133,13 @@ class VLLMEngine(GenerationEngine):
 
     @classmethod
     def check_config(cls, cfg: TrainerConfig) -> None:
-        """The model's attention head size against :data:`CPU_HEAD_SIZES` (CPU only)."""
+        """The model's attention head size against :data:`CPU_HEAD_SIZES` (CPU only); no
+        ``async.mode=deterministic`` (a request's logits depend on the batch vLLM runs it in)."""
+        if cfg.async_.mode == "deterministic":
+            raise ConfigError(
+                "async.mode=deterministic needs generation.backend=hf: vLLM schedules requests into "
+                "batches by timing, and a request's logits (so its tokens) depend on the batch it runs in"
+            )
         check_head_size(attention_head_size(cfg.policy.model), cfg.generation.device)
 
     @property

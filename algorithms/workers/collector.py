@@ -34,7 +34,7 @@ from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed
 from algorithms.tasks import PromptRecord, task_ignores_eos
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import RolloutSink
-from algorithms.workers.row_pool import Row, RowPool
+from algorithms.workers.row_pool import RowPool, batches_by_version
 from nemo_dataplane.codec import jagged_from_rows
 
 # Partial rollouts: a generate call also ends once fewer than this share of its responses are
@@ -426,7 +426,7 @@ class RolloutCollector:
                 done = pool.absorb(rows, out.tokens, out.logprobs, out.finished, out.version)
                 undelivered = [j.group_id for j, _ in done]
                 self._stats["generate_s"] += time.perf_counter() - t0
-                for jobs_done, prompts_done, got in self._by_version(done):
+                for jobs_done, prompts_done, got in batches_by_version(done):
                     maybe_fail(
                         self.cfg.debug,
                         "generate",
@@ -450,26 +450,6 @@ class RolloutCollector:
                     if not isinstance(e, InjectedFailure) or consecutive_failures > 3:
                         self._error = f"collector {self.index}: {type(e).__name__}: {e}"
                         return
-
-    def _by_version(self, done: Sequence[tuple[Job, list[Row]]]) -> list[tuple[list[Job], list[list[int]], Sampled]]:
-        """Complete groups, batched by their oldest token's version (one put each: a put's keys
-        carry one version): their jobs, prompts and rows (group-major)."""
-        by: dict[int, list[tuple[Job, list[Row]]]] = {}
-        for job, rows in done:
-            by.setdefault(min(v for r in rows for v in (r.versions or [-1])), []).append((job, rows))
-        out = []
-        for version, groups in sorted(by.items()):
-            rows = [r for _, rs in groups for r in rs]
-            out.append(
-                (
-                    [j for j, _ in groups],
-                    [rs[0].prompt for _, rs in groups],
-                    Sampled(
-                        [r.tokens for r in rows], [r.logprobs for r in rows], [r.versions for r in rows], version, 0.0
-                    ),
-                )
-            )
-        return out
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         """Pop up to ``max_groups`` finished groups the sink holds here, waiting up to ``timeout_s``

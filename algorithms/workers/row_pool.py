@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from algorithms.rollouts import Job
+from algorithms.rollouts import Job, Sampled
 
 __all__ = ["Row", "RowPool"]
 
@@ -93,3 +93,22 @@ class RowPool:
         lost = sorted(self._jobs)
         self.running, self._done, self._jobs = [], {}, {}
         return lost
+
+
+def batches_by_version(done: Sequence[tuple[Job, list[Row]]]) -> list[tuple[list[Job], list[list[int]], Sampled]]:
+    """Complete groups, batched by their oldest token's version (one put each: a put's keys
+    carry one version): their jobs, prompts and rows (group-major)."""
+    by: dict[int, list[tuple[Job, list[Row]]]] = {}
+    for job, rows in done:
+        by.setdefault(min(v for r in rows for v in (r.versions or [-1])), []).append((job, rows))
+    out = []
+    for version, groups in sorted(by.items()):
+        rows = [r for _, rs in groups for r in rs]
+        out.append(
+            (
+                [j for j, _ in groups],
+                [rs[0].prompt for _, rs in groups],
+                Sampled([r.tokens for r in rows], [r.logprobs for r in rows], [r.versions for r in rows], version, 0.0),
+            )
+        )
+    return out

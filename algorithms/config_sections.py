@@ -199,9 +199,20 @@ class LoggingConfig:
     # keys_outstanding is the rollouts' count every step; every this many steps (and at exit) it
     # is a listing of the whole store instead. 0: at exit only.
     audit_every: int = 10
+    # The driver serves Prometheus metrics at http://prometheus_host:prometheus_port/metrics
+    # (algorithms/exporter.py; needs prometheus-client, extra `metrics`). None: off; 0: a free
+    # port, printed at start. The host is loopback unless set otherwise.
+    prometheus_port: int | None = None
+    prometheus_host: str = "127.0.0.1"
+    # Weights & Biases: every step's numbers, as in metrics.jsonl (needs wandb; WANDB_MODE=offline
+    # writes the run under output_dir/wandb only).
+    wandb: bool = False
+    wandb_project: str = "nemo-dataplane"
 
     def __post_init__(self) -> None:
         require_positive(self, "audit_every", allow_zero=True)
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise FieldError("prometheus_port", f"={self.prometheus_port} is not a TCP port (0-65535; 0 picks one)")
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ class AsyncTrainer(Trainer):
                         f"step {step}: {row['keys_outstanding']} keys outstanding in the store exceed the bound "
                         f"{bound} = (max_inflight_groups + prompts_per_step) * n: something leaks"
                     )
-                self._after_step(step, row, val)
+                result.staleness = list(st.staleness)
+                self._after_step(step, result, val)
         state = self.ledger.state_dict()
         self.summary["prompts_in_flight_at_exit"] = [h for h, _ in state["pending"]]
         self.summary["prompts_handed_out"] = state["next_handout"]

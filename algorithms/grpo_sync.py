@@ -67,7 +67,7 @@ class SyncTrainer(Trainer):
                 raise
             self._collecting = set()  # the batch's handle releases them from here on
             result = train_on_batch(cfg, self.workers, self.transport, batch, step, timer, behaviour=False, t_start=t0)
-            self._after_step(step, result.row, val)
+            self._after_step(step, result, val)
         return 0
 
     def _groups_in_flight(self) -> set[int]:

@@ -9,6 +9,7 @@ have started.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 from algorithms.config import ConfigError, TrainerConfig
@@ -66,7 +67,8 @@ def check_run_inputs(cfg: TrainerConfig, train: Sequence[PromptRecord], val: Seq
     """Build the run's tokenizer and check, before any worker starts: the model's embedding has a
     row for every token id; the first :data:`CHECKED_PROMPTS` prompts of each dataset tokenize;
     the reward function resolves; the generation engine can run the model (vLLM on CPU: its
-    attention head size). Returns the tokenizer. Raises :class:`ConfigError` naming both sizes,
+    attention head size); ``prometheus-client`` is there if the metrics endpoint is on. Returns
+    the tokenizer. Raises :class:`ConfigError` naming both sizes,
     or the prompt, its source and ``task.prompt_key``, or ``task.reward_fn``, or the model key."""
     check_generation_config(cfg)
     tok = build_tokenizer(cfg)
@@ -90,4 +92,11 @@ def check_run_inputs(cfg: TrainerConfig, train: Sequence[PromptRecord], val: Seq
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         key = f"task.reward_fn={cfg.task.reward_fn!r}" if cfg.task.reward_fn else f"task.name={cfg.task.name!r}"
         raise ConfigError(f"{key}: {e}") from e
+    if cfg.logging.prometheus_port is not None and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(
+            f"logging.prometheus_port={cfg.logging.prometheus_port}: the endpoint needs prometheus-client "
+            "(pip install 'nemo-dataplane[metrics]')"
+        )
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs wandb installed (pip install wandb)")
     return tok

@@ -19,6 +19,11 @@ from typing import Any, TextIO
 import torch
 from tensordict import TensorDictBase
 
+from algorithms.config import TrainerConfig
+from algorithms.exporter import PrometheusExporter
+from algorithms.precision import precision_of
+from algorithms.telemetry import OpRecord
+
 # Keys every step line carries (absent values are written as null), in display order.
 STEP_KEYS: tuple[str, ...] = (
     "step",
@@ -92,7 +97,11 @@ class MetricsLogger:
         progress: bool = True,
         tensorboard: bool = False,
         stream: TextIO | None = None,
+        exporter: PrometheusExporter | None = None,
+        wandb_run: Any = None,
     ) -> None:
+        self.exporter = exporter
+        self._wandb = wandb_run
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
@@ -132,8 +141,36 @@ class MetricsLogger:
         keep = [r for r in self._read_rows() if r.get("step", -1) < start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
 
-    def log_step(self, row: Mapping[str, Any]) -> None:
-        """Record one step (JSONL line, TensorBoard scalars, bar update)."""
+    @classmethod
+    def for_run(cls, out: Path, cfg: TrainerConfig, *, start_step: int, policy_params: int) -> MetricsLogger:
+        """The logger a trainer run's config asks for, with its Prometheus endpoint if
+        ``logging.prometheus_port`` is set (announced on stderr)."""
+        lg = cfg.logging
+        exporter = None
+        if lg.prometheus_port is not None:
+            item = torch.empty(0, dtype=precision_of(cfg).dtype).element_size()
+            exporter = PrometheusExporter(lg.prometheus_host, lg.prometheus_port, refit_bytes=policy_params * item)
+            print(f"prometheus: serving {exporter.url}", file=sys.stderr, flush=True)
+        run = None
+        if lg.wandb:
+            import wandb  # optional: checked before Ray starts (algorithms.inputs)
+
+            run = wandb.init(project=lg.wandb_project, dir=str(out), config=cfg.to_dict(), name=Path(out).name)
+        return cls(
+            out,
+            total_steps=cfg.trainer.steps,
+            start_step=start_step,
+            progress=lg.progress,
+            tensorboard=lg.tensorboard,
+            exporter=exporter,
+            wandb_run=run,
+        )
+
+    def log_step(self, row: Mapping[str, Any], ops: Sequence[OpRecord] = (), staleness: Sequence[int] = ()) -> None:
+        """Record one step (JSONL line, TensorBoard and W&B scalars, bar update, the Prometheus series:
+        ``ops`` and ``staleness`` feed its histograms only)."""
+        if self.exporter is not None:
+            self.exporter.observe(row, ops, staleness)
         full = {k: row.get(k) for k in STEP_KEYS}
         full.update({k: v for k, v in row.items() if k not in full})
         self.rows.append(full)
@@ -141,11 +178,14 @@ class MetricsLogger:
         self._file.write(json.dumps(full) + "\n")
         self._file.flush()
         step = int(row["step"])
+        scalars = {k: v for k, v in full.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for k, v in full.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            for k, v in scalars.items():
+                if k != "step":
                     self._tb.add_scalar(k.replace(".", "/"), v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if self._bar is not None:
             extra = f" stale={_fmt(full['staleness_mean'])}" if full.get("staleness_mean") is not None else ""
             self._bar.set_postfix_str(
@@ -162,6 +202,12 @@ class MetricsLogger:
             print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -199,6 +199,7 @@ class RolloutBuffer:
             if p["error"]:
                 raise StepError(f"rollout collection stopped: {p['error']}")
             self._failed([int(g) for g in p["failed"]])
+            self.transport.ops.extend(p.get("ops", ()))
         self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls) for k in COLLECTOR_COUNTERS}
 
     def _failed(self, group_ids: Sequence[int]) -> None:

@@ -36,6 +36,7 @@ from algorithms.grpo import dynamic_sampling_mask, group_advantages
 from algorithms.metrics import PhaseTimer, payload_bytes
 from algorithms.remote import StepError, gather
 from algorithms.rollouts import Job, RolloutBatch, generation_seed
+from algorithms.telemetry import OpRecord, op_summary
 from algorithms.transports import Transport
 
 
@@ -62,10 +63,13 @@ class Workers:
 
 @dataclass
 class StepResult:
-    """The step's metrics row (flat scalars) and whether training ran."""
+    """The step's metrics row (flat scalars), whether training ran, and the store ops every caller
+    made during it (:mod:`algorithms.telemetry`; the async loop adds its groups' staleness)."""
 
     row: dict[str, Any] = field(default_factory=dict)
     trained: bool = True
+    ops: list[OpRecord] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
 
 
 def collect(
@@ -93,6 +97,7 @@ def collect(
         prompts=[str(getattr(j.record, "prompt", "")) for j in jobs],
     )
     batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
+    transport.ops.extend(res.get("ops", ()))
     # The trainer waits for the whole generation; the generator works only inside it.
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
     batch.row["generator_busy_s"] = float(res["generator_busy_s"])
@@ -216,6 +221,7 @@ def train_on_batch(
     # The senders wait with the generators in a refit: the part spent waiting for a generation
     # in flight is the trainer's idle time too.
     row["refit_wait_s"] = timing.waited_s
+    row["refit_receive_s"] = timing.receive_s  # the slowest receiver
     row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + timing.waited_s
     row.update(idle_ratios(row, timing.total_s - timing.waited_s, len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
@@ -226,7 +232,10 @@ def train_on_batch(
     row["time/worker_io"] = ranks.io_s
     row["time/worker_compute"] = ranks.compute_s
     transport.driver_bytes = transport.column_bytes = 0
-    return StepResult(row=row, trained=trained)
+    ops = transport.drain_ops()
+    end = time.time()
+    row.update(op_summary(ops, end - row["step_s"], end))
+    return StepResult(row=row, trained=trained, ops=ops)
 
 
 def idle_ratios(row: Mapping[str, Any], refit_s: float, generators: int) -> dict[str, float]:
@@ -360,6 +369,8 @@ class _RankTotals:
         transport.driver_bytes += transport.input_bytes(inputs)
         out = dispatch.call(kind, inputs, step, flag, timeout_s, what)
         transport.driver_bytes += payload_bytes(out)
+        for o in out:
+            transport.ops.extend(o.pop("ops", ()))
         self.dp_bytes += sum(int(o["dp_bytes"]) for o in out)
         self.io_s += max(float(o["io_s"]) for o in out)
         self.compute_s += max(float(o["compute_s"]) for o in out)

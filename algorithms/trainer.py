@@ -43,7 +43,7 @@ from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.rollouts import keys_outside_groups
 from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
-from algorithms.step import Workers, refit, run_idle_ratios
+from algorithms.step import StepResult, Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
 from algorithms.workers.collector import RolloutCollector
@@ -330,13 +330,7 @@ class Trainer:
             refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
             summary["policy_params"] = self.policy_params
             summary["prompts"] = {"train": len(train), "val": len(val)}
-            self.logger = MetricsLogger(
-                self.out,
-                total_steps=cfg.trainer.steps,
-                start_step=start,
-                progress=cfg.logging.progress,
-                tensorboard=cfg.logging.tensorboard,
-            )
+            self.logger = MetricsLogger.for_run(self.out, cfg, start_step=start, policy_params=self.policy_params)
             code = self._loop(start, val)
             if cfg.checkpoint.export_hf and code == 0:
                 self._export_hf("final")
@@ -386,8 +380,10 @@ class Trainer:
     def _loop(self, start: int, val: list[Any]) -> int:
         raise NotImplementedError
 
-    def _after_step(self, step: int, row: dict[str, Any], val: list[Any]) -> None:
-        """Validation, the step's line, the checkpoint: the same for every trainer."""
+    def _after_step(self, step: int, result: StepResult, val: list[Any]) -> None:
+        """Validation, the step's line (and its ops, for the metrics endpoint), the checkpoint:
+        the same for every trainer."""
+        row = result.row
         assert self.workers is not None
         cfg = self.cfg
         last = step == cfg.trainer.steps - 1
@@ -401,7 +397,7 @@ class Trainer:
             row["time/validate"] = time.perf_counter() - t
         row["elapsed_s"] = time.perf_counter() - self.t0  # since the trainer started (incl. start-up)
         assert self.logger is not None
-        self.logger.log_step(row)
+        self.logger.log_step(row, result.ops, result.staleness)
         if not cfg.logging.quiet and not cfg.logging.progress:
             self.logger.write(
                 f"step {step}: reward={row['reward']:.3f} loss={row.get('loss')} step_s={row['step_s']:.2f}"

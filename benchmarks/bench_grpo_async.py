@@ -17,8 +17,9 @@ excluded), x sync, the **ideal overlap bound** from the sync run's own phases (G
 T = the rest of its step: ``(G + T) / max(G, T)``), the fraction of that bound reached
 (``x sync / bound``), for a ``det`` run its throughput over the free-mode run of the same
 staleness (``x free``, when ``async:N`` ran too), the trainer's and the generators' idle ratios,
-the staleness histogram of trained groups, groups dropped, the trainer's phase medians and the final reward. Prints a
-table; writes ``benchmarks/results/bench_grpo_async.json``.
+the staleness histogram of trained groups, the data plane's share of the step (median, ``dp
+frac``), groups dropped, the trainer's phase medians and the final reward. Prints a table;
+writes ``benchmarks/results/bench_grpo_async.json``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def summarize(result: dict[str, Any], skip: int) -> dict[str, Any]:
         "partial_samples": sum(r.get("partial_samples") or 0 for r in rows),
         "response_len": statistics.mean(r["response_len"] for r in rows),
         "step_s_median": statistics.median(r["step_s"] for r in rows),
+        # the data plane's share of the trainer's step (algorithms/telemetry.py), median over steps
+        "dataplane_step_fraction": statistics.median(r.get("dataplane_step_fraction") or 0.0 for r in rows),
         "phases_median_s": {p: statistics.median(r.get(f"time/{p}") or 0.0 for r in rows) for p in PHASES},
     }
 
@@ -156,7 +159,7 @@ def main() -> int:
     print(
         f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'x free':>6s} {'idle trn':>8s} "
         f"{'idle gen':>8s} {'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} "
-        f"{'step_s':>7s}  phases"
+        f"{'step_s':>7s} {'dp frac':>7s}  phases"
     )
     for name, r in results.items():
         ph = " ".join(f"{p}={v:.3f}" for p, v in r["phases_median_s"].items() if v)
@@ -165,7 +168,7 @@ def main() -> int:
             f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} {x_free} "
             f"{r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} {str(r['staleness_max_hist']):>14s} "
             f"{r['groups_dropped_stale']:5d} {r['partial_samples']:7d} {r['final_reward']:6.3f} "
-            f"{r['response_len']:8.1f} {r['step_s_median']:7.3f}  {ph}"
+            f"{r['response_len']:8.1f} {r['step_s_median']:7.3f} {r['dataplane_step_fraction']:7.3f}  {ph}"
         )
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.rollouts import ClaimedGroup, Job
+from algorithms.telemetry import OpLog, OpRecord
 from nemo_dataplane.driver.planner import Preshards
 from nemo_dataplane.driver.preshard import driver_balanced_preshards
 
@@ -71,6 +72,10 @@ class RolloutSink(ABC):
     def stats(self) -> dict[str, float]:
         """Counters for the driver (summed over collectors)."""
         return {}
+
+    def drain_ops(self) -> list[OpRecord]:
+        """The store ops this sink made since the last call (none where nothing is stored)."""
+        return []
 
     def close(self) -> None:
         """Detach (idempotent)."""
@@ -127,6 +132,10 @@ class BatchIO(ABC):
         """Hand the rank's per-row results back: ``(what the call returns to the driver, bytes
         written to the store)``."""
 
+    def drain_ops(self) -> list[OpRecord]:
+        """The store ops this rank made since the last call (none where nothing is stored)."""
+        return []
+
     def close(self) -> None:
         """Detach (idempotent)."""
 
@@ -144,6 +153,13 @@ class Transport(ABC):
         self.cfg = cfg
         self.driver_bytes = 0
         self.column_bytes = 0
+        # Every caller's store ops (algorithms.telemetry): the driver's own, and those the ranks
+        # and collectors report; the step drains them.
+        self.ops = OpLog("driver")
+
+    def drain_ops(self) -> list[OpRecord]:
+        """Store ops recorded since the last call, from every process that reported them."""
+        return self.ops.drain()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

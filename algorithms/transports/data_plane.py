@@ -13,6 +13,7 @@ baseline transport never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,9 +37,10 @@ from algorithms.rollouts import (
     rows_from_state,
     rows_state,
 )
+from algorithms.telemetry import OpLog, OpRecord
 from algorithms.transports.base import BatchIO, Loaded, RolloutSink, RolloutSource, Transport
 from nemo_dataplane.client import ClaimsNotSupported, DataPlaneClient
-from nemo_dataplane.config import DataPlaneConfig
+from nemo_dataplane.config import DataPlaneConfig, ObservabilityConfig
 from nemo_dataplane.driver.columns import write_columns
 from nemo_dataplane.driver.fan_out import fan_out_per_rank_metas
 from nemo_dataplane.driver.planner import Preshards
@@ -51,9 +53,16 @@ from nemo_dataplane.wrappers.capacity import StoreFullError
 __all__ = ["DataPlaneBatchIO", "DataPlaneSink", "DataPlaneSource", "DataPlaneTransport"]
 
 
-def _attach(cfg: DataPlaneConfig) -> DataPlaneClient:
-    """A worker's client of the driver's store (attach only: a worker never creates one)."""
-    return build_data_plane_client(cfg, bootstrap=False)
+def _attach(cfg: DataPlaneConfig, ops: OpLog) -> DataPlaneClient:
+    """A worker's client of the driver's store (attach only: a worker never creates one), its
+    ops recorded in ``ops``."""
+    return build_data_plane_client(cfg, bootstrap=False, on_event=ops)
+
+
+def observed(cfg: DataPlaneConfig) -> DataPlaneConfig:
+    """The run's store config with op recording on: every caller's op timings reach the driver
+    (metrics.jsonl, the Prometheus endpoint)."""
+    return dataclasses.replace(cfg, observability=ObservabilityConfig(enabled=True))
 
 
 class DataPlaneTransport(Transport):
@@ -64,6 +73,7 @@ class DataPlaneTransport(Transport):
     def __init__(self, cfg: TrainerConfig) -> None:
         super().__init__(cfg)
         self.client: DataPlaneClient | None = None
+        self.data_plane = observed(cfg.data_plane)
 
     @property
     def store(self) -> DataPlaneClient:
@@ -72,7 +82,7 @@ class DataPlaneTransport(Transport):
         return self.client
 
     def start(self) -> None:
-        self.client = build_data_plane_client(self.cfg.data_plane, bootstrap=True)
+        self.client = build_data_plane_client(self.data_plane, bootstrap=True, on_event=self.ops)
 
     def close(self) -> None:
         client, self.client = self.client, None
@@ -83,10 +93,10 @@ class DataPlaneTransport(Transport):
         return self.cfg.data_plane.max_rows
 
     def sink(self) -> DataPlaneSink:
-        return DataPlaneSink(self.cfg)
+        return DataPlaneSink(self.cfg, self.data_plane)
 
     def batch_io(self) -> DataPlaneBatchIO:
-        return DataPlaneBatchIO(self.cfg.data_plane)
+        return DataPlaneBatchIO(self.data_plane)
 
     def source(self, pool: Any) -> DataPlaneSource:
         return DataPlaneSource(self.store, self.cfg)
@@ -170,16 +180,21 @@ class DataPlaneSink(RolloutSink):
     ``store_full_waits``) for at most ``trainer.step_timeout_s``; in a sync delivery it is an error.
     """
 
-    def __init__(self, cfg: TrainerConfig) -> None:
-        self.data_plane = cfg.data_plane
+    def __init__(self, cfg: TrainerConfig, data_plane: DataPlaneConfig) -> None:
+        self.data_plane = data_plane
         self.debug = cfg.debug
         self.n = cfg.generation.n
         self.timeout_s = cfg.trainer.step_timeout_s
         self.client: DataPlaneClient | None = None
+        self.ops: OpLog | None = None  # made in the collector's process (a lock does not pickle)
         self.store_full_waits = 0
 
     def open(self) -> None:
-        self.client = _attach(self.data_plane)
+        self.ops = OpLog("collector")
+        self.client = _attach(self.data_plane, self.ops)
+
+    def drain_ops(self) -> list[OpRecord]:
+        return self.ops.drain() if self.ops is not None else []
 
     @property
     def store(self) -> DataPlaneClient:
@@ -287,12 +302,20 @@ class DataPlaneBatchIO(BatchIO):
     def __init__(self, data_plane: DataPlaneConfig) -> None:
         self.data_plane = data_plane
         self.fetcher: WorkerFetcher | None = None
+        self.ops: OpLog | None = None  # made in the rank's process (a lock does not pickle)
 
     def open(self, rank: int, replica_group: Any, timeout_s: float) -> None:
+        self.ops = OpLog("rank")
         replica = {"replica_group": replica_group} if replica_group is not None else {"replica_ranks": [rank]}
         self.fetcher = WorkerFetcher(
-            _attach(self.data_plane), fetch_policy=self.data_plane.fetch_policy, timeout_s=timeout_s, **replica
+            _attach(self.data_plane, self.ops),
+            fetch_policy=self.data_plane.fetch_policy,
+            timeout_s=timeout_s,
+            **replica,
         )
+
+    def drain_ops(self) -> list[OpRecord]:
+        return self.ops.drain() if self.ops is not None else []
 
     def _fetcher(self) -> WorkerFetcher:
         if self.fetcher is None:

@@ -69,14 +69,9 @@ class RolloutCollector:
         self._chunk = 1
         # idle_s: waiting on backpressure or a full store; generator_busy_s: the generator's own
         # time generating for this collector (cumulative; the driver takes per-step deltas).
-        self._stats = {
-            "idle_s": 0.0,
-            "generate_s": 0.0,
-            "generator_busy_s": 0.0,
-            "partial_samples": 0,
-            "groups_written": 0,
-            "put_failures": 0,
-        }
+        self._stats = dict.fromkeys(
+            ("idle_s", "generate_s", "generator_busy_s", "partial_samples", "groups_written", "put_failures"), 0.0
+        )
 
     def ready(self) -> bool:
         return True
@@ -277,6 +272,7 @@ class RolloutCollector:
             "generate_s": time.perf_counter() - t0,
             "dp_bytes": stored,
             "generator_busy_s": self._stats["generator_busy_s"] - busy_before,
+            "ops": self._sink().drain_ops(),
         }
         # After the delivery, so the test sees the driver release keys a failed step left behind.
         step = jobs[0].group_id // len(jobs)
@@ -464,6 +460,7 @@ class RolloutCollector:
                 "failed": failed,
                 "error": self._error,
                 "queued": len(self._queue),
+                "ops": self.sink.drain_ops() if self.sink is not None else [],
                 **self._stats,
                 **(self.sink.stats() if self.sink is not None else {}),
             }

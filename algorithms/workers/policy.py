@@ -224,8 +224,11 @@ class PolicyWorker:
         t1 = time.perf_counter()
         out, written = io.store(batch, cols)
         out.update(
-            compute_s=compute_s, dp_bytes=got.nbytes + written, io_s=t_fetch + time.perf_counter() - t1
-        )  # getting the rows + writing results back
+            compute_s=compute_s,
+            dp_bytes=got.nbytes + written,
+            io_s=t_fetch + time.perf_counter() - t1,  # getting the rows + writing results back
+            ops=io.drain_ops(),  # this call's store ops, for the driver (algorithms.telemetry)
+        )
         return out
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -260,7 +263,7 @@ class PolicyWorker:
         """As :meth:`get_logprobs`, from the frozen initial weights, into ``ref_logprobs``."""
         return self._logprobs([("reference", "ref_logprobs")], batch)
 
-    def train(self, batch: Any, step: int, *, behaviour: bool = False) -> dict[str, float]:
+    def train(self, batch: Any, step: int, *, behaviour: bool = False) -> dict[str, Any]:
         """``grpo.epochs`` optimizer steps over this rank's rows; returns loss metrics.
 
         ``behaviour``: the rows carry the sampler's log-probs (``gen_logprobs``) and the loss
@@ -329,6 +332,7 @@ class PolicyWorker:
             "io_s": t_fetch,
             "compute_s": time.perf_counter() - t0 - t_fetch,
             "dp_bytes": float(got.nbytes),
+            "ops": self._batch_io().drain_ops(),
         }
 
     def _nonfinite_inputs(self, p: Prepared) -> str | None:

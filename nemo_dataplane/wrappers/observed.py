@@ -49,6 +49,7 @@ class OpEvent:
     wall_ms: float
     status: str  # "ok" | "error"
     error: str | None = None
+    ended_at: float = 0.0  # wall clock (time.time()) when the op returned: events of processes line up
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +87,7 @@ class ObservedClient(ForwardingClient):
             wall_ms=(time.perf_counter() - t0) * 1e3,
             status="ok" if err is None else "error",
             error=None if err is None else f"{type(err).__name__}: {err}",
+            ended_at=time.time(),
         )
         with self._lock:
             self.op_counts[op] += 1

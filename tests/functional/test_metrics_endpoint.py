@@ -1,0 +1,109 @@
+"""``logging.prometheus_port``: a real short run (sync and async, side by side) serves
+``/metrics`` on loopback while it trains; the test scrapes it over HTTP the whole time.
+
+While up: the step counter grows, the store-op histograms are not empty, the data plane's share
+of a step lies in (0, 1) and the idle ratios in [0, 1]; every value the gauge showed is one the
+run wrote to ``metrics.jsonl``. After the run the port no longer answers.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _watch(proc: subprocess.Popen[Any], err: Path, timeout: float = 600) -> tuple[str, list[dict[str, float]]]:
+    """The endpoint's URL (from the run's stderr) and every scrape taken until the run exits."""
+    deadline = time.monotonic() + timeout
+    url = None
+    scrapes: list[dict[str, float]] = []
+    while proc.poll() is None and time.monotonic() < deadline:
+        if url is None:
+            found = re.search(r"prometheus: serving (http://\S+/metrics)", err.read_text() if err.exists() else "")
+            url = found.group(1) if found else None
+        else:
+            try:
+                scrapes.append(_scrape(url))
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # closing at the end of the run
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(60)
+    assert url is not None, f"the run never announced its endpoint:\n{err.read_text()[-3000:]}"
+    return url, scrapes
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, trainer_command, small_overrides) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("metrics_endpoint")
+    common = (f"trainer.steps={STEPS}", "trainer.val_every=0", "logging.prometheus_port=0")
+    plan = {
+        "sync": trainer_command(d / "sync", *common, small=True),
+        "async": trainer_command(
+            d / "async", *small_overrides, *common, "async.groups_per_generation=2", module="grpo_async"
+        ),
+    }
+    procs = {}
+    for name, (cmd, env) in plan.items():
+        (d / name).mkdir(parents=True, exist_ok=True)
+        err = d / name / "stderr.txt"
+        procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err.open("w")), err)
+    out = {}
+    for name, (proc, err) in procs.items():
+        url, scrapes = _watch(proc, err)
+        assert proc.returncode == 0, err.read_text()[-4000:]
+        out[name] = (url, scrapes, d / name)
+    return out
+
+
+@pytest.mark.parametrize("trainer", ["sync", "async"])
+def test_a_running_trainer_serves_its_step_accounting(served: dict[str, Any], trainer: str) -> None:
+    import json
+
+    url, scrapes, out = served[trainer]
+    assert url.startswith("http://127.0.0.1:"), url
+    steps = [s.get("nemo_dataplane_steps_total", 0.0) for s in scrapes]
+    seen = sorted({v for v in steps if v > 0})
+    assert len(seen) >= 2 and steps == sorted(steps), f"the step counter did not grow while scraped: {seen}"
+    last = next(s for s in reversed(scrapes) if s.get("nemo_dataplane_steps_total", 0) > 0)
+    ops = {k: v for k, v in last.items() if k.startswith("nemo_dataplane_op_seconds_count{")}
+    assert ops and all(v > 0 for v in ops.values()), f"no store op was timed: {sorted(last)[:20]}"
+    assert any('op="kv_batch_get"' in k for k in ops) and any('op="kv_clear"' in k for k in ops), ops
+    assert last['nemo_dataplane_bytes_total{direction="get"}'] > 0
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    fractions = {r["dataplane_step_fraction"] for r in rows}
+    for s in scrapes:
+        if s.get("nemo_dataplane_steps_total", 0) > 0:
+            f = s["nemo_dataplane_dataplane_step_fraction"]
+            assert 0 < f < 1, f
+            assert f in fractions, "the endpoint shows a fraction metrics.jsonl does not have"
+            for k in ("nemo_dataplane_trainer_idle_ratio", "nemo_dataplane_generator_idle_ratio"):
+                assert 0 <= s[k] <= 1, (k, s[k])
+    assert all(0 < r["dataplane_step_fraction"] < 1 for r in rows) and len(rows) == STEPS
+    if trainer == "async":
+        assert last["nemo_dataplane_staleness_count"] > 0
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(url, timeout=5)  # gone with the run

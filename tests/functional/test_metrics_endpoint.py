@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -71,11 +72,26 @@ def served(tmp_path_factory, trainer_command, small_overrides) -> dict[str, Any]
         (d / name).mkdir(parents=True, exist_ok=True)
         err = d / name / "stderr.txt"
         procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err.open("w")), err)
+    watched: dict[str, Any] = {}
+
+    def watch(name: str) -> None:
+        proc, err = procs[name]
+        try:
+            watched[name] = _watch(proc, err)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
+            watched[name] = e
+
+    threads = [threading.Thread(target=watch, args=(name,)) for name in procs]  # both runs scraped at once
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     out = {}
     for name, (proc, err) in procs.items():
-        url, scrapes = _watch(proc, err)
+        if isinstance(watched[name], BaseException):
+            raise watched[name]
         assert proc.returncode == 0, err.read_text()[-4000:]
-        out[name] = (url, scrapes, d / name)
+        out[name] = (*watched[name], d / name)
     return out
 
 

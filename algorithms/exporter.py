@@ -17,7 +17,7 @@ from typing import Any
 
 from algorithms.telemetry import OpRecord, direction
 
-__all__ = ["METRICS", "PrometheusExporter"]
+__all__ = ["METRICS", "PrometheusExporter", "scrape"]
 
 P = "nemo_dataplane_"
 # name as exposed -> (kind, help). A counter's samples carry the suffix ``_total``, a histogram's
@@ -124,3 +124,17 @@ class PrometheusExporter:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """One read of a ``/metrics`` page: ``{sample name with its labels: value}``, e.g.
+    ``nemo_dataplane_steps_total`` or ``nemo_dataplane_bytes_total{direction="put"}``."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

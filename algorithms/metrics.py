@@ -202,21 +202,15 @@ class MetricsLogger:
             print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.exporter is not None:
-            self.exporter.close()
-            self.exporter = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close every sink (idempotent): the endpoint's port is free once this returns."""
+        sinks = (self.exporter, self._bar, self._tb, self._file)
+        run, self._wandb = self._wandb, None
+        self.exporter = self._bar = self._tb = self._file = None
+        if run is not None:
+            run.finish()
+        for sink in sinks:
+            if sink is not None:
+                sink.close()
 
 
 # The plot's panels after the reward: (title, [(metric key, line label)]); a panel is drawn only

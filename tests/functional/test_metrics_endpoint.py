@@ -19,20 +19,12 @@ from typing import Any
 
 import pytest
 
+from algorithms.exporter import scrape
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
-
-
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def _watch(proc: subprocess.Popen[Any], err: Path, timeout: float = 600) -> tuple[str, list[dict[str, float]]]:
@@ -46,7 +38,7 @@ def _watch(proc: subprocess.Popen[Any], err: Path, timeout: float = 600) -> tupl
             url = found.group(1) if found else None
         else:
             try:
-                scrapes.append(_scrape(url))
+                scrapes.append(scrape(url))
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # closing at the end of the run
         time.sleep(0.2)

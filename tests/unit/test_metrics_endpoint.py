@@ -13,22 +13,11 @@ from pathlib import Path
 import pytest
 
 from algorithms.config import ConfigError, TrainerConfig
-from algorithms.exporter import METRICS, PrometheusExporter
+from algorithms.exporter import METRICS, PrometheusExporter, scrape
 from algorithms.telemetry import OpLog, OpRecord, op_summary, union_seconds
 from nemo_dataplane.wrappers.observed import OpEvent
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "nemo_dataplane.json"
-
-
-def _scrape(url: str) -> dict[str, float]:
-    """``{sample name with labels: value}`` of a Prometheus text page."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def test_overlapping_intervals_count_once_and_are_clipped_to_the_step() -> None:
@@ -82,7 +71,7 @@ def test_the_exporter_serves_each_steps_numbers_and_frees_its_port() -> None:
         ]
         ex.observe(row, ops, staleness=[1, 1, 0])
         ex.observe({**row, "step": 1, "groups_dropped_stale": 0}, [], [])
-        got = _scrape(ex.url)
+        got = scrape(ex.url)
         assert got["nemo_dataplane_steps_total"] == 2
         assert got["nemo_dataplane_step_seconds_count"] == 2 and got["nemo_dataplane_step_seconds_sum"] == 1.0
         assert got['nemo_dataplane_phase_seconds_count{phase="train"}'] == 2
@@ -111,7 +100,7 @@ def test_every_dashboard_panel_queries_a_metric_the_exporter_emits() -> None:
             [0],
         )
         ex.observe({"step": 1, "step_s": 1.0, "groups_dropped_stale": 1, "groups_requeued_failed": 1}, [], [])
-        emitted = {name.split("{")[0] for name in _scrape(ex.url)}
+        emitted = {name.split("{")[0] for name in scrape(ex.url)}
     finally:
         ex.close()
     dashboard = json.loads(DASHBOARD.read_text())

@@ -288,6 +288,9 @@ class _FailingSink:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def drain_ops(self) -> list[Any]:
+        return []
+
 
 def test_a_failed_write_of_groups_completed_in_the_pool_reports_them_for_regeneration() -> None:
     """Complete groups leave the row pool before their write: if it fails they must be reported

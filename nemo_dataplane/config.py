@@ -26,6 +26,7 @@ YAML shape (all keys optional)::
         op_timeout_s: 300
       observability:
         enabled: false            # wrap the client to record every op
+        track_outstanding: true   # and keep a per-key ledger of bytes put and not cleared
       packing:
         mode: none                # none | sequence | dynamic
         max_tokens_per_microbatch: null   # required for sequence / dynamic
@@ -183,9 +184,13 @@ class RayStoreConfig:
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    """Whether the factory wraps the client in :class:`~nemo_dataplane.wrappers.observed.ObservedClient`."""
+    """Whether the factory wraps the client in :class:`~nemo_dataplane.wrappers.observed.ObservedClient`;
+    ``track_outstanding``: whether it also keeps its per-key ledger of bytes put and not cleared
+    (``bytes_outstanding``, ``snapshot()``), a cost per key of every put and clear that a caller
+    wanting op timings only turns off."""
 
     enabled: bool = False
+    track_outstanding: bool = True
 
 
 @dataclass(frozen=True)

@@ -143,5 +143,5 @@ def build_data_plane_client(
     if cfg.verify_integrity:
         client = IntegrityCheck(client)
     if cfg.observability.enabled:
-        client = ObservedClient(client, on_event)
+        client = ObservedClient(client, on_event, track_outstanding=cfg.observability.track_outstanding)
     return client

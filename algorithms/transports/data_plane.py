@@ -61,8 +61,9 @@ def _attach(cfg: DataPlaneConfig, ops: OpLog) -> DataPlaneClient:
 
 def observed(cfg: DataPlaneConfig) -> DataPlaneConfig:
     """The run's store config with op recording on: every caller's op timings reach the driver
-    (metrics.jsonl, the Prometheus endpoint)."""
-    return dataclasses.replace(cfg, observability=ObservabilityConfig(enabled=True))
+    (metrics.jsonl, the Prometheus endpoint); no per-key byte ledger (the store's own count of
+    keys is what the trainer reports)."""
+    return dataclasses.replace(cfg, observability=ObservabilityConfig(enabled=True, track_outstanding=False))
 
 
 class DataPlaneTransport(Transport):

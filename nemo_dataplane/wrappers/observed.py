@@ -67,9 +67,16 @@ class ObservedClient(ForwardingClient):
     """Records ``{op, partition_id, n_keys, n_bytes, wall_ms, status}`` for every call of the
     contract (``close`` aside) and passes each :class:`OpEvent` to ``on_event``."""
 
-    def __init__(self, inner: DataPlaneClient, on_event: Callable[[OpEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        inner: DataPlaneClient,
+        on_event: Callable[[OpEvent], None] | None = None,
+        *,
+        track_outstanding: bool = True,
+    ) -> None:
         super().__init__(inner)
         self._on_event = on_event
+        self._track = track_outstanding  # off: no per-key ledger (bytes_outstanding, snapshot() stay empty)
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], dict[str, int]] = {}
         self.bytes_outstanding = 0
@@ -96,6 +103,8 @@ class ObservedClient(ForwardingClient):
             self._on_event(event)
 
     def _account_put(self, keys: Sequence[str], pid: str, fields: Fields | None) -> None:
+        if not self._track:
+            return
         columns = normalize_fields(fields, len(keys))
         per_row = {name: tensor_nbytes(t) // max(len(keys), 1) for name, t in columns.items()}
         with self._lock:
@@ -107,6 +116,8 @@ class ObservedClient(ForwardingClient):
             self.peak_bytes_outstanding = max(self.peak_bytes_outstanding, self.bytes_outstanding)
 
     def _account_clear(self, keys: Sequence[str] | None, pid: str) -> None:
+        if not self._track:
+            return
         with self._lock:
             targets = [hk for hk in self._held if hk[0] == pid] if keys is None else [(pid, k) for k in keys]
             for hk in targets:

@@ -133,3 +133,16 @@ def test_snapshot_is_own_accounting_and_store_snapshot_sees_every_writer() -> No
     inner.kv_clear(["b"], "p")  # cleared behind the wrapper's back: only the store view knows
     assert c.snapshot() == {"p": Outstanding(keys=1, bytes=16)}
     assert c.store_snapshot() == {"r": ("w",)}
+
+
+def test_without_the_ledger_every_op_is_still_timed_and_nothing_is_tracked_per_key() -> None:
+    events: list[OpEvent] = []
+    c = ObservedClient(InMemoryClient(), events.append, track_outstanding=False)
+    c.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 4)})
+    c.kv_clear(["a"], "p")
+    assert [e.op for e in events] == ["kv_batch_put", "kv_clear"] and events[0].n_bytes == 32
+    assert all(e.ended_at > 0 and e.wall_ms >= 0 for e in events)
+    assert c.bytes_outstanding == 0 and c.snapshot() == {}
+    tracked = ObservedClient(InMemoryClient())
+    tracked.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 4)})
+    assert tracked.bytes_outstanding == 32  # the default keeps the ledger

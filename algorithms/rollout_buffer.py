@@ -309,8 +309,12 @@ class DeterministicBuffer(RolloutBuffer):
 
     # ------------------------------------------------------------------ admission
     def top_up(self) -> int:
+        return self._admit_through(self.training + self.S)
+
+    def _admit_through(self, last: int) -> int:
+        """Admit every step up to ``last`` not admitted yet, in step order; returns the groups."""
         admitted = 0
-        while self.next_step <= self.training + self.S:
+        while self.next_step <= last:
             self._admit(self.next_step, self.ledger.admit(self.G))
             admitted += self.G
         return admitted
@@ -388,8 +392,7 @@ class DeterministicBuffer(RolloutBuffer):
         ``version`` finds no generator still owing one; returns the seconds waited."""
         t0 = time.perf_counter()
         last = version - 1 + self.S  # the last step drawn by version - 1
-        while self.next_step <= last:  # admitted in step order: the schedule runs ahead by max_staleness
-            self._admit(self.next_step, self.ledger.admit(self.G))
+        self._admit_through(last)
         owed = [g for s, ids in self.steps.items() if s <= last for g in ids]
         self._await(owed, time.monotonic() + self.cfg.trainer.step_timeout_s, f"refit of version {version}")
         return time.perf_counter() - t0

@@ -313,12 +313,16 @@ class Trainer:
             self._connect_workers()
             marks.append(time.perf_counter())
             # The store comes up while the workers' processes start: "workers" is what is left of
-            # their start-up once the store is up.
+            # their start-up once the store is up. Bringing the store up first shortens
+            # "data_plane" but not the whole: the start-up is CPU-bound (docs/data-flow.md).
             summary["startup_s"] = {
                 "ray": marks[1] - marks[0],
                 "data_plane": marks[2] - marks[1],
                 "workers": marks[3] - marks[2],
             }
+            detail = self.transport.startup_detail()
+            if detail:
+                summary["startup_s"]["data_plane_detail"] = detail
             assert self.workers is not None
             if resume is not None:
                 gather(

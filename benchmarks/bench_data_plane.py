@@ -414,8 +414,9 @@ assert torch.equal(client.kv_batch_get(meta, ["x"])["x"], x["x"])
 t3 = time.perf_counter()
 client.close()
 ray.shutdown()
+phases = {f"phase.{k}": v for k, v in getattr(client, "startup_phases", {}).items()}
 print(json.dumps({"ray_init_s": ray_s, "import_s": t1 - t0, "create_s": t2 - t1, "store_up_s": t2 - t0,
-                  "first_put_get_s": t3 - t2}))
+                  "first_put_get_s": t3 - t2, **phases}))
 """
 
 
@@ -540,6 +541,10 @@ def report_startup(start: dict[str, Any]) -> None:
             f"  {name:>14}: store up {v['store_up_s']:.2f} (import {v['import_s']:.2f} + create {v['create_s']:.2f}),"
             f" first put+get {v['first_put_get_s']:.2f}, ray.init {v['ray_init_s']:.2f}; runs: {runs}"
         )
+        # What the backend measured inside create (the TransferQueue adapter's startup_phases).
+        phases = {k.removeprefix("phase."): x for k, x in v.items() if k.startswith("phase.")}
+        if phases:
+            print(" " * 18 + ", ".join(f"{k} {x:.2f}" for k, x in phases.items()))
 
 
 def main() -> None:

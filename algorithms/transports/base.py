@@ -165,6 +165,10 @@ class Transport(ABC):
     def start(self) -> None:
         """Bring up what carries the rows (before the workers attach)."""
 
+    def startup_detail(self) -> dict[str, float]:
+        """Where :meth:`start` spent its time, in seconds by phase (empty: nothing measured)."""
+        return {}
+
     def close(self) -> None:
         """Shut it down (idempotent; best effort after a failure)."""
 

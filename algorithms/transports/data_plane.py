@@ -75,6 +75,7 @@ class DataPlaneTransport(Transport):
         super().__init__(cfg)
         self.client: DataPlaneClient | None = None
         self.data_plane = observed(cfg.data_plane)
+        self._startup: dict[str, float] = {}
 
     @property
     def store(self) -> DataPlaneClient:
@@ -83,7 +84,17 @@ class DataPlaneTransport(Transport):
         return self.client
 
     def start(self) -> None:
+        t0 = time.perf_counter()
         self.client = build_data_plane_client(self.data_plane, bootstrap=True, on_event=self.ops)
+        total = time.perf_counter() - t0
+        # The phases a backend measured bringing its store up (the TransferQueue adapter's
+        # startup_phases; read through any wrapper); the rest is importing it and its checks.
+        phases = dict(getattr(self.client, "startup_phases", None) or {})
+        measured = phases.get("actors_up_s", 0.0) + phases.get("config_connect_s", 0.0)
+        self._startup = {"total_s": total, "import_other_s": max(total - measured, 0.0), **phases}
+
+    def startup_detail(self) -> dict[str, float]:
+        return dict(self._startup)
 
     def close(self) -> None:
         client, self.client = self.client, None

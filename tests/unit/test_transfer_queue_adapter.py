@@ -141,6 +141,16 @@ def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_sessio
         assert owner.owns_store and owner.num_storage_units == 2
         attached = TransferQueueClient(cfg, bootstrap="auto", controller_name=name, namespace=ns)
         assert not attached.owns_store
+        # The creator measured its start-up by phase (the trainer's summary shows it), from each
+        # actor's own process; the attached client started nothing.
+        phases = owner.startup_phases
+        for who in ("controller", "units"):
+            assert phases[f"{who}_process_s"] >= 0 and phases[f"{who}_cpu_s"] > 0, phases
+            # Its class imported and constructed within the wait for all actors (epoch vs
+            # perf_counter clocks: a little slack).
+            assert 0 < phases[f"{who}_import_init_s"] <= phases["actors_up_s"] + 0.5, phases
+        assert phases["config_connect_s"] > 0
+        assert attached.startup_phases == {}
         n = 9
         fields = {"ids": jagged([3, 0, 5, 1, 2, 7, 4, 1, 6], seed=3), "x": torch.arange(n * 2).view(n, 2)}
         keys = [f"k{i}" for i in range(n)]

@@ -119,6 +119,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         self._lost: str | None = None  # set once a watched actor is found dead: every op fails at once
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.startup_phases = {}
         if self.cfg.quiet:
             compat.quiet_logs()
         with compat.preserve_torch_threads():

@@ -59,6 +59,11 @@ class TransferQueueStore(ActorBackedClient):
     _lost: str | None
     _loop: asyncio.AbstractEventLoop | None
     _thread: Any
+    # Where bringing the store up went (seconds; set by a client that created it, else empty):
+    # per actor kind, process_s (waiting for a worker process; 0 for a prestarted one),
+    # import_init_s (importing TransferQueue, constructing), cpu_s (its process's CPU time by
+    # then); actors_up_s (submit to all answering), config_connect_s (config, this client).
+    startup_phases: dict[str, float]
 
     @property
     def controller_name(self) -> str:
@@ -134,9 +139,9 @@ class TransferQueueStore(ActorBackedClient):
             raise DataPlaneError(f"{what}; {hint}")
         deadline = time.monotonic() + cfg.bootstrap_timeout_s
 
-        def wait_info(handle: Any, who: str) -> Any:
+        def wait_info(ref: Any, who: str) -> tuple[Any, compat.ActorStart]:
             try:
-                return compat.server_info(handle, max(deadline - time.monotonic(), 0.01), cfg.quiet)
+                return compat.server_info(ref, max(deadline - time.monotonic(), 0.01))
             except ray.exceptions.GetTimeoutError:
                 raise DataPlaneError(
                     f"TransferQueue bootstrap timed out after {cfg.bootstrap_timeout_s}s waiting for {who}; "
@@ -145,8 +150,9 @@ class TransferQueueStore(ActorBackedClient):
             except ray.exceptions.RayActorError as e:
                 raise StoreLostError(f"TransferQueue bootstrap: {who} died or was lost ({type(e).__name__})") from e
 
-        # Controller and units start at once: each is a fresh worker importing TransferQueue
-        # (seconds each), and none needs another to construct.
+        # Controller and units start at once: each is a worker process importing TransferQueue
+        # (torch, tensordict: seconds each), and none needs another to construct.
+        asked, t0 = time.time(), time.perf_counter()
         self._controller = compat.create_controller(
             self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet, listen_host
         )
@@ -155,16 +161,27 @@ class TransferQueueStore(ActorBackedClient):
         self._storage = compat.create_storage_units(
             conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes, listen_host
         )
-        conf.controller.zmq_info = wait_info(self._controller, "the controller")
-        conf.backend[compat.BACKEND].zmq_info = {
-            name: wait_info(h, f"storage unit {name}") for name, h in self._storage.items()
-        }
+        asks = {name: compat.ask_server_info(h, cfg.quiet) for name, h in self._storage.items()}
+        conf.controller.zmq_info, started = wait_info(
+            compat.ask_server_info(self._controller, cfg.quiet), "the controller"
+        )
+        phases = {f"controller_{k}": v for k, v in started.phases(asked).items()}
+        units = {name: wait_info(ref, f"storage unit {name}") for name, ref in asks.items()}
+        conf.backend[compat.BACKEND].zmq_info = {name: info for name, (info, _) in units.items()}
+        # The slowest unit: the store is up when the last one is.
+        slowest = max((s for _, s in units.values()), key=lambda s: s.up)
+        phases.update({f"units_{k}": v for k, v in slowest.phases(asked).items()})
+        t1 = time.perf_counter()
+        phases["actors_up_s"] = t1 - t0
         try:
             ray.get(self._controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.01))
         except ray.exceptions.RayActorError as e:
             lost = f"the controller died or was lost ({type(e).__name__})"
             raise StoreLostError(f"TransferQueue bootstrap: {lost}") from e
-        return self._connect(conf)
+        out = self._connect(conf)
+        phases["config_connect_s"] = time.perf_counter() - t1
+        self.startup_phases = phases
+        return out
 
     # ------------------------------------------------------------- lifecycle
     def _teardown(self) -> None:

@@ -39,7 +39,7 @@ The quirks:
    per-row views there, so the store holds exactly the rows TransferQueue's own clients expect.
 6. Missing keys / unknown fields are dropped with only a log warning, and per-op log lines are
    noisy -> the adapter checks itself; :func:`quiet_logs` mutes TransferQueue's loggers, here
-   and (through :func:`server_info`) inside the actors we start. Not through a ``runtime_env``:
+   and (through :func:`ask_server_info`) inside the actors we start. Not through a ``runtime_env``:
    that costs each actor a fresh worker process instead of an idle prestarted one.
 7. A get reply carries one ZMQ frame per row per field (769 frames for a 256-sample batch of three
    fields), encoded and decoded row by row; that, not the bytes, is where a read's time goes ->
@@ -85,6 +85,8 @@ from transfer_queue.metadata import BatchMeta
 from transfer_queue.storage import StorageKeyNotFoundError
 
 from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
+    ActorStart,
+    ask_server_info,
     base_config,
     create_controller,
     create_storage_units,
@@ -128,10 +130,12 @@ __all__ = [
     "BACKEND",
     "CLAIM_SAMPLER",
     "LAYOUT_TAG",
+    "ActorStart",
     "BatchMeta",
     "ClaimSampler",
     "Column",
     "StorageKeyNotFoundError",
+    "ask_server_info",
     "base_config",
     "claim_rows",
     "claims_unsupported",

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import ray
 from omegaconf import DictConfig, OmegaConf
 from transfer_queue.client import AsyncTransferQueueClient
@@ -41,7 +44,7 @@ def base_config(num_storage_units: int) -> DictConfig:
 def _actor_options(quiet: bool) -> dict[str, Any]:
     """Quiet actors get no ``runtime_env``, so Ray can hand each an idle prestarted worker (an
     actor with one needs a fresh worker process, seconds on a loaded machine); their logs
-    are muted from inside once they run (:func:`server_info`, quirk 6). Verbose ones keep
+    are muted from inside once they run (:func:`ask_server_info`, quirk 6). Verbose ones keep
     ``TQ_NUM_THREADS=1``, read at import: with TransferQueue's default 8 above the core count, a
     unit warns on every request (quirk 3)."""
     return {} if quiet else {"runtime_env": {"env_vars": {"TQ_NUM_THREADS": "1"}}}
@@ -94,7 +97,7 @@ _StorageUnitActor: Any = ray.remote(_StorageUnit)
 def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool, listen_host: str | None = None) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
     mode with :class:`ClaimSampler` (quirk 8), its sockets bound to ``listen_host`` (``None``:
-    the node's address; quirk 12). Pass ``quiet`` again to :func:`server_info`."""
+    the node's address; quirk 12). Pass ``quiet`` again to :func:`ask_server_info`."""
     return _ControllerActor.options(
         name=name,
         namespace=namespace,
@@ -120,7 +123,7 @@ def create_storage_units(
 
     With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Their
     sockets bind ``listen_host`` (``None``: their node's address; quirk 12). Pass ``quiet``
-    again to :func:`server_info`.
+    again to :func:`ask_server_info`.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -145,18 +148,44 @@ def create_storage_units(
     return handles
 
 
-def server_info(handle: Any, timeout_s: float, quiet: bool) -> Any:
-    """The ZMQ endpoints of an actor we started, once it runs; a ``quiet`` one first mutes
-    TransferQueue's loggers in its process. Raises ``ray.exceptions.GetTimeoutError`` after
-    ``timeout_s``."""
-    return ray.get(handle.__ray_call__.remote(_started, quiet), timeout=timeout_s)
+@dataclass(frozen=True)
+class ActorStart:
+    """How an actor we started came up, as its own process saw it (wall-clock epochs, since
+    the driver's ``perf_counter`` is not comparable across processes)."""
+
+    born: float  # when its worker process started (before the actor was asked for: prestarted)
+    up: float  # when it first answered, i.e. its class was imported and constructed
+    cpu_s: float  # CPU seconds its process had used by then (Ray's own start included)
+
+    def phases(self, asked: float) -> dict[str, float]:
+        """Seconds from ``asked`` (the epoch its creation was submitted) to a worker process
+        (0 for a prestarted one) and from then to its first answer, plus its CPU seconds: wall
+        well above CPU means it waited for a core."""
+        process = max(asked, self.born)
+        return {"process_s": process - asked, "import_init_s": self.up - process, "cpu_s": self.cpu_s}
 
 
-def _started(actor: Any, quiet: bool) -> Any:
+def ask_server_info(handle: Any, quiet: bool) -> Any:
+    """Ask an actor we started for its ZMQ endpoints (a ref for :func:`server_info`); it answers
+    as soon as it is constructed, so asking every actor at once times each one's own start. A
+    ``quiet`` one first mutes TransferQueue's loggers in its process."""
+    return handle.__ray_call__.remote(_started, quiet)
+
+
+def server_info(ref: Any, timeout_s: float) -> tuple[Any, ActorStart]:
+    """The endpoints :func:`ask_server_info` asked for, and how the actor came up. Raises
+    ``ray.exceptions.GetTimeoutError`` after ``timeout_s``."""
+    info, start = ray.get(ref, timeout=timeout_s)
+    return info, ActorStart(*start)
+
+
+def _started(actor: Any, quiet: bool) -> tuple[Any, tuple[float, float, float]]:
     """Runs inside a controller or storage unit (``__ray_call__``)."""
     if quiet:
         quiet_logs()
-    return actor.get_zmq_server_info()
+    me = psutil.Process()
+    cpu = me.cpu_times()
+    return actor.get_zmq_server_info(), (me.create_time(), time.time(), cpu.user + cpu.system)
 
 
 def storage_units_of(conf: DictConfig) -> int:

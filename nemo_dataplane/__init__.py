@@ -7,11 +7,14 @@ Public names are re-exported here; everything else is imported from its layer's 
 
 from typing import TYPE_CHECKING, Any
 
+from nemo_dataplane.compile_marks import defer_tensordict_compile_marks
 from nemo_dataplane.notices import quiet_known_notices
 
 # Every process of the library and its trainers imports this package first: two dependency
-# notices that concern none of them are dropped here, once (nemo_dataplane/notices.py says which).
+# notices that concern none of them are dropped here, once (nemo_dataplane/notices.py says which),
+# and tensordict's torch.compile marks wait for torch._dynamo (compile_marks.py says why).
 quiet_known_notices()
+defer_tensordict_compile_marks()
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nemo_dataplane.client import (

@@ -150,6 +150,10 @@ def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_sessio
             # perf_counter clocks: a little slack).
             assert 0 < phases[f"{who}_import_init_s"] <= phases["actors_up_s"] + 0.5, phases
         assert phases["config_connect_s"] > 0
+        # The store's actors never compile: their processes did not load torch._dynamo (about
+        # 2 CPU-s each; nemo_dataplane/compile_marks.py).
+        for h in [owner._controller, *owner._storage.values()]:
+            assert ray_session.get(h.__ray_call__.remote(_dynamo_loaded), timeout=60) is False
         assert attached.startup_phases == {}
         n = 9
         fields = {"ids": jagged([3, 0, 5, 1, 2, 7, 4, 1, 6], seed=3), "x": torch.arange(n * 2).view(n, 2)}
@@ -542,3 +546,7 @@ def test_a_claim_is_bounded_by_its_timeout_plus_op_timeout(pid: str, monkeypatch
         assert time.monotonic() - t0 < 5.5
     finally:
         impatient.close()
+
+
+def _dynamo_loaded(actor: object) -> bool:
+    return "torch._dynamo" in sys.modules

@@ -61,8 +61,8 @@ class TransferQueueStore(ActorBackedClient):
     _thread: Any
     # Where bringing the store up went (seconds; set by a client that created it, else empty):
     # per actor kind, process_s (waiting for a worker process; 0 for a prestarted one),
-    # import_init_s (importing TransferQueue, constructing), cpu_s (its process's CPU time by
-    # then); actors_up_s (submit to all answering), config_connect_s (config, this client).
+    # import_s (importing TransferQueue and torch), construct_s (to its first answer), cpu_s (its
+    # process's CPU time by then); actors_up_s (submit to all answering), config_connect_s (config, this client).
     startup_phases: dict[str, float]
 
     @property

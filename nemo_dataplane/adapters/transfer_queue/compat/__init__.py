@@ -5,8 +5,8 @@ halves) talks to TransferQueue only through this package (import it as a whole:
 ``from nemo_dataplane.adapters.transfer_queue import compat``; every name below is re-exported
 here). Nothing here patches the dependency in the caller's process: each function calls a
 TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a
-way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the one change
-inside TransferQueue's own actors is quirk 12's. By responsibility:
+way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the two changes
+inside TransferQueue's own actors are quirks 12 and 13. By responsibility:
 
 * :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients,
   where they listen);
@@ -79,6 +79,11 @@ The quirks:
    ``__init__`` first points the TransferQueue module's ``get_node_ip_address`` (in that actor's
    own process only) at ``listen_host``, so a single-node store listens on loopback and its
    published endpoints say so.
+13. A storage unit's constructor sleeps a fixed 0.5 s between starting its worker thread and its
+   proxy thread ("make sure worker thread is ready"), on the path of every store's start-up ->
+   :func:`create_storage_units` starts a subclass whose ``__init__`` hands that one function a
+   ``time`` whose ``sleep`` returns at once (in that actor's own process, for the constructor
+   only): the proxy forwards into a DEALER socket, whose send waits for the worker to connect.
 """
 
 from transfer_queue.metadata import BatchMeta

@@ -12,11 +12,12 @@ import torch
 from algorithms.config import TrainerConfig, check_devices
 
 
-def start_ray(cfg: TrainerConfig, name: str, generators: int) -> bool:
+def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:
     """Attach to ``cfg.ray.address`` or start a local cluster (``num_cpus``, every visible GPU
-    when a worker runs on CUDA); returns whether this call started the cluster (then the run
-    stops it). A CUDA layout this machine cannot hold fails here, before any actor exists.
-    A local start that hits Ray's fixed 30 s raylet wait is tried once more."""
+    when a worker runs on CUDA, idle workers importing the modules in ``preload``); returns
+    whether this call started the cluster (then the run stops it). A CUDA layout this machine
+    cannot hold fails here, before any actor exists. A local start that hits Ray's fixed 30 s
+    raylet wait is tried once more."""
     check_devices(cfg, generators=generators)
     # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
     # that raised) would otherwise print their own, secondary tracebacks at shutdown.
@@ -29,7 +30,10 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int) -> bool:
     for attempt in (1, 2):
         try:
             # address="local": a cluster of this run's own, even if `ray start` left one running.
-            ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, **kwargs)
+            # The store's actors take idle workers: importing their modules ahead overlaps the
+            # import (torch, seconds) with the rest of the start-up (docs/data-flow.md, "Start-up").
+            system = {"preload_python_modules": list(preload)} if preload else None
+            ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs)
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.

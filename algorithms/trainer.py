@@ -103,11 +103,12 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _start_ray(self) -> None:
         if not ray.is_initialized():
-            self._ray_started = start_ray(self.cfg, self.name, self.num_collectors(self.cfg))
+            cfg = self.cfg
+            self._ray_started = start_ray(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
-        """Create the worker actors without waiting for them: their processes start (and import
-        torch) while the driver brings the store up. :meth:`_connect_workers` waits for them."""
+        """Create the worker actors without waiting for them (their processes start and import
+        torch side by side); :meth:`_connect_workers` waits for them."""
         cfg = self.cfg
         cpus = cfg.ray.worker_num_cpus
         # Workers see the driver's import path, so a custom task.reward_fn module that the driver
@@ -306,23 +307,18 @@ class Trainer:
             marks = [time.perf_counter()]
             self._start_ray()
             marks.append(time.perf_counter())
-            self._launch_workers(self.num_collectors(cfg))
             self._transport_started = True  # from here on shutdown empties and closes it
             self.transport.start()
             marks.append(time.perf_counter())
+            self._launch_workers(self.num_collectors(cfg))
             self._connect_workers()
             marks.append(time.perf_counter())
-            # The store comes up while the workers' processes start: "workers" is what is left of
-            # their start-up once the store is up. Bringing the store up first shortens
-            # "data_plane" but not the whole: the start-up is CPU-bound (docs/data-flow.md).
-            summary["startup_s"] = {
-                "ray": marks[1] - marks[0],
-                "data_plane": marks[2] - marks[1],
-                "workers": marks[3] - marks[2],
-            }
+            # The store comes up first, then the workers: a store that cannot start fails the run
+            # before any worker imports a model, and the whole start-up takes as long either way
+            # (it is CPU-bound; docs/data-flow.md, "Start-up"). Detail: the store's own phases.
+            phases = {"ray": marks[1] - marks[0], "data_plane": marks[2] - marks[1], "workers": marks[3] - marks[2]}
             detail = self.transport.startup_detail()
-            if detail:
-                summary["startup_s"]["data_plane_detail"] = detail
+            summary["startup_s"] = {**phases, "data_plane_detail": detail} if detail else phases
             assert self.workers is not None
             if resume is not None:
                 gather(

@@ -33,8 +33,9 @@ Also measured:
   floor of any hand-off to another process);
 * start-up after Ray: a fresh interpreter that has torch and a running Ray imports the backend
   and creates its store (``bootstrap=True``), then does a first put + get; for both backends,
-  median of ``--startup-runs``; with ``--startup-preload`` also TransferQueue on a Ray whose
-  prestarted workers preload torch and transfer_queue (``tq_ray_preloaded``).
+  median of ``--startup-runs``; TransferQueue both on a plain Ray (``transfer_queue``) and on
+  one started as the trainer starts it, its idle workers importing the store actors' modules
+  ahead (``tq_as_trainer``).
 
 What bounds each method, with the measurements: ``docs/data-flow.md``.
 
@@ -355,11 +356,14 @@ def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple
     return rows, {**lat, "ray_store_stats_at_end": stats}
 
 
-def bench_tq(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def bench_tq(
+    sizes: list[int], readers: list[int], repeats: int, unit_in_controller: bool | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
-    client = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=True)
+    cfg = TransferQueueConfig(op_timeout_s=120, unit_in_controller=unit_in_controller)
+    client = TransferQueueClient(cfg, bootstrap=True)
     actors: list[Any] = []
     try:
         import transfer_queue as tq
@@ -393,12 +397,12 @@ def bench_tq(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[d
 # ------------------------------------------------------------------ start-up
 STARTUP = r"""
 import json, os, sys, time
-if sys.argv[3] == "preload":  # Ray's prestarted workers import these before taking work
-    os.environ["RAY_preload_python_modules"] = "torch,transfer_queue"
 import torch, ray                                   # a trainer's driver has these already
 sys.path.insert(0, sys.argv[2])
+# "preload": as the trainer starts Ray (algorithms/cluster.py): idle workers import these ahead.
+system = {"preload_python_modules": sys.argv[4].split(",")} if sys.argv[3] == "preload" else None
 t = time.perf_counter()
-ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=system)
 ray_s = time.perf_counter() - t
 t0 = time.perf_counter()
 if sys.argv[1] == "ray":
@@ -421,11 +425,14 @@ print(json.dumps({"ray_init_s": ray_s, "import_s": t1 - t0, "create_s": t2 - t1,
 
 
 def startup_once(backend: str, preload: bool = False) -> dict[str, float]:
+    from nemo_dataplane.factory import resolve_backend
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_preload_python_modules", None)
+    modules = ",".join(resolve_backend(backend).ACTOR_MODULES)
     proc = subprocess.run(
-        [sys.executable, "-c", STARTUP, backend, str(REPO), "preload" if preload else "-"],
+        [sys.executable, "-c", STARTUP, backend, str(REPO), "preload" if preload else "-", modules],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -437,19 +444,21 @@ def startup_once(backend: str, preload: bool = False) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure_startup(runs: int, preload: bool) -> dict[str, Any]:
+def measure_startup(runs: int) -> dict[str, Any]:
     """Median of each phase over ``runs`` fresh interpreters per variant, the variants taken in
     turn each round (so a change in the machine's load hits them alike); each run's store-up
     time is kept.
 
-    ``tq_ray_preloaded`` (with ``preload``): ``transfer_queue`` on a Ray started with
-    ``RAY_preload_python_modules=torch,transfer_queue``, so the workers Ray prestarts import them
-    in the background after ``ray.init`` returns (a cluster setting, not the store's: every worker
-    of that cluster then imports them).
+    ``tq_as_trainer``: ``transfer_queue`` on a Ray started as the trainer starts it, with
+    ``preload_python_modules`` = the client's ``ACTOR_MODULES``: the workers Ray prestarts when
+    the driver connects import them before they take work (a cluster setting: every idle
+    worker of that cluster does).
     """
-    variants = {"ray": ("ray", False), "transfer_queue": ("transfer_queue", False)}
-    if preload:
-        variants["tq_ray_preloaded"] = ("transfer_queue", True)
+    variants = {
+        "ray": ("ray", False),
+        "transfer_queue": ("transfer_queue", False),
+        "tq_as_trainer": ("transfer_queue", True),
+    }
     each: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(runs):
         for v, (backend, pre) in variants.items():
@@ -556,14 +565,15 @@ def main() -> None:
     ap.add_argument("--startup-runs", type=int, default=3, help="fresh interpreters per backend for start-up")
     ap.add_argument("--only-startup", action="store_true", help="measure only the store start-up (no JSON written)")
     ap.add_argument(
-        "--startup-preload",
-        action="store_true",
-        help="also start-up of transfer_queue on a Ray whose workers preload torch and transfer_queue",
+        "--unit-in-controller",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="TransferQueue: storage unit 0 in the controller's process (auto: with one unit)",
     )
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_startup:
-        report_startup(measure_startup(args.startup_runs, args.startup_preload))
+        report_startup(measure_startup(args.startup_runs))
         print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         return
     torch.set_num_threads(1)
@@ -584,7 +594,8 @@ def main() -> None:
             rows += r
             lat.update(lt)
         if "tq" not in args.skip:
-            r, lt = bench_tq(args.sizes, args.readers, args.repeats)
+            hosted = {"auto": None, "on": True, "off": False}[args.unit_in_controller]
+            r, lt = bench_tq(args.sizes, args.readers, args.repeats, hosted)
             rows += r
             lat.update(lt)
     finally:
@@ -594,7 +605,7 @@ def main() -> None:
     lat.update(lt)
     start = {}
     if "startup" not in args.skip:
-        start = measure_startup(args.startup_runs, args.startup_preload)
+        start = measure_startup(args.startup_runs)
     targets = report(rows, lat, start, args.sizes, args.readers)
     out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -87,6 +87,11 @@ class DataPlaneClient(ABC):
     Sync methods may be called from any thread; the ``async_`` twins may be gathered
     concurrently on one event loop.
     """
+
+    #: Modules the store's own Ray actors import before they construct. A Ray cluster started for
+    #: this store may have its idle worker processes import them ahead (``ray.init``'s
+    #: ``preload_python_modules``), so its actors come up sooner. Empty: nothing to preload.
+    ACTOR_MODULES: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ by key
     @abstractmethod

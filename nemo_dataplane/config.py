@@ -13,6 +13,7 @@ YAML shape (all keys optional)::
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
         storage_placement: pack   # pack: Ray places the units | per_node: one unit on every node
+        unit_in_controller: null  # storage unit 0 in the controller's process; null: when there is one unit
         storage_unit_num_cpus: 0.5
         controller_num_cpus: 0.5
         bootstrap_timeout_s: 60   # how long creating/attaching may take before a clear error
@@ -128,6 +129,7 @@ class TransferQueueConfig:
     ray_address: str | None = None
     num_storage_units: int | None = None
     storage_placement: Literal["pack", "per_node"] = "pack"
+    unit_in_controller: bool | None = None
     listen: Literal["auto", "loopback", "node"] = "auto"
     storage_unit_num_cpus: float = 0.5
     controller_num_cpus: float = 0.5

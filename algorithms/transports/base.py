@@ -165,6 +165,11 @@ class Transport(ABC):
     def start(self) -> None:
         """Bring up what carries the rows (before the workers attach)."""
 
+    def actor_modules(self) -> tuple[str, ...]:
+        """Modules the actors that :meth:`start` creates import (Ray's idle workers may import
+        them ahead); empty: it creates none."""
+        return ()
+
     def startup_detail(self) -> dict[str, float]:
         """Where :meth:`start` spent its time, in seconds by phase (empty: nothing measured)."""
         return {}

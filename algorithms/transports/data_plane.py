@@ -44,7 +44,7 @@ from nemo_dataplane.config import DataPlaneConfig, ObservabilityConfig
 from nemo_dataplane.driver.columns import write_columns
 from nemo_dataplane.driver.fan_out import fan_out_per_rank_metas
 from nemo_dataplane.driver.planner import Preshards
-from nemo_dataplane.factory import build_data_plane_client
+from nemo_dataplane.factory import build_data_plane_client, resolve_backend
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.rows import select_rows
 from nemo_dataplane.worker.fetch import WorkerFetcher
@@ -92,6 +92,9 @@ class DataPlaneTransport(Transport):
         phases = dict(getattr(self.client, "startup_phases", None) or {})
         measured = phases.get("actors_up_s", 0.0) + phases.get("config_connect_s", 0.0)
         self._startup = {"total_s": total, "import_other_s": max(total - measured, 0.0), **phases}
+
+    def actor_modules(self) -> tuple[str, ...]:
+        return resolve_backend(self.data_plane.backend).ACTOR_MODULES
 
     def startup_detail(self) -> dict[str, float]:
         return dict(self._startup)

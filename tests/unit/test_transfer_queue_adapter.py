@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -134,7 +135,11 @@ def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_sessio
     rows spread over units come back in order, and the owner's close removes the actors."""
     name, ns = f"nd-own-{uuid.uuid4().hex[:6]}", "nd_tests"
     cfg = TransferQueueConfig(
-        num_storage_units=2, storage_unit_num_cpus=0.25, controller_num_cpus=0.25, op_timeout_s=60
+        num_storage_units=2,
+        storage_unit_num_cpus=0.25,
+        controller_num_cpus=0.25,
+        op_timeout_s=60,
+        unit_in_controller=True,
     )
     owner = TransferQueueClient(cfg, bootstrap="auto", controller_name=name, namespace=ns)
     try:
@@ -156,6 +161,11 @@ def test_only_the_creator_shuts_the_store_down_and_multi_unit_routing(ray_sessio
         # 2 CPU-s each; nemo_dataplane/compile_marks.py).
         for h in [owner._controller, *owner._storage.values()]:
             assert ray_session.get(h.__ray_call__.remote(_dynamo_loaded), timeout=60) is False
+        # Unit 0 lives in the controller's process (unit_in_controller: auto is on with one unit
+        # only, explicit here), unit 1 in its own; rows on both come back below.
+        pids = {n: ray_session.get(h.__ray_call__.remote(_pid), timeout=60) for n, h in owner._storage.items()}
+        assert pids[name] == ray_session.get(owner._controller.__ray_call__.remote(_pid), timeout=60)
+        assert len(set(pids.values())) == 2, pids
         assert attached.startup_phases == {}
         n = 9
         fields = {"ids": jagged([3, 0, 5, 1, 2, 7, 4, 1, 6], seed=3), "x": torch.arange(n * 2).view(n, 2)}
@@ -552,3 +562,41 @@ def test_a_claim_is_bounded_by_its_timeout_plus_op_timeout(pid: str, monkeypatch
 
 def _dynamo_loaded(actor: object) -> bool:
     return "torch._dynamo" in sys.modules
+
+
+def _pid(actor: object) -> int:
+    return os.getpid()
+
+
+_PRELOAD_PROBE = r"""
+import json, sys, time
+import ray
+from algorithms.cluster import start_ray
+from algorithms.config import load_config
+from algorithms.transports import make_transport
+
+cfg = load_config("examples/configs/grpo_tiny.yaml", ["ray.num_cpus=2"])
+modules = make_transport(cfg).actor_modules()
+start_ray(cfg, "probe", 1, modules)
+
+
+@ray.remote(num_cpus=0.25)
+def seen() -> dict:
+    return {m: m in sys.modules for m in ("transfer_queue", "torch._dynamo")}
+
+
+# An idle worker imports its preload before it takes a task; a task may land on one still
+# importing (then it waits for it), never on one that skipped it.
+print(json.dumps({"modules": list(modules), "seen": ray.get(seen.remote(), timeout=120)}))
+ray.shutdown()
+"""
+
+
+def test_a_trainer_started_ray_has_idle_workers_import_the_store_actors_modules_ahead() -> None:
+    """The trainer starts Ray with its store's ACTOR_MODULES preloaded: an idle worker (what the
+    store's actors take) has TransferQueue imported, without torch._dynamo (compile_marks)."""
+    out = subprocess.run([sys.executable, "-c", _PRELOAD_PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["modules"] == list(TransferQueueClient.ACTOR_MODULES)
+    assert got["seen"] == {"transfer_queue": True, "torch._dynamo": False}

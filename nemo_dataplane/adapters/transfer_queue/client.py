@@ -97,6 +97,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     """
 
     BACKEND = "transfer_queue"
+    # nemo_dataplane first: its import hook keeps tensordict from loading torch._dynamo.
+    ACTOR_MODULES = ("nemo_dataplane", "nemo_dataplane.adapters.transfer_queue.compat.bootstrap")
     SECTION = "transfer_queue"
     NAME_KWARG = "controller_name"
     WHAT = "TransferQueue controller"

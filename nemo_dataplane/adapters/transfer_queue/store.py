@@ -151,17 +151,38 @@ class TransferQueueStore(ActorBackedClient):
                 raise StoreLostError(f"TransferQueue bootstrap: {who} died or was lost ({type(e).__name__})") from e
 
         # Controller and units start at once: each is a worker process importing TransferQueue
-        # (torch, tensordict: seconds each), and none needs another to construct.
+        # (torch, tensordict: seconds each), and none needs another to construct. With one unit
+        # the controller holds it (one process, one import: the store is up sooner and costs
+        # one process less; docs/data-flow.md, "Start-up").
+        hosted = n_units == 1 if cfg.unit_in_controller is None else cfg.unit_in_controller
+        conf = compat.base_config(n_units)
+        unit_conf = compat.unit_config(conf)
         asked, t0 = time.time(), time.perf_counter()
         self._controller = compat.create_controller(
-            self.controller_name, self.namespace, cfg.controller_num_cpus, cfg.quiet, listen_host
+            self.controller_name,
+            self.namespace,
+            cfg.controller_num_cpus + (cfg.storage_unit_num_cpus if hosted else 0.0),
+            cfg.quiet,
+            listen_host,
+            hosted_unit=unit_conf if hosted else None,
+            node_id=nodes[0] if hosted and nodes else None,
         )
         self.owns_store = True
-        conf = compat.base_config(n_units)
-        self._storage = compat.create_storage_units(
-            conf, self.controller_name, self.namespace, cfg.storage_unit_num_cpus, cfg.quiet, nodes, listen_host
+        # The controller stands in for the unit it holds: found under the controller's name.
+        self._storage = {self.controller_name: self._controller} if hosted else {}
+        self._storage.update(
+            compat.create_storage_units(
+                unit_conf,
+                self.controller_name,
+                self.namespace,
+                cfg.storage_unit_num_cpus,
+                cfg.quiet,
+                nodes,
+                listen_host,
+                first=1 if hosted else 0,
+            )
         )
-        asks = {name: compat.ask_server_info(h, cfg.quiet) for name, h in self._storage.items()}
+        asks = {name: compat.ask_server_info(h, cfg.quiet, unit=True) for name, h in self._storage.items()}
         conf.controller.zmq_info, started = wait_info(
             compat.ask_server_info(self._controller, cfg.quiet), "the controller"
         )

@@ -98,6 +98,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
     make_client,
     server_info,
     storage_units_of,
+    unit_config,
     unit_handles,
     unit_nodes,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "server_info",
     "set_tags",
     "storage_units_of",
+    "unit_config",
     "unit_handles",
     "unit_nodes",
 ]

@@ -75,12 +75,28 @@ _RawStorageUnit: Any = SimpleStorageUnit.__ray_actor_class__  # type: ignore[att
 
 
 class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's class is untyped
-    """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address)."""
+    """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address);
+    with ``unit_config``, it also holds storage unit 0 in its process (``nd_unit``), which it
+    then stands in for: what a unit's callers use (``storage_data``, ``shutdown``) is that unit's.
+    """
 
-    def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, listen_host: str | None = None, unit_config: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         self.nd_constructed_at = time.time()  # its module is imported by now (ActorStart)
         _listen_on(listen_host, self)
         super().__init__(*args, **kwargs)
+        self.nd_unit = None if unit_config is None else _StorageUnit(config=unit_config, listen_host=listen_host)
+
+    @property
+    def storage_data(self) -> Any:
+        if self.nd_unit is None:
+            raise AttributeError("this TransferQueue controller holds no storage unit")
+        return self.nd_unit.storage_data
+
+    def shutdown(self) -> None:
+        if self.nd_unit is not None:
+            self.nd_unit.shutdown()
 
 
 class _NoSleep:
@@ -120,56 +136,74 @@ _ControllerActor: Any = ray.remote(_Controller)
 _StorageUnitActor: Any = ray.remote(_StorageUnit)
 
 
-def create_controller(name: str, namespace: str, num_cpus: float, quiet: bool, listen_host: str | None = None) -> Any:
+def unit_config(conf: DictConfig) -> dict[str, Any]:
+    """What every storage unit of ``conf``'s store is constructed with."""
+    # A DictConfig node converts to a dict.
+    out = dict(cast("dict[str, Any]", OmegaConf.to_container(conf.backend[BACKEND], resolve=True)))
+    out["_run_id"] = os.urandom(8).hex()
+    return out
+
+
+def _on_node(node_id: str | None) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {} if node_id is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def create_controller(
+    name: str,
+    namespace: str,
+    num_cpus: float,
+    quiet: bool,
+    listen_host: str | None = None,
+    hosted_unit: dict[str, Any] | None = None,
+    node_id: str | None = None,
+) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
     mode with :class:`ClaimSampler` (quirk 8), its sockets bound to ``listen_host`` (``None``:
-    the node's address; quirk 12). Pass ``quiet`` again to :func:`ask_server_info`."""
+    the node's address; quirk 12), on ``node_id`` if given. With ``hosted_unit`` (a
+    :func:`unit_config`) it also holds storage unit 0: one process, one import of TransferQueue
+    and torch, instead of two. Pass ``quiet`` again to :func:`ask_server_info`."""
     return _ControllerActor.options(
         name=name,
         namespace=namespace,
         num_cpus=num_cpus,
         **_actor_options(quiet),
+        **_on_node(node_id),
     ).remote(
         sampler=ClaimSampler(),  # type: ignore[no-untyped-call]  # TQ's sampler __init__
         polling_mode=True,
         listen_host=listen_host,
+        unit_config=hosted_unit,
     )
 
 
 def create_storage_units(
-    conf: DictConfig,
+    unit_conf: dict[str, Any],
     name_prefix: str,
     namespace: str,
     num_cpus: float,
     quiet: bool,
     node_ids: Sequence[str] | None = None,
     listen_host: str | None = None,
+    first: int = 0,
 ) -> dict[str, Any]:
-    """Start ``conf``'s SimpleStorage units with fractional CPUs; returns ``{name: handle}``.
+    """Start the store's SimpleStorage units ``first`` and on (``unit_conf``:
+    :func:`unit_config`) with fractional CPUs; returns ``{name: handle}``.
 
     With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Their
     sockets bind ``listen_host`` (``None``: their node's address; quirk 12). Pass ``quiet``
     again to :func:`ask_server_info`.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # A DictConfig node converts to a dict.
-    unit_conf = dict(cast("dict[str, Any]", OmegaConf.to_container(conf.backend[BACKEND], resolve=True)))
-    unit_conf["_run_id"] = os.urandom(8).hex()
     handles: dict[str, Any] = {}
-    for rank in range(int(unit_conf["num_data_storage_units"])):
+    for rank in range(first, int(unit_conf["num_data_storage_units"])):
         name = f"{name_prefix}.StorageUnit#{rank}"
-        where = (
-            {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[rank % len(node_ids)], soft=False)}
-            if node_ids
-            else {}
-        )
         handles[name] = _StorageUnitActor.options(
             name=name,
             namespace=namespace,
             num_cpus=num_cpus,
             **_actor_options(quiet),
-            **where,
+            **_on_node(node_ids[rank % len(node_ids)] if node_ids else None),
         ).remote(config=unit_conf, listen_host=listen_host)
     return handles
 
@@ -198,11 +232,12 @@ class ActorStart:
         }
 
 
-def ask_server_info(handle: Any, quiet: bool) -> Any:
-    """Ask an actor we started for its ZMQ endpoints (a ref for :func:`server_info`); it answers
-    as soon as it is constructed, so asking every actor at once times each one's own start. A
-    ``quiet`` one first mutes TransferQueue's loggers in its process."""
-    return handle.__ray_call__.remote(_started, quiet)
+def ask_server_info(handle: Any, quiet: bool, unit: bool = False) -> Any:
+    """Ask an actor we started for its ZMQ endpoints (a ref for :func:`server_info`): with
+    ``unit``, those of the storage unit it is or holds. It answers as soon as it is constructed,
+    so asking every actor at once times each one's own start. A ``quiet`` one first mutes
+    TransferQueue's loggers in its process."""
+    return handle.__ray_call__.remote(_started, quiet, unit)
 
 
 def server_info(ref: Any, timeout_s: float) -> tuple[Any, ActorStart]:
@@ -212,14 +247,15 @@ def server_info(ref: Any, timeout_s: float) -> tuple[Any, ActorStart]:
     return info, ActorStart(*start)
 
 
-def _started(actor: Any, quiet: bool) -> tuple[Any, tuple[float, float, float, float]]:
+def _started(actor: Any, quiet: bool, unit: bool) -> tuple[Any, tuple[float, float, float, float]]:
     """Runs inside a controller or storage unit (``__ray_call__``)."""
     if quiet:
         quiet_logs()
+    serves = actor.nd_unit if unit and getattr(actor, "nd_unit", None) is not None else actor
     me = psutil.Process()
     cpu = me.cpu_times()
     stamps = (me.create_time(), actor.nd_constructed_at, time.time(), cpu.user + cpu.system)
-    return actor.get_zmq_server_info(), stamps
+    return serves.get_zmq_server_info(), stamps
 
 
 def storage_units_of(conf: DictConfig) -> int:

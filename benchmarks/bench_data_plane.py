@@ -40,7 +40,8 @@ Also measured:
 What bounds each method, with the measurements: ``docs/data-flow.md``.
 
 Usage: ``python benchmarks/bench_data_plane.py [--repeats 5] [--sizes 256 1024 4096] [--readers 1 2 4]``;
-``--only-startup [--startup-runs 3]`` measures only the start-up.
+``--only-startup [--startup-runs 3]`` measures only the start-up; ``--device cuda [--mb 64 256 1024]``
+GPU-resident fields on 2 GPUs (``bench_gpu_resident.py``).
 Prints the tables and writes ``benchmarks/results/bench_data_plane.json``.
 """
 
@@ -570,8 +571,21 @@ def main() -> None:
         default="auto",
         help="TransferQueue: storage unit 0 in the controller's process (auto: with one unit)",
     )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: GPU-resident fields against the host path and a peer copy (bench_gpu_resident.py)",
+    )
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.device == "cuda":
+        from bench_gpu_resident import main as gpu_main  # this directory is the script's sys.path[0]
+
+        gpu_main(rest)
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.only_startup:
         report_startup(measure_startup(args.startup_runs))
         print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

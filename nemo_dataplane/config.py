@@ -9,6 +9,7 @@ YAML shape (all keys optional)::
       fetch_policy: auto          # independent | leader_broadcast | auto
       column_max_bytes_per_sample: 64   # driver column I/O refuses wider fields
       max_rows: null              # capacity: a put that would hold more keys in the store raises StoreFullError
+      gpu_fields: []              # fields whose CUDA tensors stay on their GPU (one node; the store holds handles)
       transfer_queue:
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
@@ -246,6 +247,8 @@ class DataPlaneConfig:
     # Capacity in keys (rows), every partition together; None: unbounded. Enforced for every
     # backend by nemo_dataplane.wrappers.capacity.CapacityGuard (the factory wraps the client with it).
     max_rows: int | None = None
+    # Fields whose CUDA tensors stay on the GPU that made them (nemo_dataplane.wrappers.gpu_resident).
+    gpu_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:
@@ -355,6 +358,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):  # tuple[X, ...]: any length
+        (item, _) = typing.get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.config import BUILTIN_BACKENDS, ConfigError, DataPlaneConfig, backend_path
 from nemo_dataplane.wrappers.capacity import CapacityGuard
+from nemo_dataplane.wrappers.gpu_resident import GpuResidentClient
 from nemo_dataplane.wrappers.integrity import IntegrityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
@@ -123,7 +124,9 @@ def build_data_plane_client(
     Wrappers (:mod:`nemo_dataplane.wrappers`), each only when its key is set, innermost first:
     :class:`CapacityGuard` (``max_rows``: a put past the capacity raises ``StoreFullError``),
     :class:`IntegrityCheck` (``verify_integrity``: per-row digests sealed at put, checked at get),
-    :class:`ObservedClient` (``observability.enabled``). The observer is outermost so a put the
+    :class:`GpuResidentClient` (``gpu_fields``: CUDA tensors of those fields stay on their GPU
+    and the store holds handles; one node only), :class:`ObservedClient`
+    (``observability.enabled``). The observer is outermost so a put the
     guard refuses or a get that fails its check is recorded as a failed op; the integrity check
     sits outside the guard so a malformed put fails on its fields before the store is listed.
     """
@@ -142,6 +145,19 @@ def build_data_plane_client(
         client = CapacityGuard(client, cfg.max_rows)
     if cfg.verify_integrity:
         client = IntegrityCheck(client)
+    if cfg.gpu_fields:
+        client = GpuResidentClient(client, cfg.gpu_fields, single_node=_one_node())
     if cfg.observability.enabled:
         client = ObservedClient(client, on_event, track_outstanding=cfg.observability.track_outstanding)
     return client
+
+
+def _one_node() -> bool:
+    """Whether every process that can reach the store shares this host: no Ray (one process),
+    or a Ray cluster of one alive node."""
+    import sys
+
+    ray = sys.modules.get("ray")  # not imported here: a process without Ray has no other node
+    if ray is None or not ray.is_initialized():
+        return True
+    return sum(1 for n in ray.nodes() if n.get("Alive")) == 1

@@ -6,10 +6,13 @@
   :class:`StoreFullError`);
 * :mod:`.integrity`: :class:`IntegrityCheck` (``data_plane.verify_integrity``: per-row digests
   sealed at put, checked at get);
+* :mod:`.gpu_resident`: :class:`GpuResidentClient` (``data_plane.gpu_fields``: CUDA tensors of
+  those fields stay on their GPU, the store holds CUDA IPC handles);
 * :mod:`.observed`: :class:`ObservedClient` (``observability.enabled``: one :class:`OpEvent` per
   op, bytes outstanding, snapshots).
 
-The factory composes them as ``ObservedClient(IntegrityCheck(CapacityGuard(backend)))``, each
+The factory composes them as
+``ObservedClient(GpuResidentClient(IntegrityCheck(CapacityGuard(backend))))``, each
 only when its key is set (see :func:`~nemo_dataplane.factory.build_data_plane_client`). Names
 resolve on first access (PEP 562).
 """
@@ -19,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nemo_dataplane.wrappers.base import ForwardingClient
     from nemo_dataplane.wrappers.capacity import CapacityGuard, StoreFullError
+    from nemo_dataplane.wrappers.gpu_resident import GpuResidentClient
     from nemo_dataplane.wrappers.integrity import IntegrityCheck
     from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 
 __all__ = [
     "CapacityGuard",
     "ForwardingClient",
+    "GpuResidentClient",
     "IntegrityCheck",
     "ObservedClient",
     "OpEvent",
@@ -36,6 +41,7 @@ _WHERE = {
     "ForwardingClient": "base",
     "CapacityGuard": "capacity",
     "StoreFullError": "capacity",
+    "GpuResidentClient": "gpu_resident",
     "IntegrityCheck": "integrity",
     "ObservedClient": "observed",
     "OpEvent": "observed",

@@ -87,8 +87,9 @@ def _mark(debug: DebugConfig) -> None:
 
 def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig) -> str | None:
     """At ``debug.fail_at_step``, ``ray.kill`` the TransferQueue controller (``fail_in=store_controller``)
-    or its storage unit 0 (``store_unit``) of the store ``data_plane`` names, as a crashed or lost
-    store process would; returns the killed actor's name (``None``: nothing asked here). The run
+    or the process holding its storage unit 0 (``store_unit``: the unit's own, or the controller's
+    when it holds the unit) of the store ``data_plane`` names, as a crashed or lost store process
+    would; returns the killed actor's name (``None``: nothing asked here). The run
     then goes on and meets the dead store.
 
     Raises:
@@ -103,9 +104,17 @@ def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig)
         raise ValueError(f"debug.fail_in={debug.fail_in} needs data_plane.backend=transfer_queue")
     kwargs = data_plane.backend_kwargs or {}
     controller = kwargs.get("controller_name", DEFAULT_CONTROLLER)
-    # The adapter names its units "<controller>.StorageUnit#<rank>" (tests/unit/test_faults.py checks it).
+    namespace = kwargs.get("namespace", DEFAULT_NAMESPACE)
+    # The adapter names its units "<controller>.StorageUnit#<rank>" (tests/unit/test_faults.py checks
+    # it); a store whose controller holds unit 0 (transfer_queue.unit_in_controller) has no such
+    # actor, and the process to kill for unit 0 is the controller's.
     name = controller if debug.fail_in == "store_controller" else f"{controller}.StorageUnit#0"
-    handle = ray.get_actor(name, namespace=kwargs.get("namespace", DEFAULT_NAMESPACE))
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        if debug.fail_in != "store_unit":
+            raise
+        name, handle = controller, ray.get_actor(controller, namespace=namespace)
     # Its process, if on this node: Ray calls an actor dead ~10 ms before the process is gone
     # (measured), and a store actor can still serve a request in that window.
     pid, node = ray.get(

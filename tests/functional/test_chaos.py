@@ -152,6 +152,9 @@ def chaos_runs(run_trainers_concurrently, runs_dir: Path) -> dict:
                     "trainer.steps=6",
                     *resume,
                     f"checkpoint.dir={runs_dir / 'async_kill_collector' / 'checkpoints'}",
+                    # A unit of its own (by default the controller holds it, and the controller
+                    # kill above covers that process).
+                    "data_plane.transfer_queue.unit_in_controller=false",
                     "debug.fail_in=store_unit",
                     "debug.fail_at_step=4",
                 ),

@@ -82,8 +82,16 @@ class TransferQueueStore(ActorBackedClient):
             self._local_units = all(node == here for node in nodes.values())
         self._claims_unsupported = compat.claims_unsupported(conf)
         controller = self._controller or self._find()
-        self._watched = [(f"TransferQueue controller {self.controller_name!r}", controller)] + [
-            (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items()
+        # A unit the controller holds (registered under the controller's name) dies with it: one
+        # watch, named for both.
+        hosted = [
+            info.id
+            for name, info in dict(conf.backend[compat.BACKEND].zmq_info).items()
+            if name == self.controller_name
+        ]
+        also = f" (and its storage unit {hosted[0]!r})" if hosted else ""
+        self._watched = [(f"TransferQueue controller {self.controller_name!r}{also}", controller)] + [
+            (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items() if uid not in hosted
         ]
         self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
         return conf

@@ -14,7 +14,9 @@ cluster of more than one node (CUDA IPC does not cross hosts), named CUDA fields
 the host first. The factory wraps a client in this when ``data_plane.gpu_fields`` names a field.
 
 Limits: a read of rows put by both paths in one call raises ``KeyError`` naming the field; a key
-overwritten by a later put keeps the earlier put's tensor alive until the key is cleared.
+overwritten by a later put keeps the earlier put's tensor alive until the key is cleared, and one
+re-put by the other path keeps both stored forms (a read by keys prefers the GPU one): put a key
+by one path.
 """
 
 from __future__ import annotations

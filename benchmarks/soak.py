@@ -92,6 +92,9 @@ BASE = (
     "logging.progress=false",
     "logging.plot=false",
     "checkpoint.keep=2",
+    # The controller and the storage unit as two processes (by default the controller holds the
+    # one unit), so each kind of store process can be the victim.
+    "data_plane.transfer_queue.unit_in_controller=false",
 )
 
 

@@ -216,10 +216,11 @@ def test_every_listener_the_run_opens_is_on_loopback(exposed_run: dict[str, Any]
             ray_own.append((pid, cmd, ip, port))
         else:
             ours.append((pid, cmd, ip, port))
-    # The scan sees what it must: the store's controller (2 sockets) and unit, the train group's
-    # and refit group's stores, gloo's listeners in every rank.
+    # The scan sees what it must: the store's controller (2 sockets) and the unit it holds (1;
+    # transfer_queue.unit_in_controller), the train group's and refit group's stores, gloo's
+    # listeners in every rank.
     assert len(ours) >= 6, f"too few listeners found to judge: {ours}; Ray's own: {ray_own}"
-    assert any("_Controller" in c for _, c, _, _ in ours) and any("_StorageUnit" in c for _, c, _, _ in ours), ours
+    assert sum("_Controller" in c for _, c, _, _ in ours) >= 3, ours
     exposed = [x for x in ours if not ipaddress.ip_address(x[2].split("%")[0]).is_loopback]
     assert exposed == [], f"listeners beyond loopback (pid, process, address, port): {exposed}"
 

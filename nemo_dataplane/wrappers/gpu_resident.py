@@ -33,7 +33,6 @@ from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, Fields
 from nemo_dataplane.codec import is_jagged, jagged_from_rows, jagged_rows, join_rows
-from nemo_dataplane.dtypes import dtype_name
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.wrappers.base import ForwardingClient
 
@@ -121,7 +120,8 @@ class GpuResidentClient(ForwardingClient):
             shapes = [list(flat.shape[1:])] * n
         flat = flat.reshape(-1)
         blob = export_tensors([flat], flat.device).decode()
-        head = {"blob": blob, "dtype": dtype_name(flat.dtype), "jagged": is_jagged(t)}
+        # The handle carries the dtype; a record adds only where its row lies and its shape.
+        head = {"blob": blob, "jagged": is_jagged(t)}
         rows = [json.dumps({**head, "start": s, "len": m, "shape": sh}).encode() for (s, m), sh in zip(spans, shapes)]
         return _records(rows), flat
 

@@ -283,6 +283,38 @@ def test_our_tests_never_resolve_to_transfer_queues_tests_package(request: pytes
     assert request.getfixturevalue("memory_client") is not None  # conftest fixtures do load
 
 
+@pytest.mark.parametrize("rows", [4, 64])  # 4: inside the request; 64 (>64 KiB): through the object store
+def test_with_the_unit_in_the_controller_put_get_and_clear_send_no_zmq_request(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """Quirk 14: the store's one unit lives in the controller, so each op is one Ray call to
+    it, served under the lock its ZMQ thread holds; the controller sees no ZMQ request."""
+    sent: list[Any] = []
+    real = tq_client._tq._request_controller
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs.get("request_type"))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(tq_client._tq, "_request_controller", spy)
+    ids = jagged([300 + i for i in range(rows)])
+    x = torch.randn(rows, 64)
+    keys = [f"k{i}" for i in range(rows)]
+    meta = tq_client.kv_batch_put(keys, pid, {"ids": ids, "x": x}, tags=[{"i": i} for i in range(rows)])
+    meta = tq_client.kv_batch_put(keys[:2], pid, None, tags=[{"i": -1}, {"i": -2}])  # tags only
+    got = tq_client.kv_batch_get(keys[::-1], ["x", "ids"], partition_id=pid)
+    assert torch.equal(got["x"], x.flip(0))
+    assert_same_field("ids", got["ids"], _pick(ids, list(range(rows))[::-1]))
+    assert meta.fields == ("ids", "x") and meta.tags == ({"i": -1}, {"i": -2})
+    tq_client.kv_clear(keys[:2], pid)
+    assert sent == []
+    assert tq_client.kv_list(pid).keys == tuple(keys[2:])  # TransferQueue's own two requests
+    tq_client.kv_clear(None, pid)
+    with pytest.raises(KeyError, match=r"3 key\(s\) not in partition"):
+        tq_client.kv_batch_get(keys[:3], ["x"], partition_id=pid)
+    assert len(sent) == 2
+
+
 def test_partial_selection_fetches_only_the_selected_fields(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,9 +322,11 @@ def test_partial_selection_fetches_only_the_selected_fields(
     fetched: list[set[str]] = []
     bulk, per_row = tq_compat.read_columns, tq_compat.get_rows
 
-    async def spy_bulk(client: Any, units: Any, meta: Any, fields: Any) -> Any:
+    async def spy_bulk(client: Any, units: Any, meta: Any, fields: Any, first: Any = None) -> Any:
         asked.append(("bulk", list(fields)))
-        out = await bulk(client, units, meta, fields)
+        if first is not None:  # the controller's one-request answer (quirk 14) has only those too
+            fetched.append(set(first[0]))
+        out = await bulk(client, units, meta, fields, first)
         fetched.append(set(out))
         return out
 
@@ -306,22 +340,40 @@ def test_partial_selection_fetches_only_the_selected_fields(
     monkeypatch.setattr(tq_compat, "get_rows", spy_rows)
     meta = tq_client.kv_batch_put(["a", "b"], pid, {"big": torch.zeros(2, 4096), "small": torch.ones(2)})
     out = tq_client.kv_batch_get(meta, ["small"])
+    assert tq_client._hosted is not None  # the session store: its one unit in the controller
     monkeypatch.setattr(tq_client, "_units", {})
+    monkeypatch.setattr(tq_client, "_hosted", None)
     tq_client.kv_batch_get(meta, ["small"])
     assert asked == [("bulk", ["small"]), ("rows", ["small"])] and list(out.keys()) == ["small"]
-    assert fetched == [{"small"}, {"small"}]
+    assert fetched == [{"small"}, {"small"}, {"small"}]
 
 
+@pytest.mark.parametrize("path", ["one_request", "requests"])
 def test_failed_write_leaves_no_new_keys_and_keeps_old_ones(
-    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
+    """Both write paths: one request to the controller holding the unit (quirk 14), whose rows
+    here arrive corrupt (4 bytes for 3 floats) and fail inside the unit after the keys were
+    made; and the request-per-step path, whose unit write fails."""
     tq_client.kv_batch_put(["old"], pid, {"x": torch.tensor([1.0])}, tags=[{"v": 1}])
+    if path == "one_request":
+        assert tq_client._hosted is not None
+        real_chunk_of = tq_compat.chunk_of
 
-    async def boom(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("storage unit went away")
+        def corrupt(columns: Any) -> Any:
+            return {k: (*enc[:2], enc[2][:4], enc[3]) for k, enc in real_chunk_of(columns).items()}
 
-    monkeypatch.setattr(tq_compat, "put_rows", boom)
-    with pytest.raises(RuntimeError, match="went away"):
+        monkeypatch.setattr(tq_compat, "chunk_of", corrupt)
+        expect = "needs 12 bytes"
+    else:
+
+        async def boom(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("storage unit went away")
+
+        monkeypatch.setattr(tq_client, "_hosted", None)
+        monkeypatch.setattr(tq_compat, "put_rows", boom)
+        expect = "went away"
+    with pytest.raises(Exception, match=expect):
         tq_client.kv_batch_put(["old", "new1", "new2"], pid, {"x": torch.zeros(3)})
     listed = tq_client.kv_list(pid)
     assert listed.keys == ("old",) and listed.tags == ({"v": 1},)
@@ -338,6 +390,7 @@ def test_failed_clean_up_of_a_failed_write_is_noted_on_the_write_error(
     async def clear_fails(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("controller unreachable")
 
+    monkeypatch.setattr(tq_client, "_hosted", None)  # the one-request put cleans up inside its request
     monkeypatch.setattr(tq_compat, "put_rows", boom)
     monkeypatch.setattr(tq_client._tq, "async_clear_samples", clear_fails)
     with pytest.raises(RuntimeError, match="went away") as info:
@@ -514,6 +567,7 @@ def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
         await real_set_tags(*args, **kwargs)
 
     monkeypatch.setattr(tq_compat, "set_tags", slow_set_tags)
+    monkeypatch.setattr(tq_client, "_hosted", None)  # a one-request put is atomic (quirk 14)
     put = threading.Thread(
         target=tq_client.kv_batch_put, args=(["a", "b"], pid, {"x": torch.zeros(2)}, [{"g": 0}, {"g": 1}])
     )

@@ -17,7 +17,9 @@ Data path: writes use TransferQueue's own ZMQ protocol (dense fields one frame p
 storage unit; jagged fields too, cut into rows inside the unit). Reads ask each storage unit for
 one contiguous buffer per field through the Ray object store instead of TransferQueue's one
 frame per row; stores whose units we cannot address (made by ``tq.init()``) fall back to the
-per-row protocol. Every TransferQueue quirk worked around here lives in :mod:`.compat`.
+per-row protocol. When the controller holds the store's only unit (the default on a small
+node), each put, get and clear is one call to the controller instead (compat quirk 14), atomic
+against every other op. Every TransferQueue quirk worked around here lives in :mod:`.compat`.
 
 Claims (``kv_claim`` and friends) ride on TransferQueue's own production/consumption
 bookkeeping; see :mod:`.claims`. Bootstrap, lifecycle and the bounded op plumbing (timeouts,
@@ -59,7 +61,7 @@ from nemo_dataplane.client import (
     check_select_fields,
     resolve_get_target,
 )
-from nemo_dataplane.codec import is_jagged, make_batch
+from nemo_dataplane.codec import batch_nbytes, is_jagged, make_batch
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.meta import KVBatchMeta
 
@@ -114,6 +116,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         self._controller: Any = None
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}
+        self._hosted: Any = None
         self._local_units = False
         self._tq: Any = None
         self._claims_unsupported: str | None = None
@@ -148,6 +151,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         columns: dict[str, torch.Tensor],
         tag_list: list[dict[str, Any]] | None,
     ) -> KVBatchMeta:
+        if self._hosted is not None:
+            return await self._put_hosted(keys, partition_id, columns, tag_list)
         if columns and self._local_units:
             # The one copy of the rows into shared memory overlaps the controller's key lookup.
             bm, chunk = await asyncio.gather(
@@ -165,15 +170,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         # a failed upsert over such a key removes it too.
         fresh = [i for i, cm in enumerate(bm.custom_meta) if not cm]
         before_fields = list(bm.field_schema.keys())
-        layout = {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}
-        new_meta = []
-        for i, cm in enumerate(bm.custom_meta):
-            merged = dict(cm)
-            if tag_list is not None:
-                merged.update(tag_list[i])
-            if layout:
-                merged[LAYOUT_TAG] = {**cm.get(LAYOUT_TAG, {}), **layout}
-            new_meta.append(merged)
+        layout = _layout_of(columns)
+        new_meta = compat.merged_tags(bm.custom_meta, tag_list, layout)
         bm.custom_meta = new_meta
         try:
             # Rows and tags go to different actors and do not depend on each other: send both
@@ -207,13 +205,31 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                         f"{partition_id!r} (e.g. {keys[fresh[0]]!r}) also failed: {type(e).__name__}: {e}",
                     )
             raise
-        known = _field_order(before_fields + [f for f in columns if f not in before_fields], new_meta[0])
-        return KVBatchMeta(
-            keys=tuple(keys),
-            tags=tuple([_public_tags(cm) for cm in new_meta]),
-            partition_id=partition_id,
-            fields=tuple(known),
+        return _put_meta(keys, partition_id, columns, new_meta, before_fields)
+
+    async def _put_hosted(
+        self,
+        keys: list[str],
+        partition_id: str,
+        columns: dict[str, torch.Tensor],
+        tag_list: list[dict[str, Any]] | None,
+    ) -> KVBatchMeta:
+        """The whole put as one request to the controller holding the only unit (quirk 14)."""
+        layout = _layout_of(columns)
+        chunk: list[Any] = []
+        if columns:
+            # A small batch rides in the request itself; a large one is put once, and the unit
+            # maps that object (quirk 11).
+            if batch_nbytes(columns) <= compat.INLINE_MAX_BYTES:
+                chunk = [compat.chunk_of(columns)]
+            else:
+                chunk = [await asyncio.to_thread(compat.put_chunk, columns)]
+        jagged = {k for k, v in layout.items() if v == "jagged"}
+        schema = compat.field_schema(len(keys), columns, jagged) if columns else {}
+        done = await self._hosted.__ray_call__.remote(
+            compat.hosted_put, partition_id, keys, tag_list, layout, schema, chunk
         )
+        return _put_meta(keys, partition_id, columns, done.tags, done.fields_before)
 
     def kv_batch_put(
         self,
@@ -247,19 +263,25 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     async def _get(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
         if not keys:
             return TensorDict({}, batch_size=[0])
+        if self._hosted is not None:
+            # Lookup and the unit's answer in one request (quirk 14); rows it cannot stack
+            # take TransferQueue's per-row protocol below.
+            loc = await self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
+            if loc.missing:
+                raise KeyError(f"{len(loc.missing)} key(s) not in partition {partition_id!r}: {loc.missing[:10]}")
+            _check_stored(names, loc.fields, keys, loc.tags, partition_id)
+            if loc.reply is not None:
+                try:
+                    cols = await compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
+                except compat.StorageKeyNotFoundError as e:
+                    raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
+                if cols is not None:
+                    return _columns_batch(cols, names, keys, loc.tags)
         bm = await self._retrieve(keys, partition_id, create=False)
         if bm.size != len(keys):
             missing = await self._missing_keys(keys, partition_id, bm)
             raise KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
-        stored = set(bm.field_schema.keys())
-        for name in names:
-            if name not in stored:
-                lacking = [k for k, cm in zip(keys, bm.custom_meta) if name not in cm.get(LAYOUT_TAG, {})]
-                where = f"e.g. {lacking[:5]}" if lacking else "(some keys lack it)"
-                raise KeyError(
-                    f"field {name!r} is not stored for {len(lacking) or 'some'} key(s) in partition "
-                    f"{partition_id!r}, {where}"
-                )
+        _check_stored(names, list(bm.field_schema.keys()), keys, bm.custom_meta, partition_id)
         try:
             cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
             if cols is None:  # a store we cannot read in bulk: TransferQueue's per-row protocol
@@ -272,13 +294,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                         raise type(e)(f"field {name!r}: {e}") from None
         except compat.StorageKeyNotFoundError as e:
             raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
-        columns = {
-            name: col
-            if isinstance(col, torch.Tensor)  # already in the layout it was put with
-            else _assemble(name, col, [cm.get(LAYOUT_TAG, {}).get(name) for cm in bm.custom_meta])
-            for name, col in ((n, cols[n]) for n in names)
-        }
-        return make_batch(columns, len(keys))
+        return _columns_batch(cols, names, keys, bm.custom_meta)
 
     def kv_batch_get(
         self,
@@ -302,11 +318,17 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
 
     # --------------------------------------------------- clear / list / partitions
     async def _clear(self, keys: list[str] | None, partition_id: str) -> None:
+        if keys is None and self._hosted is not None:
+            await self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, None)
+            return
         if keys is None:
             if partition_id in await self._tq.async_get_partition_list():
                 await self._tq.async_clear_partition(partition_id)
             return
         if not keys:
+            return
+        if self._hosted is not None:
+            await self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, keys)
             return
         bm = await self._retrieve(keys, partition_id, create=False)
         if bm.size:
@@ -370,6 +392,57 @@ def _field_order(fields: list[str], first_key_meta: Mapping[str, Any]) -> list[s
 
 
 _public_tags = compat.public_tags
+
+
+def _layout_of(columns: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    return {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}
+
+
+def _put_meta(
+    keys: list[str],
+    partition_id: str,
+    columns: Mapping[str, torch.Tensor],
+    stored_tags: list[dict[str, Any]],
+    before_fields: list[str],
+) -> KVBatchMeta:
+    """What a put returns: the keys' public tags and every field they hold now."""
+    known = _field_order(before_fields + [f for f in columns if f not in before_fields], stored_tags[0])
+    return KVBatchMeta(
+        keys=tuple(keys),
+        tags=tuple([_public_tags(cm) for cm in stored_tags]),
+        partition_id=partition_id,
+        fields=tuple(known),
+    )
+
+
+def _check_stored(
+    names: list[str], stored: list[str], keys: list[str], tags: Sequence[Mapping[str, Any]], partition_id: str
+) -> None:
+    """Raises ``KeyError`` naming the first of ``names`` not stored for every key."""
+    have = set(stored)
+    for name in names:
+        if name not in have:
+            lacking = [k for k, cm in zip(keys, tags) if name not in cm.get(LAYOUT_TAG, {})]
+            where = f"e.g. {lacking[:5]}" if lacking else "(some keys lack it)"
+            raise KeyError(
+                f"field {name!r} is not stored for {len(lacking) or 'some'} key(s) in partition "
+                f"{partition_id!r}, {where}"
+            )
+
+
+def _columns_batch(
+    cols: Mapping[str, compat.Column | torch.Tensor],
+    names: list[str],
+    keys: list[str],
+    tags: Sequence[Mapping[str, Any]],
+) -> TensorDict:
+    columns = {
+        name: col
+        if isinstance(col, torch.Tensor)  # already in the layout it was put with
+        else _assemble(name, col, [cm.get(LAYOUT_TAG, {}).get(name) for cm in tags])
+        for name, col in ((n, cols[n]) for n in names)
+    }
+    return make_batch(columns, len(keys))
 
 
 def _assemble(name: str, col: compat.Column, layouts: list[str | None]) -> torch.Tensor:

@@ -52,6 +52,7 @@ class TransferQueueStore(ActorBackedClient):
     _controller: Any
     _storage: dict[str, Any]
     _units: dict[str, Any]
+    _hosted: Any  # the controller, when it holds the store's only unit; else None
     _local_units: bool
     _tq: Any
     _claims_unsupported: str | None
@@ -89,6 +90,8 @@ class TransferQueueStore(ActorBackedClient):
             for name, info in dict(conf.backend[compat.BACKEND].zmq_info).items()
             if name == self.controller_name
         ]
+        # Its only unit in the controller's process: each op is one request to it (quirk 14).
+        self._hosted = controller if hosted and self.num_storage_units == 1 and self._units else None
         also = f" (and its storage unit {hosted[0]!r})" if hosted else ""
         self._watched = [(f"TransferQueue controller {self.controller_name!r}{also}", controller)] + [
             (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items() if uid not in hosted

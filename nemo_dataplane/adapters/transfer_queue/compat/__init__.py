@@ -6,7 +6,7 @@ halves) talks to TransferQueue only through this package (import it as a whole:
 here). Nothing here patches the dependency in the caller's process: each function calls a
 TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a
 way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the two changes
-inside TransferQueue's own actors are quirks 12 and 13. By responsibility:
+inside TransferQueue's own actors are quirks 12, 13 and 14's lock. By responsibility:
 
 * :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients,
   where they listen);
@@ -14,6 +14,7 @@ inside TransferQueue's own actors are quirks 12 and 13. By responsibility:
 * :mod:`.reads`: rows back out (mapped from the writers' objects, stacked by units, or per row);
 * :mod:`.mapped`: which writer's object a stored row is a view of (runs inside the units);
 * :mod:`.claims`: the controller-side sampler and the claim requests;
+* :mod:`.hosted`: each op in one request when the controller holds the only unit;
 * :mod:`.common`: the reserved layout tag, log and torch-thread hygiene.
 
 The quirks:
@@ -84,6 +85,15 @@ The quirks:
    :func:`create_storage_units` starts a subclass whose ``__init__`` hands that one function a
    ``time`` whose ``sleep`` returns at once (in that actor's own process, for the constructor
    only): the proxy forwards into a DEALER socket, whose send waits for the worker to connect.
+14. Every op is several requests: a put looks its keys up, writes the rows, stores the tags and
+   marks the rows produced (four round trips, each decoded and answered by per-key Python on the
+   controller's one request thread), a get looks up and reads (two), a clear hides, frees and
+   forgets (three); none is atomic against another client's -> when the controller holds the
+   store's only unit (``unit_in_controller``), :mod:`.hosted` runs the very controller and unit
+   methods those requests run inside the controller's process, one Ray call per op
+   (:func:`hosted_put`, :func:`hosted_locate`, :func:`hosted_clear`); the controller subclass
+   takes one lock around each ZMQ request it serves and each of those ops, so they are atomic
+   against each other and against TransferQueue's own clients.
 """
 
 from transfer_queue.metadata import BatchMeta
@@ -118,6 +128,15 @@ from nemo_dataplane.adapters.transfer_queue.compat.common import (
     public_tags,
     quiet_logs,
 )
+from nemo_dataplane.adapters.transfer_queue.compat.hosted import (
+    INLINE_MAX_BYTES,
+    Located,
+    PutDone,
+    merged_tags,
+)
+from nemo_dataplane.adapters.transfer_queue.compat.hosted import clear as hosted_clear
+from nemo_dataplane.adapters.transfer_queue.compat.hosted import locate_rows as hosted_locate
+from nemo_dataplane.adapters.transfer_queue.compat.hosted import put as hosted_put
 from nemo_dataplane.adapters.transfer_queue.compat.reads import (
     Column,
     column_from_rows,
@@ -125,6 +144,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.reads import (
     read_columns,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    chunk_of,
     field_schema,
     mark_produced,
     put_chunk,
@@ -135,7 +155,15 @@ from nemo_dataplane.adapters.transfer_queue.compat.writes import (
 __all__ = [
     "BACKEND",
     "CLAIM_SAMPLER",
+    "INLINE_MAX_BYTES",
     "LAYOUT_TAG",
+    "Located",
+    "PutDone",
+    "chunk_of",
+    "hosted_clear",
+    "hosted_locate",
+    "hosted_put",
+    "merged_tags",
     "ActorStart",
     "BatchMeta",
     "ClaimSampler",

@@ -1,10 +1,11 @@
 """Starting and finding a TransferQueue store: controller, storage units, placement, clients,
-where they listen, how fast they start (quirks 1, 2, 8, 12, 13)."""
+where they listen, how fast they start, the controller's lock (quirks 1, 2, 8, 12, 13, 14)."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ def _listen_on(host: str | None, actor: Any) -> None:
 # ray.remote turns TransferQueue's classes into ActorClasses; the class itself is
 # ``__ray_actor_class__``. TransferQueue's annotations say neither.
 _RawController: Any = TransferQueueController.__ray_actor_class__  # type: ignore[attr-defined]
+if not callable(getattr(_RawController, "_handle_request", None)):
+    # _Controller's lock (quirk 14) wraps it: without it, ops of .hosted would race the ZMQ thread.
+    raise ImportError("TransferQueueController has no _handle_request: TransferQueue changed, quirk 14 needs a look")
 _RawStorageUnit: Any = SimpleStorageUnit.__ray_actor_class__  # type: ignore[attr-defined]
 
 
@@ -84,9 +88,16 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
         self, *args: Any, listen_host: str | None = None, unit_config: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self.nd_constructed_at = time.time()  # its module is imported by now (ActorStart)
+        # Held by every ZMQ request and every op of .hosted (quirk 14); before super() starts
+        # the request thread.
+        self.nd_lock = threading.RLock()
         _listen_on(listen_host, self)
         super().__init__(*args, **kwargs)
         self.nd_unit = None if unit_config is None else _StorageUnit(config=unit_config, listen_host=listen_host)
+
+    def _handle_request(self, request_msg: Any, monitor: Any) -> Any:
+        with self.nd_lock:
+            return super()._handle_request(request_msg, monitor)
 
     @property
     def storage_data(self) -> Any:

@@ -158,7 +158,11 @@ def _permute(col: Column, order: torch.Tensor) -> Column:
 
 
 async def read_columns(
-    client: AsyncTransferQueueClient, units: Mapping[str, Any], meta: BatchMeta, fields: Sequence[str]
+    client: AsyncTransferQueueClient,
+    units: Mapping[str, Any],
+    meta: Any,
+    fields: Sequence[str],
+    first: list[Any] | None = None,
 ) -> dict[str, Column | torch.Tensor] | None:
     """Each field of ``meta``'s rows, in ``meta.global_indexes`` order.
 
@@ -166,8 +170,11 @@ async def read_columns(
     the layout it was put with: this process maps the writers' objects and copies the rows out
     once. Any other field comes back as a :class:`Column` the units stacked (rows written by
     TransferQueue's own clients, or objects whose writer died: the unit still holds the rows).
-    ``units`` maps storage-unit id (TransferQueue's routing key) to its actor handle. Returns
-    ``None`` when some unit holds data it cannot stack (then use :func:`get_rows`).
+    ``units`` maps storage-unit id (TransferQueue's routing key) to its actor handle. ``meta``
+    needs ``global_indexes`` and ``size`` (a ``BatchMeta`` or a :class:`~.hosted.Located`);
+    ``first``: the units' :func:`_unit_read` replies, one per unit in routing order, when the
+    caller has them already (quirk 14). Returns ``None`` when some unit holds data it cannot
+    stack (then use :func:`get_rows`).
 
     Raises:
         StorageKeyNotFoundError: a key was cleared between lookup and read.
@@ -176,7 +183,9 @@ async def read_columns(
     groups = list(sm._group_by_hash(meta.global_indexes).items())
     if any(su not in units for su, _ in groups):
         return None
-    replies = await _unit_reads(units, groups, list(fields), stack=False)
+    if first is not None and len(first) != len(groups):
+        raise ValueError(f"{len(first)} unit replies for {len(groups)} units")
+    replies = first if first is not None else await _unit_reads(units, groups, list(fields), stack=False)
     if replies is None:
         return None
     out: dict[str, Column | torch.Tensor] = {}

@@ -144,24 +144,31 @@ async def put_rows(
     return field_schema(n, columns, jagged)
 
 
+def chunk_of(columns: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``columns`` as one chunk (see :mod:`.chunks`); views, no copy."""
+    return {name: encode(t) for name, t in columns.items()}
+
+
 def put_chunk(columns: Mapping[str, torch.Tensor]) -> Any:
-    """``ray.put`` of ``columns`` as one chunk (see :mod:`.chunks`): the writer's only copy."""
-    return ray.put({name: encode(t) for name, t in columns.items()})
+    """``ray.put`` of ``columns`` as one chunk: the writer's only copy."""
+    return ray.put(chunk_of(columns))
 
 
 def _unit_write(unit: Any, global_indexes: list[int], positions: list[int] | None, chunk: list[Any]) -> None:
-    """Runs inside a SimpleStorageUnit (``__ray_call__``): map ``chunk[0]`` and store rows
-    ``positions`` (all, in order, for ``None``) of every field as one view each.
+    """Runs inside a SimpleStorageUnit (``__ray_call__``): map ``chunk[0]`` (a ref from
+    :func:`put_chunk`, or the chunk itself when it came inline) and store rows ``positions``
+    (all, in order, for ``None``) of every field as one view each.
 
     ``storage_data.put_data`` is what the unit's own PUT handler calls; it is a series of
     single dict stores, each atomic under the GIL, like the handler's own.
     """
     ref = chunk[0]
-    data = ray.get(ref, timeout=UNIT_GET_TIMEOUT_S)
+    mapped = isinstance(ref, ray.ObjectRef)
+    data = ray.get(ref, timeout=UNIT_GET_TIMEOUT_S) if mapped else ref
     field_rows: dict[str, list[torch.Tensor]] = {}
     for name, enc in data.items():
         values, offsets = decode(enc)
-        if values.numel():
+        if mapped and values.numel():
             register(ref, values, offsets, enc[2])
         rows = rows_of((values, offsets))
         field_rows[name] = rows if positions is None else [rows[i] for i in positions]

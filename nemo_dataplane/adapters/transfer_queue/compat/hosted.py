@@ -1,0 +1,154 @@
+"""Each op in one request when the controller holds the store's only storage unit (quirk 14).
+
+TransferQueue's own put is four controller/unit round trips (look the keys up, write the rows,
+store the tags, mark them produced) and its get two (look up, read), each a ZMQ request decoded
+and answered by per-key Python on the controller's request thread; on a small batch those
+round trips, not the bytes, are the op. When the controller's process also holds the store's
+one unit (``unit_in_controller``), the functions here run the very controller and unit methods
+those requests run (``kv_retrieve_meta``, ``storage_data.put_data``, ``set_custom_meta``,
+``update_production_status``, ...) inside that process, through one Ray actor call
+(``__ray_call__``), so an op costs one round trip.
+
+They run on the actor's own thread while the controller's ZMQ thread keeps serving every other
+client (TransferQueue's own, claims), so both hold the controller's ``nd_lock``
+(:class:`~.bootstrap._Controller` takes it around every ZMQ request): each op is atomic against
+every other, which the four-request put never was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_dataplane.adapters.transfer_queue.compat.common import LAYOUT_TAG
+from nemo_dataplane.adapters.transfer_queue.compat.reads import _unit_read
+from nemo_dataplane.adapters.transfer_queue.compat.writes import _unit_write
+
+# A put up to this size travels inside its request; larger ones are put once into Ray's object
+# store and mapped by the unit (quirk 11), so reads can map them too.
+INLINE_MAX_BYTES = 64 * 1024
+
+
+def merged_tags(
+    custom_meta: Sequence[Mapping[str, Any]],
+    tag_list: Sequence[Mapping[str, Any]] | None,
+    layout: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """Each key's stored tags after a put: its old ones, updated by ``tag_list[i]``, with the
+    put's fields merged into its :data:`LAYOUT_TAG` entry."""
+    out = []
+    for i, cm in enumerate(custom_meta):
+        merged = dict(cm)
+        if tag_list is not None:
+            merged.update(tag_list[i])
+        if layout:
+            merged[LAYOUT_TAG] = {**cm.get(LAYOUT_TAG, {}), **layout}
+        out.append(merged)
+    return out
+
+
+@dataclass(frozen=True)
+class PutDone:
+    """What a one-request put tells its caller."""
+
+    tags: list[dict[str, Any]]  # every key's stored tags, layout entry included
+    fields_before: list[str]  # the fields all the keys held before this put
+
+
+@dataclass(frozen=True)
+class Located:
+    """A one-request read: where the keys' rows are, or why it cannot be served."""
+
+    global_indexes: list[int]
+    tags: list[dict[str, Any]]
+    fields: list[str]  # fields every key holds
+    missing: list[str]  # keys not in the partition (then nothing else is filled in)
+    reply: dict[str, Any] | None  # the unit's ``_unit_read`` answer; None: not stackable
+
+    @property
+    def size(self) -> int:
+        return len(self.global_indexes)
+
+
+def put(
+    controller: Any,
+    partition_id: str,
+    keys: list[str],
+    tag_list: list[dict[str, Any]] | None,
+    layout: dict[str, str],
+    schema: dict[str, dict[str, Any]],
+    chunk: list[Any],
+) -> PutDone:
+    """Runs inside the controller (``__ray_call__``): create or find ``keys``, store the rows of
+    ``chunk`` (see :func:`~.writes._unit_write`; empty: tags only), their tags and their
+    production, in that order (quirk 10) and atomically. Keys this put created are removed
+    again if any step fails."""
+    with controller.nd_lock:
+        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=True)
+        if bm.size != len(keys):
+            raise RuntimeError(f"TransferQueue returned {bm.size} slots for {len(keys)} keys")
+        gis = list(bm.global_indexes)
+        tags = merged_tags(bm.custom_meta, tag_list, layout)
+        # Keys with no tags yet were created here (every put of ours leaves a tag).
+        fresh = [gi for gi, cm in zip(gis, bm.custom_meta) if not cm]
+        try:
+            if chunk:
+                _unit_write(controller.nd_unit, gis, None, chunk)
+            controller.set_custom_meta({partition_id: dict(zip(gis, tags))})
+            if schema and not controller.update_production_status(partition_id, gis, _by_index(schema, gis)):
+                raise RuntimeError(f"TransferQueue could not record production in partition {partition_id!r}")
+        except BaseException:
+            if fresh:
+                _drop(controller, partition_id, fresh)
+            raise
+        return PutDone(tags, list(bm.field_schema.keys()))
+
+
+def locate_rows(controller: Any, partition_id: str, keys: list[str], fields: list[str]) -> Located:
+    """Runs inside the controller: the keys' slots, tags and stored fields, and where the
+    unit holds ``fields`` of their rows (only when every key exists and holds every field)."""
+    with controller.nd_lock:
+        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
+        if bm.size != len(keys):
+            part = controller._get_partition(partition_id)
+            known = set() if part is None else part.keys_mapping.keys()
+            return Located([], [], [], [k for k in keys if k not in known], None)
+        gis = list(bm.global_indexes)
+        stored = list(bm.field_schema.keys())
+        reply = _unit_read(controller.nd_unit, gis, fields) if set(fields) <= set(stored) else None
+        return Located(gis, list(bm.custom_meta), stored, [], reply)
+
+
+def clear(controller: Any, partition_id: str, keys: list[str] | None) -> None:
+    """Runs inside the controller: remove ``keys`` (``None``: the whole partition) and their rows."""
+    with controller.nd_lock:
+        if keys is None:
+            if controller._get_partition(partition_id) is None:
+                return
+            gis = list(controller.index_manager.get_indexes_for_partition(partition_id))
+            controller.mark_clearing(gis, [partition_id] * len(gis))
+            controller.nd_unit.storage_data.clear(gis)
+            controller.clear_partition(partition_id)
+            return
+        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
+        if bm.size:
+            _drop(controller, partition_id, list(bm.global_indexes))
+
+
+def _by_index(schema: dict[str, dict[str, Any]], gis: list[int]) -> dict[str, dict[str, Any]]:
+    """``schema`` with per-row shapes keyed by global index, as the controller stores them
+    (TransferQueue's storage manager does this before its NOTIFY_DATA_UPDATE request)."""
+    out = {}
+    for name, field in schema.items():
+        shapes = field.get("per_sample_shapes")
+        out[name] = {**field, "per_sample_shapes": dict(zip(gis, shapes))} if isinstance(shapes, list) else field
+    return out
+
+
+def _drop(controller: Any, partition_id: str, gis: list[int]) -> None:
+    """What TransferQueue's ``clear_samples`` does, in its order: hide, free the rows, forget."""
+    pids = [partition_id] * len(gis)
+    controller.mark_clearing(gis, pids)
+    controller.nd_unit.storage_data.clear(gis)
+    controller.clear_meta(gis, pids)

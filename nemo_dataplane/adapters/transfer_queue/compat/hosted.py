@@ -21,9 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+
 from nemo_dataplane.adapters.transfer_queue.compat.common import LAYOUT_TAG
 from nemo_dataplane.adapters.transfer_queue.compat.reads import _unit_read
-from nemo_dataplane.adapters.transfer_queue.compat.writes import _unit_write
+from nemo_dataplane.adapters.transfer_queue.compat.writes import UNIT_GET_TIMEOUT_S, _unit_write
 
 # A put up to this size travels inside its request; larger ones are put once into Ray's object
 # store and mapped by the unit (quirk 11), so reads can map them too.
@@ -84,6 +86,9 @@ def put(
     ``chunk`` (see :func:`~.writes._unit_write`; empty: tags only), their tags and their
     production, in that order (quirk 10) and atomically. Keys this put created are removed
     again if any step fails."""
+    if chunk and isinstance(chunk[0], ray.ObjectRef):
+        # Bring the rows to this node before taking the lock, which every client waits on.
+        ray.wait([chunk[0]], fetch_local=True, timeout=UNIT_GET_TIMEOUT_S)
     with controller.nd_lock:
         bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=True)
         if bm.size != len(keys):

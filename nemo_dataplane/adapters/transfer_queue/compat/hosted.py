@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
+import torch
 
 from nemo_dataplane.adapters.transfer_queue.compat.common import LAYOUT_TAG
 from nemo_dataplane.adapters.transfer_queue.compat.reads import _unit_read
@@ -40,12 +41,14 @@ def merged_tags(
     """Each key's stored tags after a put: its old ones, updated by ``tag_list[i]``, with the
     put's fields merged into its :data:`LAYOUT_TAG` entry."""
     out = []
+    shared = dict(layout)  # one layout entry for every key that had none (never changed in place)
     for i, cm in enumerate(custom_meta):
         merged = dict(cm)
         if tag_list is not None:
             merged.update(tag_list[i])
         if layout:
-            merged[LAYOUT_TAG] = {**cm.get(LAYOUT_TAG, {}), **layout}
+            before = cm.get(LAYOUT_TAG)
+            merged[LAYOUT_TAG] = {**before, **layout} if before else shared
         out.append(merged)
     return out
 
@@ -90,39 +93,44 @@ def put(
         # Bring the rows to this node before taking the lock, which every client waits on.
         ray.wait([chunk[0]], fetch_local=True, timeout=UNIT_GET_TIMEOUT_S)
     with controller.nd_lock:
-        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=True)
-        if bm.size != len(keys):
-            raise RuntimeError(f"TransferQueue returned {bm.size} slots for {len(keys)} keys")
-        gis = list(bm.global_indexes)
-        tags = merged_tags(bm.custom_meta, tag_list, layout)
+        part, gis = _slots(controller, partition_id, keys)
+        if part is None or None in gis:
+            # TransferQueue's own allocation, for the new keys only.
+            new = keys if part is None else [k for k, gi in zip(keys, gis) if gi is None]
+            controller.kv_retrieve_meta(keys=new, partition_id=partition_id, create=True)
+            part, gis = _slots(controller, partition_id, keys)
+            if part is None or None in gis:
+                raise RuntimeError(f"TransferQueue made no slot for some of {len(keys)} keys")
+        ids = cast("list[int]", gis)
+        old = [part.custom_meta.get(gi, {}) for gi in ids]
+        fields_before = _held_by_all(part, ids)
+        tags = merged_tags(old, tag_list, layout)
         # Keys with no tags yet were created here (every put of ours leaves a tag).
-        fresh = [gi for gi, cm in zip(gis, bm.custom_meta) if not cm]
+        fresh = [gi for gi, cm in zip(ids, old) if not cm]
         try:
             if chunk:
-                _unit_write(controller.nd_unit, gis, None, chunk)
-            controller.set_custom_meta({partition_id: dict(zip(gis, tags))})
-            if schema and not controller.update_production_status(partition_id, gis, _by_index(schema, gis)):
+                _unit_write(controller.nd_unit, ids, None, chunk)
+            controller.set_custom_meta({partition_id: dict(zip(ids, tags))})
+            if schema and not controller.update_production_status(partition_id, ids, _by_index(schema, ids)):
                 raise RuntimeError(f"TransferQueue could not record production in partition {partition_id!r}")
         except BaseException:
             if fresh:
                 _drop(controller, partition_id, fresh)
             raise
-        return PutDone(tags, list(bm.field_schema.keys()))
+        return PutDone(tags, fields_before)
 
 
 def locate_rows(controller: Any, partition_id: str, keys: list[str], fields: list[str]) -> Located:
     """Runs inside the controller: the keys' slots, tags and stored fields, and where the
     unit holds ``fields`` of their rows (only when every key exists and holds every field)."""
     with controller.nd_lock:
-        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
-        if bm.size != len(keys):
-            part = controller._get_partition(partition_id)
-            known = set() if part is None else part.keys_mapping.keys()
-            return Located([], [], [], [k for k in keys if k not in known], None)
-        gis = list(bm.global_indexes)
-        stored = list(bm.field_schema.keys())
-        reply = _unit_read(controller.nd_unit, gis, fields) if set(fields) <= set(stored) else None
-        return Located(gis, list(bm.custom_meta), stored, [], reply)
+        part, gis = _slots(controller, partition_id, keys)
+        if part is None or None in gis:
+            return Located([], [], [], [k for k, gi in zip(keys, gis) if gi is None], None)
+        ids = cast("list[int]", gis)
+        stored = _held_by_all(part, ids)
+        reply = _unit_read(controller.nd_unit, ids, fields) if set(fields) <= set(stored) else None
+        return Located(ids, [part.custom_meta.get(gi, {}) for gi in ids], stored, [], reply)
 
 
 def clear(controller: Any, partition_id: str, keys: list[str] | None) -> None:
@@ -136,9 +144,28 @@ def clear(controller: Any, partition_id: str, keys: list[str] | None) -> None:
             controller.nd_unit.storage_data.clear(gis)
             controller.clear_partition(partition_id)
             return
-        bm = controller.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
-        if bm.size:
-            _drop(controller, partition_id, list(bm.global_indexes))
+        part, gis = _slots(controller, partition_id, keys)
+        present = [gi for gi in gis if gi is not None]
+        if present:
+            _drop(controller, partition_id, present)
+
+
+def _slots(controller: Any, partition_id: str, keys: list[str]) -> tuple[Any, list[int | None]]:
+    """The partition (``None``: none) and each key's global index (``None``: not there): the
+    lookup TransferQueue's ``kv_retrieve_meta`` starts with, without the ``BatchMeta`` it then
+    builds (per-key Python that cost more than the rest of a get)."""
+    part = controller._get_partition(partition_id)
+    return part, ([None] * len(keys) if part is None else part.kv_retrieve_indexes(keys))
+
+
+def _held_by_all(part: Any, gis: list[int]) -> list[str]:
+    """The fields every row of ``gis`` is produced for, in the partition's field order (what
+    ``kv_retrieve_meta`` reports as the rows' fields)."""
+    status = part.production_status
+    if not gis or status is None:
+        return []
+    complete = status[torch.as_tensor(gis, dtype=torch.long)].sum(dim=0) == len(gis)
+    return [name for name, col in part.field_name_mapping.items() if col < complete.numel() and bool(complete[col])]
 
 
 def _by_index(schema: dict[str, dict[str, Any]], gis: list[int]) -> dict[str, dict[str, Any]]:

@@ -92,7 +92,7 @@ def choose_settings(
     Raises:
         ConfigError: ``device`` unknown (``generation.device``); no backend computes in ``dtype``
             (``dtype_key``: the key the dtype came from); none takes ``head_size`` in ``dtype``
-            (:data:`HEAD_SIZE_KEY`, and ``dtype_key`` where another dtype would run it);
+            (:data:`HEAD_SIZE_KEY`, and ``generation.vllm.dtype`` where another dtype would run it);
             ``multiprocessing`` on CUDA (``generation.vllm.multiprocessing``).
     """
     rules = ATTENTION.get(device)
@@ -106,11 +106,11 @@ def choose_settings(
     if rule is None:
         offers = "; ".join(f"{r.backend} in {list(r.dtypes)}: {r.head_sizes}" for r in rules)
         other = sorted({d for r in rules if r.takes_head_size(head_size) for d in r.dtypes})
-        fix = f"{dtype_key}={other[0]} runs it, or " if other else ""
+        fix = f"generation.vllm.dtype={other[0]} runs it, or " if other else ""
         raise ConfigError(
-            f"{HEAD_SIZE_KEY}: attention head size {head_size} (head_dim, or hidden_size / num_attention_heads) "
-            f"in {dtype} is not supported by vLLM's {where} attention ({offers}); {fix}choose "
-            "num_attention_heads (or head_dim) so that it is, or use generation.backend=hf"
+            f"{HEAD_SIZE_KEY}: attention head size {head_size} in {dtype} ({dtype_key}) is not supported by "
+            f"vLLM's {where} attention ({offers}); {fix}choose num_attention_heads (or head_dim; the head size "
+            "is head_dim, or hidden_size / num_attention_heads) so that it is, or use generation.backend=hf"
         )
     if device == "cuda" and multiprocessing:
         # Measured on 2x H200 with vllm 0.26: start-up with the engine core in a subprocess

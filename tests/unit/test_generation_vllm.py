@@ -319,7 +319,8 @@ import psutil
 spec = importlib.util.spec_from_file_location("vllm_tests", sys.argv[1])
 t = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(t)
-MODEL, PROMPTS, TOK, _refit, _trainer, _max_delta = t.MODEL, t.PROMPTS, t.TOK, t._refit, t.build_trainer, t.max_delta
+MODEL, PROMPTS, TOK, _refit = t.MODEL, t.PROMPTS, t.TOK, t._refit
+build_trainer, max_delta = t.build_trainer, t.max_delta
 from algorithms.config import VLLMEngineConfig
 from algorithms.engines.generation import SamplingSpec
 from algorithms.engines.generation.vllm import VLLMEngine

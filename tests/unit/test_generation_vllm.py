@@ -11,7 +11,6 @@ when vLLM is not installed (``.ci/setup-env`` installs it).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,51 +24,28 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from algorithms.config import VLLMEngineConfig  # noqa: E402
 from algorithms.engines.generation import RefitSpec, Rollouts, SamplingSpec  # noqa: E402
-from algorithms.engines.generation.vllm import CPU_HEAD_SIZES, VLLMEngine, prompt_seed  # noqa: E402
-from algorithms.models import build_model, pad_batch, sequence_logprobs  # noqa: E402
-from algorithms.tasks import CharTokenizer  # noqa: E402
+from algorithms.engines.generation.vllm import VLLMEngine, prompt_seed  # noqa: E402
+from algorithms.engines.generation.vllm_settings import ATTENTION, CPU_HEAD_SIZES  # noqa: E402
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup  # noqa: E402
 from nemo_dataplane.refit import RefitMismatchError, RefitSender, WeightTransferConfig  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _vllm_helpers import (  # noqa: E402
+    MODEL,
+    PROMPTS,
+    TOK,
+    WIDER_MODEL,
+    build_trainer,
+    free_port,
+    logprob_deltas,
+    make_engine,
+    max_delta,
+)
+
 REPO = Path(__file__).resolve().parents[2]
-TOK = CharTokenizer()
-# Head size 32: vLLM's CPU attention takes 32, 64, 80, ...; 128 positions so prompts can span
-# more than one 32-token KV block (the prefix cache then has something to reuse).
-MODEL: dict[str, Any] = {
-    "arch": "llama",
-    "seed": 0,
-    "hf_config": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    },
-}
 # fp32 engine vs fp32 trainer forward: measured max |delta| ~1e-6 per token.
 LOGPROB_TOL = 1e-4
-# Prompts of 41-44 tokens: two KV blocks of 32.
-PROMPTS = [[TOK.bos_id, *[3 + (7 * i + j) % 30 for j in range(40 + i)]] for i in range(4)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _trainer(seed: int = 0, noise: float = 0.0, model: dict[str, Any] | None = None) -> torch.nn.Module:
-    m = build_model(model or MODEL, vocab_size=TOK.vocab_size)
-    m.eval()
-    if noise:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * noise)
-    return m
 
 
 class _Sender:
@@ -123,48 +99,15 @@ class _Sender:
         self.thread.join(timeout=60)
 
 
-def _make_engine(dtype: torch.dtype = torch.float32) -> VLLMEngine:
-    """An in-process engine on the test model (a small KV cache; ``dtype``: the engine's own)."""
-    return VLLMEngine(
-        MODEL,
-        vocab_size=TOK.vocab_size,
-        eos_id=TOK.eos_id,
-        bos_id=TOK.bos_id,
-        pad_id=TOK.pad_id,
-        engine=VLLMEngineConfig(kv_cache_memory_bytes=64 << 20),
-        llm_kwargs={"block_size": 32},
-        dtype=dtype,
-    )
-
-
 @pytest.fixture(scope="module")
 def engine():
-    eng = _make_engine()
+    eng = make_engine()
     yield eng
     eng.shutdown()
 
 
-def _trainer_logprobs(
-    model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts, temperature: float
-) -> list[torch.Tensor]:
-    """The trainer's log-prob of each sampled token (``sequence_logprobs`` on prompt + response)."""
-    rows = [p for p in prompts for _ in range(n)]
-    ids, attn = pad_batch([p + t for p, t in zip(rows, out.tokens)], TOK.pad_id)
-    resp = torch.zeros_like(ids)
-    for i, (p, t) in enumerate(zip(rows, out.tokens)):
-        resp[i, len(p) : len(p) + len(t)] = 1
-    with torch.no_grad():
-        lp = sequence_logprobs(model, ids, attn, resp, temperature=temperature)
-    return [lp[i, len(p) - 1 : len(p) - 1 + len(t)] for i, (p, t) in enumerate(zip(rows, out.tokens))]
-
-
-def _max_delta(model: torch.nn.Module, prompts: list[list[int]], n: int, out: Rollouts, temperature: float) -> float:
-    ref = _trainer_logprobs(model, prompts, n, out, temperature)
-    return max(float((r - torch.tensor(lp)).abs().max()) for r, lp in zip(ref, out.logprobs) if lp)
-
-
 def _refit(engine: VLLMEngine, model: torch.nn.Module, version: int) -> int:
-    port = _free_port()
+    port = free_port()
     sender = _Sender(model, port)
     try:
         engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
@@ -176,11 +119,14 @@ def _refit(engine: VLLMEngine, model: torch.nn.Module, version: int) -> int:
     return got
 
 
-def test_the_cpu_head_size_table_is_vllms() -> None:
-    """The config check's table (no vLLM import at config load) against vLLM's own list."""
+def test_the_cpu_attention_table_is_vllms() -> None:
+    """The config check's table (no vLLM import at config load) against vLLM's own lists."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_HEAD_SIZES
+    (rule,) = ATTENTION["cpu"]
+    assert rule.backend == "CPU_ATTN"
+    assert {str(d).removeprefix("torch.") for d in CPUAttentionBackend.supported_dtypes} == set(rule.dtypes)
 
 
 # bf16 engine (policy.precision=bf16: the trainer's bf16 weights refit as they are, vLLM computes
@@ -194,24 +140,24 @@ BF16_LOGPROB_TOL = 0.1
 
 def test_a_bf16_engine_takes_bf16_refits_and_its_logprobs_match_the_bf16_trainer() -> None:
     # Its own engine, run before the module's fp32 one starts (one in-process engine at a time).
-    eng = _make_engine(torch.bfloat16)
+    eng = make_engine(torch.bfloat16)
     try:
         assert {dt for _, _, dt in eng.param_specs} == {"bfloat16"}, "the refit layout is the bf16 trainer's"
-        trainer = _trainer(seed=1, noise=0.1).to(torch.bfloat16)
+        trainer = build_trainer(seed=1, noise=0.1).to(torch.bfloat16)
         assert _refit(eng, trainer, version=3) == 3
         out = eng.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=8, temperature=0.8, seed=3))
-        ref = _trainer_logprobs(trainer, PROMPTS, 4, out, 0.8)
-        deltas = torch.cat([(r - torch.tensor(lp)).abs() for r, lp in zip(ref, out.logprobs)])
+        deltas = logprob_deltas(trainer, PROMPTS, 4, out, 0.8)
         print(f"bf16: |vLLM - trainer| log-prob max {deltas.max():.3g} mean {deltas.mean():.3g}")
         assert float(deltas.max()) < BF16_LOGPROB_TOL and float(deltas.mean()) < 0.03, deltas
         # Not the initial weights' log-probs: the bf16 refit landed.
-        assert _max_delta(_trainer().to(torch.bfloat16), PROMPTS, 4, out, 0.8) > 2 * BF16_LOGPROB_TOL
+        assert max_delta(build_trainer().to(torch.bfloat16), PROMPTS, 4, out, 0.8) > 2 * BF16_LOGPROB_TOL
     finally:
         eng.shutdown()
 
 
 def test_n_samples_per_prompt_with_one_logprob_per_sampled_token(engine: VLLMEngine) -> None:
     spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=11)
+    assert engine.settings.attention_backend == "CPU_ATTN"
     out = engine.generate(PROMPTS[:3], 4, spec)
     assert out.version == -1, "no refit yet: the initial weights"
     assert len(out.tokens) == len(out.logprobs) == 12
@@ -229,7 +175,7 @@ def test_n_samples_per_prompt_with_one_logprob_per_sampled_token(engine: VLLMEng
     other = engine.generate(PROMPTS[:3], 4, SamplingSpec(max_new_tokens=6, temperature=1.0, seed=12))
     assert other.tokens != out.tokens
     # The log-probs are those of the distribution sampled from: the initial weights here.
-    assert _max_delta(_trainer(), PROMPTS[:3], 4, out, 1.0) < LOGPROB_TOL
+    assert max_delta(build_trainer(), PROMPTS[:3], 4, out, 1.0) < LOGPROB_TOL
 
 
 def test_per_prompt_limits_ignore_eos_and_an_interruptible_call_stopping_when_half_run(engine: VLLMEngine) -> None:
@@ -258,7 +204,7 @@ def test_prompt_seeds_differ_across_prompts_and_calls() -> None:
 def test_refit_changes_outputs_and_logprobs_match_the_trainer_forward(engine: VLLMEngine) -> None:
     greedy = SamplingSpec(max_new_tokens=8, temperature=0.0, seed=0)
     before = engine.generate(PROMPTS, 1, greedy)  # also fills the prefix cache with old-weight KV blocks
-    trainer = _trainer(seed=1, noise=0.5)
+    trainer = build_trainer(seed=1, noise=0.5)
     assert _refit(engine, trainer, version=5) == 5
     after = engine.generate(PROMPTS, 1, greedy)
     assert after.version == 5 and engine.weight_version == 5
@@ -266,10 +212,10 @@ def test_refit_changes_outputs_and_logprobs_match_the_trainer_forward(engine: VL
     # Sampled at temperature 0.8 with the same (cached) prompts: vLLM's log-prob of each sampled
     # token equals the trainer's forward of the new weights at that temperature.
     out = engine.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=8, temperature=0.8, seed=3))
-    delta = _max_delta(trainer, PROMPTS, 4, out, 0.8)
+    delta = max_delta(trainer, PROMPTS, 4, out, 0.8)
     assert delta < LOGPROB_TOL, f"max |vLLM - trainer| log-prob = {delta:.3g}"
     # And not those of the old weights (the check can fail).
-    assert _max_delta(_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL
+    assert max_delta(build_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL
 
 
 def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEngine) -> None:
@@ -282,11 +228,11 @@ def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEn
     from nemo_dataplane.refit import Mesh, build_layout
     from nemo_dataplane.refit.reshard import ReshardSender
 
-    trainer = _trainer(seed=4, noise=0.5)
+    trainer = build_trainer(seed=4, noise=0.5)
     shape = shape_from_hf_config(trainer.config)
     shards = [mcore_shard_to_hf(hf_to_mcore(trainer.state_dict(), shape, tp=2, rank=r), shape, tp=2) for r in (0, 1)]
     layout = build_layout(Mesh.of([0, 1], tp=2), {n: s for n, s in hf_full_shapes(shape).items() if n in shards[0]})
-    port = _free_port()
+    port = free_port()
     senders = [
         _Sender(None, port, rank=r, world=3, make=lambda g, r=r: ReshardSender(g, shards[r], layout, 4096))
         for r in (0, 1)
@@ -304,15 +250,14 @@ def test_reshard_refit_from_two_tp_ranks_installs_the_whole_model(engine: VLLMEn
     assert [s.error for s in senders] == [None, None], [s.error for s in senders]
     out = engine.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=8, temperature=0.8, seed=5))
     assert out.version == 13
-    delta = _max_delta(trainer, PROMPTS, 4, out, 0.8)
+    delta = max_delta(trainer, PROMPTS, 4, out, 0.8)
     assert delta < LOGPROB_TOL, f"max |vLLM - trainer| log-prob = {delta:.3g}"
-    assert _max_delta(_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL  # not the initial weights
+    assert max_delta(build_trainer(), PROMPTS, 4, out, 0.8) > 100 * LOGPROB_TOL  # not the initial weights
 
 
 def test_layout_mismatch_at_refit_names_the_parameter_and_leaves_the_engine_usable(engine: VLLMEngine) -> None:
-    wider = {**MODEL, "hf_config": {**MODEL["hf_config"], "intermediate_size": 160}}
-    port = _free_port()
-    sender = _Sender(_trainer(model=wider), port)
+    port = free_port()
+    sender = _Sender(build_trainer(model=WIDER_MODEL), port)
     try:
         with pytest.raises(RefitMismatchError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: shape"):
             engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("gloo", 60, WeightTransferConfig(), senders=1))
@@ -327,8 +272,8 @@ def test_layout_mismatch_at_refit_names_the_parameter_and_leaves_the_engine_usab
 
 
 def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(engine: VLLMEngine) -> None:
-    trainer = _trainer(seed=2, noise=0.5)
-    port = _free_port()
+    trainer = build_trainer(seed=2, noise=0.5)
+    port = free_port()
     sender = _Sender(trainer, port)
     results: dict[str, Any] = {}
     spec = SamplingSpec(max_new_tokens=6, temperature=1.0, seed=21)
@@ -353,7 +298,7 @@ def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(engi
     out: Rollouts = results["out"]
     assert out.version == 9
     assert out.tokens == engine.generate(PROMPTS, 2, spec).tokens, "drawn entirely from version 9"
-    assert _max_delta(trainer, PROMPTS, 2, out, 1.0) < LOGPROB_TOL
+    assert max_delta(trainer, PROMPTS, 2, out, 1.0) < LOGPROB_TOL
 
 
 def test_bad_requests_are_refused(engine: VLLMEngine) -> None:
@@ -374,7 +319,8 @@ import psutil
 spec = importlib.util.spec_from_file_location("vllm_tests", sys.argv[1])
 t = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(t)
-MODEL, PROMPTS, TOK, _refit, _trainer, _max_delta = t.MODEL, t.PROMPTS, t.TOK, t._refit, t._trainer, t._max_delta
+MODEL, PROMPTS, TOK, _refit = t.MODEL, t.PROMPTS, t.TOK, t._refit
+build_trainer, max_delta = t.build_trainer, t.max_delta
 from algorithms.config import VLLMEngineConfig
 from algorithms.engines.generation import SamplingSpec
 from algorithms.engines.generation.vllm import VLLMEngine
@@ -385,12 +331,12 @@ engine = VLLMEngine(MODEL, vocab_size=TOK.vocab_size, eos_id=TOK.eos_id, bos_id=
 children = [p.pid for p in psutil.Process().children(recursive=True)]
 print("CHILDREN", " ".join(map(str, children)), flush=True)
 print("MODEL_DIR", engine.model_dir, flush=True)
-trainer = _trainer(seed=4, noise=0.5)
+trainer = build_trainer(seed=4, noise=0.5)
 with engine:
     assert _refit(engine, trainer, version=3) == 3
     out = engine.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=6, temperature=1.0, seed=5))
     print("VERSION", out.version, flush=True)
-    print("DELTA", _max_delta(trainer, PROMPTS, 2, out, 1.0), flush=True)
+    print("DELTA", max_delta(trainer, PROMPTS, 2, out, 1.0), flush=True)
     raise RuntimeError("a step failed")
 """
 

@@ -284,6 +284,18 @@ class GenerationEngine(ABC):
         finally:
             self._interrupt.clear()
 
+    def close_refit(self) -> None:
+        """Leave the refit group, after any generation or refit in progress (idempotent); a later
+        ``init_refit`` joins a new one. On NCCL the trainer's ranks destroy their ends of the
+        group at the same time (NCCL destroys a node's communicators together)."""
+        self._check_open()
+        with self._hold(refit=True):
+            self._refit_ready = False
+            self._close_refit()
+
+    @abstractmethod
+    def _close_refit(self) -> None: ...
+
     def shutdown(self) -> None:
         """Leave the refit group and stop the engine (idempotent; best effort after a failure)."""
         if self._closed:

@@ -121,10 +121,13 @@ class HFEngine(GenerationEngine):
             raise RuntimeError("hf engine: no refit receiver")
         return int(self._receiver.receive_weights())
 
-    def _shutdown(self) -> None:
+    def _close_refit(self) -> None:
         if self._group is not None:
             try:
                 self._group.destroy()
-            except Exception:  # noqa: BLE001 - shutting down
+            except Exception:  # noqa: BLE001 - leaving; destroy reports its own failures
                 pass
             self._group = self._receiver = None
+
+    def _shutdown(self) -> None:
+        self._close_refit()

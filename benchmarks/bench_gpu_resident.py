@@ -10,8 +10,10 @@ the reader's copy synchronised) and as GB/s of the payload:
 * ``host``: the same store without it: the putter copies to the host and puts, the reader gets
   and copies to its GPU.
 
-Usage (needs 2 GPUs): ``python benchmarks/bench_data_plane.py --device cuda [--mb 64 256 1024]``
-(or this file directly). Writes ``benchmarks/results/bench_gpu_resident.json``.
+Usage (needs 2 GPUs): ``python benchmarks/bench_data_plane.py --device cuda [--mb 64 256 1024]
+[--storage-units N]``
+(or this file directly); ``--storage-units 1`` puts the store's one unit in its controller, so each
+op is one call. Writes ``benchmarks/results/bench_gpu_resident[_unitsN].json``.
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ def peer_copy_s(mb: int, repeats: int) -> float:
     return statistics.median(out)
 
 
-def run(mbs: list[int], repeats: int) -> dict[str, Any]:
+def run(mbs: list[int], repeats: int, storage_units: int | None = None) -> dict[str, Any]:
     from nemo_dataplane.factory import build_data_plane_client
 
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    owner = build_data_plane_client({"backend": "transfer_queue"}, bootstrap=True)
+    # One unit: the controller holds it and each op is one call to it.
+    store = {"backend": "transfer_queue", "transfer_queue": {"num_storage_units": storage_units}}
+    owner = build_data_plane_client(store, bootstrap=True)
     ways = {"gpu_resident": ["lp"], "host": []}
     actors = {w: (_Putter.remote(f), _Reader.remote(f)) for w, f in ways.items()}
     rows = []
@@ -120,18 +124,25 @@ def run(mbs: list[int], repeats: int) -> dict[str, Any]:
     finally:
         owner.close()
         ray.shutdown()
-    return {"rows": rows, "device": torch.cuda.get_device_name(0), "repeats": repeats}
+    return {
+        "rows": rows,
+        "device": torch.cuda.get_device_name(0),
+        "repeats": repeats,
+        "storage_units": storage_units or "auto",
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--storage-units", type=int, default=None, help="the store's units (default: sized to the CPUs)")
     args, _ = ap.parse_known_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_gpu_resident needs 2 CUDA GPUs on one host")
-    out = run(args.mb, args.repeats)
-    path = REPO / "benchmarks" / "results" / "bench_gpu_resident.json"
+    out = run(args.mb, args.repeats, args.storage_units)
+    units = f"_units{args.storage_units}" if args.storage_units else ""
+    path = REPO / "benchmarks" / "results" / f"bench_gpu_resident{units}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

@@ -268,19 +268,19 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             # take TransferQueue's per-row protocol below.
             loc = await self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
             if loc.missing:
-                raise KeyError(f"{len(loc.missing)} key(s) not in partition {partition_id!r}: {loc.missing[:10]}")
+                raise _not_there(loc.missing, partition_id)
             _check_stored(names, loc.fields, keys, loc.tags, partition_id)
             if loc.reply is not None:
                 try:
                     cols = await compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
                 except compat.StorageKeyNotFoundError as e:
-                    raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
+                    raise _cleared_meanwhile(e, partition_id) from None
                 if cols is not None:
                     return _columns_batch(cols, names, keys, loc.tags)
         bm = await self._retrieve(keys, partition_id, create=False)
         if bm.size != len(keys):
             missing = await self._missing_keys(keys, partition_id, bm)
-            raise KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
+            raise _not_there(missing, partition_id)
         _check_stored(names, list(bm.field_schema.keys()), keys, bm.custom_meta, partition_id)
         try:
             cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
@@ -293,7 +293,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                     except (TypeError, ValueError) as e:
                         raise type(e)(f"field {name!r}: {e}") from None
         except compat.StorageKeyNotFoundError as e:
-            raise KeyError(f"keys of partition {partition_id!r} were cleared while being read: {e}") from None
+            raise _cleared_meanwhile(e, partition_id) from None
         return _columns_batch(cols, names, keys, bm.custom_meta)
 
     def kv_batch_get(
@@ -413,6 +413,14 @@ def _put_meta(
         partition_id=partition_id,
         fields=tuple(known),
     )
+
+
+def _not_there(missing: list[str], partition_id: str) -> KeyError:
+    return KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
+
+
+def _cleared_meanwhile(error: Exception, partition_id: str) -> KeyError:
+    return KeyError(f"keys of partition {partition_id!r} were cleared while being read: {error}")
 
 
 def _check_stored(

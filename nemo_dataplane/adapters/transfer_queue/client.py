@@ -178,7 +178,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             # at once (TransferQueue's own put does them one after the other).
             jobs = [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
             if columns:
-                jagged = {k for k, v in layout.items() if v == "jagged"}
+                jagged = _jagged_in(layout)
                 jobs.append(compat.put_rows(self._tq, bm, columns, jagged, self._units, chunk))
             # Wait for both before judging: cleanup must not race a tag write still in flight.
             results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -224,7 +224,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                 chunk = [compat.chunk_of(columns)]
             else:
                 chunk = [await asyncio.to_thread(compat.put_chunk, columns)]
-        jagged = {k for k, v in layout.items() if v == "jagged"}
+        jagged = _jagged_in(layout)
         schema = compat.field_schema(len(keys), columns, jagged) if columns else {}
         done = await self._hosted.__ray_call__.remote(
             compat.hosted_put, partition_id, keys, tag_list, layout, schema, chunk
@@ -396,6 +396,10 @@ _public_tags = compat.public_tags
 
 def _layout_of(columns: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}
+
+
+def _jagged_in(layout: Mapping[str, str]) -> set[str]:
+    return {name for name, how in layout.items() if how == "jagged"}
 
 
 def _put_meta(

@@ -96,7 +96,7 @@ def put(
         part, gis = _slots(controller, partition_id, keys)
         if part is None or None in gis:
             # TransferQueue's own allocation, for the new keys only.
-            new = keys if part is None else [k for k, gi in zip(keys, gis) if gi is None]
+            new = [k for k, gi in zip(keys, gis) if gi is None]
             controller.kv_retrieve_meta(keys=new, partition_id=partition_id, create=True)
             part, gis = _slots(controller, partition_id, keys)
             if part is None or None in gis:
@@ -144,7 +144,7 @@ def clear(controller: Any, partition_id: str, keys: list[str] | None) -> None:
             controller.nd_unit.storage_data.clear(gis)
             controller.clear_partition(partition_id)
             return
-        part, gis = _slots(controller, partition_id, keys)
+        _, gis = _slots(controller, partition_id, keys)
         present = [gi for gi in gis if gi is not None]
         if present:
             _drop(controller, partition_id, present)

@@ -1,28 +1,32 @@
 """`GpuResidentClient`: rollout fields made on a GPU stay there; the store carries a handle.
 
 A put of a field named in ``fields`` whose tensor is on a CUDA device, in a cluster of one node,
-stores no bytes of it: the store gets, under ``<name>@cuda``, one small record per row (uint8,
-jagged): the CUDA IPC handle of the put's tensor (torch's own handle, JSON-encoded, so nothing is
-executed on read) and where the row lies in it. The putting process keeps that tensor alive until
-every key of the put has left the store (looked up at its later puts and clears, and at
-:meth:`close`). A reader opens the handle and copies the rows it asked for into its own memory
-on its current CUDA device: one peer copy per put it reads from, no host hop; the rows come back
-bit-identical, with the dtype, shape and layout they were put with.
+stores no bytes of it: the store gets, under ``<name>@cuda``, one fixed-size record per row (a
+dense int64 row of ``RECORD_WIDTH``, so the store keeps no per-row shapes): where the row lies in
+the put's tensor, its shape, and the CUDA IPC handle of that tensor (torch's own handle,
+JSON-encoded, so nothing is executed on read). Records are built and parsed with tensor ops, not
+per row. The putting process keeps that tensor alive until every key of the put has left the
+store: keys it clears itself are let go at once; keys cleared by other clients are found by a
+listing of the partition that each put starts in a background thread (so a put never waits for
+it), or on demand by :meth:`release_cleared`; :meth:`close` lets everything go. A reader opens the
+handle and copies the rows it asked for into its own memory on its current CUDA device: one peer
+copy per put it reads from, no host hop; the rows come back bit-identical, with the dtype, shape
+and layout they were put with.
 
 Everything else takes the inner store's path unchanged: fields not named, CPU tensors, and, in a
 cluster of more than one node (CUDA IPC does not cross hosts), named CUDA fields too, copied to
 the host first. The factory wraps a client in this when ``data_plane.gpu_fields`` names a field.
 
-Limits: a read of rows put by both paths in one call raises ``KeyError`` naming the field; a key
-overwritten by a later put keeps the earlier put's tensor alive until the key is cleared, and one
-re-put by the other path keeps both stored forms (a read by keys prefers the GPU one): put a key
-by one path.
+Limits: rows have at most ``MAX_ROW_DIMS`` dimensions; a read of rows put by both paths in one
+call raises ``KeyError`` naming the field; a key overwritten by a later put keeps the earlier put's
+tensor alive until the key is cleared, and one re-put by the other path keeps both stored forms (a
+read by keys prefers the GPU one): put a key by one path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,28 +36,79 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient, Fields
-from nemo_dataplane.codec import is_jagged, jagged_from_rows, jagged_rows, join_rows
+from nemo_dataplane.codec import is_jagged, join_rows
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.wrappers.base import ForwardingClient
 
-__all__ = ["SUFFIX", "GpuResidentClient"]
+__all__ = ["MAX_ROW_DIMS", "RECORD_WIDTH", "SUFFIX", "GpuResidentClient"]
 
 SUFFIX = "@cuda"  # the stored name of a field whose rows stay on the GPU
+
+# A record (int64): start and length of the row in the put's flat tensor (elements), jagged flag,
+# the row's number of dimensions and its shape, then the handle's JSON padded with blanks (which
+# JSON ignores). The width is fixed so rows of different puts read together stay one dense field.
+_GEOM = 10
+MAX_ROW_DIMS = _GEOM - 4
+_HANDLE_BYTES = 2048
+RECORD_WIDTH = _GEOM + _HANDLE_BYTES // 8
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Held:
     partition_id: str
-    keys: frozenset[str]
+    keys: set[str]  # the put's keys not yet seen cleared
     tensors: list[torch.Tensor]
 
 
-def _rows_of_records(records: torch.Tensor) -> list[dict[str, Any]]:
-    return [json.loads(r.cpu().numpy().tobytes()) for r in jagged_rows(records)]
+def _records(
+    name: str, blob: bytes, starts: torch.Tensor, lengths: torch.Tensor, shapes: torch.Tensor, jagged: bool
+) -> torch.Tensor:
+    """The ``[n, RECORD_WIDTH]`` records of ``n`` rows of one put (CPU int64 inputs)."""
+    if len(blob) > _HANDLE_BYTES:
+        raise RuntimeError(
+            f"field {name!r}: its CUDA IPC handle takes {len(blob)} bytes, more than a record's {_HANDLE_BYTES}"
+        )
+    n, ndim = shapes.shape
+    if ndim > MAX_ROW_DIMS:
+        raise ValueError(f"field {name!r} has rows of {ndim} dimensions; a GPU-resident row has at most {MAX_ROW_DIMS}")
+    rec = torch.zeros(n, RECORD_WIDTH, dtype=torch.int64)
+    rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3] = starts, lengths, int(jagged), ndim
+    rec[:, 4 : 4 + ndim] = shapes
+    rec[:, _GEOM:] = torch.frombuffer(bytearray(blob.ljust(_HANDLE_BYTES)), dtype=torch.uint8).view(torch.int64)
+    return rec
 
 
-def _records(rows: list[bytes]) -> torch.Tensor:
-    return jagged_from_rows([torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in rows])
+@dataclass
+class _Rows:
+    """Parsed records: the handle of each put read from and, per row, which one, where and what shape."""
+
+    blobs: list[bytes]
+    group: torch.Tensor  # [n] index into blobs
+    starts: torch.Tensor  # [n] first element of the row in its put's flat tensor
+    sizes: torch.Tensor  # [n] elements
+    shapes: torch.Tensor  # [n, ndim]
+    jagged: bool
+
+
+def _parse(name: str, records: torch.Tensor) -> _Rows:
+    """Inverse of :func:`_records` for rows of any puts, in any order."""
+    rec = records.cpu()
+    if rec.dim() != 2 or rec.shape[1] != RECORD_WIDTH or rec.dtype != torch.int64:
+        raise ValueError(
+            f"field {name!r}: {name + SUFFIX!r} holds {tuple(rec.shape)} {rec.dtype}, not GPU-resident records"
+        )
+    flags, ndims = rec[:, 2], rec[:, 3]
+    if bool((flags != flags[0]).any()) or bool((ndims != ndims[0]).any()):
+        raise ValueError(f"field {name!r}: rows put as jagged and as dense, or of different ranks, read together")
+    handles = rec[:, _GEOM:]
+    if bool((handles == handles[0]).all()):
+        uniq, group = handles[:1], torch.zeros(rec.shape[0], dtype=torch.int64)
+    else:
+        uniq, group = torch.unique(handles, dim=0, return_inverse=True)
+    blobs = [u.numpy().tobytes() for u in uniq]
+    return _Rows(blobs, group, rec[:, 0], rec[:, 1], rec[:, 4 : 4 + int(ndims[0])], bool(flags[0]))
 
 
 class GpuResidentClient(ForwardingClient):
@@ -72,6 +127,7 @@ class GpuResidentClient(ForwardingClient):
         self.single_node = single_node
         self._held: list[_Held] = []
         self._lock = threading.Lock()
+        self._releaser: threading.Thread | None = None
 
     # ------------------------------------------------------------------ put
     def kv_batch_put(
@@ -84,59 +140,73 @@ class GpuResidentClient(ForwardingClient):
         gpu = {n: t for n, t in dict(fields or {}).items() if n in self.fields and t.is_cuda}
         if not gpu:
             return self.inner.kv_batch_put(keys, partition_id, fields, tags)
-        self._release_cleared()
         out: dict[str, torch.Tensor] = {n: t for n, t in dict(fields or {}).items() if n not in gpu}
         if not self.single_node:  # CUDA IPC does not cross hosts: the host path
             out.update({n: t.cpu() for n, t in gpu.items()})
             return self.inner.kv_batch_put(keys, partition_id, out, tags)
+        self._start_release()
         kept: list[torch.Tensor] = []
         for name, t in gpu.items():
             out[name + SUFFIX], flat = self._handles(name, t, len(keys))
             kept.append(flat)
         meta = self.inner.kv_batch_put(keys, partition_id, out, tags)
         with self._lock:
-            self._held.append(_Held(partition_id, frozenset(keys), kept))
+            self._held.append(_Held(partition_id, set(keys), kept))
         return meta
 
     def _handles(self, name: str, t: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One record per row of ``t`` (CUDA) and the flat tensor they point into."""
+        """The records of ``t``'s rows (CUDA) and the flat tensor they point into."""
         from nemo_dataplane.refit.cuda.ipc import export_tensors
 
         if is_jagged(t):
             flat = t.values().detach().contiguous()
-            offsets = t.offsets().tolist()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
+            offsets = t.offsets().cpu()  # type: ignore[attr-defined]  # torch's stub lacks the NJT accessor
             if len(offsets) - 1 != n:
                 raise ValueError(f"field {name!r} has {len(offsets) - 1} rows for {n} keys")
-            inner_shape = list(flat.shape[1:])
-            per = int(torch.Size(inner_shape).numel())
-            spans = [(offsets[i] * per, (offsets[i + 1] - offsets[i]) * per) for i in range(n)]
-            shapes = [[offsets[i + 1] - offsets[i], *inner_shape] for i in range(n)]
+            per = int(torch.Size(flat.shape[1:]).numel())
+            lengths = offsets.diff()
+            inner = torch.tensor(flat.shape[1:], dtype=torch.int64).expand(n, -1)
+            shapes = torch.cat([lengths[:, None], inner], dim=1)
+            starts, sizes = offsets[:-1] * per, lengths * per
         else:
             if t.shape[0] != n:
                 raise ValueError(f"field {name!r} has {t.shape[0]} rows for {n} keys")
             flat = t.detach().contiguous()
             per = int(torch.Size(flat.shape[1:]).numel())
-            spans = [(i * per, per) for i in range(n)]
-            shapes = [list(flat.shape[1:])] * n
+            shapes = torch.tensor(flat.shape[1:], dtype=torch.int64).expand(n, -1)
+            starts, sizes = torch.arange(n, dtype=torch.int64) * per, torch.full((n,), per, dtype=torch.int64)
         flat = flat.reshape(-1)
-        blob = export_tensors([flat], flat.device).decode()
-        # The handle carries the dtype; a record adds only where its row lies and its shape.
-        head = {"blob": blob, "jagged": is_jagged(t)}
-        rows = [json.dumps({**head, "start": s, "len": m, "shape": sh}).encode() for (s, m), sh in zip(spans, shapes)]
-        return _records(rows), flat
+        blob = export_tensors([flat], flat.device)
+        return _records(name, blob, starts, sizes, shapes, is_jagged(t)), flat
 
-    def _release_cleared(self) -> None:
-        """Drop the tensors of puts none of whose keys is in the store any more."""
+    # ------------------------------------------------------------------ release
+    def release_cleared(self) -> int:
+        """Let go of the tensors of puts none of whose keys is in the store any more (one listing
+        per partition held); returns how many puts were let go."""
         with self._lock:
             held = list(self._held)
-        if not held:
-            return
         listed: dict[str, set[str]] = {}
         for h in held:
             if h.partition_id not in listed:
                 listed[h.partition_id] = set(self.inner.kv_list(h.partition_id).keys)
+        gone = {id(h) for h in held if not h.keys & listed[h.partition_id]}
         with self._lock:
-            self._held = [h for h in self._held if h.keys & listed.get(h.partition_id, set(h.keys))]
+            self._held = [h for h in self._held if id(h) not in gone]
+        return len(gone)
+
+    def _start_release(self) -> None:
+        """Run :meth:`release_cleared` in a background thread unless one is running."""
+        with self._lock:
+            if not self._held or (self._releaser is not None and self._releaser.is_alive()):
+                return
+            self._releaser = threading.Thread(target=self._release_quietly, name="nd-gpu-release", daemon=True)
+            self._releaser.start()
+
+    def _release_quietly(self) -> None:
+        try:
+            self.release_cleared()
+        except Exception:  # noqa: BLE001 - the next put or clear tries again; nothing is lost meanwhile
+            log.debug("listing the store to release GPU-resident puts failed", exc_info=True)
 
     def held_puts(self) -> int:
         """Puts whose GPU tensors this client still keeps alive for readers."""
@@ -145,9 +215,18 @@ class GpuResidentClient(ForwardingClient):
 
     def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         self.inner.kv_clear(keys, partition_id)
-        self._release_cleared()
+        cleared = None if keys is None else set(keys)
+        with self._lock:
+            for h in self._held:
+                if h.partition_id == partition_id:
+                    h.keys = set() if cleared is None else h.keys - cleared
+            self._held = [h for h in self._held if h.keys]
 
     def close(self) -> None:
+        with self._lock:
+            releaser, self._releaser = self._releaser, None
+        if releaser is not None:
+            releaser.join()
         with self._lock:
             self._held = []
         self.inner.close()
@@ -184,33 +263,30 @@ class GpuResidentClient(ForwardingClient):
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"field {name!r} is held on a GPU (put with gpu_fields) and this process has no GPU")
-        rows = _rows_of_records(records)
+        r = _parse(name, records)
+        n, starts, sizes, shapes, jagged = len(r.starts), r.starts, r.sizes, r.shapes, r.jagged
         here = torch.device("cuda", torch.cuda.current_device())
+        ends = starts + sizes
         # One peer copy per put read from: the span its rows cover.
-        spans: dict[str, tuple[int, int]] = {}
-        for r in rows:
-            lo, hi = spans.get(r["blob"], (r["start"], r["start"]))
-            spans[r["blob"]] = (min(lo, r["start"]), max(hi, r["start"] + r["len"]))
-        local: dict[str, torch.Tensor] = {}
-        for blob, (lo, hi) in spans.items():
-            (src,) = open_tensors(blob.encode())
+        local: list[tuple[int, torch.Tensor]] = []
+        for g, blob in enumerate(r.blobs):
+            mine = r.group == g
+            lo, hi = int(starts[mine].min()), int(ends[mine].max())
+            (src,) = open_tensors(blob)
             assert src is not None
-            local[blob] = src[lo:hi].to(here)
-        jagged = bool(rows[0]["jagged"])
-        if len(local) == 1 and all(a["start"] + a["len"] == b["start"] for a, b in zip(rows, rows[1:])):
+            local.append((lo, src[lo:hi].to(here)))
+        if len(local) == 1 and bool((starts[1:] == ends[:-1]).all()):
             # The rows are the copied span, in order (a whole put read back): use it as it is.
-            (span,) = local.values()
+            span = local[0][1]
             if not jagged:
-                return span.view(len(rows), *rows[0]["shape"])
-            inner_shape = rows[0]["shape"][1:]
-            lengths = torch.tensor([r["shape"][0] for r in rows], dtype=torch.int64)
-            offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            return torch.nested.nested_tensor_from_jagged(span.view(-1, *inner_shape), offsets.to(here))
+                return span.view(n, *shapes[0].tolist())
+            offsets = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(shapes[:, 0], 0, out=offsets[1:])
+            return torch.nested.nested_tensor_from_jagged(span.view(-1, *shapes[0, 1:].tolist()), offsets.to(here))
         parts = []
-        for r in rows:
-            at = r["start"] - spans[r["blob"]][0]
-            parts.append(local[r["blob"]][at : at + r["len"]].view(r["shape"]))
+        for g, s, m, shape in zip(r.group.tolist(), starts.tolist(), sizes.tolist(), shapes.tolist()):
+            lo, span = local[g]
+            parts.append(span[s - lo : s - lo + m].view(shape))
         return join_rows(name, parts, jagged)
 
     # ------------------------------------------------------------------ async twins

@@ -283,7 +283,7 @@ def test_our_tests_never_resolve_to_transfer_queues_tests_package(request: pytes
     assert request.getfixturevalue("memory_client") is not None  # conftest fixtures do load
 
 
-@pytest.mark.parametrize("rows", [4, 64])  # 4: inside the request; 64 (>64 KiB): through the object store
+@pytest.mark.parametrize("rows", [4, 64])  # 4: inside the request; 64 (>100 KiB): through the object store
 def test_with_the_unit_in_the_controller_put_get_and_clear_send_no_zmq_request(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:

@@ -1,7 +1,7 @@
 """The vLLM generation engine on GPUs (vLLM's CUDA build): token-id sampling with per-token
 log-probs, refit into the running engine over NCCL (trainer and engine on two GPUs) and over
 CUDA IPC (both on one GPU), log-probs against the trainer's forward in fp32 and bf16, a layout
-mismatch, a generation waiting for a refit, and the engine's exit after a failed step.
+mismatch, a generation waiting for a refit, and the engine's exit after a failed step and on Ctrl-C.
 
 The engine runs in-process in this process, on its first visible GPU (``cuda:0``; vLLM's
 in-process worker takes local rank 0); the trainer is a process of its own
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -238,8 +239,9 @@ def test_a_generation_waits_for_a_refit_in_progress_and_carries_its_version(pool
     assert max_delta(trainer_model, PROMPTS, 2, out, 1.0) < TOL[dtype][0]
 
 
-# The engine in a process of its own: start, generate, fail inside ``with engine:``; it reports
-# the GPU memory this process's allocator holds before, during and after, and its children.
+# The engine in a process of its own: start, generate, then inside ``with engine:`` either fail
+# ("step") or keep generating until Ctrl-C ("ctrl-c"); it reports the GPU memory this process's
+# allocator holds before, during and after, and its children.
 _EXIT_SCRIPT = r"""
 import gc, sys
 import psutil, torch
@@ -259,7 +261,11 @@ try:
     with engine:
         out = engine.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=4, seed=1))
         print("RESPONSES", len(out.tokens), flush=True)
-        raise RuntimeError("a step failed")
+        if sys.argv[2] == "step":
+            raise RuntimeError("a step failed")
+        print("GENERATING", flush=True)
+        while True:  # interrupted inside vLLM's engine loop, wherever the signal lands
+            engine.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=64, seed=1))
 finally:
     gc.collect()
     print("LEFT", torch.cuda.memory_reserved() - base, flush=True)
@@ -267,23 +273,47 @@ finally:
 """
 
 
-def test_the_engine_leaves_no_process_and_frees_its_gpu_memory_after_a_failed_step() -> None:
+def _default_sigint() -> None:
+    """The child takes Ctrl-C as under a terminal (a background shell job ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("end", ["step", "ctrl-c"])
+def test_the_engine_leaves_no_process_and_frees_its_gpu_memory_after_a_failed_step_or_ctrl_c(end: str) -> None:
     free_before = torch.cuda.mem_get_info(ENGINE_GPU)[0]
-    proc = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT, str(Path(__file__).parent)],
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(Path(__file__).parent), end],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        preexec_fn=_default_sigint,
     )
-    lines = dict(
-        line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line and line.split(" ")[0].isupper()
-    )
-    assert proc.returncode == 1 and "RuntimeError: a step failed" in proc.stderr, proc.stderr[-4000:]
+    watchdog = threading.Timer(300, proc.kill)  # a hung child fails the test instead of hanging it
+    watchdog.start()
+    try:
+        head = []
+        if end == "ctrl-c":
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                head.append(line)
+                if line.startswith("GENERATING"):
+                    proc.send_signal(signal.SIGINT)  # the engine is inside a generate call or between two
+                    break
+        stdout, stderr = proc.communicate()
+    finally:
+        watchdog.cancel()
+    text = "".join(head) + stdout
+    lines = dict(line.split(" ", 1) for line in text.splitlines() if " " in line and line.split(" ")[0].isupper())
+    if end == "step":
+        assert proc.returncode == 1 and "RuntimeError: a step failed" in stderr, stderr[-4000:]
+    else:
+        assert proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr[-4000:]
     assert lines["RESPONSES"] == str(2 * len(PROMPTS))
     held, left = int(lines["HELD"]), int(lines["LEFT"])
-    print(f"engine process: allocator held {held / 2**20:.0f} MiB with the engine, {left / 2**20:.1f} MiB after it")
+    mib = 2**20
+    print(f"engine process ({end}): allocator held {held / mib:.0f} MiB with the engine, {left / mib:.1f} MiB after it")
     assert held > 64 << 20, "the engine's KV cache (64 MiB) and weights were on this GPU"
     # Measured on 2x H200: 88 MiB held, 2.0 MiB left (36 MiB when the baseline lacked cuBLAS's workspace).
     # The bound leaves a margin for the allocator's rounding, far below what the engine holds.

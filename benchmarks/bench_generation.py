@@ -419,7 +419,8 @@ def run_gpu_case(
                 "tokens": runs[0][1],
                 "repeats": reps,
             }
-            print(f"  {size} {engine_name} {length}: {per_length[str(length)]['tokens_per_s']:.0f} tok/s", flush=True)
+            # Read back by the driver if the case is cut short (a timeout keeps the lengths done).
+            print("LENGTH " + json.dumps({str(length): per_length[str(length)]}), flush=True)
         params = sum(math.prod(shape) for _, shape, _ in _param_specs(engine))
     finally:
         engine.shutdown()
@@ -614,14 +615,24 @@ def _run_sub(argv: list[str], env: dict[str, str], timeout: float) -> dict[str, 
             [sys.executable, __file__, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
-        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
-        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail[-3000:]}
+        err, out = (x.decode(errors="replace") if isinstance(x, bytes) else str(x or "") for x in (e.stderr, e.stdout))
+        return {"error": f"timed out after {timeout:.0f} s", "partial": _partial(out), "stderr_tail": err[-3000:]}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        err = proc.stderr[-3000:]
+        return {"error": f"exit code {proc.returncode}", "partial": _partial(proc.stdout), "stderr_tail": err}
     res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     res["wall_s"] = time.perf_counter() - t
     return res
+
+
+def _partial(stdout: str) -> dict[str, Any]:
+    """The per-length results a generation case printed before it stopped."""
+    done: dict[str, Any] = {}
+    for line in stdout.splitlines():
+        if line.startswith("LENGTH "):
+            done.update(json.loads(line[len("LENGTH ") :]))
+    return done
 
 
 def gpu_main(args: argparse.Namespace) -> int:
@@ -739,7 +750,8 @@ def print_gpu_tables(settings: dict[str, Any], results: list[dict[str, Any]], re
     base = {r["size"]: r for r in rows if r["engine"] == "hf" and not r.get("error")}
     for r in rows:
         if r.get("error"):
-            print(f"{r['size']:<9} {r['engine']:<8} failed: {r['error']}")
+            done = ", ".join(f"{k}: {v['tokens_per_s']:,.0f} tok/s" for k, v in r.get("partial", {}).items())
+            print(f"{r['size']:<9} {r['engine']:<8} failed: {r['error']}" + (f" (done: {done})" if done else ""))
             continue
         line = f"{r['size']:<9} {r['engine']:<8} {r['params']:>13,} {r['startup_s']:>8.1f}"
         for length in lengths:

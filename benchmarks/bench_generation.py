@@ -16,14 +16,42 @@ log-probs are compared with the trainer's forward of the refit weights
 Engines: ``hf`` (baseline), ``vllm`` (in-process, fp32, the default), ``vllm-mp`` (multiprocess
 engine: start-up and refit through vLLM's worker process) and ``vllm-bf16`` (toy size only: the
 log-prob cost of bf16). Times are medians. Prints a table and writes JSON.
+
+``--device cuda`` (vLLM's CUDA build; 2 GPUs for the refit case) measures where vLLM pays on GPUs
+instead, with its own sizes, engines and defaults (the CPU run above is unchanged):
+
+    python benchmarks/bench_generation.py --device cuda [--sizes toy,longtail,100m,0.7b]
+        [--engines hf,vllm-v1,vllm-v2] [--lengths 128,512] [--prompts 256] [--n 4]
+        [--repeats 2] [--hf-repeats 1] [--refit-size 1.3b] [--refit-routes nccl,ipc] [--lanes 2]
+
+* Generation, per (size, engine), in a fresh subprocess on one GPU: start-up (as on CPU), one
+  warm-up batch of 16 tokens, then for each length ``--repeats`` timed batches of ``--prompts``
+  token-id prompts (16-31 tokens) x ``--n`` samples with ``ignore_eos`` (every response runs to
+  the length; tokens/s still counts the tokens returned), weights and compute in bf16.
+  ``hf``: the HF sampler (``HFEngine``, batched ``generate``; ``--hf-repeats`` timed batches
+  per length, it is the slow one); ``vllm-v1`` / ``vllm-v2``: ``VLLMEngine`` with vLLM's V1 or
+  V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=0|1``), a KV cache sized for the whole batch
+  and ``max_num_seqs`` = the batch's responses, otherwise the engine's defaults (eager, no
+  CUDA graphs). One torch thread per case, as the generator actor runs with
+  ``trainer.num_threads=1``. ``--lanes 2`` runs cases two at a time, one per GPU (each case sees
+  only its GPU); the baseline of a size is measured in the same run.
+* Refit (``--refit-size``), alone on 2 GPUs before the generation cases: a vLLM engine on
+  GPU 0 receives ``--repeats`` + 1 refits (the first, cold, is reported apart) from a trainer
+  process, per route: ``nccl`` (trainer on GPU 1, the packed sender's broadcast) and ``ipc``
+  (trainer on GPU 0, ``refit.mode=reshard refit.transport=ipc`` over a gloo control group).
+  Timed: the engine's ``receive_weights`` (transfer, install through the model's loader, prefix-
+  cache reset), against the ceiling measured in the same process: one ``copy_`` of the same
+  bytes GPU 1 -> GPU 0 (nccl) or GPU 0 -> GPU 0 (ipc).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import queue
 import socket
 import statistics
 import subprocess
@@ -63,6 +91,23 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 ENGINES = ("hf", "vllm", "vllm-mp", "vllm-bf16")
+_RESULTS = REPO / "benchmarks" / "results"
+CPU_DEFAULTS: dict[str, Any] = {
+    "prompts": 32,
+    "n": 16,
+    "repeats": 3,
+    "sizes": "toy,4x512",
+    "engines": ",".join(ENGINES),
+    "out": str(_RESULTS / "bench_generation.json"),
+}
+GPU_DEFAULTS: dict[str, Any] = {
+    "prompts": 256,
+    "n": 4,
+    "repeats": 2,
+    "sizes": "toy,longtail,100m,0.7b",
+    "engines": "hf,vllm-v1,vllm-v2",
+    "out": str(_RESULTS / "bench_generation_cuda.json"),
+}
 
 
 # ------------------------------------------------------------------------------ one case
@@ -194,19 +239,593 @@ def run_case(size: str, engine_name: str, prompts: int, n: int, max_new: int, re
     }
 
 
+# ------------------------------------------------------------------------------ GPU (--device cuda)
+# Random-init Llamas in bf16. "toy" and "longtail" keep the project's character tokenizer (their
+# vocabulary is ~34 ids, as in grpo_tiny.yaml and grpo_longtail_gpu.yaml); the larger sizes take a
+# 32000-id vocabulary, as real tokenizers of that size have (the output layer and the sampler's
+# softmax scale with it). 640 positions: a 31-token prompt plus 512 new tokens.
+_GPU_POS = 640
+GPU_SIZES: dict[str, dict[str, Any]] = {
+    "toy": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {**SIZES["toy"]["hf_config"], "max_position_embeddings": _GPU_POS},
+    },
+    # examples/configs/grpo_longtail_gpu.yaml's policy (28M).
+    "longtail": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 12,
+            "max_position_embeddings": _GPU_POS,
+        },
+    },
+    "100m": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "vocab_size": 32000,
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": _GPU_POS,
+        },
+    },
+    "0.7b": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "vocab_size": 32000,
+            "hidden_size": 1536,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": _GPU_POS,
+        },
+    },
+    # The refit case's size.
+    "1.3b": {
+        "arch": "llama",
+        "seed": 0,
+        "hf_config": {
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": _GPU_POS,
+        },
+    },
+}
+GPU_ENGINES = ("hf", "vllm-v1", "vllm-v2")
+# Refit routes: the group's backend, the weight-transfer options and the trainer's GPU (the
+# engine is on GPU 0), as the GPU tests set them up (tests/unit/test_generation_vllm_gpu.py).
+# "gloo" (CPU) only exercises the case's code path without GPUs.
+REFIT_ROUTES: dict[str, tuple[str, dict[str, Any], int | None]] = {
+    "nccl": ("nccl", {"transport": "broadcast"}, 1),
+    "ipc": ("gloo", {"family": "reshard", "transport": "ipc"}, 0),
+    "gloo": ("gloo", {}, None),
+}
+
+
+def gpu_vocab(size: str) -> dict[str, Any]:
+    """The vocabulary of a GPU size: ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``."""
+    hf = GPU_SIZES[size]["hf_config"]
+    if "vocab_size" in hf:  # Llama's conventions: pad 0, bos 1, eos 2
+        return {"vocab_size": int(hf["vocab_size"]), "bos_id": 1, "eos_id": 2, "pad_id": 0}
+    from algorithms.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    return {"vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+
+
+def gpu_prompts(size: str, prompts: int) -> list[list[int]]:
+    """``prompts`` token-id prompts of 16-31 tokens (BOS first), ids drawn uniformly (seeded) from
+    the size's vocabulary above the special ids."""
+    import torch
+
+    v = gpu_vocab(size)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(prompts):
+        body = torch.randint(3, v["vocab_size"], (15 + i % 16,), generator=gen).tolist()
+        out.append([v["bos_id"], *body])
+    return out
+
+
+def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
+    """K and V of one token over all layers."""
+    hf = GPU_SIZES[size]["hf_config"]
+    head = hf["hidden_size"] // hf["num_attention_heads"]
+    return 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", hf["num_attention_heads"]) * head * dtype_bytes
+
+
+def run_gpu_case(
+    size: str,
+    engine_name: str,
+    prompts: int,
+    n: int,
+    lengths: list[int],
+    repeats: int,
+    hf_repeats: int,
+    device: str = "cuda",
+) -> dict[str, Any]:
+    """One (size, engine) generation case in this process, on ``device``'s first GPU; returns
+    start-up and, per length, the medians of the timed batches (``device="cpu"``: the same code
+    on the CPU, for checking it without a GPU)."""
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(1)  # the generator actor's trainer.num_threads
+    import transformers.models.llama.modeling_llama  # noqa: F401 - both engines build the policy's model
+
+    from algorithms.engines.generation import SamplingSpec
+
+    if engine_name != "hf":
+        import vllm  # noqa: F401 - import time is reported on its own
+    t_import = time.perf_counter() - t0
+    model_cfg = GPU_SIZES[size]
+    v = gpu_vocab(size)
+    batch = gpu_prompts(size, prompts)
+    rows = prompts * n
+    t1 = time.perf_counter()
+    if engine_name == "hf":
+        from algorithms.engines.generation.hf import HFEngine
+
+        engine: Any = HFEngine(
+            model_cfg,
+            device=device,
+            vocab_size=v["vocab_size"],
+            eos_id=v["eos_id"],
+            pad_id=v["pad_id"],
+            dtype=torch.bfloat16,
+        )
+        reps = hf_repeats
+    else:
+        from algorithms.config import VLLMEngineConfig
+        from algorithms.engines.generation.vllm import VLLMEngine
+
+        # The whole batch decodes at once: a KV cache for every response at the longest length
+        # (+25% for block rounding), at least the engine's default.
+        longest = max(len(p) for p in batch) + max(lengths)
+        kv = max(256 << 20, int(1.25 * rows * longest * kv_bytes_per_token(size)))
+        args = VLLMEngineConfig(kv_cache_memory_bytes=kv, max_num_seqs=rows)
+        engine = VLLMEngine(model_cfg, device=device, engine=args, dtype=torch.bfloat16, **v)
+        reps = repeats
+    startup = time.perf_counter() - t1
+    per_length: dict[str, dict[str, Any]] = {}
+    try:
+
+        def timed(length: int, seed: int) -> tuple[float, int]:
+            s = time.perf_counter()
+            spec = SamplingSpec(max_new_tokens=length, temperature=1.0, seed=seed, ignore_eos=True)
+            out = engine.generate(batch, n, spec)
+            return time.perf_counter() - s, sum(len(t) for t in out.tokens)
+
+        timed(16, 0)  # warm-up: first-call allocations, kernels' autotuning
+        for length in lengths:
+            runs = [timed(length, 1 + r) for r in range(reps)]
+            per_length[str(length)] = {
+                "gen_s": statistics.median(r[0] for r in runs),
+                "tokens_per_s": statistics.median(r[1] / r[0] for r in runs),
+                "tokens": runs[0][1],
+                "repeats": reps,
+            }
+            # Read back by the driver if the case is cut short (a timeout keeps the lengths done).
+            print("LENGTH " + json.dumps({str(length): per_length[str(length)]}), flush=True)
+        params = sum(math.prod(shape) for _, shape, _ in _param_specs(engine))
+    finally:
+        engine.shutdown()
+    return {
+        "size": size,
+        "engine": engine_name,
+        "params": params,
+        "vocab_size": v["vocab_size"],
+        "import_s": t_import,
+        "startup_s": startup,
+        "rows": rows,
+        "lengths": per_length,
+        "settings": getattr(engine, "settings", None) and engine.settings.attention_backend,
+    }
+
+
+def _param_specs(engine: Any) -> list[tuple[str, list[int], str]]:
+    """(name, shape, dtype) of the engine's model, whichever engine it is."""
+    specs = getattr(engine, "param_specs", None)
+    if specs is not None:
+        return list(specs)
+    return [(name, list(p.shape), str(p.dtype)) for name, p in engine.model.named_parameters()]
+
+
+def _refit_sender(
+    size: str,
+    port: int,
+    backend: str,
+    transfer: dict[str, Any],
+    gpu: int | None,
+    versions: int,
+    go: Any,
+    errors: Any,
+) -> None:
+    """The trainer rank (group rank 0) in a process of its own: the size's model in bf16 on
+    ``cuda:gpu`` (``None``: the CPU), sending version ``v`` when ``go`` yields it. Any exception
+    goes to ``errors`` (the engine's side then times out)."""
+    import torch
+
+    try:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
+        from nemo_dataplane.refit import WeightTransferConfig, build_weight_sender
+
+        dev = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
+        if gpu is not None:
+            torch.cuda.set_device(dev)
+        # Built on the device directly (the values do not matter, the bytes and names do).
+        hf = {**GPU_SIZES[size]["hf_config"]}
+        hf.setdefault("vocab_size", gpu_vocab(size)["vocab_size"])
+        with dev:
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**hf), dtype=torch.bfloat16)
+        group = StatelessProcessGroup(
+            "127.0.0.1", port, 0, 2, backend, 300.0, device=dev if backend == "nccl" else None, group_name="refit"
+        )
+        try:
+            sender = build_weight_sender(
+                WeightTransferConfig.from_dict(transfer), group, model.named_parameters, device=dev
+            )
+            sender.prepare_refit_info()
+            for _ in range(versions):
+                sender.send_weights(int(go.get(timeout=300)))
+            if gpu is not None:  # an IPC receiver reads this process's memory: finish first
+                torch.cuda.synchronize(dev)
+        finally:
+            group.destroy()
+    except BaseException as e:  # noqa: BLE001 - reported by the engine's side
+        errors.put(repr(e))
+
+
+def _copy_ceiling(nbytes: int, src: str, dst: str, iters: int = 5) -> float:
+    """Median seconds of one ``dst.copy_(src)`` of ``nbytes`` (after two warm-ups)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    devs = {torch.device(d) for d in (src, dst) if d.startswith("cuda")}
+
+    def sync() -> None:
+        for d in devs:
+            torch.cuda.synchronize(d)
+
+    times = []
+    for i in range(iters + 2):
+        sync()
+        s = time.perf_counter()
+        b.copy_(a)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - s)
+    del a, b
+    if devs:
+        torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def run_refit_case(size: str, routes: list[str], repeats: int, device: str = "cuda") -> dict[str, Any]:
+    """Refits into a running vLLM engine (on the first GPU) per route, against the copy ceiling
+    of the same bytes; returns medians of ``repeats`` warm refits and the first (cold) one."""
+    import multiprocessing as mp
+
+    import torch
+
+    torch.set_num_threads(min(16, os.cpu_count() or 1))  # building the model only; not timed
+    from algorithms.config import VLLMEngineConfig
+    from algorithms.engines.generation import RefitSpec, SamplingSpec
+    from algorithms.engines.generation.vllm import VLLMEngine
+    from nemo_dataplane.refit import WeightTransferConfig
+
+    v = gpu_vocab(size)
+    t1 = time.perf_counter()
+    engine = VLLMEngine(
+        GPU_SIZES[size],
+        device=device,
+        engine=VLLMEngineConfig(kv_cache_memory_bytes=1 << 30, max_num_seqs=64),
+        dtype=torch.bfloat16,
+        **v,
+    )
+    startup = time.perf_counter() - t1
+    nbytes = sum(math.prod(shape) * 2 for _, shape, _ in engine.param_specs)
+    params = sum(math.prod(shape) for _, shape, _ in engine.param_specs)
+    batch = gpu_prompts(size, 8)
+    spec = SamplingSpec(max_new_tokens=8, temperature=1.0, seed=0)
+    out: dict[str, Any] = {"size": size, "params": params, "bytes": nbytes, "startup_s": startup, "routes": {}}
+    ctx = mp.get_context("spawn")
+    try:
+        engine.generate(batch, 2, spec)
+        for route in routes:
+            backend, transfer, gpu = REFIT_ROUTES[route]
+            if gpu is None:
+                src = dst = "cpu"
+            else:
+                src, dst = f"cuda:{gpu}", "cuda:0"
+            ceiling = _copy_ceiling(nbytes, src, dst)
+            port = _free_port()
+            go, errors = ctx.Queue(), ctx.Queue()
+            proc = ctx.Process(
+                target=_refit_sender, args=(size, port, backend, transfer, gpu, repeats + 1, go, errors), daemon=True
+            )
+            proc.start()
+            try:
+                engine.init_refit(
+                    "127.0.0.1",
+                    port,
+                    2,
+                    1,
+                    RefitSpec(backend, 300, WeightTransferConfig.from_dict(transfer), senders=1),
+                )
+                times = []
+                for ver in range(repeats + 1):
+                    s = time.perf_counter()
+                    go.put(ver)
+                    got = engine.receive_weights()
+                    times.append(time.perf_counter() - s)
+                    if got != ver:
+                        raise RuntimeError(f"refit {route}: installed version {got}, sent {ver}")
+                engine.close_refit()  # NCCL: both ends destroy their communicators together
+                proc.join(120)
+            finally:
+                if proc.is_alive():
+                    proc.kill()
+            if not errors.empty():
+                raise RuntimeError(f"refit {route}: the trainer process failed: {errors.get()}")
+            engine.generate(batch, 2, spec)  # the engine still samples after the refits
+            warm = statistics.median(times[1:])
+            out["routes"][route] = {
+                "backend": backend,
+                "transfer": transfer,
+                "trainer": src,
+                "engine": dst,
+                "refit_s": warm,
+                "refit_cold_s": times[0],
+                "refits_s": times,
+                "ceiling": f"copy_ {src} -> {dst}",
+                "ceiling_s": ceiling,
+                "ceiling_gbps": nbytes / ceiling / 1e9,
+                "refit_gbps": nbytes / warm / 1e9,
+                "ceiling_over_refit": ceiling / warm,
+            }
+            print(f"  refit {size} {route}: {1e3 * warm:.1f} ms, ceiling {1e3 * ceiling:.2f} ms", flush=True)
+    finally:
+        engine.shutdown()
+    return out
+
+
+def _run_sub(argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run this script with ``argv`` in a subprocess; its RESULT, or ``{"error": ...}``."""
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        err, out = (x.decode(errors="replace") if isinstance(x, bytes) else str(x or "") for x in (e.stderr, e.stdout))
+        return {"error": f"timed out after {timeout:.0f} s", "partial": _partial(out), "stderr_tail": err[-3000:]}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        err = proc.stderr[-3000:]
+        return {"error": f"exit code {proc.returncode}", "partial": _partial(proc.stdout), "stderr_tail": err}
+    res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+def _partial(stdout: str) -> dict[str, Any]:
+    """The per-length results a generation case printed before it stopped."""
+    done: dict[str, Any] = {}
+    for line in stdout.splitlines():
+        if line.startswith("LENGTH "):
+            done.update(json.loads(line[len("LENGTH ") :]))
+    return done
+
+
+def gpu_main(args: argparse.Namespace) -> int:
+    """The ``--device cuda`` run: generation cases on ``--lanes`` GPUs, then the refit case on
+    two; prints the tables and writes the JSON after every case (a failed case records its error
+    and the rest go on)."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    sizes = [s for s in args.sizes.split(",") if s]
+    engines = [e for e in args.engines.split(",") if e]
+    for s in sizes + ([args.refit_size] if args.refit_size else []):
+        if s not in GPU_SIZES:
+            raise SystemExit(f"unknown GPU size {s!r}: {list(GPU_SIZES)}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    common = ["--prompts", str(args.prompts), "--n", str(args.n), "--repeats", str(args.repeats)]
+    common += ["--hf-repeats", str(args.hf_repeats), "--lengths", args.lengths, "--case-device", args.case_device]
+    # Largest first, so the two lanes end close together.
+    todo: queue.Queue[tuple[str, str]] = queue.Queue()
+    for size in reversed(sizes) if args.lanes > 1 else sizes:
+        for eng in engines:
+            todo.put((size, eng))
+    results: list[dict[str, Any]] = []
+    refit: dict[str, Any] = {}
+    lock = threading.Lock()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, Any] = {
+        "device": "cuda",
+        "prompts": args.prompts,
+        "n": args.n,
+        "lengths": lengths,
+        "repeats": args.repeats,
+        "hf_repeats": args.hf_repeats,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "dtype": "bfloat16",
+        "torch_threads": 1,
+        "lanes": args.lanes,
+        "sizes": {s: GPU_SIZES[s] for s in sizes + ([args.refit_size] if args.refit_size else [])},
+    }
+
+    machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    machine.update(python=platform.python_version(), gpus=_gpu_names())
+
+    def write() -> None:
+        with lock:
+            body = {"bench": "bench_generation", "machine": machine, "settings": settings, "baseline": "hf"}
+            out.write_text(json.dumps({**body, "results": results, "refit": refit}, indent=2))
+
+    def lane(gpu: int) -> None:
+        while True:
+            try:
+                size, eng = todo.get_nowait()
+            except queue.Empty:
+                return
+            lane_env = dict(env, CUDA_VISIBLE_DEVICES=str(gpu))
+            if eng.startswith("vllm-v"):
+                lane_env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if eng == "vllm-v2" else "0"
+            print(f"[bench_generation] {size} {eng} on GPU {gpu} ...", file=sys.stderr, flush=True)
+            res = _run_sub(["--gpu-case", f"{size}:{eng}", *common], lane_env, args.timeout)
+            res.update(size=size, engine=eng, gpu=gpu)
+            with lock:
+                results.append(res)
+            print(f"[bench_generation] {size} {eng}: {res.get('error') or 'ok'}", file=sys.stderr, flush=True)
+            if res.get("error"):
+                print(res.get("stderr_tail", "")[-1500:], file=sys.stderr, flush=True)
+            write()
+
+    # The refit case first, alone (it takes two GPUs), so a sweep cut short still has it.
+    if args.refit_size:
+        print(f"[bench_generation] refit {args.refit_size} {args.refit_routes} ...", file=sys.stderr, flush=True)
+        argv = ["--refit-case", args.refit_size, "--refit-routes", args.refit_routes, *common]
+        refit.update(_run_sub(argv, env, args.timeout))
+        if refit.get("error"):
+            print(refit.get("stderr_tail", "")[-1500:], file=sys.stderr, flush=True)
+        write()
+    threads = [threading.Thread(target=lane, args=(g,), daemon=True) for g in range(args.lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print_gpu_tables(settings, results, refit)
+    print(f"wrote {out}")
+    return 0
+
+
+def _gpu_names() -> list[str]:
+    try:
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+        return [x.strip() for x in q.stdout.splitlines() if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
+def print_gpu_tables(settings: dict[str, Any], results: list[dict[str, Any]], refit: dict[str, Any]) -> None:
+    """The generation table (tok/s per length and x the same size's hf) and the refit table."""
+    lengths = settings["lengths"]
+    print(
+        f"bench_generation --device cuda: {settings['prompts']} prompts x n={settings['n']}, "
+        f"lengths {lengths} (ignore_eos), bf16, temperature 1, medians of {settings['repeats']} "
+        f"(hf: {settings['hf_repeats']}), {settings['lanes']} lane(s)"
+    )
+    head = f"{'size':<9} {'engine':<8} {'params':>13} {'start s':>8}"
+    for length in lengths:
+        head += f" {'tok/s@' + str(length):>11} {'x hf':>6}"
+    print(head)
+    print("-" * len(head))
+    order = {s: i for i, s in enumerate(settings["sizes"])}
+    rows = sorted(results, key=lambda r: (order.get(r["size"], 99), GPU_ENGINES.index(r["engine"])))
+    base = {r["size"]: r for r in rows if r["engine"] == "hf" and not r.get("error")}
+    for r in rows:
+        if r.get("error"):
+            done = ", ".join(f"{k}: {v['tokens_per_s']:,.0f} tok/s" for k, v in r.get("partial", {}).items())
+            print(f"{r['size']:<9} {r['engine']:<8} failed: {r['error']}" + (f" (done: {done})" if done else ""))
+            continue
+        line = f"{r['size']:<9} {r['engine']:<8} {r['params']:>13,} {r['startup_s']:>8.1f}"
+        for length in lengths:
+            m = r["lengths"].get(str(length))
+            b = base.get(r["size"], {}).get("lengths", {}).get(str(length))
+            tps = f"{m['tokens_per_s']:>11,.0f}" if m else f"{'-':>11}"
+            x = f"{m['tokens_per_s'] / b['tokens_per_s']:>6.2f}" if m and b else f"{'-':>6}"
+            line += f" {tps} {x}"
+        print(line)
+    if not refit:
+        return
+    if refit.get("error"):
+        print(f"refit: failed: {refit['error']}")
+        return
+    print(
+        f"\nrefit into vLLM: {refit['size']} ({refit['params']:,} parameters, {refit['bytes'] / 1e9:.2f} GB bf16), "
+        f"engine start-up {refit['startup_s']:.1f} s"
+    )
+    head = (
+        f"{'route':<6} {'trainer->engine':<16} {'refit ms':>9} {'cold ms':>8} {'GB/s':>6} {'ceiling ms':>11} "
+        f"{'GB/s':>6} {'of ceiling':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for route, m in refit["routes"].items():
+        where = f"{m['trainer']}->{m['engine']}"
+        print(
+            f"{route:<6} {where:<16} {1e3 * m['refit_s']:>9.1f} {1e3 * m['refit_cold_s']:>8.1f} "
+            f"{m['refit_gbps']:>6.1f} {1e3 * m['ceiling_s']:>11.2f} {m['ceiling_gbps']:>6.1f} "
+            f"{m['ceiling_over_refit']:>10.1%}"
+        )
+
+
 # ------------------------------------------------------------------------------ driver
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=16)
+    # None: the device's default (CPU_DEFAULTS / GPU_DEFAULTS).
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--n", type=int)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sizes", default="toy,4x512")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--sizes")
+    ap.add_argument("--engines")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_generation.json"))
+    ap.add_argument("--out")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # size:engine, run in this process (internal)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU run (module docstring)")
+    ap.add_argument("--lengths", default="128,512", help="cuda: response lengths (tokens)")
+    ap.add_argument("--hf-repeats", type=int, default=1, help="cuda: timed batches of the hf engine per length")
+    ap.add_argument("--refit-size", default="1.3b", help="cuda: the refit case's size ('' skips it)")
+    ap.add_argument("--refit-routes", default="nccl,ipc")
+    ap.add_argument("--lanes", type=int, default=1, help="cuda: generation cases run at once, one per GPU")
+    ap.add_argument("--gpu-case", help=argparse.SUPPRESS)  # size:engine (internal)
+    ap.add_argument("--refit-case", help=argparse.SUPPRESS)  # size (internal)
+    # Where a GPU run's cases run: "cpu" checks the GPU run's code on a machine without GPUs.
+    ap.add_argument("--case-device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    gpu_run = args.device == "cuda" or args.gpu_case or args.refit_case
+    for key, value in (GPU_DEFAULTS if gpu_run else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    if args.gpu_case:
+        size, eng = args.gpu_case.split(":")
+        lengths = [int(x) for x in args.lengths.split(",")]
+        res = run_gpu_case(size, eng, args.prompts, args.n, lengths, args.repeats, args.hf_repeats, args.case_device)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    if args.refit_case:
+        res = run_refit_case(args.refit_case, args.refit_routes.split(","), args.repeats, args.case_device)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    if args.device == "cuda":
+        return gpu_main(args)
 
     if args.case:
         size, eng = args.case.split(":")

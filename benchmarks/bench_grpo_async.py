@@ -1,7 +1,7 @@
 """Async vs sync GRPO at the same config and seed: throughput against the ideal overlap bound.
 
     python benchmarks/bench_grpo_async.py [--profile toy|longtail|longtail-mild] [--steps 40]
-        [--runs async:1 partial:1 det:1 ...] [--config FILE] [dotted.key=value ...]
+        [--runs async:1 partial:1 det:1 ...] [--engines hf vllm] [--config FILE] [dotted.key=value ...]
 
 Runs ``grpo_sync`` once, then ``grpo_async`` once per ``--runs`` entry ``variant:staleness``
 (``async``: the default async config, free mode; ``partial``: with ``async.partial_rollout=true``;
@@ -20,6 +20,11 @@ staleness (``x free``, when ``async:N`` ran too), the trainer's and the generato
 the staleness histogram of trained groups, the data plane's share of the step (median, ``dp
 frac``), groups dropped, the trainer's phase medians and the final reward. Prints a table;
 writes ``benchmarks/results/bench_grpo_async.json``.
+
+``--engines hf vllm`` runs the whole plan once per generation engine (``generation.backend``),
+one engine after the other: every figure above is per engine (its own sync run and bound), and
+each run of a later engine adds ``x <first engine>``, its samples/s over the first engine's run
+of the same variant. Without it the config's own engine runs and run names carry no prefix.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ def main() -> int:
         "--runs", nargs="+", default=["async:1", "partial:1"], help="variant:staleness, variant async|partial|det"
     )
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "grpo_async_tiny.yaml"))
+    ap.add_argument("--engines", nargs="+", default=None, help="generation.backend per pass (default: the config's)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_grpo_async.json"))
     ap.add_argument("overrides", nargs="*")
@@ -121,60 +127,89 @@ def main() -> int:
         *PROFILES[args.profile],
         *args.overrides,
     ]
-    plan = [("sync", "grpo_sync", [])]
+    variants: list[tuple[str, str, list[str]]] = [("sync", "grpo_sync", [])]
     for spec in args.runs:
         v, _, s = spec.partition(":")
         if v not in ("async", "partial", "det") or not s.isdigit():
             ap.error(f"--runs {spec!r}: expected async:N, partial:N or det:N")
         partial = "true" if v == "partial" else "false"
         mode = "deterministic" if v == "det" else "free"
-        plan.append(
+        variants.append(
             (
                 f"{v} s={s}",
                 "grpo_async",
                 [f"async.max_staleness={s}", f"async.partial_rollout={partial}", f"async.mode={mode}"],
             )
         )
+    engines: list[str | None] = list(args.engines) if args.engines else [None]
     results: dict[str, dict[str, Any]] = {}
+    bounds: dict[str, float] = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
-        for name, module, extra in plan:
-            print(f"[bench_grpo_async] {args.profile}: {name} ...", file=sys.stderr, flush=True)
-            out = Path(tmp) / name.replace(" ", "_").replace("=", "")
-            results[name] = summarize(run(module, Path(args.config), [*common, *extra], out, args.timeout), args.skip)
-    base = results["sync"]
-    g = base["phases_median_s"]["generate"]
-    t = base["step_s_median"] - g
-    bound = (g + t) / max(g, t) if max(g, t) > 0 else 1.0
-    for name, r in results.items():
-        r["x_sync"] = r["samples_per_s"] / base["samples_per_s"]
-        r["bound_fraction"] = r["x_sync"] / bound
-        free = results.get(name.replace("det ", "async ")) if name.startswith("det ") else None
-        r["x_free"] = r["samples_per_s"] / free["samples_per_s"] if free else None
+        for engine in engines:
+            prefix = f"{engine}: " if engine else ""
+            pick = [f"generation.backend={engine}"] if engine else []
+            for name, module, extra in variants:
+                label = prefix + name
+                print(f"[bench_grpo_async] {args.profile}: {label} ...", file=sys.stderr, flush=True)
+                out = Path(tmp) / label.replace(" ", "_").replace("=", "").replace(":", "")
+                cmd = [*common, *pick, *extra]
+                results[label] = summarize(run(module, Path(args.config), cmd, out, args.timeout), args.skip)
+            base = results[prefix + "sync"]
+            g = base["phases_median_s"]["generate"]
+            t = base["step_s_median"] - g
+            bound = bounds[prefix] = (g + t) / max(g, t) if max(g, t) > 0 else 1.0
+            for name, _, _ in variants:
+                r = results[prefix + name]
+                r["engine"] = engine
+                r["x_sync"] = r["samples_per_s"] / base["samples_per_s"]
+                r["bound_fraction"] = r["x_sync"] / bound
+                free = results.get(prefix + name.replace("det ", "async ")) if name.startswith("det ") else None
+                r["x_free"] = r["samples_per_s"] / free["samples_per_s"] if free else None
+                first = results[f"{engines[0]}: {name}"] if engine and engine != engines[0] else None
+                r["x_first_engine"] = r["samples_per_s"] / first["samples_per_s"] if first else None
     print(
         f"\nbench_grpo_async: profile {args.profile}, {args.steps} steps (first {args.skip} skipped), "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; sync step G={g:.3f}s + "
-        f"T={t:.3f}s: ideal overlap bound (G+T)/max(G,T) = {bound:.2f}x"
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
+    for prefix, bound in bounds.items():
+        base = results[prefix + "sync"]
+        g = base["phases_median_s"]["generate"]
+        print(
+            f"{prefix or 'sync '}sync step G={g:.3f}s + T={base['step_s_median'] - g:.3f}s: "
+            f"ideal overlap bound (G+T)/max(G,T) = {bound:.2f}x"
+        )
+    first_name = f"x {engines[0]}" if engines[0] else "x first"
+    width = max(12, *(len(n) for n in results))
     print(
-        f"{'run':12s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'x free':>6s} {'idle trn':>8s} "
-        f"{'idle gen':>8s} {'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} {'resp len':>8s} "
-        f"{'step_s':>7s} {'dp frac':>7s}  phases"
+        f"{'run':{width}s} {'samples/s':>9s} {'x sync':>7s} {'of bound':>8s} {'x free':>6s} {first_name:>8s} "
+        f"{'idle trn':>8s} {'idle gen':>8s} {'stale hist':>14s} {'drop':>5s} {'partial':>7s} {'reward':>6s} "
+        f"{'resp len':>8s} {'step_s':>7s} {'dp frac':>7s}  phases"
     )
     for name, r in results.items():
         ph = " ".join(f"{p}={v:.3f}" for p, v in r["phases_median_s"].items() if v)
         x_free = f"{r['x_free']:6.2f}" if r["x_free"] is not None else f"{'-':>6s}"
+        x_first = f"{r['x_first_engine']:8.2f}" if r["x_first_engine"] is not None else f"{'-':>8s}"
         print(
-            f"{name:12s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} {x_free} "
-            f"{r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} {str(r['staleness_max_hist']):>14s} "
-            f"{r['groups_dropped_stale']:5d} {r['partial_samples']:7d} {r['final_reward']:6.3f} "
-            f"{r['response_len']:8.1f} {r['step_s_median']:7.3f} {r['dataplane_step_fraction']:7.3f}  {ph}"
+            f"{name:{width}s} {r['samples_per_s']:9.1f} {r['x_sync']:7.2f} {r['bound_fraction']:8.2f} {x_free} "
+            f"{x_first} {r['trainer_idle_ratio']:8.2f} {r['generator_idle_ratio']:8.2f} "
+            f"{str(r['staleness_max_hist']):>14s} {r['groups_dropped_stale']:5d} {r['partial_samples']:7d} "
+            f"{r['final_reward']:6.3f} {r['response_len']:8.1f} {r['step_s_median']:7.3f} "
+            f"{r['dataplane_step_fraction']:7.3f}  {ph}"
         )
+    bound = bounds[next(iter(bounds))]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(
         json.dumps(
-            {"args": vars(args), "ideal_overlap_bound": bound, "wall_s": time.time() - t0, "results": results}, indent=2
+            {
+                "args": vars(args),
+                "ideal_overlap_bound": bound,
+                "ideal_overlap_bound_per_engine": bounds,
+                "wall_s": time.time() - t0,
+                "results": results,
+            },
+            indent=2,
         )
     )
     print(f"\nwrote {out_path}")

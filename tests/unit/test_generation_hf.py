@@ -294,3 +294,23 @@ def test_a_generation_pinned_to_a_version_waits_for_it_and_refuses_an_older_one(
         eng.generate(PROMPTS[:1], 2, spec, version=3, timeout_s=0.2)
     sender_group[0].destroy()
     eng.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_seed_draws_one_stream_per_response_on_the_device() -> None:
+    """A CUDA model's tokens are drawn on the device: the call's generator gives each response
+    a seed and the draw is the ``row_seeds`` one (no distribution copied to the host per token)."""
+    from algorithms.models import sample
+
+    model = build_model(MODEL, vocab_size=TOK.vocab_size).cuda()
+    rows = len(PROMPTS) * 4
+
+    def draw(seed: int, row_seeds: list[int] | None = None) -> Any:
+        gen = torch.Generator().manual_seed(seed)
+        return sample(model, PROMPTS, 4, 8, 1.0, gen, TOK.eos_id, TOK.pad_id, row_seeds=row_seeds)
+
+    first = draw(7)
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert first.tokens == draw(0, row_seeds=seeds).tokens
+    assert first.logprobs == draw(0, row_seeds=seeds).logprobs
+    assert draw(7).tokens == first.tokens and draw(8).tokens != first.tokens

@@ -47,6 +47,9 @@ def main() -> None:
     dist.init_process_group(
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
+    # Both ranks past the group's set-up before the leader goes silent or dies: a leader that
+    # exits while the other rank still connects fails that rank's init, not the fetch under test.
+    dist.barrier()
     meta = KVBatchMeta(keys=["a"], tags=[{}], partition_id="p")
     if rank == 0:  # the replica leader
         if scenario.startswith("silent_leader"):

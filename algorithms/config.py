@@ -212,6 +212,12 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             f"generation.num_gpus={cfg.generation.num_gpus:g} shares a GPU with the policy, which "
             "NCCL cannot refit across: use refit.mode=reshard with refit.transport=ipc"
         )
+    quant = cfg.generation.vllm.quantization
+    if quant is not None and (cfg.generation.backend != "vllm" or cfg.generation.device != "cuda"):
+        raise ConfigError(
+            f"generation.vllm.quantization={quant} needs generation.backend=vllm and generation.device=cuda "
+            "(the engine runs FP8 weights with vLLM's GPU kernels)"
+        )
     if cfg.policy.backend == "torch" and cfg.policy.tensor_parallel_size != 1:
         raise ConfigError(
             f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size} needs policy.backend=megatron "

@@ -81,6 +81,11 @@ class VLLMEngineConfig:
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up time)
     # false: the engine runs inside the generator process (starts faster on CPU; docs/generation.md).
     multiprocessing: bool = False
+    # null: the engine runs the trainer's weights as the refit sends them. fp8 | fp8_block: the
+    # trainer quantizes the decoder layers' matrices to FP8 for every refit (one scale per matrix |
+    # per 128 x 128 block; about half a bf16 refit's bytes) and the engine runs FP8 weights; GPU
+    # only, computing in bf16 or fp16 (algorithms/refit_weights.py, docs/generation.md).
+    quantization: Literal["fp8", "fp8_block"] | None = None
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_cache_memory_bytes", "max_num_seqs")

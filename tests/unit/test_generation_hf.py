@@ -150,10 +150,11 @@ def test_an_unknown_backend_is_refused_by_the_config_and_by_the_factory() -> Non
 
 # The trainer's log-prob of each sampled token (sequence_logprobs over prompt + response, right
 # padded) against the sampler's (KV cache, left padded), after a refit from the trainer engine
-# over gloo. Measured max |delta| on the 2-core CPU: fp32 9.5e-7, bf16 0 (both paths round the
-# same per-element fp32 accumulations to bf16). bf16 is held to 1e-2, about one bf16 rounding
-# step of a logit, for CPUs whose bf16 kernels reduce in another order.
-PARITY_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+# over gloo. Measured max |delta| on 2-core CPUs: fp32 9.5e-7; bf16 0 where both paths round the
+# same per-element fp32 accumulations to bf16, 0.014 on an AMD EPYC whose bf16 kernels reduce the
+# two batch shapes in another order. bf16 is held to 3e-2: two bf16 rounding steps (2^-8
+# relative) of a logit of magnitude 4.
+PARITY_TOL = {"fp32": 1e-5, "bf16": 3e-2}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -229,7 +230,11 @@ def test_row_seeded_responses_do_not_depend_on_the_batch_they_share() -> None:
     spec = SamplingSpec(max_new_tokens=6, temperature=1.0, row_seeds=seeds)
     whole = eng.generate(same_len, 3, spec)
     alone = eng.generate(same_len[1:2], 3, dataclasses.replace(spec, row_seeds=seeds[3:6]))
-    assert whole.tokens[3:6] == alone.tokens and whole.logprobs[3:6] == alone.logprobs
+    assert whole.tokens[3:6] == alone.tokens
+    # The same tokens; their log-probs within fp32 rounding, as a CPU's matmul kernels may
+    # accumulate a batch of 9 rows and one of 3 in another order (measured: 2.4e-7).
+    for a, b in zip(whole.logprobs[3:6], alone.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5), (a, b)
     reordered = eng.generate(same_len[::-1], 3, dataclasses.replace(spec, row_seeds=seeds[6:] + seeds[3:6] + seeds[:3]))
     assert reordered.tokens[:3] == whole.tokens[6:] and reordered.tokens[6:] == whole.tokens[:3]
     other = eng.generate(same_len, 3, dataclasses.replace(spec, row_seeds=tuple(s + 100 for s in seeds)))

@@ -26,10 +26,12 @@ from nemo_dataplane.driver.preshard import driver_balanced_preshards
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny.yaml"
 
 
-# Max |packed - per-row| log-prob and the loss's relative error. Measured on the 2-core CPU: fp32
-# 2.4e-7 and <1e-6; bf16 0 and 2e-6 (the CPU rounds the same fp32 accumulations to bf16 whatever
-# the padding). bf16 is held to about one bf16 rounding step of a logit, for other kernels.
-TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-2, 1e-3)}
+# Max |packed - per-row| log-prob and the loss's relative error. Measured on 2-core CPUs: fp32
+# 2.4e-7 and <1e-6; bf16 0 and 2e-6 where the CPU rounds the same fp32 accumulations to bf16
+# whatever the padding, 5.9e-4 and 1.2e-3 on an AMD EPYC whose bf16 kernels do not (the loss's
+# relative error is larger than a token's: its terms cancel to 0.04). bf16 is held to about one
+# bf16 rounding step of a logit, and the loss to 4x the EPYC's error.
+TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-2, 5e-3)}
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])

@@ -32,7 +32,15 @@ from algorithms.models import model_config_values
 from nemo_dataplane.refit.fp8 import Fp8Scheme, Fp8Source, fp8_layout
 from nemo_dataplane.refit.protocol import NamedTensors
 
-__all__ = ["FP8_BLOCK", "QUANTIZATION_KEY", "RefitWeights", "check_quantization", "fp8_targets", "refit_weights"]
+__all__ = [
+    "FP8_BLOCK",
+    "QUANTIZATION_KEY",
+    "RefitWeights",
+    "check_quantization",
+    "form_of",
+    "fp8_targets",
+    "refit_weights",
+]
 
 QUANTIZATION_KEY = "generation.vllm.quantization"
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's block, the one vLLM's block-FP8 kernels are tuned for
@@ -90,9 +98,16 @@ class RefitWeights:
         return cfg
 
 
+def form_of(quantization: str | None) -> RefitWeights:
+    """The form a ``generation.vllm.quantization`` value names (``None``: the weights as trained)."""
+    if quantization not in _SCHEMES:
+        raise ValueError(f"{QUANTIZATION_KEY} must be one of {list(_SCHEMES)}, got {quantization!r}")
+    return RefitWeights(_SCHEMES[quantization])
+
+
 def refit_weights(cfg: TrainerConfig) -> RefitWeights:
     """The form ``generation.vllm.quantization`` names (validated by :func:`check_quantization`)."""
-    return RefitWeights(_SCHEMES[cfg.generation.vllm.quantization])
+    return form_of(cfg.generation.vllm.quantization)
 
 
 def check_quantization(cfg: TrainerConfig, compute_dtype: str) -> None:

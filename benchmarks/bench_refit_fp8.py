@@ -52,10 +52,9 @@ def _trainer_model(size: str, gpu: int) -> Any:
 
 
 def _form(name: str) -> Any:
-    from algorithms.refit_weights import FP8_BLOCK, RefitWeights
-    from nemo_dataplane.refit.fp8 import Fp8Scheme
+    from algorithms.refit_weights import form_of
 
-    return RefitWeights({"bf16": None, "fp8": Fp8Scheme(), "fp8_block": Fp8Scheme(FP8_BLOCK)}[name])
+    return form_of(FORMS[name])
 
 
 def _sender(size: str, form: str, port: int, versions: int, go: Any, errors: Any) -> None:

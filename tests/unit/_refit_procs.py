@@ -500,12 +500,11 @@ def fp8_refit(rank: int, world: int, port: int, send: str | None, expect: str | 
     refit, the names whose bytes differ from its own quantization of the weights it expects and
     the worst error of dequantizing against them; or the handshake's error."""
     from algorithms.models import build_model
-    from algorithms.refit_weights import RefitWeights
+    from algorithms.refit_weights import form_of
     from algorithms.tasks import CharTokenizer
     from nemo_dataplane.refit import WeightTransferConfig, build_weight_receiver, build_weight_sender
     from nemo_dataplane.refit.fp8 import dequantize
 
-    schemes = {None: None, "fp8": (), "fp8_block": ((128, 128),)}
     cfg = {
         "arch": "llama",
         "seed": 0,
@@ -518,18 +517,12 @@ def fp8_refit(rank: int, world: int, port: int, send: str | None, expect: str | 
             "max_position_embeddings": 64,
         },
     }
-
-    def form(q: str | None) -> RefitWeights:
-        from nemo_dataplane.refit.fp8 import Fp8Scheme
-
-        return RefitWeights(None if schemes[q] is None else Fp8Scheme(*schemes[q]))
-
     model = build_model(cfg, vocab_size=CharTokenizer().vocab_size).to(torch.bfloat16)
     shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
     g = _group(rank, world, port, "gloo")
     try:
         if rank == 0:
-            weights = form(send)
+            weights = form_of(send)
             snd = build_weight_sender(
                 WeightTransferConfig(),
                 g,
@@ -547,7 +540,7 @@ def fp8_refit(rank: int, world: int, port: int, send: str | None, expect: str | 
                 snd.send_weights(step + 1)
             g.barrier()
             return {"bytes": sum(math.prod(s) * getattr(torch, d).itemsize for s, d in weights.layout(shapes).values())}
-        weights = form(expect)
+        weights = form_of(expect)
         layout = weights.layout(shapes)
         staging = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in layout.items()}
         rcv = build_weight_receiver(WeightTransferConfig(), g, staging)

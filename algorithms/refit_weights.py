@@ -115,10 +115,10 @@ def check_quantization(cfg: TrainerConfig, compute_dtype: str) -> None:
     a compute dtype other than bf16 / fp16 (``compute_dtype``: the engine's), several senders
     (a scale covers a whole matrix, which one sender must hold), or, block-wise, fused shards
     (q, k, v sizes; the MLP's intermediate size) that are not whole blocks."""
-    scheme = _SCHEMES[cfg.generation.vllm.quantization]
+    name = cfg.generation.vllm.quantization
+    scheme = form_of(name).scheme
     if scheme is None:
         return
-    name = cfg.generation.vllm.quantization
     if compute_dtype not in ("bfloat16", "float16"):
         raise ConfigError(
             f"{QUANTIZATION_KEY}={name} computes activations in bfloat16 or float16, got {compute_dtype}: "

@@ -30,7 +30,7 @@ import torch
 from algorithms.config import ConfigError, TrainerConfig
 from algorithms.models import model_config_values
 from nemo_dataplane.refit.fp8 import Fp8Scheme, Fp8Source, fp8_layout
-from nemo_dataplane.refit.protocol import NamedTensors
+from nemo_dataplane.refit.protocol import NamedTensors, TensorSpec
 
 __all__ = [
     "FP8_BLOCK",
@@ -73,6 +73,10 @@ class RefitWeights:
                 n: (tuple(int(s) for s in shape), str(dt).removeprefix("torch.")) for n, (shape, dt) in shapes.items()
             }
         return fp8_layout(shapes, fp8_targets(shapes), self.scheme)
+
+    def nbytes(self, shapes: Shapes) -> int:
+        """The bytes one refit sends, from the trainer's ``shapes``."""
+        return sum(TensorSpec(n, shape, dt).nbytes for n, (shape, dt) in self.layout(shapes).items())
 
     def source(self, named: NamedTensors, shapes: Shapes) -> NamedTensors:
         """The sender's tensors: ``named`` itself, or FP8 bytes and scales of its targets."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import platform
 import statistics
@@ -97,8 +96,7 @@ def run_form(size: str, form: str, repeats: int) -> dict[str, Any]:
     from algorithms.engines.generation import RefitSpec, SamplingSpec
     from algorithms.engines.generation.vllm import VLLMEngine
     from algorithms.models import pad_batch, sequence_logprobs
-    from nemo_dataplane.dtypes import dtype_from_name
-    from nemo_dataplane.refit import WeightTransferConfig
+    from nemo_dataplane.refit import TensorSpec, WeightTransferConfig
 
     torch.set_num_threads(8)
     v = gpu_vocab(size)
@@ -114,7 +112,7 @@ def run_form(size: str, form: str, repeats: int) -> dict[str, Any]:
         **v,
     )
     startup = time.perf_counter() - t0
-    nbytes = sum(math.prod(s) * dtype_from_name(d).itemsize for _, s, d in engine.param_specs)
+    nbytes = sum(TensorSpec(n, tuple(s), d).nbytes for n, s, d in engine.param_specs)
     ctx = mp.get_context("spawn")
     go, errors = ctx.Queue(), ctx.Queue()
     port = _free_port()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -539,7 +538,7 @@ def fp8_refit(rank: int, world: int, port: int, send: str | None, expect: str | 
                         p.mul_(1.5 + step)
                 snd.send_weights(step + 1)
             g.barrier()
-            return {"bytes": sum(math.prod(s) * getattr(torch, d).itemsize for s, d in weights.layout(shapes).values())}
+            return {"bytes": weights.nbytes(shapes)}
         weights = form_of(expect)
         layout = weights.layout(shapes)
         staging = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in layout.items()}

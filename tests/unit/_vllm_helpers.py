@@ -9,7 +9,6 @@ re-imports :func:`send_refits` by that name. vLLM is not imported here.
 
 from __future__ import annotations
 
-import math
 import socket
 from typing import Any
 
@@ -183,7 +182,10 @@ def send_refits(
             sender.send_weights(v)
         # The receiver's copies (CUDA IPC) read this process's memory: finish before leaving.
         torch.cuda.synchronize(dev)
-        nbytes = sum(math.prod(s) * dtype_from_name(d, "dtype").itemsize for s, d in layout.values())
-        return {"sender": type(sender).__name__, "transport": getattr(sender, "transport", None), "bytes": nbytes}
+        return {
+            "sender": type(sender).__name__,
+            "transport": getattr(sender, "transport", None),
+            "bytes": weights.nbytes(shapes),
+        }
     finally:
         group.destroy()

@@ -140,7 +140,10 @@ def test_wandb_offline_gets_the_same_numbers_as_metrics_jsonl(tmp_path: Path, mo
         logger.log_step(row)
     logged = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["dataplane_step_fraction"] for r in logged] == [0.125, 0.0625]
-    logger.close()  # finishes the run: its history is in the offline run file
+    logger.close()  # finishes the run
+    # finish() returns once the service has the records; its writer may still hold them (seen
+    # under load: a 7-byte file). teardown() waits for the service to exit, which closes the file.
+    wandb.teardown()
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     data = path.read_bytes()
     for key, value in (("dataplane_step_fraction", b"0.125"), ("dataplane_step_fraction", b"0.0625"), ("loss", b"0.5")):

@@ -34,7 +34,7 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.cluster import start_ray
+from algorithms.cluster import start_ray, worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
@@ -111,25 +111,20 @@ class Trainer:
         torch side by side); :meth:`_connect_workers` waits for them."""
         cfg = self.cfg
         cpus = cfg.ray.worker_num_cpus
-        # Workers see the driver's import path, so a custom task.reward_fn module that the driver
-        # can import, the collector can too.
-        pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
         # The job secret that authenticates rendezvous-store records reaches the workers as an
         # argument of the calls that form the groups: in memory, never through a store nor the
         # runtime_env (Ray logs that to a file). docs/reliability.md, "Trust boundary".
         self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
-        env = {
-            "env_vars": {
-                "OMP_NUM_THREADS": str(cfg.trainer.num_threads),
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": pythonpath,
-            }
-        }
+        # A cluster this run started has worker_env in every process already (start_ray): no
+        # runtime_env, so the actors take Ray's prestarted workers.
+        env_vars = {} if self._ray_started else worker_env(cfg)
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
-        gpu_env = env
+        gpu_vars = env_vars
         if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
             # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
-            gpu_env = {**env, "env_vars": {**env["env_vars"], ALL_GPUS_ENV: "1"}}
+            gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
+        env = {"env_vars": env_vars} if env_vars else None
+        gpu_env = {"env_vars": gpu_vars} if gpu_vars else None
         policy_cls = ray.remote(PolicyWorker)
         policy = [
             policy_cls.options(

@@ -620,37 +620,3 @@ def _dynamo_loaded(actor: object) -> bool:
 
 def _pid(actor: object) -> int:
     return os.getpid()
-
-
-_PRELOAD_PROBE = r"""
-import json, sys, time
-import ray
-from algorithms.cluster import start_ray
-from algorithms.config import load_config
-from algorithms.transports import make_transport
-
-cfg = load_config("examples/configs/grpo_tiny.yaml", ["ray.num_cpus=2"])
-modules = make_transport(cfg).actor_modules()
-start_ray(cfg, "probe", 1, modules)
-
-
-@ray.remote(num_cpus=0.25)
-def seen() -> dict:
-    return {m: m in sys.modules for m in ("transfer_queue", "torch._dynamo")}
-
-
-# An idle worker imports its preload before it takes a task; a task may land on one still
-# importing (then it waits for it), never on one that skipped it.
-print(json.dumps({"modules": list(modules), "seen": ray.get(seen.remote(), timeout=120)}))
-ray.shutdown()
-"""
-
-
-def test_a_trainer_started_ray_has_idle_workers_import_the_store_actors_modules_ahead() -> None:
-    """The trainer starts Ray with its store's ACTOR_MODULES preloaded: an idle worker (what the
-    store's actors take) has TransferQueue imported, without torch._dynamo (compile_marks)."""
-    out = subprocess.run([sys.executable, "-c", _PRELOAD_PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["modules"] == list(TransferQueueClient.ACTOR_MODULES)
-    assert got["seen"] == {"transfer_queue": True, "torch._dynamo": False}

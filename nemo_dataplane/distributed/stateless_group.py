@@ -18,7 +18,7 @@ authenticated (:class:`~nemo_dataplane.distributed.auth.AuthStore`) and bound to
 of the group (:func:`~nemo_dataplane.distributed.auth.bind_instance`, agreed at the
 rendezvous), see ``docs/reliability.md`` ("Trust boundary").
 
-Size: one class, ~530 lines, on purpose. Its bootstrap, collectives and bounded waits share one
+Size: one class, ~600 lines, on purpose. Its bootstrap, collectives and bounded waits share one
 state machine (usable, broken, aborted, destroyed) that every op checks and every failure sets;
 the pieces that need none of it already live apart (``work.py``: work handles and wire dtypes;
 ``auth.py``: the store and its records).

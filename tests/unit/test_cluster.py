@@ -62,9 +62,7 @@ def test_a_run_started_cluster_gives_its_idle_workers_the_run_env_and_the_store_
     threads and the driver's working directory on its import path; the driver's own environment
     is left as it was."""
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home())}
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["modules"] == list(TransferQueueClient.ACTOR_MODULES)

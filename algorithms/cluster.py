@@ -50,7 +50,7 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str
 
     A local cluster's processes start with :func:`worker_env` in their environment, so the
     run's actors need no ``runtime_env`` and Ray hands them its prestarted idle workers (an
-    actor with a ``runtime_env`` gets a new process: seconds more per actor). On an attached
+    actor with a ``runtime_env`` always gets a new process). On an attached
     cluster the actors carry :func:`worker_env` as their ``runtime_env`` instead."""
     check_devices(cfg, generators=generators)
     # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank

@@ -124,7 +124,9 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> list[int]:
     return [int(t.view(torch.int16).to(torch.int64).sum()) for t in tensors.values()]
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+def worker(rank: int, port: int, args: argparse.Namespace, queue: Any, env: dict[str, str]) -> None:
+    # Before anything touches CUDA or NCCL, which read their settings (the matrix's NCCL_*) once.
+    os.environ.update(env)
     try:
         queue.put((rank, _worker(rank, port, args)))
     except BaseException as e:  # report instead of leaving the parent waiting
@@ -437,21 +439,12 @@ MATRIX: list[tuple[str, dict[str, str], dict[str, int]]] = [
 
 def run_workers(args: argparse.Namespace, env: dict[str, str], limit_s: float) -> dict[int, dict[str, Any]]:
     """Run the two ranks in fresh processes with ``env`` added to the environment."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    procs = [ctx.Process(target=worker, args=(r, port, args, queue, env)) for r in (0, 1)]
+    for p in procs:
+        p.start()
     results: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + limit_s
     while len(results) < 2:

@@ -19,6 +19,7 @@ from algorithms.refit_weights import RefitWeights, form_of, fp8_targets, refit_w
 from nemo_dataplane.refit.fp8 import FP8_MAX, Fp8Scheme, Fp8Source, dequantize, fp8_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _fp8_procs as F  # noqa: E402
 import _refit_procs as P  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def test_the_targets_are_the_decoder_layers_matrices_and_the_source_reuses_its_b
 
 @pytest.mark.parametrize("form", ["fp8", "fp8_block"])
 def test_an_fp8_refit_over_gloo_is_bit_exact_twice_at_about_half_the_bf16_bytes(pool: P.Pool, form: str) -> None:
-    res = P.run_ranks(pool, P.fp8_refit, [0, 1], world=2, port=P.free_port(), send=form, expect=form)
+    res = P.run_ranks(pool, F.fp8_refit, [0, 1], world=2, port=P.free_port(), send=form, expect=form)
     assert not isinstance(res[1], BaseException), P.format_exc(res[1])
     assert not isinstance(res[0], BaseException), P.format_exc(res[0])
     refits = res[1]["refits"]
@@ -107,7 +108,7 @@ def test_an_fp8_refit_over_gloo_is_bit_exact_twice_at_about_half_the_bf16_bytes(
     assert [r["wrong"] for r in refits] == [[], []], refits
     assert all(0 < r["err_over_bound"] <= 1.0 for r in refits), refits
     assert len(res[1]["fp8"]) == 14  # 7 projections x 2 layers
-    bf16 = P.run_ranks(pool, P.fp8_refit, [0, 1], world=2, port=P.free_port(), send=None, expect=None)
+    bf16 = P.run_ranks(pool, F.fp8_refit, [0, 1], world=2, port=P.free_port(), send=None, expect=None)
     assert [r["wrong"] for r in bf16[1]["refits"]] == [[], []]
     ratio = res[0]["bytes"] / bf16[0]["bytes"]
     # The matrices halve; the embeddings and LM head (vocab 34 x 128 each) stay bf16.
@@ -115,7 +116,7 @@ def test_an_fp8_refit_over_gloo_is_bit_exact_twice_at_about_half_the_bf16_bytes(
 
 
 def test_a_receiver_expecting_another_form_is_named_at_the_handshake(pool: P.Pool) -> None:
-    res = P.run_ranks(pool, P.fp8_refit, [0, 1], world=2, port=P.free_port(), send="fp8_block", expect="fp8")
+    res = P.run_ranks(pool, F.fp8_refit, [0, 1], world=2, port=P.free_port(), send="fp8_block", expect="fp8")
     for r in (0, 1):
         assert res[r]["error"] == "RefitMismatchError", res[r]
     msg = res[1]["msg"]

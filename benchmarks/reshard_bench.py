@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -51,367 +50,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reshard_phases import copies_only, phase_table, print_copies, print_phase_table  # noqa: E402
+from refit_model import SCENARIOS, layouts, llama_shapes, placed, run_ranks  # noqa: E402
+from reshard_phases import print_copies, print_phase_table  # noqa: E402
+from reshard_ranks import reshard_rank  # noqa: E402
 
-from nemo_dataplane.distributed import StatelessProcessGroup  # noqa: E402
-from nemo_dataplane.refit import RefitReceiver, RefitSender  # noqa: E402
-from nemo_dataplane.refit.reshard import ReshardReceiver, ReshardSender  # noqa: E402
 from nemo_dataplane.refit.reshard import plan as _reshard  # noqa: E402
-from nemo_dataplane.refit.reshard.layout import Layout, Mesh  # noqa: E402
+from nemo_dataplane.refit.reshard.layout import Mesh  # noqa: E402
 from nemo_dataplane.refit.reshard.rules import DEFAULT_FUSIONS, build_layout, layer_stages  # noqa: E402
 
-HOST = "127.0.0.1"
 PLAN_TARGET_MS = 50.0
 RATIO_TARGET = 1.1
 
-# name -> (trainer tp, generator tp, GPU of each rank: trainers first)
-SCENARIOS: dict[str, tuple[int, int, tuple[int, ...]]] = {
-    "TP=2 -> TP=1": (2, 1, (0, 1, 0)),
-    "TP=2 -> TP=2": (2, 2, (0, 1, 0, 1)),
-}
-
-
-def _placed(sc: tuple[int, int, tuple[int, ...]]) -> tuple[int, int, tuple[int, ...]]:
-    """A scenario with its ranks on the GPUs there are (all on GPU 0 on a one-GPU machine)."""
-    tp_train, tp_gen, gpus = sc
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        gpus = tuple(0 for _ in gpus)
-    return tp_train, tp_gen, gpus
-
-
-def layouts(shapes: list[tuple[str, tuple[int, ...]]], tp_train: int, tp_gen: int) -> tuple[Layout, Layout]:
-    params = {n: (s, torch.bfloat16) for n, s in shapes}
-    src = build_layout(Mesh.of(range(tp_train), tp=tp_train), params)
-    dst = build_layout(Mesh.of(range(tp_train, tp_train + tp_gen), tp=tp_gen), params, fusions=DEFAULT_FUSIONS)
-    return src, dst
-
-
-def _full(i: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=dev).manual_seed(1000 + i)
-    return torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16)
-
-
-def local_values(layout: Layout, rank: int, dev: torch.device) -> dict[str, torch.Tensor]:
-    """``rank``'s local tensors with the model's values (each full parameter made once, sliced)."""
-    index = {n: i for i, n in enumerate(layout.params)}
-    out = {}
-    for name, lt in layout.local_tensors(rank).items():
-        parts = []
-        for param, box, _ in lt.parts:
-            full = _full(index[param], layout.params[param].shape, dev)
-            parts.append(full[tuple(slice(a, b) for a, b in box)].clone())
-            del full
-        out[name] = parts[0] if len(parts) == 1 else torch.cat(parts, lt.fuse_dim)
-    return out
-
-
-def _checksum(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return [int(t.view(torch.int16).to(torch.int64).sum()) for t in tensors.values()]
-
-
-def worker(rank: int, port: int, args: argparse.Namespace, scenario: str, queue: Any) -> None:
-    try:
-        queue.put((rank, _worker(rank, port, args, scenario)))
-    except BaseException as e:  # report instead of leaving the parent waiting
-        import traceback
-
-        queue.put((rank, {"error": "".join(traceback.format_exception(e))}))
-
-
-def _worker(rank: int, port: int, args: argparse.Namespace, scenario: str) -> dict[str, Any]:
-    from bench_refit import llama_shapes
-
-    tp_train, tp_gen, gpus = _placed(SCENARIOS[scenario])
-    world = tp_train + tp_gen
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(gpus[rank])
-        dev = torch.device("cuda", gpus[rank])
-    else:
-        dev = torch.device("cpu")
-    shapes = llama_shapes(args.params)
-    src, dst = layouts(shapes, tp_train, tp_gen)
-    sender = rank < tp_train
-    layout = src if sender else dst
-    ctl = StatelessProcessGroup(HOST, port, rank, world, "gloo", timeout=120, group_name="ctl")
-    tensors = local_values(layout, rank, dev)
-    if not sender:
-        expected = _checksum(tensors)
-    out: dict[str, Any] = {"rows": {}}
-    tiny = torch.zeros(1)
-
-    def sync() -> None:
-        # gloo all_reduce: every rank leaves within ~0.1 ms of the others (a store barrier polls)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        ctl.all_reduce(tiny)
-
-    def timed(name: str, run: Any, participates: bool, ep: Any, targets: dict[str, torch.Tensor], correct: Any) -> None:
-        times, after_last = [], []
-        if ep is not None and hasattr(ep, "timings"):
-            ep.timings = []  # host phase marks of each refit (opt-in)
-        for i in range(args.warmup + args.iters):
-            for t in targets.values():
-                t.zero_()
-            sync()
-            t0 = time.perf_counter()
-            if participates:
-                run(i)
-                if cuda and not sender:
-                    # done="event" returns before the copies land: the weights are usable once
-                    # the receiver's current stream gets past its waits (every row ends here).
-                    torch.cuda.current_stream(dev).synchronize()
-            t1 = time.perf_counter()
-            if participates and not sender and getattr(ep, "timings", None):
-                ep.timings[-1]["usable"] = t1
-            if cuda:
-                torch.cuda.synchronize(dev)
-            # every rank posts (start, end); rank 0 reads them all
-            ctl.store.set(f"bench/{name}/{i}/{rank}", json.dumps([t0, t1, participates]).encode())
-            if rank == 0:
-                ctl.wait_for_ranks(lambda r: f"bench/{name}/{i}/{r}", range(world), f"{name} timing")
-                marks = [json.loads(ctl.store.get(f"bench/{name}/{i}/{r}")) for r in range(world)]
-                start = min(m[0] for m in marks if m[2])
-                last_in = max(m[0] for m in marks if m[2])  # the ranks leave sync() up to ~0.5 ms apart
-                end = max(m[1] for r, m in enumerate(marks) if m[2] and r >= tp_train)
-                if i >= args.warmup:
-                    times.append(end - start)
-                    after_last.append(end - last_in)
-        row: dict[str, Any] = {}
-        if ep is not None and getattr(ep, "timings", None) is not None:
-            row["timings"] = ep.timings[args.warmup :]
-            ep.timings = None
-        if not sender:
-            row["correct"] = correct()
-            row["received"] = getattr(ep, "bytes_moved", None)
-        elif getattr(ep, "_push", None) is not None:
-            row["copies"] = ep._push.copies_used
-            row["phases"] = ep._push.phases()  # the last timed refit's copies, split by kind
-        ctl.store.set(f"bench/{name}/row/{rank}", json.dumps(row).encode())
-        if rank == 0:
-            ctl.wait_for_ranks(lambda r: f"bench/{name}/row/{r}", range(world), f"{name} results")
-            allrows = [json.loads(ctl.store.get(f"bench/{name}/row/{r}")) for r in range(world)]
-            rows = allrows[tp_train:]
-            out["rows"][name] = {
-                "median_ms": statistics.median(times) * 1e3,
-                "best_ms": min(times) * 1e3,
-                "after_last_in_ms": statistics.median(after_last) * 1e3,
-                "correct": all(r["correct"] for r in rows),
-                "received_per_generator": [r["received"] for r in rows],
-            }
-            if all("timings" in r for r in allrows):
-                out["rows"][name]["phases"] = phase_table({r: x["timings"] for r, x in enumerate(allrows)})
-            copies = {r.get("copies") for r in allrows[:tp_train]} - {None}
-            if copies:
-                out["rows"][name]["copies"] = sorted(copies)
-                out["rows"][name]["sender_phases"] = [r.get("phases") for r in allrows[:tp_train]]
-        sync()
-
-    # -- the reshard
-    transport = "ipc" if cuda else "p2p"
-    if sender:
-        ep: Any = ReshardSender(
-            ctl, tensors, src, args.bucket_bytes, direct_bytes=args.direct_bytes, transport=transport, device=dev
-        )
-    else:
-        ep = ReshardReceiver(ctl, tensors, dst, device=dev)
-    t0 = time.perf_counter()
-    plan = ep.prepare_refit_info()
-    out["prepare_s"] = time.perf_counter() - t0
-    if getattr(ep, "_push", None) is not None:
-        ep._push.timing = True
-    name = f"reshard ({transport})"
-    timed(
-        name,
-        (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
-        True,
-        ep,
-        {} if sender else tensors,
-        lambda: _checksum(tensors) == expected,
-    )
-    if cuda and ep.transport == "ipc":
-
-        def again(label: str) -> None:
-            timed(
-                label,
-                (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
-                True,
-                ep,
-                {} if sender else tensors,
-                lambda: _checksum(tensors) == expected,
-            )
-            if rank == 0:
-                out["rows"][label]["transport"] = ep.transport
-
-        # The other order of issuing the two kinds of copies (IpcPush.order).
-        first = ep._push.order
-        if sender:
-            ep._push.order = "strided_first" if first == "batched_first" else "batched_first"
-        again(
-            f"reshard ({transport}, {'strided kernels' if first == 'batched_first' else 'batched copies'} issued first)"
-        )
-        if sender:
-            ep._push.order = first
-        # The done signal on the host (ipc_done="host"): a done exchange after the copies.
-        done = ep.done
-        ep.done = "host"
-        if done != "host":  # already timed above if the endpoints were configured with it
-            again(f"reshard ({transport}, done on the host)")
-        # ... with control over the group's gloo all_reduce instead of the store (earlier still).
-        ep.control = "gloo"
-        again(f"reshard ({transport}, done on the host, control as gloo all_reduce)")
-        ep.control = "store"
-        ep.done = done
-        if rank == 0:  # what the placement chose (reshard/ipc_control.py, reshard/ipc_push.py module docs)
-            out["ipc_modes"] = {"done": done, "pitched": ep._push.pitched, "cross_gpu": ep._push.cross_gpu}
-        if (tp_train, tp_gen) == (2, 1):
-            # The same copies with no control, from 1 or 2 processes (reshard_phases.py).
-            res = copies_only(
-                rank,
-                world,
-                tp_train,
-                ctl,
-                ep,
-                src,
-                tensors,
-                dev,
-                args.warmup,
-                args.iters,
-                sync,
-                lambda: _checksum(tensors) == expected,
-            )
-            if rank == 0:
-                out["copies_only"] = res
-    if rank == 0:
-        out["rows"][name]["transport"] = ep.transport
-        out["plan"] = {
-            "pieces": len(plan.pieces),
-            "plan_ms": plan.plan_seconds * 1e3,
-            "bytes_to": {r: plan.bytes_to(r) for r in dst.mesh.ranks},
-            "cross_device_bytes": sum(p.nbytes for p in plan.pieces if gpus[p.src] != gpus[p.dst]),
-        }
-    sync()
-    ep.close()
-    sync()
-    ep = None  # the closures above hold it: drop the endpoint's tensors before the broadcast baseline
-
-    # -- today's full broadcast from the trainer rank on GPU 1 (it holds the whole model)
-    bsrc = tp_train - 1
-    bgroup = [bsrc, *range(tp_train, world)]
-    devs = [gpus[r] for r in bgroup]
-    if cuda and len(set(devs)) < len(devs):
-        out["broadcast_skipped"] = f"ranks {bgroup} share a GPU ({devs}); NCCL refuses that"
-        ctl.barrier()
-        ctl.destroy()
-        return out
-    name = "full broadcast (RefitSender)" if not cuda else "full broadcast (RefitSender, NCCL per-tensor)"
-    g = None
-    if rank in bgroup:
-        g = StatelessProcessGroup(
-            HOST,
-            port,
-            bgroup.index(rank),
-            len(bgroup),
-            "nccl" if cuda else "gloo",
-            timeout=120,
-            device=gpus[rank] if cuda else None,
-            group_name="bcast",
-            store=ctl.store,
-        )
-    full = None
-    if rank == bsrc:
-        full = {n: _full(i, s, dev) for i, (n, s) in enumerate(shapes)}
-    ep2: Any = None
-    targets: dict[str, torch.Tensor] = {}
-    check: Any = None
-    if g is not None and rank == bsrc:
-        kw: dict[str, Any] = (
-            {"bucket_bytes": args.bucket_bytes} if not cuda else {"direct_bytes": 0, "transport": "broadcast"}
-        )
-        ep2 = RefitSender(g, full, **kw)
-    elif g is not None:
-        targets, check = broadcast_targets(dst, rank, tensors, expected)
-        ep2 = RefitReceiver(g, targets, src=0)
-    if ep2 is not None:
-        ep2.prepare_refit_info()
-    timed(
-        name,
-        (lambda i: ep2.send_weights(i)) if rank == bsrc else (lambda i: ep2.receive_weights()),
-        ep2 is not None,
-        None,
-        targets,
-        check,
-    )
-    if rank == 0:
-        out["rows"][name]["transport"] = "broadcast"
-        out["rows"][name]["received_per_generator"] = [sum(math.prod(s) * 2 for _, s in shapes)] * tp_gen
-    sync()
-    if ep2 is not None:
-        ep2.close()
-    if g is not None:
-        g.destroy()
-    ctl.barrier()
-    ctl.destroy()
-    return out
-
-
-def broadcast_targets(
-    layout: Layout, rank: int, tensors: dict[str, torch.Tensor], expected: list[int]
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """Where a full broadcast lands on a generator rank, and a check of the result.
-
-    A rank holding whole parameters (TP=1) receives into views of its (fused) tensors. A rank
-    holding shards needs the whole model in scratch tensors first, as today's refit does (its
-    slicing afterwards is not timed); the check compares the slices it owns."""
-    lts = layout.local_tensors(rank)
-    whole = all(box == tuple((0, n) for n in layout.params[p].shape) for lt in lts.values() for p, box, _ in lt.parts)
-    if whole:
-        out = {}
-        for name, lt in lts.items():
-            for param, box, off in lt.parts:
-                out[param] = tensors[name].narrow(lt.fuse_dim, off, box[lt.fuse_dim][1] - box[lt.fuse_dim][0])
-        return out, lambda: _checksum(tensors) == expected
-    dev = next(iter(tensors.values())).device
-    scratch = {n: torch.zeros(p.shape, dtype=torch.bfloat16, device=dev) for n, p in layout.params.items()}
-
-    def check() -> bool:
-        mine = {}
-        for name, lt in lts.items():
-            parts = [scratch[p][tuple(slice(a, b) for a, b in box)] for p, box, _ in lt.parts]
-            mine[name] = parts[0] if len(parts) == 1 else torch.cat(parts, lt.fuse_dim)
-        return _checksum(mine) == expected
-
-    return scratch, check
-
 
 def run_scenario(args: argparse.Namespace, scenario: str, limit_s: float) -> dict[str, Any]:
+    """Rank 0's results of one scenario, its ranks each in a fresh process."""
     tp_train, tp_gen, _ = SCENARIOS[scenario]
-    world = tp_train + tp_gen
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    from bench_refit import free_port
-
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, scenario, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + limit_s
-    try:
-        while len(results) < world:
-            try:
-                r, res = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:
-                raise RuntimeError(f"{scenario}: workers did not report within {limit_s:g}s") from None
-            if "error" in res:  # the others would only wait for it to time out
-                raise RuntimeError(f"{scenario}: rank {r} failed:\n{res['error']}")
-            results[r] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world else 0.1)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    return run_ranks(reshard_rank, tp_train + tp_gen, (args, scenario), limit_s=limit_s, label=scenario)[0]
 
 
 def ceilings(nbytes_cross: int, nbytes_local: int, device: str, iters: int) -> dict[str, float]:
@@ -515,8 +169,6 @@ def plan_timing(reps: int = 9) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> None:
-    from bench_refit import llama_shapes
-
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     shapes = llama_shapes(args.params)
     nbytes = sum(math.prod(s) for _, s in shapes) * 2
@@ -548,7 +200,7 @@ def main(args: argparse.Namespace) -> None:
             "ONE GPU: every rank on GPU 0 (nothing crosses NVLink; the ceiling is the within-GPU copy of all bytes)",
             flush=True,
         )
-    for scenario, (tp_train, tp_gen, gpus) in ((k, _placed(v)) for k, v in SCENARIOS.items()):
+    for scenario, (tp_train, tp_gen, gpus) in ((k, placed(v)) for k, v in SCENARIOS.items()):
         src, dst = layouts(shapes, tp_train, tp_gen)
         plan = _reshard.plan_reshard(src, dst, bucket_bytes=args.bucket_bytes)  # bytes only: any options do
         cross = sum(p.nbytes for p in plan.pieces if gpus[p.src] != gpus[p.dst])

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from refit_model import local_values
 
 from nemo_dataplane.refit.reshard.ipc_push import IpcPush
 
@@ -88,8 +89,6 @@ def copies_only(
 ) -> dict[str, Any] | None:
     """The copies-only modes (module doc); collective over every rank. Rank 0 returns
     mode -> results; a rank's failure is reported, never left for the others to wait out."""
-    from reshard_bench import local_values
-
     err: list[str] = []
     push = ep._push if rank < tp_train else None
     extra: tuple[IpcPush, dict[str, torch.Tensor]] | None = None

@@ -61,7 +61,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation_cases import GPU_ENGINES, GPU_SIZES, SIZES, _free_port, run_gpu_case, run_refit_case  # noqa: E402
+from generation_cases import GPU_SIZES, SIZES, _free_port, run_gpu_case, run_refit_case  # noqa: E402
+from generation_report import print_gpu_tables  # noqa: E402
 
 ENGINES = ("hf", "vllm", "vllm-mp", "vllm-bf16")
 _RESULTS = REPO / "benchmarks" / "results"
@@ -329,59 +330,6 @@ def _gpu_names() -> list[str]:
         return [x.strip() for x in q.stdout.splitlines() if x.strip()]
     except (OSError, subprocess.SubprocessError):
         return []
-
-
-def print_gpu_tables(settings: dict[str, Any], results: list[dict[str, Any]], refit: dict[str, Any]) -> None:
-    """The generation table (tok/s per length and x the same size's hf) and the refit table."""
-    lengths = settings["lengths"]
-    print(
-        f"bench_generation --device cuda: {settings['prompts']} prompts x n={settings['n']}, "
-        f"lengths {lengths} (ignore_eos), bf16, temperature 1, medians of {settings['repeats']} "
-        f"(hf: {settings['hf_repeats']}), {settings['lanes']} lane(s)"
-    )
-    head = f"{'size':<9} {'engine':<8} {'params':>13} {'start s':>8}"
-    for length in lengths:
-        head += f" {'tok/s@' + str(length):>11} {'x hf':>6}"
-    print(head)
-    print("-" * len(head))
-    order = {s: i for i, s in enumerate(settings["sizes"])}
-    rows = sorted(results, key=lambda r: (order.get(r["size"], 99), GPU_ENGINES.index(r["engine"])))
-    base = {r["size"]: r for r in rows if r["engine"] == "hf" and not r.get("error")}
-    for r in rows:
-        if r.get("error"):
-            done = ", ".join(f"{k}: {v['tokens_per_s']:,.0f} tok/s" for k, v in r.get("partial", {}).items())
-            print(f"{r['size']:<9} {r['engine']:<8} failed: {r['error']}" + (f" (done: {done})" if done else ""))
-            continue
-        line = f"{r['size']:<9} {r['engine']:<8} {r['params']:>13,} {r['startup_s']:>8.1f}"
-        for length in lengths:
-            m = r["lengths"].get(str(length))
-            b = base.get(r["size"], {}).get("lengths", {}).get(str(length))
-            tps = f"{m['tokens_per_s']:>11,.0f}" if m else f"{'-':>11}"
-            x = f"{m['tokens_per_s'] / b['tokens_per_s']:>6.2f}" if m and b else f"{'-':>6}"
-            line += f" {tps} {x}"
-        print(line)
-    if not refit:
-        return
-    if refit.get("error"):
-        print(f"refit: failed: {refit['error']}")
-        return
-    print(
-        f"\nrefit into vLLM: {refit['size']} ({refit['params']:,} parameters, {refit['bytes'] / 1e9:.2f} GB bf16), "
-        f"engine start-up {refit['startup_s']:.1f} s"
-    )
-    head = (
-        f"{'route':<6} {'trainer->engine':<16} {'refit ms':>9} {'cold ms':>8} {'GB/s':>6} {'ceiling ms':>11} "
-        f"{'GB/s':>6} {'of ceiling':>10}"
-    )
-    print(head)
-    print("-" * len(head))
-    for route, m in refit["routes"].items():
-        where = f"{m['trainer']}->{m['engine']}"
-        print(
-            f"{route:<6} {where:<16} {1e3 * m['refit_s']:>9.1f} {1e3 * m['refit_cold_s']:>8.1f} "
-            f"{m['refit_gbps']:>6.1f} {1e3 * m['ceiling_s']:>11.2f} {m['ceiling_gbps']:>6.1f} "
-            f"{m['ceiling_over_refit']:>10.1%}"
-        )
 
 
 # ------------------------------------------------------------------------------ driver

@@ -1,7 +1,8 @@
 """The cases ``bench_generation.py`` runs, each in a subprocess of its own: the model sizes, and
 the GPU run's generation case (one size x engine on one GPU) and refit case (a vLLM engine
-receiving refits from a trainer process, against the copy ceiling). The driver, the CPU case and
-the tables are in ``bench_generation.py``; its docstring says what each case measures."""
+receiving refits from a trainer process, against the copy ceiling). The driver and the CPU case
+are in ``bench_generation.py`` (its docstring says what each case measures), the GPU tables in
+``generation_report.py``."""
 
 from __future__ import annotations
 

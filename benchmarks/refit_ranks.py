@@ -32,24 +32,8 @@ def refit_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     out: dict[str, Any] = {}
 
-    t0 = time.perf_counter()
-    g = StatelessProcessGroup(
-        HOST,
-        port,
-        rank,
-        2,
-        backend,
-        timeout=120,
-        device=rank if cuda else None,
-        group_name="bench",
-        nccl_config=args.nccl_config,
-    )
-    out["init_cold_s"] = time.perf_counter() - t0  # includes waiting for the peer process to start
-    g.barrier()
-    out["init_warm_s"] = float("nan")
-    if not args.matrix:
-        t0 = time.perf_counter()
-        g2 = StatelessProcessGroup(
+    def group(name: str, store: Any = None) -> StatelessProcessGroup:
+        return StatelessProcessGroup(
             HOST,
             port,
             rank,
@@ -57,10 +41,19 @@ def refit_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]
             backend,
             timeout=120,
             device=rank if cuda else None,
-            group_name="bench-warm",
-            store=g.store,
+            group_name=name,
+            store=store,
             nccl_config=args.nccl_config,
         )
+
+    t0 = time.perf_counter()
+    g = group("bench")
+    out["init_cold_s"] = time.perf_counter() - t0  # includes waiting for the peer process to start
+    g.barrier()
+    out["init_warm_s"] = float("nan")
+    if not args.matrix:
+        t0 = time.perf_counter()
+        g2 = group("bench-warm", store=g.store)
         out["init_warm_s"] = time.perf_counter() - t0
         g2.destroy()
 

@@ -123,25 +123,22 @@ def reshard_rank(rank: int, port: int, args: argparse.Namespace, scenario: str) 
     if getattr(ep, "_push", None) is not None:
         ep._push.timing = True
     name = f"reshard ({transport})"
-    timed(
-        name,
-        (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
-        True,
-        ep,
-        {} if sender else tensors,
-        lambda: checksum(tensors) == expected,
-    )
+
+    def refits(label: str) -> None:
+        timed(
+            label,
+            (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
+            True,
+            ep,
+            {} if sender else tensors,
+            lambda: checksum(tensors) == expected,
+        )
+
+    refits(name)
     if cuda and ep.transport == "ipc":
 
         def again(label: str) -> None:
-            timed(
-                label,
-                (lambda i: ep.send_weights(i)) if sender else (lambda i: ep.receive_weights()),
-                True,
-                ep,
-                {} if sender else tensors,
-                lambda: checksum(tensors) == expected,
-            )
+            refits(label)
             if rank == 0:
                 out["rows"][label]["transport"] = ep.transport
 

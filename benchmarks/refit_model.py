@@ -84,6 +84,8 @@ def placed(sc: tuple[int, int, tuple[int, ...]]) -> tuple[int, int, tuple[int, .
 
 
 def layouts(shapes: list[tuple[str, tuple[int, ...]]], tp_train: int, tp_gen: int) -> tuple[Layout, Layout]:
+    """(trainer, generator) layouts: trainer ranks ``0..tp_train-1``, generator ranks after them,
+    its q/k/v and gate/up fused as vLLM fuses them."""
     params = {n: (s, torch.bfloat16) for n, s in shapes}
     src = build_layout(Mesh.of(range(tp_train), tp=tp_train), params)
     dst = build_layout(Mesh.of(range(tp_train, tp_train + tp_gen), tp=tp_gen), params, fusions=DEFAULT_FUSIONS)
@@ -91,6 +93,7 @@ def layouts(shapes: list[tuple[str, tuple[int, ...]]], tp_train: int, tp_gen: in
 
 
 def full_value(i: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """Parameter ``i``'s whole value, seeded by its index: every rank makes the same one."""
     gen = torch.Generator(device=dev).manual_seed(1000 + i)
     return torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16)
 

@@ -4,7 +4,9 @@ A checkpoint is a directory ``<root>/step_XXXXXX`` (XXXXXX = steps completed) ho
 
 * ``policy.pt`` — policy, reference and AdamW state (and the fp32 master weights with
   ``policy.precision=bf16``) (written by policy rank 0; DP ranks are identical;
-  with TP > 1 one ``policy_tp{t}.pt`` per TP rank);
+  with TP > 1 one ``policy_tp{t}.pt`` per TP rank); with ``policy.sharding=fsdp`` instead
+  ``policy/``, the same state as ``torch.distributed.checkpoint`` shards (:func:`save_sharded`:
+  every rank writes its own, any number of ranks can read them back);
 * ``rng_rank{r}.pt`` — each policy rank's RNG state;
 * ``driver.pt`` — steps completed, prompt-iterator position, the driver's torch/Python RNG states,
   the config it was written under and which tokenizer the run used (a resume with another one is
@@ -19,6 +21,9 @@ Every file is read with ``torch.load(..., weights_only=True)`` (:func:`load_trus
 plain containers and numbers, plus the classes in :data:`SAFE_GLOBALS` (the prompt records a
 driver state holds). A checkpoint naming any other Python object is refused, not executed; a
 file that cannot be read (truncated, corrupt) raises :class:`CheckpointReadError` naming it.
+Sharded state (:func:`load_sharded`) holds tensors only; its ``.metadata`` (a pickle, in
+``torch.distributed.checkpoint``'s format) is read by an unpickler that admits that format's own
+record classes, torch's sizes and dtypes, and nothing else.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import shutil
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -196,3 +201,91 @@ def load_driver_state(d: Path) -> dict[str, Any]:
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return state
+
+
+# What torch.distributed.checkpoint's .metadata pickle may name: its own records, torch's sizes,
+# dtypes, layouts and memory formats, and a path. Not BytesStorageMetadata: sharded state is
+# tensors only, and a byte item would be read back with torch.load(weights_only=False).
+_DCP_RECORDS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "pathlib._local": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f: IO[bytes], where: str) -> None:
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_RECORDS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"refusing to load sharded checkpoint metadata {self.where!r}: it names {module}.{name}, which is not "
+            "a torch.distributed.checkpoint record"
+        )
+
+
+def _safe_reader(directory: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self.path) / ".metadata"
+            try:
+                with open(path, "rb") as f:
+                    metadata = _MetadataUnpickler(f, str(path)).load()
+            except (FileNotFoundError, PermissionError, pickle.UnpicklingError):
+                raise
+            except (EOFError, ValueError, OSError, AttributeError, ImportError) as e:
+                raise _unreadable(path, e) from e
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
+def save_sharded(state: dict[str, Any], directory: Path) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` (nested dicts of tensors and DTensors
+    only) into ``directory``, fsync'd (collective: every rank of the default group calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    fsync_dir(directory)
+
+
+def load_sharded(state: dict[str, Any], directory: Path) -> None:
+    """Fill ``state`` (the same nesting :func:`save_sharded` wrote, this run's shapes and
+    placements) in place from ``directory``, resharding to this run's ranks (collective).
+
+    Raises:
+        pickle.UnpicklingError: the metadata names anything but the format's own records.
+        CheckpointReadError: the metadata cannot be read (truncated, corrupt).
+        FileNotFoundError: ``directory`` holds no sharded checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if not (directory / ".metadata").is_file():
+        raise FileNotFoundError(f"no sharded checkpoint in {str(directory)!r} (its .metadata is missing)")
+    dcp.load(state, storage_reader=_safe_reader(directory))

@@ -103,23 +103,35 @@ class TrainerConfig:
         return self.trainer.dp_size * self.policy.tensor_parallel_size
 
     @property
+    def fully_sharded(self) -> bool:
+        """``policy.sharding=fsdp``: each policy rank holds ``1 / trainer.dp_size`` of the model."""
+        return self.policy.sharding == "fsdp"
+
+    @property
     def refit_mode(self) -> str:
         """``refit.mode`` resolved: ``reshard`` or ``packed``."""
         if self.refit.mode != "auto":
             return self.refit.mode
-        return "reshard" if self.policy.tensor_parallel_size > 1 else "packed"
+        return "reshard" if self.policy.tensor_parallel_size > 1 or self.fully_sharded else "packed"
 
     @property
     def refit_senders(self) -> int:
-        """Policy ranks that send each refit, group ranks ``0..n-1``: the first replica's TP ranks
-        for a reshard, else policy rank 0 alone (whole weights)."""
-        return self.policy.tensor_parallel_size if self.refit_mode == "reshard" else 1
+        """Policy ranks that send each refit, group ranks ``0..n-1`` (group rank = policy rank):
+        every rank under ``policy.sharding=fsdp`` (each sends its shards), the first replica's TP
+        ranks for another reshard, else policy rank 0 alone (whole weights)."""
+        if self.refit_mode != "reshard":
+            return 1
+        return self.trainer.dp_size if self.fully_sharded else self.policy.tensor_parallel_size
 
     @property
     def weight_transfer(self) -> WeightTransferConfig:
-        """The library's weight-transfer options for this run (``refit.mode`` resolved to a family)."""
+        """The library's weight-transfer options for this run (``refit.mode`` resolved to a family,
+        the senders' split from ``policy.sharding``)."""
         return WeightTransferConfig(
-            family=self.refit_mode, transport=self.refit.transport, bucket_bytes=self.refit.bucket_bytes
+            family=self.refit_mode,
+            transport=self.refit.transport,
+            bucket_bytes=self.refit.bucket_bytes,
+            sender_layout="fsdp" if self.fully_sharded else "tp",
         )
 
     @property
@@ -223,17 +235,8 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             f"policy.tensor_parallel_size={cfg.policy.tensor_parallel_size} needs policy.backend=megatron "
             "(the torch worker is data-parallel only)"
         )
+    _check_sharding(cfg)
     if cfg.policy.backend == "megatron":
-        if cfg.policy.precision != "fp32":
-            raise ConfigError(
-                f"policy.precision={cfg.policy.precision} is not supported with policy.backend=megatron "
-                "(its engine trains in fp32): use policy.precision=fp32 or policy.backend=torch"
-            )
-        if cfg.checkpoint.export_hf:
-            raise ConfigError(
-                "checkpoint.export_hf=true is not supported with policy.backend=megatron (a rank holds "
-                "1/TP of the weights): use policy.backend=torch"
-            )
         if cfg.policy.device != "cuda":
             raise ConfigError("policy.backend=megatron needs policy.device=cuda")
         tp = cfg.policy.tensor_parallel_size
@@ -259,6 +262,24 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
     if cfg.data_plane.enabled:
         _check_backend(cfg.data_plane.backend)
+
+
+def _check_sharding(cfg: TrainerConfig) -> None:
+    """``policy.sharding`` and ``policy.activation_checkpointing`` against the engine and refit."""
+    p = cfg.policy
+    if p.backend == "megatron":
+        if cfg.fully_sharded:
+            raise ConfigError(
+                "policy.sharding=fsdp needs policy.backend=torch: Megatron shards the model itself "
+                "(policy.tensor_parallel_size)"
+            )
+        if p.activation_checkpointing:
+            raise ConfigError("policy.activation_checkpointing=true needs policy.backend=torch")
+    if cfg.fully_sharded and cfg.refit_mode != "reshard":
+        raise ConfigError(
+            f"policy.sharding=fsdp needs refit.mode=reshard (or auto), not refit.mode={cfg.refit.mode}: the packed "
+            "refit sends whole weights from one rank, which holds 1/trainer.dp_size of them"
+        )
 
 
 def _check_max_rows(cfg: TrainerConfig) -> None:

@@ -58,11 +58,23 @@ class PolicyConfig:
     # fp32 | bf16: the weights' dtype in trainer, generator, refit and export; bf16 trains fp32
     # master weights and AdamW state (algorithms/precision.py decides what each means, once).
     precision: Literal["fp32", "bf16"] = "fp32"
+    # torch only. none: every rank holds the whole model, its gradients and AdamW state (gradients
+    # averaged by one all-reduce); fsdp: each decoder layer and the root are fully_shard-ed over the
+    # policy ranks, so parameters, gradients and optimizer state are split trainer.dp_size ways
+    # (docs/sharding.md).
+    sharding: Literal["none", "fsdp"] = "none"
+    # torch only: recompute each decoder layer's activations in the backward pass instead of
+    # keeping them (less memory for long sequences, about a third more compute).
+    activation_checkpointing: bool = False
+    # The learning rate rises linearly from lr / lr_warmup_steps to lr over this many optimizer
+    # steps (0: lr from the first step).
+    lr_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
             raise FieldError("tokenizer", "is empty: give auto, char or a tokenizer directory")
         require_positive(self, "lr", "tensor_parallel_size", "gpus_per_rank")
+        require_positive(self, "lr_warmup_steps", allow_zero=True)
         require_positive(self, "max_grad_norm", allow_zero=True)
         if self.gpus_per_rank is not None and self.gpus_per_rank > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
             raise FieldError("gpus_per_rank", f"={self.gpus_per_rank}: above 1 it must be whole")
@@ -129,9 +141,13 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     loss_agg: Literal["token_mean"] = "token_mean"
     epochs: int = 1  # optimizer passes over each step's batch (>1 makes clipping bite)
+    # The most one token's KL estimate (k3) may count: beyond it the token adds this constant and
+    # no gradient, so a token the policy has all but ruled out cannot swamp the step
+    # (algorithms/grpo.py, policy_loss). null: unclamped.
+    kl_clamp: float | None = 10.0
 
     def __post_init__(self) -> None:
-        require_positive(self, "prompts_per_step", "clip_eps", "epochs")
+        require_positive(self, "prompts_per_step", "clip_eps", "epochs", "kl_clamp")
         require_positive(self, "kl_coef", allow_zero=True)
 
 

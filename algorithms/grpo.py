@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+_MAX_LOG_RATIO = 20.0
 ISMode = Literal["truncate", "mask"]
 
 
@@ -93,6 +94,7 @@ def policy_loss(
     behaviour_logprobs: Tensor | None = None,
     is_cap: float = 2.0,
     is_mode: ISMode = "truncate",
+    kl_clamp: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss with a k3 KL penalty to the reference policy.
 
@@ -110,6 +112,20 @@ def policy_loss(
     Per token: ``ratio = exp(logprobs - old_logprobs)``,
     ``pg = max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))``,
     ``kl = exp(ref - logprobs) - (ref - logprobs) - 1`` (k3, >= 0), ``loss = pg + kl_coef * kl``.
+
+    The k3 term grows as ``exp(ref - logprobs)``: a sampled token the current policy has all but
+    ruled out (``ref - logprobs`` of 20 nats gives ``4.9e8``, and that much gradient) would swamp
+    the step. On-policy that is rare (the sampler drew the token from this policy); on stale or
+    partial samples it is not (an older policy drew it). Two anchors bound it:
+
+    * importance weighting (``behaviour_logprobs`` given): k3 estimates ``KL(pi || ref)`` only on
+      tokens drawn from ``pi``; on the behaviour policy's tokens each term is weighted by the
+      same detached, capped weight ``w`` as the policy-gradient term, so a token the current
+      policy would not draw (``w`` near 0) no longer counts at full weight;
+    * ``kl_clamp``: each token's k3 counts at most this much (the log-ratio is first held within
+      +-20 so ``exp`` stays finite); past it the token adds a constant and no gradient, which
+      bounds the KL gradient per token by ``exp(d*) - 1`` where ``k3(d*) = kl_clamp``
+      (``kl_clamp = 10``: about 11.6). ``None``: unclamped.
 
     Aggregation over tokens where ``mask`` is set:
       * ``"token_mean"``: ``sum(loss * mask) / D`` with ``D = global_token_count`` if given, else
@@ -146,6 +162,8 @@ def policy_loss(
             raise ValueError(f"policy_loss: is_cap must be > 0, got {is_cap}")
         if is_mode not in ("truncate", "mask"):
             raise ValueError(f"policy_loss: is_mode must be 'truncate' or 'mask', got {is_mode!r}")
+    if kl_clamp is not None and not kl_clamp > 0:
+        raise ValueError(f"policy_loss: kl_clamp must be > 0 or None, got {kl_clamp}")
 
     m = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
@@ -172,7 +190,14 @@ def policy_loss(
 
     if ref_logprobs is not None:
         d = torch.where(m > 0, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+        if kl_clamp is not None:
+            # Within +-20 exp() is finite, so the clamp's zero gradient never meets an infinite one.
+            d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         kl = torch.exp(d) - d - 1.0
+        if kl_clamp is not None:
+            kl = kl.clamp(max=kl_clamp)
+        if behaviour_logprobs is not None:
+            kl = kl * extra["is_weight"]
     else:
         kl = torch.zeros_like(logprobs)
     per_token = pg + kl_coef * kl if (ref_logprobs is not None and kl_coef != 0.0) else pg

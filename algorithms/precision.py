@@ -8,6 +8,15 @@
   reference is a bfloat16 copy. The generator holds the same bfloat16 weights (hf engine: its
   model; vLLM: ``dtype=bfloat16``), so it samples from exactly the model the trainer scores, and
   a refit sends the model's bfloat16 weights as they are: half the bytes of fp32, no cast.
+  Floating *buffers* (the rotary frequencies) stay float32 (:func:`cast_weights`), as
+  ``transformers`` loads a bf16 checkpoint and vLLM computes them: rounded to bfloat16 they
+  would misplace positions more the longer the sequence.
+
+Under ``policy.sharding=fsdp`` the same meaning is kept with FSDP2's own machinery
+(:meth:`Precision.fsdp_policy`): each rank's float32 shards *are* the master weights and
+AdamW's state, ``fully_shard`` gathers them rounded to bfloat16 for the forward and backward,
+and reduces the gradients in float32 into float32 shard gradients; the buffers stay float32 and
+the reference is a bfloat16 copy, so a sharded and an unsharded run compute the same forward.
 
 Chosen over autocast with float32 weights: there the generator's bfloat16 model and the
 trainer's autocast forward would be two different models, and every refit would cast.
@@ -26,7 +35,21 @@ import torch
 
 from algorithms.config import TrainerConfig
 
-__all__ = ["PRECISIONS", "Precision", "TrainedWeights", "precision_of"]
+__all__ = ["PRECISIONS", "Precision", "TrainedWeights", "cast_weights", "precision_of"]
+
+
+# Attributes Megatron-core sets on a parameter to describe its tensor-parallel split.
+_LAYOUT_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared")
+
+
+@torch.no_grad()
+def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model``'s floating parameters to ``dtype`` in place (as ``model.to(dtype)``), its floating
+    buffers left float32 (as ``from_pretrained(dtype=...)`` leaves them); returns ``model``."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return model
 
 
 class TrainedWeights:
@@ -45,9 +68,15 @@ class TrainedWeights:
             self.params: list[torch.nn.Parameter] = model_params
             self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
             return
-        # Masters from the float32 values the model was built with, before rounding to dtype.
+        # Masters from the float32 values the model was built with, before rounding to dtype;
+        # they keep the attributes that say how a parameter is split (Megatron's TP layout, which
+        # the gradient norm reads).
         self.params = [torch.nn.Parameter(p.detach().float().clone()) for p in model_params]
-        model.to(dtype)
+        for p, m in zip(model_params, self.params):
+            for attr in _LAYOUT_ATTRS:
+                if hasattr(p, attr):
+                    setattr(m, attr, getattr(p, attr))
+        cast_weights(model, dtype)
         self._pairs = list(zip(model_params, self.params))
         for p, m in self._pairs:
             p.register_post_accumulate_grad_hook(self._accumulate_into(m))
@@ -103,6 +132,21 @@ class Precision:
         """Make ``model`` (float32, as built) trainable in this precision; returns what the
         optimizer steps."""
         return TrainedWeights(model, self.dtype, self.master)
+
+    def train_sharded(self, model: torch.nn.Module) -> TrainedWeights:
+        """What the optimizer steps for ``model`` sharded under :meth:`fsdp_policy`: its own
+        float32 shards, which are the master weights (nothing is cast or copied)."""
+        return TrainedWeights(model, torch.float32, master=False)
+
+    def fsdp_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for a sharded float32 model: with masters, gather the
+        shards in ``dtype`` and reduce gradients in float32; without, nothing to change (``None``)."""
+        if not self.master:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
 
 
 PRECISIONS: dict[str, Precision] = {

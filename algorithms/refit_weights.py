@@ -131,7 +131,8 @@ def check_quantization(cfg: TrainerConfig, compute_dtype: str) -> None:
     if cfg.refit_senders != 1:
         raise ConfigError(
             f"{QUANTIZATION_KEY}={name} needs whole weights from one sender (a scale covers a whole matrix); "
-            f"this run has {cfg.refit_senders} (policy.tensor_parallel_size with refit.mode=reshard)"
+            f"this run has {cfg.refit_senders} (policy.tensor_parallel_size with refit.mode=reshard, or "
+            "trainer.dp_size with policy.sharding=fsdp)"
         )
     if scheme.block is not None:
         v = model_config_values(cfg.policy.model)

@@ -32,6 +32,7 @@ from algorithms.metrics import plot_metrics, summary_line
 
 __all__ = [
     "FREE_ON_RESUME",
+    "RESHARDABLE_ON_RESUME",
     "RESULTS",
     "SAFE_ON_RESUME",
     "RunPlan",
@@ -113,6 +114,12 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "async.claim_poll_s",
     "data_plane",  # the transport and the store; packing changes only the micro-batch split
 )
+
+
+# With policy.sharding=fsdp (in the checkpoint's config and this one: a change of sharding is
+# refused) the policy's state is saved as shards that any number of ranks can load
+# (torch.distributed.checkpoint): the rank count may change like the keys above.
+RESHARDABLE_ON_RESUME: tuple[str, ...] = ("trainer.dp_size",)
 
 
 def checkpoint_root(cfg: TrainerConfig) -> Path:
@@ -283,7 +290,8 @@ def plan_run_dir(cfg: TrainerConfig) -> RunPlan:
         raise ConfigError(f"checkpoint.resume={str(resume)!r}: cannot read driver.pt: {e}") from e
     changes = config_changes(state.get("config") or {}, cfg.to_dict())
     allowed = cfg.checkpoint.allow_config_change
-    unsafe = {k: v for k, v in changes.items() if not _under(k, SAFE_ON_RESUME)}
+    safe_keys = SAFE_ON_RESUME + RESHARDABLE_ON_RESUME if cfg.fully_sharded else SAFE_ON_RESUME
+    unsafe = {k: v for k, v in changes.items() if not _under(k, safe_keys)}
     safe = {k: v for k, v in changes.items() if k not in unsafe and not allowed}
     where = f"checkpoint.resume={str(resume)!r}: the config differs from the checkpoint's in"
     if unsafe:

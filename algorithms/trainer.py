@@ -270,10 +270,11 @@ class Trainer:
         return d
 
     def _export_hf(self, name: str) -> None:
-        """Policy rank 0 writes the policy and tokenizer into ``<output_dir>/hf/<name>`` (HF format)."""
+        """The policy and tokenizer into ``<output_dir>/hf/<name>`` (HF format): every rank takes
+        part (sharded weights are gathered), one writes."""
         assert self.workers is not None
         d = self.out / "hf" / name
-        gather([self.workers.policy[0].export_hf.remote(str(d))], self.cfg.trainer.step_timeout_s, "hf export")
+        gather([w.export_hf.remote(str(d)) for w in self.workers.policy], self.cfg.trainer.step_timeout_s, "hf export")
 
     # -------------------------------------------------------------------- run
     def run(self) -> int:
@@ -316,11 +317,14 @@ class Trainer:
             summary["startup_s"] = {**phases, "data_plane_detail": detail} if detail else phases
             assert self.workers is not None
             if resume is not None:
-                gather(
+                notes = gather(
                     [w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
                     cfg.trainer.startup_timeout_s,
                     "checkpoint load",
                 )
+                for note in dict.fromkeys(n for n in notes if n):
+                    print(f"{self.name}: {note}", file=sys.stderr, flush=True)
+                    summary.setdefault("resume_notes", []).append(note)
                 self.transport.clear_all()  # rollouts of the interrupted run are regenerated
             refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
             summary["policy_params"] = self.policy_params

@@ -32,7 +32,6 @@ from algorithms.engines.training.base import Which
 from algorithms.faults import maybe_fail
 from algorithms.finite import NonFiniteError, nonfinite_message
 from algorithms.refit_weights import refit_weights
-from algorithms.replicas import replica_of
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import BatchIO
 from algorithms.workers.gpus import worker_device
@@ -82,11 +81,9 @@ class PolicyWorker:
         self.timeout_s = cfg.trainer.step_timeout_s
         self.tokenizer = build_tokenizer(cfg)
         self.engine: TrainingEngine = build_training_engine(
-            cfg, self.device, vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id
+            cfg, self.device, vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id, rank=rank
         )
         self.engine.decode = self.tokenizer.decode
-        self.tp = cfg.policy.tensor_parallel_size
-        self.dp_rank, self.tp_rank = replica_of(rank, self.tp)
         self._stores: dict[str, Any] = {}  # rendezvous stores this rank hosts, by group
         self._io: BatchIO | None = None
         self._refit_group: StatelessProcessGroup | None = None
@@ -148,15 +145,16 @@ class PolicyWorker:
         self._io = io
 
     def init_refit(self, host: str, port: int, world_size: int, secret: str | None = None) -> None:
-        """Join the refit group as sender ``tp_rank`` (collective with the generator): policy rank 0
-        with whole weights, or every TP rank of the first replica with its shards under HF names
-        (``refit_senders`` of them), the generator being the last rank. ``secret``: the job
+        """Join the refit group as sender ``rank`` (collective with the generator): policy rank 0
+        with whole weights, or with its shards under HF names every TP rank of the first replica
+        or (``policy.sharding=fsdp``) every rank (``refit_senders`` of them), the generators
+        being the last ranks. ``secret``: the job
         secret its records are authenticated with (as in :meth:`join_train_group`)."""
         r = self.cfg.refit
         self._refit_group = StatelessProcessGroup(
             host,
             port,
-            self.tp_rank,
+            self.rank,  # senders are policy ranks 0..refit_senders-1, in order
             world_size,
             backend=r.backend,
             timeout=r.timeout_s,
@@ -207,6 +205,7 @@ class PolicyWorker:
         got = io.load(batch, ["input_ids", "prompt_len", "group_id"])
         t_fetch = time.perf_counter() - t0
         rows: dict[str, list[torch.Tensor]] = {f: [torch.empty(0)] * got.size for _, f in models}
+        bad: str | None = None
         with torch.no_grad():
             for mb, pos in zip(got.microbatches, got.positions):
                 lens = [r.numel() for r in jagged_rows(mb["input_ids"])]
@@ -214,14 +213,16 @@ class PolicyWorker:
                 valid = torch.arange(width).reshape(1, -1) < (torch.tensor(lens) - 1).reshape(-1, 1)
                 for which, f in models:
                     lp = self.engine.score(which, mb, False)[0].float().cpu()
-                    # Refused before the write-back: a NaN here would reach every later loss.
-                    bad = nonfinite_message(
+                    # Refused before the write-back: a NaN here would reach every later loss. Raised
+                    # after the loop: a sharded engine's forwards are collective, and every rank must
+                    # run all of them.
+                    bad = bad or nonfinite_message(
                         f"{which} log-prob ({f})", lp[:, :width], mb, mask=valid, decode=self._decode
                     )
-                    if bad is not None:
-                        raise NonFiniteError(f"policy rank {self.rank}: {bad}")
                     for j, p in enumerate(pos):
                         rows[f][p] = lp[j, : int(lens[j]) - 1].clone()
+        if bad is not None:
+            raise NonFiniteError(f"policy rank {self.rank}: {bad}")
         cols = {f: jagged_from_rows(r) for f, r in rows.items()}
         compute_s = time.perf_counter() - t0 - t_fetch
         t1 = time.perf_counter()
@@ -352,17 +353,12 @@ class PolicyWorker:
         return None
 
     # ------------------------------------------------------------ checkpoint
-    def _state_file(self) -> str:
-        # One file per TP shard (Megatron's local state dicts differ per TP rank).
-        return "policy.pt" if self.tp == 1 else f"policy_tp{self.tp_rank}.pt"
-
     def save_checkpoint(self, path: str) -> None:
-        """The first replica's ranks write model, reference and optimizer state (one file per
-        TP rank); every rank its RNG state."""
+        """Model, reference and optimizer state as the engine lays them out (one file per TP rank
+        of the first replica, or every rank's shards); every rank its RNG state."""
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
-        if self.dp_rank == 0:
-            save_file(self.engine.state_dict(), d / self._state_file())
+        self.engine.save_state(d)
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -371,28 +367,30 @@ class PolicyWorker:
         dist.barrier()
 
     def export_hf(self, path: str) -> str | None:
-        """Policy rank 0 writes the policy (in its precision, ``save_pretrained``: safetensors) and
-        the run's tokenizer (its own ``save``) into the directory ``path``, loadable by
-        ``transformers`` and vLLM; returns ``path`` (``None`` on the other ranks, which write
-        nothing: every replica holds the same weights)."""
-        if self.rank != 0:
-            return None
+        """Write the policy (in its precision, safetensors) and the run's tokenizer (its own
+        ``save``) into the directory ``path``, loadable by ``transformers`` and vLLM. Called on
+        every rank (sharded weights are gathered tensor by tensor); returns ``path`` on the one
+        rank that wrote it, ``None`` on the others."""
         tok = self.tokenizer
         ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        self.engine.save_hf(path, ids)
+        if not self.engine.save_hf(path, ids):
+            return None
         tok.save(path)
         return path
 
-    def load_checkpoint(self, path: str) -> None:
-        """Every rank loads its TP rank's model/optimizer state and its own RNG state."""
+    def load_checkpoint(self, path: str) -> str | None:
+        """Every rank loads its model/optimizer state (as the engine laid it out) and its own RNG
+        state; a rank the checkpoint has no RNG state for (it was written with fewer ranks)
+        keeps its seeded one. Returns the engine's note on a resharded load (``None``: none)."""
         d = Path(path)
-        self.engine.load_state_dict(load_trusted(d / self._state_file(), map_location=self.device))
+        note = self.engine.load_state(d)
         rng_file = d / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
             rng = load_trusted(rng_file)
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        return note
 
     def loaded_modules(self) -> list[str]:
         """Names in this process's ``sys.modules`` under ``nemo_dataplane``/``transfer_queue``

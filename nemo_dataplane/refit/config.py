@@ -30,6 +30,7 @@ __all__ = [
     "MIN_BUCKET_BYTES",
     "PACKED_TRANSPORTS",
     "RESHARD_TRANSPORTS",
+    "SENDER_LAYOUTS",
     "WeightTransferConfig",
 ]
 
@@ -51,6 +52,12 @@ BUILTIN_TRANSPORTS: dict[str, tuple[str, ...]] = {"packed": PACKED_TRANSPORTS, "
 # How a reshard ipc receiver learns that its senders' copies landed (reshard/ipc_control.py).
 IpcDone = Literal["event", "host"]
 IPC_DONE_SIGNALS: tuple[str, ...] = ("event", "host")
+
+# How a reshard's senders split the weights (reshard/facade.py): "tp", tensor parallelism by the
+# default naming rules (column-, row-, vocab-parallel); "fsdp", dim 0 of every tensor in
+# torch.chunk sizes over the senders (FSDP2's fully_shard layout).
+SenderLayout = Literal["tp", "fsdp"]
+SENDER_LAYOUTS: tuple[str, ...] = ("tp", "fsdp")
 
 _SECTION = "refit"
 
@@ -90,6 +97,10 @@ class WeightTransferConfig:
             its memory into the sender's GPU context (needs cuda-bindings; where refused, the
             next way is taken automatically). False: torch opens it in the receiver GPU's
             context and non-contiguous pieces go as 2D copy-engine copies.
+        sender_layout: reshard with several senders: how they split the weights; ``"tp"``
+            (tensor-parallel shards by the default naming rules) or ``"fsdp"`` (every tensor
+            split along dim 0 in ``torch.chunk`` sizes, sender ``i`` holding chunk ``i``: what
+            ``fully_shard`` leaves on each rank).
     """
 
     family: str = "packed"
@@ -98,6 +109,7 @@ class WeightTransferConfig:
     direct_bytes: int | None = None
     ipc_done: IpcDone = "event"
     ipc_map_peers: bool = True
+    sender_layout: SenderLayout = "tp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, str) or not self.family:
@@ -116,6 +128,10 @@ class WeightTransferConfig:
             raise ConfigError(f"{_SECTION}.ipc_done must be one of {list(IPC_DONE_SIGNALS)}, got {self.ipc_done!r}")
         if not isinstance(self.ipc_map_peers, bool):
             raise ConfigError(f"{_SECTION}.ipc_map_peers must be true or false, got {self.ipc_map_peers!r}")
+        if self.sender_layout not in SENDER_LAYOUTS:
+            raise ConfigError(
+                f"{_SECTION}.sender_layout must be one of {list(SENDER_LAYOUTS)}, got {self.sender_layout!r}"
+            )
 
     @classmethod
     def from_dict(

@@ -37,17 +37,41 @@ def _own_model(path: Path) -> list[str]:
     return [f"policy.model.path={path}", "policy.model.hf_config=null"]
 
 
-def test_precision_is_fp32_by_default_and_what_megatron_cannot_do_is_refused_naming_the_key() -> None:
+def test_precision_is_fp32_by_default_and_megatron_takes_bf16_and_export() -> None:
     cfg = load_config(None, TINY)
     assert cfg.policy.precision == "fp32" and cfg.checkpoint.export_hf is False
     assert precision_of(cfg) == PRECISIONS["fp32"] and PRECISIONS["bf16"].dtype_name == "bfloat16"
     with pytest.raises(ConfigError, match="policy.precision"):
         load_config(None, [*TINY, "policy.precision=fp16"])
     mega = [*TINY, "policy.backend=megatron", "policy.device=cuda", "generation.device=cuda", "refit.backend=nccl"]
-    with pytest.raises(ConfigError, match=r"policy.precision=bf16 is not supported with policy.backend=megatron"):
-        load_config(None, [*mega, "policy.precision=bf16"])
-    with pytest.raises(ConfigError, match=r"checkpoint.export_hf=true is not supported with policy.backend=megatron"):
-        load_config(None, [*mega, "checkpoint.export_hf=true"])
+    both = load_config(None, [*mega, "policy.precision=bf16", "checkpoint.export_hf=true"])
+    assert precision_of(both).dtype == torch.bfloat16 and both.checkpoint.export_hf
+
+
+def test_sharded_precision_keeps_float32_shards_as_masters() -> None:
+    bf16 = PRECISIONS["bf16"]
+    assert PRECISIONS["fp32"].fsdp_policy() is None
+    policy = bf16.fsdp_policy()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    model = torch.nn.Linear(4, 3)
+    trained = bf16.train_sharded(model)
+    assert not trained.master and {p.dtype for p in trained.params} == {torch.float32}
+    assert all(a is b for a, b in zip(trained.params, model.parameters())), "the shards themselves are stepped"
+
+
+def test_bf16_keeps_the_rotary_frequencies_float32_as_transformers_loads_them(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from algorithms.models import build_model, save_pretrained_dir
+
+    model = build_model(dict(load_config(None, TINY).policy.model), vocab_size=20)
+    PRECISIONS["bf16"].train(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in model.buffers()} == {torch.float32}, "rounded, they would misplace long positions"
+    save_pretrained_dir(model, tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), local_files_only=True, dtype=torch.bfloat16)
+    for (n, a), (_, b) in zip(loaded.named_buffers(), model.named_buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b), n
 
 
 def test_bf16_gradients_accumulate_into_fp32_masters_and_the_step_publishes_them_rounded() -> None:

@@ -17,7 +17,7 @@ import torch
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation.base import GenerationEngine, RefitSpec, SamplingSpec
 from algorithms.models import build_model, sample
-from algorithms.precision import precision_of
+from algorithms.precision import cast_weights, precision_of
 from algorithms.tokenizers import build_tokenizer
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightReceiver, build_weight_receiver
@@ -55,7 +55,7 @@ class HFEngine(GenerationEngine):
         super().__init__()
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
-        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device, dtype)
+        self.model = cast_weights(build_model(model_cfg, vocab_size=vocab_size).to(self.device), dtype)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -14,16 +14,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from algorithms.checkpoint import load_trusted, save_file
 from algorithms.config import TrainerConfig
 from algorithms.finite import Decode, NonFiniteError, nonfinite_message
 from algorithms.grpo import masked_sum, policy_loss
 from algorithms.precision import Precision, TrainedWeights, precision_of
+from algorithms.replicas import replica_of
 
 __all__ = ["Prepared", "Scored", "TrainingEngine", "Which"]
 
@@ -56,7 +59,7 @@ class TrainingEngine(ABC):
     optimizer: torch.optim.Optimizer
     trained: TrainedWeights
 
-    def __init__(self, cfg: TrainerConfig, device: torch.device) -> None:
+    def __init__(self, cfg: TrainerConfig, device: torch.device, rank: int = 0) -> None:
         self.cfg = cfg
         self.device = device
         self.precision: Precision = precision_of(cfg)
@@ -64,10 +67,13 @@ class TrainingEngine(ABC):
         self.dp_group: Any = None  # None: the whole world
         self.tp_group: Any = None  # None: no tensor parallelism
         self.decode: Decode | None = None  # the worker's tokenizer: names prompts in a NonFiniteError
+        # This policy rank's place: its DP replica and TP rank (algorithms.replicas).
+        self.rank = rank
+        self.dp_rank, self.tp_rank = replica_of(rank, cfg.policy.tensor_parallel_size)
 
     def connect(self, rank: int) -> None:
         """Called once ``torch.distributed`` spans every policy rank: set up the engine's own
-        parallel groups (``dp_group``, ``tp_group``)."""
+        parallel groups (``dp_group``, ``tp_group``) and whatever needs them."""
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -75,6 +81,31 @@ class TrainingEngine(ABC):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         p = self.cfg.policy
         return torch.optim.AdamW(self.trained.params, lr=p.lr, weight_decay=p.weight_decay, betas=p.betas)
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far: AdamW's own count, saved and restored with its state
+        (a step refused for a non-finite gradient is not counted)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                step = self.optimizer.state.get(p, {}).get("step")
+                if step is not None:
+                    return int(step)
+        return 0
+
+    def learning_rate(self) -> float:
+        """The rate of the next optimizer step: ``policy.lr``, ramped linearly over the first
+        ``policy.lr_warmup_steps`` steps (from ``lr / lr_warmup_steps``)."""
+        p = self.cfg.policy
+        if p.lr_warmup_steps == 0:
+            return p.lr
+        return p.lr * min(1.0, (self.optimizer_steps() + 1) / p.lr_warmup_steps)
+
+    def _step_optimizer(self) -> None:
+        # The rate is set from the config every step, so a resume that changes policy.lr uses it.
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
 
     def _freeze_reference(self) -> None:
         self.ref_model.eval()
@@ -124,6 +155,7 @@ class TrainingEngine(ABC):
                     behaviour_logprobs=p.behaviour,
                     is_cap=a.is_cap,
                     is_mode=a.is_mode,
+                    kl_clamp=g.kl_clamp,
                 )
                 loss.backward()
                 if last:
@@ -168,7 +200,7 @@ class TrainingEngine(ABC):
             why = bad or (f"{refused} other rank(s) saw a non-finite current log-prob" if refused else None)
             detail = f"; {why}" if why else " (every input of this rank was finite)"
             raise NonFiniteError(f"gradient norm is {float(norm)}: optimizer step skipped, weights unchanged{detail}")
-        self.optimizer.step()
+        self._step_optimizer()
         self.trained.publish()
         return float(norm)
 
@@ -203,8 +235,27 @@ class TrainingEngine(ABC):
         self.optimizer.load_state_dict(state["optimizer"])
         self.trained.load_state_dict(state.get("trained", {}))
 
-    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
-        """Write the policy as a Hugging Face directory (``save_pretrained``: config.json with
-        ``special_ids`` and the weights' dtype, safetensors) loadable by ``transformers`` and
-        vLLM. Engines that cannot raise ``NotImplementedError`` (the config refuses them first)."""
+    def _state_file(self) -> str:
+        # One file per TP shard (Megatron's local state dicts differ per TP rank).
+        return "policy.pt" if self.cfg.policy.tensor_parallel_size == 1 else f"policy_tp{self.tp_rank}.pt"
+
+    def save_state(self, directory: Path) -> None:
+        """Write model, reference and optimizer state into the checkpoint ``directory`` (called
+        on every rank; collective where the engine's state is sharded). Here: the first
+        replica's ranks each write one file of their :meth:`state_dict` (replicas are equal)."""
+        if self.dp_rank == 0:
+            save_file(self.state_dict(), directory / self._state_file())
+
+    def load_state(self, directory: Path) -> str | None:
+        """Read what :meth:`save_state` wrote (every rank; collective where sharded). Returns a
+        note for the user when the checkpoint was written under another layout and resharded
+        on load, else ``None``."""
+        self.load_state_dict(load_trusted(directory / self._state_file(), map_location=self.device))
+        return None
+
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> bool:
+        """Write the policy as a Hugging Face directory (config.json with ``special_ids`` and the
+        weights' dtype, safetensors) loadable by ``transformers`` and vLLM. Called on every rank
+        (collective where the weights are sharded); returns whether this rank wrote it (one
+        does). Engines that cannot raise ``NotImplementedError`` (the config refuses them first)."""
         raise NotImplementedError(f"the {self.name} training engine cannot export a Hugging Face directory")

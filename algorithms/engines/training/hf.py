@@ -30,14 +30,24 @@ class HFTrainingEngine(TrainingEngine):
     """``policy.model`` built with ``transformers`` (random init or a local directory) in the
     run's precision (:mod:`algorithms.precision`), a frozen deep copy as the reference, AdamW.
     Args: the trainer config, the device, the tokenizer's
-    ``vocab_size`` and ``pad_id``."""
+    ``vocab_size`` and ``pad_id``, this policy rank."""
 
     name = "torch"
 
-    def __init__(self, cfg: TrainerConfig, device: torch.device, *, vocab_size: int, pad_id: int) -> None:
-        super().__init__(cfg, device)
+    def __init__(
+        self, cfg: TrainerConfig, device: torch.device, *, vocab_size: int, pad_id: int, rank: int = 0
+    ) -> None:
+        super().__init__(cfg, device, rank)
         self.pad_id = pad_id
         self.model = build_model(cfg.policy.model, vocab_size=vocab_size).to(device)
+        if cfg.policy.activation_checkpointing:
+            # Non-reentrant: the only kind that composes with fully_shard and no_grad scoring.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]  # transformers' stubs
+        self._setup()
+
+    def _setup(self) -> None:
+        """Make the float32 model trainable, copy the reference, make the optimizer. Engines
+        whose setup needs the process group (sharding) do it in :meth:`connect` instead."""
         self.trained = self.precision.train(self.model)  # casts the model first: the reference copies it
         self.ref_model = copy.deepcopy(self.model)
         self._freeze_reference()
@@ -61,5 +71,9 @@ class HFTrainingEngine(TrainingEngine):
     def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
 
-    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> bool:
+        # Every replica holds the same whole weights: policy rank 0 writes them.
+        if self.rank != 0:
+            return False
         save_pretrained_dir(self.model, directory, special_ids=special_ids)
+        return True

@@ -37,6 +37,7 @@ __all__ = [
     "mcore_shard_to_hf",
     "mcore_to_hf",
     "shape_from_hf_config",
+    "tp_split_dim",
     "transformer_kwargs",
 ]
 
@@ -89,9 +90,11 @@ def shape_from_hf_config(cfg: Any) -> GPTShape:
     )
 
 
-def transformer_kwargs(cfg: Any, *, tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(TransformerConfig kwargs, GPTModel kwargs)`` reproducing the HF model in fp32 with no
-    fused kernels (the local spec runs without Transformer Engine, apex or triton)."""
+def transformer_kwargs(cfg: Any, *, tp: int = 1, bf16: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(TransformerConfig kwargs, GPTModel kwargs)`` reproducing the HF model with no fused
+    kernels (the local spec runs without Transformer Engine, apex or triton). Parameters are
+    created in float32 either way; ``bf16``: the model will compute in bfloat16 (its weights
+    cast by the trainer's precision), so Megatron keeps the attention softmax in float32."""
     s = shape_from_hf_config(cfg)
     s.check_tp(tp)
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -120,6 +123,8 @@ def transformer_kwargs(cfg: Any, *, tp: int = 1) -> tuple[dict[str, Any], dict[s
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         params_dtype=torch.float32,
+        bf16=bf16,
+        attention_softmax_in_fp32=True,
     )
     gpt = dict(
         vocab_size=s.vocab,
@@ -263,15 +268,23 @@ def mcore_shard_to_hf(mc: Mapping[str, Tensor], shape: GPTShape, *, tp: int = 1,
     return out
 
 
+_ROW = re.compile(r"(o_proj|down_proj)\.weight$")
+
+
+def tp_split_dim(name: str, t: Tensor) -> int | None:
+    """The dim along which :func:`mcore_shard_to_hf`'s shard ``t`` of HF name ``name`` is split
+    over TP ranks (the shards concatenate along it, in rank order); ``None``: replicated."""
+    if t.dim() == 1 and name.endswith(("norm.weight", "layernorm.weight")):
+        return None
+    return 1 if _ROW.search(name) else 0
+
+
 def mcore_to_hf(shards: Sequence[Mapping[str, Tensor]], shape: GPTShape, *, te: bool = False) -> dict[str, Tensor]:
     """The full HF state dict from every TP rank's Megatron-core state dict (rank order)."""
     tp = len(shards)
     per_rank = [mcore_shard_to_hf(s, shape, tp=tp, te=te) for s in shards]
-    row = re.compile(r"(o_proj|down_proj)\.weight$")
     out: dict[str, Tensor] = {}
     for name, t0 in per_rank[0].items():
-        if t0.dim() == 1 and name.endswith(("norm.weight", "layernorm.weight")):
-            out[name] = t0.clone()
-        else:
-            out[name] = torch.cat([p[name] for p in per_rank], dim=1 if row.search(name) else 0)
+        dim = tp_split_dim(name, t0)
+        out[name] = t0.clone() if dim is None else torch.cat([p[name] for p in per_rank], dim=dim)
     return out

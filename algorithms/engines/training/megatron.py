@@ -18,6 +18,7 @@ only, so this module imports anywhere. What runs here:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,16 +27,19 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from algorithms.engines.training.base import Scored, TrainingEngine, Which
+from algorithms.engines.training.base import Scored, Which
 from algorithms.engines.training.hf import HFTrainingEngine
+from algorithms.engines.training.hf_export import HFDirWriter
 from algorithms.engines.training.mcore_convert import (
     GPTShape,
     hf_to_mcore,
     mcore_shard_to_hf,
     shape_from_hf_config,
+    tp_split_dim,
     transformer_kwargs,
 )
 from algorithms.engines.training.packing import block_causal_mask, packed_from_jagged, packed_logprobs, unpack_to_padded
+from algorithms.precision import cast_weights
 from algorithms.replicas import replica_of
 
 __all__ = [
@@ -63,15 +67,18 @@ def init_parallel(tp: int = 1, *, seed: int = 0, pp: int = 1, cp: int = 1) -> No
         model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt(hf_config: Any, *, device: torch.device | str = "cuda", use_te: bool = False) -> torch.nn.Module:
+def build_gpt(
+    hf_config: Any, *, device: torch.device | str = "cuda", use_te: bool = False, bf16: bool = False
+) -> torch.nn.Module:
     """An MCore ``GPTModel`` shaped like ``hf_config`` for the initialised TP size (random init;
-    :func:`load_hf` fills it). fp32 parameters."""
+    :func:`load_hf` fills it). fp32 parameters; ``bf16``: configured to compute in bfloat16
+    once its weights are cast (``transformer_kwargs``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    tc_kw, gpt_kw = transformer_kwargs(hf_config, tp=tp)
+    tc_kw, gpt_kw = transformer_kwargs(hf_config, tp=tp, bf16=bf16)
     tc_kw["use_cpu_initialization"] = torch.device(device).type == "cpu"
     config = TransformerConfig(**tc_kw)
     if use_te:
@@ -195,23 +202,33 @@ class MegatronEngine(HFTrainingEngine):
     """Megatron-core GPT models converted from the policy's HF model (same weights), on
     Megatron's parallel state over the policy ranks (TP = ``policy.tensor_parallel_size``, DP the
     rest). Built as the HF engine; :meth:`connect` swaps in the MCore models once
-    ``torch.distributed`` spans every rank. With TP > 1 the gradient norm combines the TP shards."""
+    ``torch.distributed`` spans every rank. With TP > 1 the gradient norm combines the TP shards.
+
+    Precision as the torch engine's (:mod:`algorithms.precision`): under bf16 the MCore model's
+    weights are bfloat16 and the optimizer steps float32 masters taken from the HF model's
+    float32 values (Megatron's own mixed precision: bf16 params, fp32 main params)."""
 
     name = "megatron"
 
+    def _setup(self) -> None:
+        # connect() builds the MCore models from the HF model's float32 weights.
+        self.hf_config = copy.deepcopy(self.model.config)
+
     def connect(self, rank: int) -> None:
         tp = self.cfg.policy.tensor_parallel_size
-        self.tp_rank = replica_of(rank, tp)[1]
         torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
         init_parallel(tp, seed=self.cfg.trainer.seed)
         hf_cfg, hf_state = self.model.config, self.model.state_dict()
         self.shape = shape_from_hf_config(hf_cfg)
-        self.model = build_gpt(hf_cfg, device=self.device)
+        bf16 = self.precision.dtype == torch.bfloat16
+        self.model = build_gpt(hf_cfg, device=self.device, bf16=bf16)
         load_hf(self.model, hf_state, self.shape)
-        self.ref_model = build_gpt(hf_cfg, device=self.device)
+        self.ref_model = build_gpt(hf_cfg, device=self.device, bf16=bf16)
         load_hf(self.ref_model, hf_state, self.shape)
+        del hf_state
+        cast_weights(self.ref_model, self.precision.dtype)
         self._freeze_reference()
-        self.trained = self.precision.train(self.model)  # fp32: the config refuses bf16 here
+        self.trained = self.precision.train(self.model)  # masters from the float32 values, then the cast
         self.optimizer = self._make_optimizer()
         if tp > 1:
             from megatron.core import parallel_state as ps
@@ -250,9 +267,29 @@ class MegatronEngine(HFTrainingEngine):
                     p.grad.mul_(coef.to(p.grad.dtype))
         return norm
 
-    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> None:
-        # The MCore model holds 1/TP of the weights per rank; the config refuses export_hf here.
-        TrainingEngine.save_hf(self, directory, special_ids)
+    def save_hf(self, directory: str, special_ids: Mapping[str, int | None]) -> bool:
+        """The first replica's TP ranks gather each HF tensor from their shards (one at a time,
+        all in the same order); its TP rank 0 writes. Other replicas take no part."""
+        if self.dp_rank != 0:
+            return False
+        writer = HFDirWriter(directory) if self.tp_rank == 0 else None
+        tp = self.cfg.policy.tensor_parallel_size
+        with torch.no_grad():
+            for name, shard in hf_shards(self.model, self.shape).items():
+                if self.shape.tied and name == "lm_head.weight":
+                    continue  # the embedding, written once
+                dim = tp_split_dim(name, shard)
+                full = shard
+                if tp > 1 and dim is not None:
+                    parts = [torch.empty_like(shard, memory_format=torch.contiguous_format) for _ in range(tp)]
+                    dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
+                    full = torch.cat(parts, dim=dim)
+                if writer is not None:
+                    writer.add(name, full)
+        if writer is None:
+            return False
+        writer.finish(self.hf_config, special_ids, self.precision.dtype)
+        return True
 
     def named_for_refit(self) -> Iterable[tuple[str, Tensor]]:
         # Views of the live parameters under HF names (nothing is gathered or copied at TP=1).
@@ -260,4 +297,4 @@ class MegatronEngine(HFTrainingEngine):
 
     def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         names = {n for n, _ in self.named_for_refit()}
-        return {n: s for n, s in hf_full_shapes(self.shape).items() if n in names}
+        return {n: s for n, s in hf_full_shapes(self.shape, self.precision.dtype).items() if n in names}

@@ -1,9 +1,10 @@
 """The reshard family behind the weight-transfer facade (``refit/factory.py``).
 
-Senders are group ranks ``0 .. senders - 1``, the trainer's tensor-parallel ranks (group rank =
-TP rank), each holding its TP shard of every parameter under its Hugging Face name; every other
-rank receives whole tensors (generator data-parallel replicas at TP=1). The layouts follow
-``build_layout``'s default rules for those meshes.
+Senders are group ranks ``0 .. senders - 1``, each holding its shard of every parameter under
+its Hugging Face name: the trainer's tensor-parallel ranks (group rank = TP rank; the layout
+follows ``build_layout``'s default rules) or, with ``sender_layout="fsdp"``, its fully sharded
+ranks (every tensor split along dim 0 in ``torch.chunk`` sizes, sender ``i`` holding chunk
+``i``). Every other rank receives whole tensors (generator data-parallel replicas at TP=1).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from nemo_dataplane.refit.reshard.endpoints import ReshardReceiver, ReshardSende
 from nemo_dataplane.refit.reshard.layout import Mesh
 from nemo_dataplane.refit.reshard.rules import build_layout
 
-__all__ = ["build_receiver", "build_sender"]
+__all__ = ["FSDP_RULES", "build_receiver", "build_sender"]
+
+# fully_shard's layout as a naming rule: every parameter column-split (dim 0) over its mesh dim.
+FSDP_RULES: tuple[tuple[str, str], ...] = ((r"", "column"),)
 
 FullShapes = Mapping[str, tuple[Sequence[int], torch.dtype | str]]
 
@@ -37,7 +41,8 @@ def build_sender(
     full_shapes: FullShapes | None = None,
     device: torch.device | str | int | None = None,
 ) -> ReshardSender:
-    """A ``ReshardSender`` of this TP rank's shards (``named_tensors``) under a ``tp=senders`` layout.
+    """A ``ReshardSender`` of this rank's shards (``named_tensors``) under a layout of ``senders``
+    ranks split as ``config.sender_layout`` says (``tp`` or ``fsdp``).
 
     ``full_shapes``: the unsharded name -> (shape, dtype), identical on every sender; may be
     left out only when ``senders == 1`` (the tensors are then whole). ``device``: where the
@@ -48,7 +53,11 @@ def build_sender(
         if senders != 1:
             raise ValueError(f"reshard with senders={senders}: pass full_shapes (the unsharded shapes and dtypes)")
         full_shapes = _shapes(named_tensors)
-    layout = build_layout(Mesh.of(range(senders), tp=senders), full_shapes)
+    if config.sender_layout == "fsdp":
+        # Every name matches the one rule: dim 0 over the "fsdp" mesh dim, 1-D norms included.
+        layout = build_layout(Mesh.of(range(senders), fsdp=senders), full_shapes, rules=FSDP_RULES, tp="fsdp")
+    else:
+        layout = build_layout(Mesh.of(range(senders), tp=senders), full_shapes)
     return ReshardSender(
         group,
         named_tensors,

@@ -242,19 +242,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def _read_metadata(directory: Path) -> Any:
+    """``directory/.metadata`` through :class:`_MetadataUnpickler` (errors name the file)."""
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f, str(path)).load()
+    except (FileNotFoundError, PermissionError, pickle.UnpicklingError):
+        raise
+    except (EOFError, ValueError, OSError, AttributeError, ImportError, TypeError) as e:
+        raise _unreadable(path, e) from e
+
+
 def _safe_reader(directory: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = Path(self.path) / ".metadata"
-            try:
-                with open(path, "rb") as f:
-                    metadata = _MetadataUnpickler(f, str(path)).load()
-            except (FileNotFoundError, PermissionError, pickle.UnpicklingError):
-                raise
-            except (EOFError, ValueError, OSError, AttributeError, ImportError) as e:
-                raise _unreadable(path, e) from e
+            metadata = _read_metadata(Path(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -269,9 +274,13 @@ def save_sharded(state: dict[str, Any], directory: Path) -> None:
     """``torch.distributed.checkpoint.save`` of ``state`` (nested dicts of tensors and DTensors
     only) into ``directory``, fsync'd (collective: every rank of the default group calls it)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    except CheckpointException as e:  # a BaseException: would slip past every `except Exception`
+        raise _first_failure(e, f"cannot write the sharded checkpoint {str(directory)!r}") from None
     fsync_dir(directory)
 
 
@@ -285,7 +294,26 @@ def load_sharded(state: dict[str, Any], directory: Path) -> None:
         FileNotFoundError: ``directory`` holds no sharded checkpoint.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not (directory / ".metadata").is_file():
         raise FileNotFoundError(f"no sharded checkpoint in {str(directory)!r} (its .metadata is missing)")
-    dcp.load(state, storage_reader=_safe_reader(directory))
+    _read_metadata(directory)  # refused here, naming the file, before the reader's wrapper hides why
+    try:
+        dcp.load(state, storage_reader=_safe_reader(directory))
+    except CheckpointException as e:  # a BaseException: would slip past every `except Exception`
+        raise _first_failure(e, f"cannot read the sharded checkpoint {str(directory)!r}") from None
+
+
+def _first_failure(e: Any, what: str) -> Exception:
+    """The error of the first failed rank inside ``torch.distributed.checkpoint``'s wrapper: our
+    own refusals as they are, anything else as :class:`CheckpointReadError` saying ``what``."""
+    failures = sorted(e.failures.items())
+    for _, (exc, _) in failures:
+        seen: BaseException | None = exc
+        while seen is not None:  # the reader's error, possibly re-raised as another by the planner
+            if isinstance(seen, (pickle.UnpicklingError, CheckpointReadError, FileNotFoundError, PermissionError)):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    detail = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures[:4])
+    return CheckpointReadError(f"{what}: {detail}")

@@ -148,7 +148,6 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
 
-
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", torch.float32, master=False),
     "bf16": Precision("bf16", torch.bfloat16, master=True),

@@ -189,6 +189,7 @@ class Trainer:
         self.summary["policy_layout"] = {
             "dp": cfg.trainer.dp_size,
             "tp": cfg.policy.tensor_parallel_size,
+            "sharding": cfg.policy.sharding,
             "refit": cfg.refit_mode,
         }
         # Rendezvous addresses come from the node rank 0 runs on, ports from the process that

@@ -68,7 +68,9 @@ def prepare(engine: Any, raw: list[Any]) -> tuple[list[Any], float]:
         for mb, adv in raw:
             old, _, mask = engine.score("policy", mb, False)
             ref, _, _ = engine.score("reference", mb, False)
-            prepared.append(Prepared(mb=mb, mask=mask, old=old.float(), ref=ref.float(), adv=adv.to(mask.device), behaviour=None))
+            prepared.append(
+                Prepared(mb=mb, mask=mask, old=old.float(), ref=ref.float(), adv=adv.to(mask.device), behaviour=None)
+            )
             tokens += float(mask.sum())
     return prepared, tokens
 
@@ -175,11 +177,15 @@ def train_and_compare(
             m = sharded.train_step(prepared, global_tokens(local, dev), False)
             runs.append((m, full_weights(sharded, torch.float32)))
             out["note"] = sharded.load_state(ck)
-        out["resumed_equal"] = runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+        out["resumed_equal"] = runs[0][0] == runs[1][0] and all(
+            torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1]
+        )
         # Refit from the shards (senders = every policy rank), then the export.
         out["sent"] = portable(_send(sharded, cfg, rank, world, refit_port, dtype))
         hf = Path(tmp) / "hf"
-        wrote = sharded.save_hf(str(hf), {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+        wrote = sharded.save_hf(
+            str(hf), {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        )
         out["wrote"] = wrote
         dist.barrier()
         ids = torch.tensor([[tok.bos_id, 5, 9, 11, 4, 7]], device=dev)
@@ -263,4 +269,3 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> lis
     bad = sorted(set(a) ^ set(b))
     bad += [n for n in sorted(set(a) & set(b)) if not torch.equal(_bytes(a[n]), _bytes(b[n]))]
     return bad
-

@@ -306,6 +306,8 @@ DECISIONS = {
     ("generation", "backend"): {"algorithms/engines/generation/__init__.py", "algorithms/run_dir.py"},
     ("policy", "tokenizer"): {"algorithms/tokenizers.py"},
     ("policy", "precision"): {"algorithms/precision.py"},
+    # trainer: summary only (the config's fully_sharded answers everyone else).
+    ("policy", "sharding"): {"algorithms/engines/training/__init__.py", "algorithms/trainer.py"},
     ("vllm", "quantization"): {"algorithms/refit_weights.py"},
 }
 
@@ -338,6 +340,7 @@ CHOICE_NAMES = {
     "packed": CONFIG,
     "reshard": CONFIG,
     "megatron": {*CONFIG, "algorithms/engines/training/__init__.py"},
+    "fsdp": {*CONFIG, "algorithms/engines/training/__init__.py"},
     "vllm": {*CONFIG, "algorithms/engines/generation/__init__.py"},
     "hf": {*CONFIG, "algorithms/engines/generation/__init__.py"},
     "char": {*CONFIG, "algorithms/tokenizers.py"},

@@ -92,7 +92,9 @@ def test_a_checkpoint_reloads_bitwise_and_the_same_step_repeats_exactly(run) -> 
 
 def test_a_checkpoint_loads_on_another_rank_count_and_says_so(run, pool: P.Pool) -> None:
     precision, tmp, res = run
-    other = P.run_ranks(pool, F.load_elsewhere, [0], limit=120, world=1, port=P.free_port(), tmp=str(tmp), precision=precision)
+    other = P.run_ranks(
+        pool, F.load_elsewhere, [0], limit=120, world=1, port=P.free_port(), tmp=str(tmp), precision=precision
+    )
     _ok(other)
     assert F.bitwise_equal(F.unpack(other[0]["weights"]), F.unpack(res[0]["saved"])) == []
     assert other[0]["steps"] == 3, "AdamW's state came back with its step count"

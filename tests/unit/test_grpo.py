@@ -298,3 +298,73 @@ def test_behaviour_logprobs_shape_and_cap_are_checked() -> None:
         policy_loss(lp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.0, behaviour_logprobs=old[:, :3])
     with pytest.raises(ValueError, match="is_cap"):
         policy_loss(lp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.0, behaviour_logprobs=old, is_cap=0.0)
+
+
+# ---------------------------------------------------------------- the KL anchors (stale samples)
+def test_the_kl_clamp_caps_each_tokens_k3_and_its_gradient_as_computed_by_hand() -> None:
+    d = torch.tensor([[-25.0, -3.0, -0.5, 0.0, 0.7, 2.0, 3.0, 30.0]])  # ref - lp, per token
+    lp = torch.full_like(d, -2.0).requires_grad_(True)
+    ref = lp.detach() + d
+    mask, adv = torch.ones_like(d), torch.zeros(1)  # no policy-gradient term: the KL alone
+    clamp, coef = 10.0, 0.5
+    loss, m = policy_loss(lp, lp.detach(), ref, adv, mask, clip_eps=0.2, kl_coef=coef, kl_clamp=clamp)
+    (grad,) = torch.autograd.grad(loss, lp)
+    want_kl, want_grad = [], []
+    for x in d[0].tolist():
+        x = max(-20.0, min(20.0, x))
+        k3 = math.exp(x) - x - 1
+        want_kl.append(min(k3, clamp))
+        # d k3 / d lp = -(e^x - 1) where the clamp does not bind, else 0.
+        want_grad.append(0.0 if k3 >= clamp else -(math.exp(x) - 1) * coef / d.numel())
+    assert math.isclose(float(m["kl"]), sum(want_kl) / d.numel(), rel_tol=1e-6)
+    assert torch.allclose(grad[0], torch.tensor(want_grad), rtol=1e-5, atol=1e-7), (grad, want_grad)
+    assert torch.isfinite(grad).all() and float(grad.abs().max()) <= (math.exp(2.53) - 1) * coef / d.numel()
+
+
+def test_behaviour_samples_weight_the_kl_by_the_same_capped_weight_as_the_policy_gradient() -> None:
+    lp, old, ref, adv, mask = _batch(seed=5)
+    behaviour = old - torch.linspace(-2.0, 1.0, old.numel()).reshape(old.shape)  # weights 0.14 .. 7.4
+    cap, coef = 2.0, 0.3
+    loss, m = policy_loss(
+        lp, old, ref, adv, mask, clip_eps=0.2, kl_coef=coef, behaviour_logprobs=behaviour, is_cap=cap, kl_clamp=10.0
+    )
+    pg_only, _ = policy_loss(
+        lp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.0, behaviour_logprobs=behaviour, is_cap=cap
+    )
+    kl_sum, n = 0.0, float(mask.sum())
+    for i in range(lp.shape[0]):
+        for j in range(lp.shape[1]):
+            if mask[i, j]:
+                x = float(ref[i, j]) - float(lp[i, j])
+                w = min(math.exp(float(old[i, j]) - float(behaviour[i, j])), cap)
+                kl_sum += w * min(math.exp(x) - x - 1, 10.0)
+    assert math.isclose(float(m["kl"]), kl_sum / n, rel_tol=1e-5)
+    assert math.isclose(float(loss), float(pg_only) + coef * kl_sum / n, rel_tol=1e-5)
+
+
+def test_a_stale_token_the_policy_has_ruled_out_no_longer_swamps_the_step() -> None:
+    """The 0.82B async divergence, reduced to one token: an older policy sampled it (behaviour
+    log-prob -1), the current one has collapsed away from it (-30), the reference still likes it
+    (-2). Unanchored, k3 = e^28 ~ 1.4e12 and its gradient as large: clipping the whole gradient
+    to max_grad_norm then leaves the step pointing along that token alone."""
+    lp = torch.tensor([[-30.0, -0.1, -0.2]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -0.1, -0.3]])
+    behaviour = torch.tensor([[-1.0, -0.1, -0.2]])
+    old, adv, mask = lp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 3)
+    kw = dict(clip_eps=0.2, kl_coef=0.01)
+
+    def kl_and_grad(**extra: object) -> tuple[float, float]:
+        loss, m = policy_loss(lp, old, ref, adv, mask, **kw, **extra)  # type: ignore[arg-type]
+        (g,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(g).all()
+        return float(m["kl"]), float(g.abs().max())
+
+    kl, grad = kl_and_grad()  # the estimator as it was: k3 of a token the sampler did not draw from pi
+    assert kl > 1e10 and grad > 1e8
+    for anchors in (
+        {"behaviour_logprobs": behaviour},
+        {"kl_clamp": 10.0},
+        {"behaviour_logprobs": behaviour, "kl_clamp": 10.0},
+    ):
+        kl, grad = kl_and_grad(**anchors)
+        assert kl <= 10.0 and grad < 1.0, (anchors, kl, grad)

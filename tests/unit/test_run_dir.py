@@ -182,6 +182,26 @@ def test_allow_config_change_lets_the_lr_through_but_never_the_model(tmp_path: P
     assert "policy.model.hf_config.num_hidden_layers (2 -> 3)" in msg and "policy.lr" not in msg
 
 
+def test_a_sharded_checkpoint_may_resume_on_another_rank_count_a_replicated_one_may_not(tmp_path: Path) -> None:
+    sharded = _checkpoint(_cfg(tmp_path / "old", "policy.sharding=fsdp"))
+    more = (f"checkpoint.resume={sharded}", "policy.sharding=fsdp", "trainer.dp_size=4")
+    with pytest.raises(ConfigError, match=r"trainer.dp_size \(2 -> 4\).*checkpoint.allow_config_change=true"):
+        plan_run_dir(_cfg(tmp_path / "new", *more))
+    assert plan_run_dir(_cfg(tmp_path / "new", *more, "checkpoint.allow_config_change=true")).resume == sharded
+    replicated = _checkpoint(_cfg(tmp_path / "old2"))
+    with pytest.raises(ConfigError, match=r"trainer.dp_size \(2 -> 4\).*cannot change"):
+        plan_run_dir(
+            _cfg(
+                tmp_path / "new2",
+                f"checkpoint.resume={replicated}",
+                "trainer.dp_size=4",
+                "checkpoint.allow_config_change=true",
+            )
+        )
+    with pytest.raises(ConfigError, match=r"policy.sharding \('fsdp' -> 'none'\).*cannot change"):
+        plan_run_dir(_cfg(tmp_path / "new3", f"checkpoint.resume={sharded}", "checkpoint.allow_config_change=true"))
+
+
 def test_where_and_how_a_run_is_observed_may_change_freely(tmp_path: Path) -> None:
     ckpt = _checkpoint(_cfg(tmp_path / "old"))
     cfg = _cfg(

@@ -173,6 +173,54 @@ def test_policy_backend_is_validated(overrides: list[str], needle: str) -> None:
         load_config(YAML, overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["policy.sharding=zero3"], "policy.sharding"),
+        (["policy.sharding=fsdp", "refit.mode=packed"], "policy.sharding=fsdp needs refit.mode=reshard"),
+        (
+            ["policy.sharding=fsdp", "policy.backend=megatron", "policy.device=cuda", "generation.device=cuda"],
+            "policy.sharding=fsdp needs policy.backend=torch",
+        ),
+        (
+            [
+                "policy.activation_checkpointing=true",
+                "policy.backend=megatron",
+                "policy.device=cuda",
+                "generation.device=cuda",
+                "refit.backend=nccl",
+            ],
+            "policy.activation_checkpointing=true needs policy.backend=torch",
+        ),
+        (["policy.lr_warmup_steps=-1"], "policy.lr_warmup_steps must be >= 0"),
+        (["grpo.kl_clamp=0"], "grpo.kl_clamp must be > 0"),
+        (["grpo.kl_clamp=-1.5"], "grpo.kl_clamp must be > 0"),
+    ],
+)
+def test_sharding_and_stability_keys_are_validated_naming_the_key(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(YAML, overrides)
+
+
+def test_fsdp_sends_every_ranks_shards_through_the_resharding_refit() -> None:
+    cfg = load_config(YAML, ["policy.sharding=fsdp", "trainer.dp_size=3", "grpo.prompts_per_step=6"])
+    assert cfg.fully_sharded and cfg.refit_mode == "reshard" and cfg.refit_senders == 3
+    assert cfg.weight_transfer.family == "reshard" and cfg.weight_transfer.sender_layout == "fsdp"
+    plain = load_config(YAML, [])
+    assert not plain.fully_sharded and plain.refit_senders == 1 and plain.weight_transfer.sender_layout == "tp"
+    assert load_config(YAML, ["grpo.kl_clamp=null"]).grpo.kl_clamp is None
+    fp8 = ["policy.device=cuda", "generation.device=cuda", "generation.backend=vllm", "policy.precision=bf16"]
+    with pytest.raises(ConfigError, match=r"trainer.dp_size with policy.sharding=fsdp"):
+        from algorithms.refit_weights import check_quantization
+
+        check_quantization(
+            load_config(
+                YAML, [*fp8, "policy.sharding=fsdp", "refit.transport=ipc", "generation.vllm.quantization=fp8"]
+            ),
+            "bfloat16",
+        )
+
+
 def test_megatron_backend_accepted_on_cuda() -> None:
     cfg = load_config(
         YAML,

@@ -275,6 +275,11 @@ def _check_sharding(cfg: TrainerConfig) -> None:
             )
         if p.activation_checkpointing:
             raise ConfigError("policy.activation_checkpointing=true needs policy.backend=torch")
+    if cfg.fully_sharded and p.device == "cuda" and p.dist_backend != "nccl":
+        raise ConfigError(
+            "policy.sharding=fsdp with policy.device=cuda needs policy.dist_backend=nccl: the shards are "
+            "gathered and reduced on the GPUs"
+        )
     if cfg.fully_sharded and cfg.refit_mode != "reshard":
         raise ConfigError(
             f"policy.sharding=fsdp needs refit.mode=reshard (or auto), not refit.mode={cfg.refit.mode}: the packed "

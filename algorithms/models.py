@@ -49,7 +49,9 @@ def _config_class(arch: str) -> type:
     raise ValueError(f"model.arch must be one of {list(_ARCHS)}, got {arch!r}")
 
 
-def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) -> torch.nn.Module:
+def build_model(
+    model_cfg: Mapping[str, Any], *, vocab_size: int | None = None, device: torch.device | str | None = None
+) -> torch.nn.Module:
     """A float32 causal LM from ``model_cfg``, in train mode.
 
     ``model_cfg`` is either ``{"path": "/local/hf/dir"}`` (``config.json`` + safetensors, loaded
@@ -57,6 +59,9 @@ def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) 
     "qwen2", "seed": int}`` (random init under ``seed``; the global torch RNG is left untouched).
     ``vocab_size`` (the tokenizer's) fills ``hf_config.vocab_size`` when missing and is checked
     against the model's embedding: a model smaller than the tokenizer raises ``ValueError``.
+    ``device``: where the model is made (default the CPU). A random init on a CUDA device draws
+    there (seconds for billions of parameters, where the CPU takes minutes): the same seed gives
+    the same weights on every rank of one kind of device, other weights than the CPU's.
     """
     from transformers import AutoModelForCausalLM
 
@@ -84,10 +89,14 @@ def build_model(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None) 
         except TypeError as e:
             raise ValueError(f"model.hf_config: {e}") from e
         seed = int(model_cfg.get("seed", 0))
-        with torch.random.fork_rng(devices=[]):
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        forked = [where.index or 0] if where.type == "cuda" else []
+        with torch.random.fork_rng(devices=forked), where:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
+    if device is not None:
+        torch.nn.Module.to(model, device)  # a loaded checkpoint (or a CPU init) moved where it was asked for
     n_emb = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]  # transformers' stubs
     if vocab_size is not None and n_emb < vocab_size:
         raise ValueError(f"model vocab_size {n_emb} < tokenizer vocab_size {vocab_size}")

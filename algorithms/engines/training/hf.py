@@ -39,7 +39,7 @@ class HFTrainingEngine(TrainingEngine):
     ) -> None:
         super().__init__(cfg, device, rank)
         self.pad_id = pad_id
-        self.model = build_model(cfg.policy.model, vocab_size=vocab_size).to(device)
+        self.model = build_model(cfg.policy.model, vocab_size=vocab_size, device=device)
         if cfg.policy.activation_checkpointing:
             # Non-reentrant: the only kind that composes with fully_shard and no_grad scoring.
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]  # transformers' stubs

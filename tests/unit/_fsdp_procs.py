@@ -21,7 +21,18 @@ MODEL = [  # the toy model with more layers and uneven splits (vocab 37 rows ove
 ]
 
 
-def make_cfg(sharding: str, world: int, precision: str, device: str = "cpu", **extra: str) -> Any:
+# On GPUs: NCCL among the policy ranks, the refit over CUDA IPC with a gloo group for control.
+CUDA = [
+    "policy.device=cuda",
+    "generation.device=cuda",
+    "policy.dist_backend=nccl",
+    "policy.gpus_per_rank=1",
+    "refit.backend=gloo",
+    "refit.transport=ipc",
+]
+
+
+def make_cfg(sharding: str, world: int, precision: str, device: str = "cpu") -> Any:
     from algorithms.config import load_config
 
     overrides = [
@@ -29,12 +40,11 @@ def make_cfg(sharding: str, world: int, precision: str, device: str = "cpu", **e
         f"policy.sharding={sharding}",
         f"trainer.dp_size={world}",
         f"policy.precision={precision}",
-        f"policy.device={device}",
         "policy.lr=0.01",
         "policy.lr_warmup_steps=2",
         "grpo.kl_coef=0.05",
         "grpo.epochs=1",
-        *(f"{k}={v}" for k, v in extra.items()),
+        *(CUDA if device == "cuda" else []),
     ]
     return load_config(CONFIG, overrides)
 
@@ -138,10 +148,12 @@ def train_and_compare(
     from algorithms.engines.training.fsdp import FSDPTrainingEngine
     from algorithms.precision import PRECISIONS
 
-    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    dev = torch.device(device, min(rank, world - 1)) if device == "cuda" else torch.device("cpu")
     dtype = PRECISIONS[precision].dtype
-    if rank == world:
-        return _receive(world, refit_port, tmp, precision, dev)
+    if rank == world:  # the generator: on the last policy rank's GPU
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return _receive(world, refit_port, precision, dev)
     _init(rank, world, port, backend, dev)
     out: dict[str, Any] = {}
     try:
@@ -181,7 +193,7 @@ def train_and_compare(
             torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1]
         )
         # Refit from the shards (senders = every policy rank), then the export.
-        out["sent"] = portable(_send(sharded, cfg, rank, world, refit_port, dtype))
+        out["sent"] = portable(_send(sharded, cfg, rank, world, refit_port, dtype, dev))
         hf = Path(tmp) / "hf"
         wrote = sharded.save_hf(
             str(hf), {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
@@ -204,7 +216,9 @@ def train_and_compare(
         dist.destroy_process_group()
 
 
-def _send(engine: Any, cfg: Any, rank: int, world: int, port: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _send(
+    engine: Any, cfg: Any, rank: int, world: int, port: int, dtype: torch.dtype, dev: torch.device
+) -> dict[str, torch.Tensor]:
     """Send one refit from this rank's shards; return the whole weights the generator should
     hold (from rank 0; ``{}`` elsewhere). Collective over the policy group first (the gather)."""
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
@@ -214,7 +228,7 @@ def _send(engine: Any, cfg: Any, rank: int, world: int, port: int, dtype: torch.
     g = StatelessProcessGroup(HOST, port, rank, world + 1, "gloo", 60.0, group_name="refit")
     try:
         s = build_weight_sender(
-            cfg.weight_transfer, g, engine.named_for_refit, senders=world, full_shapes=engine.refit_shapes()
+            cfg.weight_transfer, g, engine.named_for_refit, senders=world, full_shapes=engine.refit_shapes(), device=dev
         )
         s.prepare_refit_info()
         s.send_weights(5)
@@ -224,29 +238,31 @@ def _send(engine: Any, cfg: Any, rank: int, world: int, port: int, dtype: torch.
     return want if rank == 0 else {}
 
 
-def _receive(world: int, port: int, tmp: str, precision: str, dev: torch.device) -> dict[str, Any]:
-    """The generator: whole tensors of the model's shapes, written by the refit."""
+def _receive(world: int, port: int, precision: str, dev: torch.device) -> dict[str, Any]:
+    """The generator: whole tensors of the model's shapes on ``dev``, written by the refit."""
     from algorithms.models import build_model
     from algorithms.precision import PRECISIONS
     from algorithms.tokenizers import build_tokenizer
     from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
     from nemo_dataplane.refit import build_weight_receiver
 
-    cfg = make_cfg("fsdp", world, precision)
+    cfg = make_cfg("fsdp", world, precision, dev.type)
     tok = build_tokenizer(cfg)
-    model = build_model(dict(cfg.policy.model), vocab_size=tok.vocab_size).to(PRECISIONS[precision].dtype)
+    model = build_model(dict(cfg.policy.model), vocab_size=tok.vocab_size).to(dev, PRECISIONS[precision].dtype)
     tensors = dict(model.named_parameters())
     for t in tensors.values():
         t.data.zero_()
     g = StatelessProcessGroup(HOST, port, world, world + 1, "gloo", 60.0, group_name="refit")
     try:
-        r = build_weight_receiver(cfg.weight_transfer, g, tensors, senders=world)
+        r = build_weight_receiver(cfg.weight_transfer, g, tensors, senders=world, device=dev)
         r.prepare_refit_info()
         version = r.receive_weights()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # ipc: valid on this stream, now on the host's view too
         r.close()
     finally:
         g.destroy()
-    return {"version": version, "got": portable({n: t.detach().clone() for n, t in tensors.items()})}
+    return {"version": version, "got": portable({n: t.detach().cpu().clone() for n, t in tensors.items()})}
 
 
 def load_elsewhere(rank: int, world: int, port: int, tmp: str, precision: str) -> dict[str, Any]:

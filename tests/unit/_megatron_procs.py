@@ -215,3 +215,97 @@ def replica_group_fetch(rank: int, world: int, port: int, sets: int = 3) -> dict
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def megatron_bf16_train_and_export(rank: int, world: int, port: int, tmp: str) -> dict[str, Any]:
+    """The Megatron engine in bf16 at TP=``world`` (one replica), built from the same HF weights
+    as an HF model in bf16 on each rank: log-probs and the first step's gradient norm against the
+    HF model's (the norm combines the TP shards through the float32 masters' layout attributes),
+    then two steps, then the HF export, read back and split again into this rank's MCore shard."""
+    import torch.distributed as dist
+
+    from algorithms.config import load_config
+    from algorithms.engines.training import Prepared, build_training_engine
+    from algorithms.engines.training.mcore_convert import hf_to_mcore
+    from algorithms.grpo import policy_loss
+    from algorithms.models import sequence_logprobs
+    from algorithms.precision import PRECISIONS
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://{P.HOST}:{port}", rank=rank, world_size=world)
+    try:
+        from megatron.core import parallel_state as ps
+
+        cfg = load_config(
+            None,
+            [
+                *(f"policy.model.hf_config.{k}={v}" for k, v in TINY.items()),
+                "policy.model.arch=llama",
+                "policy.model.seed=0",
+                "policy.backend=megatron",
+                f"policy.tensor_parallel_size={world}",
+                "policy.precision=bf16",
+                "policy.device=cuda",
+                "policy.dist_backend=nccl",
+                "policy.gpus_per_rank=1",
+                "generation.device=cuda",
+                "refit.backend=gloo",
+                "trainer.dp_size=1",
+                "checkpoint.export_hf=true",
+                "policy.lr=0.01",
+            ],
+        )
+        engine = build_training_engine(cfg, dev, vocab_size=VOCAB, pad_id=0, rank=rank)
+        # The same seed on the same device: the weights the engine converted.
+        hf = build_model({"arch": "llama", "seed": 0, "hf_config": TINY}, vocab_size=VOCAB, device=dev)
+        trained = PRECISIONS["bf16"].train(hf)
+        engine.connect(rank)
+        out: dict[str, Any] = {
+            "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+            "master_dtypes": sorted({str(p.dtype) for p in engine.trained.params}),
+            "refit_dtypes": sorted({str(d) for _, d in engine.refit_shapes().values()}),
+        }
+        g = torch.Generator().manual_seed(3)
+        rows = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (9, 5, 12, 7)]
+        from tensordict import TensorDict
+
+        from nemo_dataplane.codec import jagged_from_rows
+
+        mb = TensorDict({"input_ids": jagged_from_rows(rows), "prompt_len": torch.tensor([4, 2, 6, 3])}, batch_size=[4])
+        with torch.no_grad():
+            mc_lp, _, mask = engine.score("policy", mb, False)
+        from algorithms.engines.training.hf import model_inputs
+
+        ids, attn, resp = model_inputs(mb, 0, dev)
+        hf_lp = sequence_logprobs(hf, ids, attn, resp)
+        out["lp_diff"] = float(((mc_lp - hf_lp) * mask).abs().max())
+        adv = torch.tensor([1.0, -0.5, 0.3, -1.2], device=dev)
+        old = (hf_lp.detach() + 0.05 * mask).detach()
+        ref = old - 0.1 * mask
+        tokens = float(mask.sum())
+        kw = dict(clip_eps=0.2, kl_coef=0.01, global_token_count=tokens, kl_clamp=10.0)
+        loss, _ = policy_loss(hf_lp, old, ref, adv, mask, **kw)
+        loss.backward()
+        out["hf_grad_norm"] = float(torch.sqrt(sum((m.grad.float() ** 2).sum() for m in trained.params)))
+        prep = [Prepared(mb=mb, mask=mask, old=old, ref=ref, adv=adv, behaviour=None)]
+        before = [p.detach().clone() for p in engine.trained.params]
+        steps = [engine.train_step(prep, tokens, False) for _ in range(2)]
+        out["grad_norm"] = steps[0]["grad_norm"]
+        out["losses"] = [s["loss"] for s in steps]
+        out["moved"] = any(not torch.equal(a, b) for a, b in zip(before, engine.trained.params))
+        wrote = engine.save_hf(tmp, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+        out["wrote"] = wrote
+        dist.barrier()
+        from safetensors.torch import load_file
+
+        exported = load_file(f"{tmp}/model.safetensors", device="cpu")
+        mine = hf_to_mcore(exported, engine.shape, tp=world, rank=ps.get_tensor_model_parallel_rank())
+        own = {k: v.detach().cpu() for k, v in engine.model.state_dict().items() if not k.endswith("_extra_state")}
+        out["export_exact"] = sorted(k for k in own if k in mine and not torch.equal(own[k], mine[k])) == []
+        out["export_dtypes"] = sorted({str(t.dtype) for t in exported.values()})
+        return out
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

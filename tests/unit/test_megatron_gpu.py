@@ -55,3 +55,23 @@ def test_replica_group_fetch_once_per_set(pool: P.Pool) -> None:
     assert lead[0]["ops"] == {"kv_batch_get": 3, "kv_batch_put": 3}
     assert res[0]["sums"] == res[1]["sums"] and res[0]["microbatches"] == res[1]["microbatches"] == 6
     assert res[0]["mode"] == "leader_broadcast"
+
+
+def test_megatron_bf16_tp2_trains_with_fp32_masters_and_exports_hf(pool: P.Pool, tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    res = P.run_ranks(
+        pool, MP.megatron_bf16_train_and_export, [0, 1], world=2, port=P.free_port(), tmp=str(tmp_path), limit=300
+    )
+    _ok(res)
+    for r, out in res.items():
+        print(f"rank {r}: {out}")
+        assert out["param_dtypes"] == ["torch.bfloat16"] and out["master_dtypes"] == ["torch.float32"]
+        assert out["refit_dtypes"] == ["torch.bfloat16"]
+        # bf16 kernels of two implementations: log-probs within a few bf16 steps of a logit.
+        assert out["lp_diff"] < 0.1, out["lp_diff"]
+        # The TP-aware norm over the float32 masters equals the whole model's, as the HF model has it.
+        assert abs(out["grad_norm"] - out["hf_grad_norm"]) <= 0.05 * out["hf_grad_norm"], out
+        assert out["moved"] and all(abs(x) < 1e3 for x in out["losses"])
+        assert out["export_exact"] and out["export_dtypes"] == ["torch.bfloat16"]
+    assert [res[0]["wrote"], res[1]["wrote"]] == [True, False]

@@ -234,10 +234,10 @@ def megatron_bf16_train_and_export(rank: int, world: int, port: int, tmp: str) -
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
+    from megatron.core import parallel_state as ps
+
     dist.init_process_group("nccl", init_method=f"tcp://{P.HOST}:{port}", rank=rank, world_size=world)
     try:
-        from megatron.core import parallel_state as ps
-
         cfg = load_config(
             None,
             [
@@ -255,6 +255,7 @@ def megatron_bf16_train_and_export(rank: int, world: int, port: int, tmp: str) -
                 "trainer.dp_size=1",
                 "checkpoint.export_hf=true",
                 "policy.lr=0.01",
+                "grpo.kl_coef=0.01",
             ],
         )
         engine = build_training_engine(cfg, dev, vocab_size=VOCAB, pad_id=0, rank=rank)

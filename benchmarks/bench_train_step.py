@@ -118,9 +118,11 @@ def _sync(dev: torch.device) -> None:
 def _trainer_path(args: argparse.Namespace, cfg: Any, rank: int, dev: torch.device, batch: list[Any]) -> Any:
     """Step the engine as a policy rank does; returns (engine, per-step seconds, phases)."""
     from algorithms.engines.training import Prepared, build_training_engine
+    from algorithms.workers.policy import warm_up_collectives
 
     vocab, pad = VOCAB_PAD[args.size]
     engine = build_training_engine(cfg, dev, vocab_size=vocab, pad_id=pad, rank=rank)
+    warm_up_collectives(dev)  # as the policy worker sets up: NCCL's communicator at start-up
     engine.connect(rank)
     steps, lp_s, tr_s = [], [], []
     for _ in range(args.steps):
@@ -233,7 +235,9 @@ def _peak_gb(dev: torch.device) -> float | None:
 def case_rank(rank: int, port: int, args: argparse.Namespace, size: str, sharding: str, world: int) -> dict[str, Any]:
     """One rank of a case; ``rank == world`` is the generator of the refit (``--refit``)."""
     args.size = size
-    dev = torch.device("cuda", min(rank, torch.cuda.device_count() - 1)) if args.device == "cuda" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", min(rank, torch.cuda.device_count() - 1)) if args.device == "cuda" else torch.device("cpu")
+    )
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (world + 1)))
@@ -258,6 +262,7 @@ def case_rank(rank: int, port: int, args: argparse.Namespace, size: str, shardin
         out["trainer"] = {**_summary(steps, tokens, fpt, args.peak_tflops), "peak_gb": _peak_gb(dev)}
         out["trainer"]["logprobs_s"] = statistics.median(phases["logprobs_s"][1:] or phases["logprobs_s"])
         out["trainer"]["train_s"] = statistics.median(phases["train_s"][1:] or phases["train_s"])
+        out["trainer"]["first_phases_s"] = {k: v[0] for k, v in phases.items()}
         out["trainer"]["build_and_steps_s"] = time.perf_counter() - t0
         if refit:
             out["refit"] = _send(engine, cfg, rank, world, port + 1, dev, args)
@@ -316,7 +321,9 @@ def _generator(cfg: Any, world: int, port: int, dev: torch.device, args: argpars
     vocab, _ = VOCAB_PAD[args.size]
     model = build_model(dict(cfg.policy.model), vocab_size=vocab, device="meta")
     dtype = precision_of(cfg).dtype
-    tensors = {n: torch.zeros(p.shape, dtype=dtype, device=dev) for n, p in cast_weights(model, dtype).named_parameters()}
+    tensors = {
+        n: torch.zeros(p.shape, dtype=dtype, device=dev) for n, p in cast_weights(model, dtype).named_parameters()
+    }
     g = StatelessProcessGroup(HOST, port, world, world + 1, "gloo", 600.0, group_name="refit")
     try:
         r = build_weight_receiver(cfg.weight_transfer, g, tensors, senders=world, device=dev)
@@ -334,7 +341,13 @@ def _generator(cfg: Any, world: int, port: int, dev: torch.device, args: argpars
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         peer_s = _peer_copies(world, nbytes, dev, args.refit_iters)
         g.barrier()
-        return {"times_s": times[1:], "refit_s": statistics.median(times[1:]), "nbytes": nbytes, "checksums": checks, "peer_s": peer_s}
+        return {
+            "times_s": times[1:],
+            "refit_s": statistics.median(times[1:]),
+            "nbytes": nbytes,
+            "checksums": checks,
+            "peer_s": peer_s,
+        }
     finally:
         g.destroy()
 
@@ -414,14 +427,19 @@ def main() -> None:
         args.peak_tflops = 0.0
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    print(f"[bench_train_step] {gpu} x {world}, torch {torch.__version__}, batch per rank {args.mbs} x {args.rows} x {args.seq}", flush=True)
+    print(
+        f"[bench_train_step] {gpu} x {world}, torch {torch.__version__}, batch per rank {args.mbs} x {args.rows} x {args.seq}",
+        flush=True,
+    )
     results = []
     for case in args.cases.split(","):
         size, sharding = case.split(":")
         args.size = size
         refit = args.refit == size and sharding == "fsdp"
         t0 = time.perf_counter()
-        ranks = run_ranks(case_rank, world + (1 if refit else 0), (args, size, sharding, world), limit_s=args.limit_s, label=case)
+        ranks = run_ranks(
+            case_rank, world + (1 if refit else 0), (args, size, sharding, world), limit_s=args.limit_s, label=case
+        )
         r = ranks[0]
         if refit:
             gen = ranks[world]
@@ -452,13 +470,20 @@ def main() -> None:
     print()
     print(_table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": gpu, "world": world, "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    meta = {
+        "device": gpu,
+        "world": world,
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
     for r in results:
         if r.get("peer") and r["size"] == "1b":
             ratio = r["trainer"]["step_s"] / r["peer"]["step_s"]
-            print(f"target: 1b {r['sharding']} trainer step {ratio:.2f}x the plain FSDP2 loop (target <= {RATIO_TARGET})")
+            print(
+                f"target: 1b {r['sharding']} trainer step {ratio:.2f}x the plain FSDP2 loop (target <= {RATIO_TARGET})"
+            )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightSender, build_weight_sender
 
 
+def warm_up_collectives(device: torch.device) -> None:
+    """One all-reduce on ``device``: NCCL creates its communicator on the first collective (a
+    second or more on GPUs), so start-up pays for it rather than the first step."""
+    dist.all_reduce(torch.zeros(1, device=device))
+
+
 def pad_float_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     """Right-pad 1-D float rows with 0 to ``[N, length]``."""
     out = torch.zeros(len(rows), length, dtype=torch.float32)
@@ -135,6 +141,7 @@ class PolicyWorker:
             world_size=self.world_size,
             timeout=timeout,
         )
+        warm_up_collectives(self.device)
         self.engine.connect(self.rank)
 
     def attach(self, io: BatchIO) -> None:

@@ -28,6 +28,7 @@ CUDA = [
     "policy.dist_backend=nccl",
     "policy.gpus_per_rank=1",
     "refit.backend=gloo",
+    "refit.mode=reshard",
     "refit.transport=ipc",
 ]
 
@@ -174,7 +175,7 @@ def train_and_compare(
         out["history"] = history
         a = full_weights(sharded, torch.float32)  # the float32 shards: the masters
         masters = dict(zip((n for n, _ in replicated.model.named_parameters()), replicated.trained.params))
-        out["weight_diff"] = max(float((a[n] - masters[n].detach()).abs().max()) for n in a)
+        out["weight_diff"] = max(float((a[n] - masters[n].detach().cpu()).abs().max()) for n in a)
         # Checkpoint, one more step, reload, the same step again: bitwise the same.
         ck = Path(tmp) / "ckpt"
         ck.mkdir(parents=True, exist_ok=True)

@@ -109,6 +109,7 @@ class FSDPTrainingEngine(HFTrainingEngine):
         # The float32 shards are what AdamW steps (the masters, under bf16).
         self.trained = self.precision.train_sharded(self.model)
         self.optimizer = self._make_optimizer()
+        self._publish()
 
     # ------------------------------------------------------------------ train
     def _all_reduce_and_step(self, bad: str | None = None) -> float:
@@ -140,7 +141,23 @@ class FSDPTrainingEngine(HFTrainingEngine):
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         self._step_optimizer()
+        self._publish()
         return float(norm)
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Round the float32 shards into the refit's bf16 shards (no-op when the weights' dtype
+        is the shards' own): after every optimizer step, as the replicated engine rounds its
+        masters into the model, so a refit only moves bytes."""
+        dtype = self.precision.dtype
+        for name, p in self.model.named_parameters():
+            shard = local(p.detach())
+            if shard.dtype == dtype:
+                continue
+            buf = self._refit_buffers.get(name)
+            if buf is None:
+                buf = self._refit_buffers[name] = torch.empty_like(shard, dtype=dtype)
+            buf.copy_(shard)
 
     def _clip(self, params: Sequence[torch.nn.Parameter], flat: Tensor, max_norm: float) -> Tensor:
         raise NotImplementedError("the sharded engine clips in _all_reduce_and_step")
@@ -148,21 +165,9 @@ class FSDPTrainingEngine(HFTrainingEngine):
     # ------------------------------------------------------------------ refit
     def named_for_refit(self) -> Iterable[tuple[str, Tensor]]:
         """This rank's shard of every parameter (dim 0, ``torch.chunk`` sizes) in the weights'
-        dtype: views of the float32 shards, or (bf16) bf16 copies refreshed at every call into
-        buffers kept for the run (``1 / dp_size`` of the model in bf16)."""
-        dtype = self.precision.dtype
-        out: list[tuple[str, Tensor]] = []
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                shard = local(p.detach())
-                if shard.dtype != dtype:
-                    buf = self._refit_buffers.get(name)
-                    if buf is None:
-                        buf = self._refit_buffers[name] = torch.empty_like(shard, dtype=dtype)
-                    buf.copy_(shard)
-                    shard = buf
-                out.append((name, shard))
-        return out
+        dtype: views of the float32 shards, or (bf16) the bf16 shards :meth:`_publish` keeps
+        (``1 / dp_size`` of the model in bf16, rounded after every optimizer step)."""
+        return [(name, self._refit_buffers.get(name, local(p.detach()))) for name, p in self.model.named_parameters()]
 
     def refit_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (shape, self.precision.dtype) for n, shape in self._full_shapes.items()}
@@ -200,6 +205,7 @@ class FSDPTrainingEngine(HFTrainingEngine):
         set_model_state_dict(self.ref_model, state["ref_model"])
         groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state["optimizer"], "param_groups": groups})
+        self._publish()
         layout = directory / LAYOUT_FILE
         saved = json.loads(layout.read_text()).get("ranks") if layout.is_file() else None
         world = dist.get_world_size()

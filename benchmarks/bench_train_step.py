@@ -298,15 +298,24 @@ def _send(engine: Any, cfg: Any, rank: int, world: int, port: int, dev: torch.de
             cfg.weight_transfer, g, engine.named_for_refit, senders=world, full_shapes=engine.refit_shapes(), device=dev
         )
         s.prepare_refit_info()
+        s.timings = []  # type: ignore[attr-defined]  # the reshard endpoint's opt-in phase marks
+        starts = []
         for i in range(args.refit_iters + 1):
             g.barrier()
+            starts.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable across this host's processes
             s.send_weights(i)
         shards = dict(engine.named_for_refit())
         g.barrier()
         # The peer-copy baseline: this rank's shard bytes, ready for the generator to copy.
         nbytes = sum(t.numel() * t.element_size() for t in shards.values())
         g.barrier()
-        return {"checksums": _checksums(shards), "nbytes": nbytes}
+        marks = getattr(s, "timings", None) or []
+        return {
+            "checksums": _checksums(shards),
+            "nbytes": nbytes,
+            "starts": starts[1:],
+            "phases": [{k: (v - m[next(iter(m))]) * 1e3 for k, v in m.items()} for m in marks[1:]],
+        }
     finally:
         g.destroy()
 
@@ -328,14 +337,16 @@ def _generator(cfg: Any, world: int, port: int, dev: torch.device, args: argpars
     try:
         r = build_weight_receiver(cfg.weight_transfer, g, tensors, senders=world, device=dev)
         r.prepare_refit_info()
-        times = []
+        r.timings = []  # type: ignore[attr-defined]
+        times, ends = [], []
         for _ in range(args.refit_iters + 1):
             g.barrier()
             t0 = time.perf_counter()
             r.receive_weights()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
+            ends.append(time.perf_counter())
+            times.append(ends[-1] - t0)
         checks = _checksums(tensors)
         g.barrier()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -343,6 +354,8 @@ def _generator(cfg: Any, world: int, port: int, dev: torch.device, args: argpars
         g.barrier()
         return {
             "times_s": times[1:],
+            "ends": ends[1:],
+            "phases": [{k: (v - m[next(iter(m))]) * 1e3 for k, v in m.items()} for m in (r.timings or [])[1:]],
             "refit_s": statistics.median(times[1:]),
             "nbytes": nbytes,
             "checksums": checks,
@@ -397,7 +410,8 @@ def _table(results: list[dict[str, Any]]) -> str:
             peak = f"{x['peak_gb']:7.1f}" if x.get("peak_gb") is not None else "     - "
             ratio = f"{x['step_s'] / peer['step_s']:.2f}" if peer else "-"
             lines.append(
-                f"{r['size']:5} {r['sharding']:8} {r['params'] / 1e9:6.2f}B {r['world']:4}  {path:7} {x['first_s']:8.2f} "
+                f"{r['size']:5} {r['sharding']:8} {r['params'] / 1e9:6.2f}B {r['world']:4}  {path:7} "
+                f"{x['first_s']:8.2f} "
                 f"{x['step_s']:7.3f} {x['first_over_later']:11.2f} {x.get('logprobs_s', float('nan')):11.3f} "
                 f"{x.get('train_s', float('nan')):8.3f} {x['tokens_per_s_per_gpu']:10.0f} {mfu} {peak} {ratio:>7}"
             )
@@ -428,7 +442,8 @@ def main() -> None:
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(
-        f"[bench_train_step] {gpu} x {world}, torch {torch.__version__}, batch per rank {args.mbs} x {args.rows} x {args.seq}",
+        f"[bench_train_step] {gpu} x {world}, torch {torch.__version__}, "
+        f"batch per rank {args.mbs} x {args.rows} x {args.seq}",
         flush=True,
     )
     results = []
@@ -448,19 +463,31 @@ def main() -> None:
                 for n, c in ranks[k]["refit"]["checksums"].items():
                     want[n] = want.get(n, 0) + c
             exact = want == gen["checksums"]
+            # From the last sender's call (the refit's own cost once every rank is in it): the
+            # ranks leave the store-based barrier milliseconds apart.
+            last_in = [e - max(ranks[k]["refit"]["starts"][i] for k in range(world)) for i, e in enumerate(gen["ends"])]
             r["refit"] = {
                 "nbytes": gen["nbytes"],
                 "refit_s": gen["refit_s"],
                 "times_s": gen["times_s"],
                 "peer_s": gen["peer_s"],
                 "of_peer": gen["peer_s"] / gen["refit_s"],
+                "phases_ms": {
+                    **{f"sender{k}": ranks[k]["refit"]["phases"] for k in range(world)},
+                    "generator": gen["phases"],
+                },
+                "last_in_s": statistics.median(last_in),
+                "last_in_of_peer": gen["peer_s"] / statistics.median(last_in),
                 "gb_per_s": gen["nbytes"] / gen["refit_s"] / 1e9,
                 "bit_exact": exact,
             }
             print(
-                f"refit {size} fsdp x{world} -> 1 generator: {gen['nbytes'] / 1e9:.2f} GB in {gen['refit_s'] * 1e3:.1f} ms "
+                f"refit {size} fsdp x{world} -> 1 generator: {gen['nbytes'] / 1e9:.2f} GB in "
+                f"{gen['refit_s'] * 1e3:.1f} ms "
                 f"({r['refit']['gb_per_s']:.0f} GB/s), peer copies {gen['peer_s'] * 1e3:.1f} ms: "
-                f"{r['refit']['of_peer']:.2f} of the peer-copy rate (target >= {REFIT_TARGET}), bit-exact {exact}",
+                f"{r['refit']['of_peer']:.2f} of the peer-copy rate (target >= {REFIT_TARGET}); from the last "
+                f"sender's call {r['refit']['last_in_s'] * 1e3:.1f} ms, {r['refit']['last_in_of_peer']:.2f}; "
+                f"bit-exact {exact}",
                 flush=True,
             )
         r["wall_s"] = time.perf_counter() - t0

@@ -12,6 +12,7 @@ Mapping shape (``WeightTransferConfig.from_dict``; all keys optional)::
     direct_bytes: null      # null: the family's default (see the field)
     ipc_done: event         # reshard ipc: event | host
     ipc_map_peers: true     # reshard ipc: map receivers on other GPUs into the sender's context
+    sender_layout: tp       # reshard: how the senders split the weights: tp | fsdp
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ def test_config_defaults_are_stated_once_and_round_trip_through_a_mapping() -> N
         ({"direct_bytes": -1}, "refit.direct_bytes"),
         ({"ipc_done": "eventually"}, "refit.ipc_done"),
         ({"ipc_map_peers": "yes"}, "refit.ipc_map_peers"),
+        ({"sender_layout": "zero3"}, "refit.sender_layout"),
     ],
 )
 def test_config_refuses_a_bad_value_naming_the_field(kwargs: dict, field: str) -> None:

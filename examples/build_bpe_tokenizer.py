@@ -46,8 +46,9 @@ def corpus(seed: int = 0, lines: int = 120_000) -> Iterator[str]:
             yield " ".join(words).capitalize() + rng.choice([".", "?", "!", ","])
 
 
-def build(out: Path, vocab_size: int = 32000, seed: int = 0) -> Path:
-    """Train the tokenizer and save it as a HF directory under ``out``; returns ``out``.
+def build(out: Path, vocab_size: int = 32000, seed: int = 0, lines: int = 120_000) -> Path:
+    """Train the tokenizer on ``lines`` sentences and save it as a HF directory under ``out``;
+    returns ``out``.
 
     Raises ``RuntimeError`` if the corpus yields fewer ids than ``vocab_size``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -62,7 +63,7 @@ def build(out: Path, vocab_size: int = 32000, seed: int = 0) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
         show_progress=False,
     )
-    bpe.train_from_iterator(corpus(seed), trainer)
+    bpe.train_from_iterator(corpus(seed, lines), trainer)
     if bpe.get_vocab_size() != vocab_size:
         raise RuntimeError(f"the corpus gave {bpe.get_vocab_size()} ids, not --vocab-size={vocab_size}")
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -364,3 +364,52 @@ def test_groups_per_generation_auto_is_a_steps_groups_over_the_collectors_within
         load_config(YAML, ["async.groups_per_generation=most"])
     with pytest.raises(ConfigError, match="async.max_inflight_groups=2 is below async.groups_per_generation=8"):
         load_config(YAML, ["async.max_inflight_groups=2", "async.groups_per_generation=8"])
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "two_gpus", "four_gpus"),
+    [
+        ("grpo_llama_1b.yaml", 1.104e9, [], ["trainer.dp_size=2", "policy.gpus_per_rank=1", "policy.sharding=fsdp"]),
+        (
+            "grpo_llama_8b.yaml",
+            7.242e9,
+            [],
+            ["policy.gpus_per_rank=1", "generation.num_gpus=1", "refit.backend=nccl", "refit.transport=auto"],
+        ),
+    ],
+)
+def test_the_real_size_configs_are_the_sizes_they_say_and_fit_their_layouts(
+    name: str, params: float, two_gpus: list[str], four_gpus: list[str]
+) -> None:
+    from algorithms.config import check_devices
+    from algorithms.models import build_model
+
+    path = YAML.parent / name
+    cfg = load_config(path, two_gpus)
+    model = build_model(dict(cfg.policy.model), vocab_size=32000, device="meta")
+    assert abs(sum(p.numel() for p in model.parameters()) - params) < 1e6
+    assert cfg.policy.precision == "bf16" and cfg.policy.lr <= 1e-5 and cfg.policy.lr_warmup_steps > 0
+    assert cfg.grpo.kl_clamp is not None
+    check_devices(cfg, cuda_devices=2)
+    with pytest.raises(ConfigError, match="this machine has 1"):
+        check_devices(cfg, cuda_devices=1)
+    four = load_config(path, four_gpus)
+    assert four.fully_sharded and four.refit_senders == 2
+    check_devices(four, cuda_devices=4, generators=2)
+
+
+def test_the_shipped_tokenizer_builder_makes_exactly_the_ids_asked_for(tmp_path: Path) -> None:
+    import importlib.util
+
+    from algorithms.tokenizers import build_tokenizer
+
+    spec = importlib.util.spec_from_file_location("bpe", YAML.parents[1] / "build_bpe_tokenizer.py")
+    assert spec is not None and spec.loader is not None
+    bpe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bpe)
+    out = bpe.build(tmp_path / "tok", vocab_size=2000, lines=4000)
+    tok = build_tokenizer(load_config(YAML, [f"policy.tokenizer={out}"]))
+    assert tok.vocab_size == 2000 and tok.decode(tok.encode("What is 381 + 12?")) == "What is 381 + 12?"
+    assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
+    again = bpe.build(tmp_path / "tok2", vocab_size=2000, lines=4000)
+    assert (Path(again) / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes(), "deterministic"

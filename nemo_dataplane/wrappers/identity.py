@@ -21,6 +21,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -40,13 +41,15 @@ ROW_ID = "_row_id"  # the hidden field; a caller's field of this name is refused
 
 
 def row_ids(partition_id: str, keys: Sequence[str]) -> torch.Tensor:
-    """``int64 [len(keys)]``: each key's identity in ``partition_id`` (stable across processes)."""
-    prefix = partition_id.encode() + b"\x00"
-    out = [
-        int.from_bytes(hashlib.blake2b(prefix + k.encode(), digest_size=8).digest(), "little", signed=True)
-        for k in keys
-    ]
-    return torch.tensor(out, dtype=torch.int64)
+    """``int64 [len(keys)]``: each key's identity in ``partition_id`` (stable across processes:
+    BLAKE2b of the partition and the key, 8 bytes little-endian)."""
+    head = hashlib.blake2b(partition_id.encode() + b"\x00", digest_size=8)
+    digests = []
+    for k in keys:
+        h = head.copy()  # the partition's prefix hashed once per call
+        h.update(k.encode())
+        digests.append(h.digest())
+    return torch.from_numpy(np.frombuffer(b"".join(digests), dtype="<i8").copy())
 
 
 def _public(meta: KVBatchMeta) -> KVBatchMeta:

@@ -219,7 +219,8 @@ class DataPlaneClient(ABC):
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Release this client's resources. Shared infrastructure is only shut down by the
-        client that created it; calling ``close`` twice is harmless."""
+        client that created it; calling ``close`` twice is harmless. Afterwards every other
+        method raises :class:`DataPlaneError` saying the client is closed."""
 
     def __enter__(self) -> DataPlaneClient:
         return self

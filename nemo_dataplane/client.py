@@ -101,7 +101,7 @@ class DataPlaneClient(ABC):
       creates the store and fails (``DataPlaneError``) if it exists; ``False`` attaches and
       fails (``DataPlaneError``, bounded) if there is nothing to attach to, creating nothing;
       ``"auto"`` attaches, or creates (and then owns) a store that does not exist. Once the
-      owner closed it, attaching fails again.
+      owner's close has taken effect, attaching fails again.
     * Capacity is counted in keys (rows), every partition together: ``data_plane.max_rows``,
       enforced for every backend by :class:`~nemo_dataplane.wrappers.capacity.CapacityGuard`. A
       backend may also bound the bytes of the tensors it stores (the in-memory ``max_bytes``).

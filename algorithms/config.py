@@ -261,7 +261,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     if cfg.policy.dist_backend == "nccl" and cfg.policy.device != "cuda":
         raise ConfigError("policy.dist_backend=nccl needs policy.device=cuda")
     if cfg.data_plane.enabled:
-        _check_backend(cfg.data_plane.backend)
+        check_backend(cfg.data_plane.backend)
 
 
 def _check_sharding(cfg: TrainerConfig) -> None:
@@ -309,8 +309,11 @@ def async_min_rows(cfg: TrainerConfig) -> int:
     return (G + cfg.async_.generation_groups(G) - 1) * cfg.generation.n
 
 
-def _check_backend(backend: str) -> None:
-    """Refuse a data-plane backend the trainer cannot use, naming ``data_plane.backend``."""
+def check_backend(backend: str, *, needs_claims: bool = False) -> None:
+    """Refuse a data-plane backend the trainer cannot use, naming ``data_plane.backend``: the
+    in-process ``memory`` store, and a custom class that does not import, is not a
+    ``DataPlaneClient``, leaves abstract methods unimplemented or (``needs_claims``: the async
+    trainer) has no claims (:func:`nemo_dataplane.factory.resolve_backend` decides)."""
     if backend == "memory":
         raise ConfigError(
             "data_plane.backend=memory is one private store per process, but the trainer's driver, "
@@ -318,13 +321,14 @@ def _check_backend(backend: str) -> None:
             "empty store; use data_plane.backend=transfer_queue or a shared 'pkg.module:Class' backend"
         )
     if backend in BUILTIN_BACKENDS:
-        # Known by name: importing transfer_queue (and Ray) just to validate a config would slow
-        # every load, and a missing dependency is reported by the factory with an install hint.
+        # Known by name (each has claims): importing transfer_queue (and Ray) just to validate a
+        # config would slow every load, and a missing dependency is reported by the factory with
+        # an install hint.
         return
     from nemo_dataplane.factory import resolve_backend  # only on the data-plane path
 
     try:
-        resolve_backend(backend)
+        resolve_backend(backend, needs_claims=needs_claims)
     except (ImportError, ValueError) as e:
         msg = str(e)
         raise ConfigError(msg if "data_plane.backend" in msg else f"data_plane.backend={backend!r}: {msg}") from e

@@ -34,6 +34,7 @@ from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
 from algorithms.remote import gather
 from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer, make_buffer
+from algorithms.run_dir import RunPlan
 from algorithms.step import train_on_batch
 from algorithms.tasks import PromptIterator
 from algorithms.trainer import Trainer
@@ -46,14 +47,20 @@ class AsyncTrainer(Trainer):
 
     name = "grpo_async"
 
-    def _init_data(self, train: list[Any]) -> None:
+    def prepare(self) -> RunPlan:
+        """What the sync trainer checks, and what streaming needs of the store: claims, and a
+        capacity it can progress with; refused before anything is written or started (the
+        CLI's exit 2)."""
+        self.transport.require_claims()
         cap, need = self.transport.capacity_rows(), async_min_rows(self.cfg)
         if cap is not None and cap < need:
-            raise ConfigError(  # before Ray starts: this run could never make progress
+            raise ConfigError(  # this run could never make progress
                 f"data_plane.max_rows={cap} is below what grpo_async needs to progress, (grpo.prompts_per_step + "
                 f"async.groups_per_generation - 1) * generation.n = {need} rows"
             )
+        return super().prepare()
 
+    def _init_data(self, train: list[Any]) -> None:
         self.ledger = PromptLedger(PromptIterator(train, 1, self.cfg.trainer.seed))
         self.buffer: RolloutBuffer | None = None
         self._buffer_state: dict[str, Any] = {}  # a resume's, restored once the transport is up

@@ -80,7 +80,7 @@ class Trainer:
         self._transport_started = False
         self._ray_started = False
         self.t0 = time.perf_counter()
-        self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled}
+        self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled, "transport": self.transport.label()}
         self.plan: RunPlan | None = None
         self._datasets: tuple[list[Any], list[Any]] = ([], [])
 
@@ -411,7 +411,7 @@ class Trainer:
         if not cfg.logging.quiet and self.logger is not None:
             self.logger.write(
                 f"{self.name}: {cfg.trainer.steps} steps, dp_size={cfg.trainer.dp_size}, "
-                f"transport={self.transport.name}, "
+                f"transport={self.transport.label()}, "
                 f"{cfg.grpo.prompts_per_step} prompts x {cfg.generation.n} samples per step{what}, output {self.out}"
             )
 

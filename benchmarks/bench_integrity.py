@@ -1,14 +1,16 @@
-"""Cost of ``data_plane.verify_integrity``: put + get of one rollout batch with digests on vs off.
+"""Cost of the checks on what a get returns: ``data_plane.verify_rows`` (each row's key identity,
+on by default) and ``data_plane.verify_integrity`` (per-row digests of every field), each vs off.
 
 Batch as in ``bench_data_plane.py``: ``input_ids`` int64 and ``logprobs`` float32, 1024 tokens
 per sample (dense ``[B, 1024]`` or jagged, lengths 512..1536), one float32 reward; B = 1024
 (12.6 MB). One timed transfer = ``kv_batch_put`` of the batch + ``kv_batch_get`` of every field
-by its meta, through :class:`ObservedClient` without and with :class:`IntegrityCheck`, on the
-in-process ``memory`` backend (where hashing is the largest share) and on the real TransferQueue
-backend (local Ray). Off and on alternate repeat by repeat, so both see the same machine load;
-the ratio on/off of the medians is the cost.
+by its meta, through :class:`ObservedClient` around the bare backend (``off``), around
+:class:`RowIdentityCheck` (``rows``) and around :class:`IntegrityCheck` (``digests``), on the
+in-process ``memory`` backend (where the checks are the largest share), the real TransferQueue
+backend and the ``ray`` backend (local Ray). The modes alternate repeat by repeat, so all see the
+same machine load; the ratio of each mode's median to ``off``'s is its cost.
 
-Usage: ``python benchmarks/bench_integrity.py [--repeats 7] [--rows 1024] [--backends memory transfer_queue]``.
+Usage: ``python benchmarks/bench_integrity.py [--repeats 7] [--rows 1024] [--backends memory transfer_queue ray]``.
 Prints a table and writes ``benchmarks/results/bench_integrity.json``.
 """
 
@@ -27,6 +29,7 @@ os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 from nemo_dataplane.codec import batch_nbytes  # noqa: E402
+from nemo_dataplane.wrappers.identity import RowIdentityCheck  # noqa: E402
 from nemo_dataplane.wrappers.integrity import IntegrityCheck  # noqa: E402
 from nemo_dataplane.wrappers.observed import ObservedClient  # noqa: E402
 
@@ -62,11 +65,15 @@ def _backend(name: str) -> Any:
         return InMemoryClient()
     import ray
 
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if name == "ray":
+        from nemo_dataplane.adapters.ray_store.client import RayStoreClient
+
+        return RayStoreClient(bootstrap=True)
     from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
     from nemo_dataplane.config import TransferQueueConfig
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return TransferQueueClient(TransferQueueConfig(num_storage_units=1), bootstrap=True)
 
 
@@ -76,7 +83,7 @@ def _once(client: ObservedClient, batch: dict[str, torch.Tensor], rows: int, tag
     meta = client.kv_batch_put(keys, "bench", batch)
     client.kv_batch_get(meta, FIELDS)
     dt = time.perf_counter() - t0
-    client.inner.kv_clear(None, "bench")
+    client.kv_clear(None, "bench")
     return dt
 
 
@@ -84,40 +91,46 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--backends", nargs="+", default=["memory", "transfer_queue"])
+    ap.add_argument("--backends", nargs="+", default=["memory", "transfer_queue", "ray"])
     args = ap.parse_args()
     results = []
     for backend in args.backends:
         raw = _backend(backend)
-        clients = {"off": ObservedClient(raw), "on": ObservedClient(IntegrityCheck(raw))}
+        clients = {
+            "off": ObservedClient(raw),
+            "rows": ObservedClient(RowIdentityCheck(raw)),
+            "digests": ObservedClient(IntegrityCheck(raw)),
+        }
         for layout in ("dense", "jagged"):
             batch = make_batch(args.rows, layout)
-            times: dict[str, list[float]] = {"off": [], "on": []}
+            times: dict[str, list[float]] = {mode: [] for mode in clients}
             for mode, c in clients.items():  # warm-up
                 _once(c, batch, args.rows, f"w{mode}")
             for r in range(args.repeats):
                 for mode, c in clients.items():
                     times[mode].append(_once(c, batch, args.rows, f"{mode}{r}"))
-            off, on = statistics.median(times["off"]), statistics.median(times["on"])
+            med = {mode: statistics.median(t) for mode, t in times.items()}
             results.append(
                 {
                     "backend": backend,
                     "layout": layout,
                     "rows": args.rows,
                     "mb": batch_nbytes(batch) / 1e6,
-                    "off_ms": off * 1e3,
-                    "on_ms": on * 1e3,
-                    "ratio_on_off": on / off,
-                    "best_ratio": min(times["on"]) / min(times["off"]),
+                    **{f"{mode}_ms": m * 1e3 for mode, m in med.items()},
+                    "ratio_rows_off": med["rows"] / med["off"],
+                    "ratio_digests_off": med["digests"] / med["off"],
+                    "best_ratio_rows": min(times["rows"]) / min(times["off"]),
+                    "best_ratio_digests": min(times["digests"]) / min(times["off"]),
                 }
             )
         raw.close()
     print(f"put + get of {args.rows} rows, median of {args.repeats} (load avg {os.getloadavg()[0]:.1f})")
-    print(f"{'backend':16} {'layout':7} {'MB':>6} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'best':>6}")
+    cols = ("off ms", "rows ms", "rows/off", "dig. ms", "dig./off")
+    print(f"{'backend':16} {'layout':7} {'MB':>6} " + " ".join(f"{c:>8}" for c in cols))
     for r in results:
         print(
-            f"{r['backend']:16} {r['layout']:7} {r['mb']:6.1f} {r['off_ms']:8.1f} {r['on_ms']:8.1f} "
-            f"{r['ratio_on_off']:7.2f} {r['best_ratio']:6.2f}"
+            f"{r['backend']:16} {r['layout']:7} {r['mb']:6.1f} {r['off_ms']:8.1f} {r['rows_ms']:8.1f} "
+            f"{r['ratio_rows_off']:8.3f} {r['digests_ms']:8.1f} {r['ratio_digests_off']:8.2f}"
         )
     out = Path(__file__).resolve().parent / "results" / "bench_integrity.json"
     out.parent.mkdir(exist_ok=True)

@@ -37,6 +37,11 @@ class DataIntegrityError(DataPlaneError):
     (``data_plane.verify_integrity``); the message names the key and the field."""
 
 
+class RowIdentityError(DataIntegrityError):
+    """A get returned, for some key, a row put for another key (or one without an identity):
+    the store misplaced rows (``data_plane.verify_rows``); the message names the keys at fault."""
+
+
 class StoreFullError(DataPlaneError):
     """A put would exceed a store capacity (``data_plane.max_rows``, or a backend's own byte
     bound such as ``InMemoryClient(max_bytes=...)``); the message names the bound, and nothing of
@@ -79,6 +84,24 @@ class DataPlaneClient(ABC):
     * A missing key or field raises ``KeyError`` naming what is missing; nothing is dropped.
     * ``kv_clear`` of absent keys or an unknown partition is a no-op.
     * A partition exists while it holds at least one key: ``kv_partitions`` lists exactly those.
+    * Tags are flat dicts with non-empty ``str`` names. A value is a JSON value: ``None``,
+      ``bool``, ``int`` (64-bit signed), ``float`` (NaN and infinities included), ``str``, or a
+      ``list`` / ``dict`` (``str`` names) of those, nested. Every backend returns each value as
+      given, type included (``1`` stays ``int``, ``True`` stays ``bool``, a list stays a list);
+      anything else (a tuple, a tensor, a numpy scalar, bytes) is refused by :func:`check_tags`
+      with a ``TypeError`` naming the tag, before anything is written.
+    * ``meta.fields`` (of a put, list or claim) is a set of names: each listed once, in no
+      particular order. Callers compare it as a set; backends may order it as they like.
+    * After ``close()`` every other method (sync, async, claims) raises :class:`DataPlaneError`
+      saying the client is closed, without waiting on the store; ``close()`` again does nothing.
+    * Lifecycle of a shared store (one that other processes reach): the client that created it
+      owns it, and only the owner's ``close()`` tears it down; an attached client's ``close()``
+      releases only its own resources, and the store keeps serving every other client. A
+      backend built with ``from_config(cfg, bootstrap)`` honours the three modes: ``True``
+      creates the store and fails (``DataPlaneError``) if it exists; ``False`` attaches and
+      fails (``DataPlaneError``, bounded) if there is nothing to attach to, creating nothing;
+      ``"auto"`` attaches, or creates (and then owns) a store that does not exist. Once the
+      owner's close has taken effect, attaching fails again.
     * Capacity is counted in keys (rows), every partition together: ``data_plane.max_rows``,
       enforced for every backend by :class:`~nemo_dataplane.wrappers.capacity.CapacityGuard`. A
       backend may also bound the bytes of the tensors it stores (the in-memory ``max_bytes``).
@@ -196,7 +219,8 @@ class DataPlaneClient(ABC):
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Release this client's resources. Shared infrastructure is only shut down by the
-        client that created it; calling ``close`` twice is harmless."""
+        client that created it; calling ``close`` twice is harmless. Afterwards every other
+        method raises :class:`DataPlaneError` saying the client is closed."""
 
     def __enter__(self) -> DataPlaneClient:
         return self
@@ -313,6 +337,15 @@ def check_select_fields(select_fields: Any) -> list[str]:
     return names
 
 
+CLAIM_METHODS = ("kv_claim", "kv_mark_consumed", "kv_claim_status")
+
+
+def claims_not_implemented(cls: type[DataPlaneClient]) -> list[str]:
+    """The claim methods ``cls`` leaves to the ABC's defaults (which raise
+    :class:`ClaimsNotSupported`); empty when it implements all of them."""
+    return [m for m in CLAIM_METHODS if getattr(cls, m) is getattr(DataPlaneClient, m)]
+
+
 def check_task(task: Any) -> str:
     """Return ``task`` if it is a non-empty str, else raise ``ValueError`` (claims' task name)."""
     if not isinstance(task, str) or not task:
@@ -329,17 +362,61 @@ def check_claim_args(task: Any, fields: Any, batch_size: Any, timeout_s: Any) ->
     return task, names, batch_size, check_timeout(timeout_s, "timeout_s")
 
 
+_TAG_SCALARS = (type(None), bool, int, float, str)
+_INT64 = (-(2**63), 2**63 - 1)
+TAG_VALUES = "None, bool, int (64-bit), float, str, or a list / dict (str names) of those"
+
+
+def _tag_value_problem(value: Any) -> str | None:
+    """Why ``value`` is not a tag value (see the contract), or ``None``."""
+    kind = type(value)
+    if kind in _TAG_SCALARS:
+        if kind is int and not _INT64[0] <= value <= _INT64[1]:
+            return f"the int {value} does not fit in 64 bits"
+        return None
+    if kind is list:
+        for item in value:
+            if (why := _tag_value_problem(item)) is not None:
+                return why
+        return None
+    if kind is dict:
+        for name, item in value.items():
+            if type(name) is not str:
+                return f"a dict inside it has the non-str name {name!r}"
+            if (why := _tag_value_problem(item)) is not None:
+                return why
+        return None
+    return f"{kind.__module__}.{kind.__qualname__} is not a tag value ({TAG_VALUES})"
+
+
 def check_tags(tags: Any, n_keys: int) -> list[dict[str, Any]] | None:
-    """Return ``tags`` as a list of dicts of length ``n_keys`` (or ``None``), else ``ValueError``."""
+    """Return ``tags`` as a list of dicts of length ``n_keys`` (or ``None``).
+
+    Raises:
+        ValueError: not one dict per key.
+        TypeError: a dict that is not one, a tag name that is not a non-empty ``str``, or a value
+            that is not a tag value (see :class:`DataPlaneClient`); names the key's index and
+            the tag.
+    """
     if tags is None:
         return None
     tags = list(tags)
     if len(tags) != n_keys:
         raise ValueError(f"tags must hold one dict per key: got {len(tags)} for {n_keys} keys")
+    out: list[dict[str, Any]] = []
     for i, t in enumerate(tags):
         if not isinstance(t, Mapping):
             raise TypeError(f"tags[{i}] must be a dict, got {type(t).__name__}")
-    return [dict(t) for t in tags]
+        row = dict(t)
+        for name, value in row.items():
+            if type(name) is not str or not name:
+                raise TypeError(f"tags[{i}]: a tag name must be a non-empty str, got {name!r}")
+            if type(value) in _TAG_SCALARS and type(value) is not int:
+                continue  # the common case, kept cheap (puts carry thousands of tags)
+            if (why := _tag_value_problem(value)) is not None:
+                raise TypeError(f"tags[{i}][{name!r}]: {why}")
+        out.append(row)
+    return out
 
 
 def check_put_args(

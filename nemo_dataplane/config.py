@@ -10,6 +10,8 @@ YAML shape (all keys optional)::
       column_max_bytes_per_sample: 64   # driver column I/O refuses wider fields
       max_rows: null              # capacity: a put that would hold more keys in the store raises StoreFullError
       gpu_fields: []              # fields whose CUDA tensors stay on their GPU (one node; the store holds handles)
+      verify_rows: true           # every get checks each row is its key's own (8 bytes a row; RowIdentityError)
+      verify_integrity: false     # per-row digests of every field, checked at get (DataIntegrityError)
       transfer_queue:
         ray_address: null         # null: join a running Ray if one is up, else start a local one
         num_storage_units: null   # null: sized to the cluster's free CPUs (1 on a 2-CPU machine)
@@ -240,6 +242,9 @@ class DataPlaneConfig:
     column_max_bytes_per_sample: int = 64
     # Per-row digests recorded at put, checked at get (nemo_dataplane.wrappers.integrity); off: no cost.
     verify_integrity: bool = False
+    # Each row's key identity stored at put, read back and compared at every get
+    # (nemo_dataplane.wrappers.identity): a store that returns other keys' rows fails the get.
+    verify_rows: bool = True
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     ray_store: RayStoreConfig = field(default_factory=RayStoreConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

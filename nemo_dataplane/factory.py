@@ -20,10 +20,11 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from nemo_dataplane.client import DataPlaneClient
+from nemo_dataplane.client import DataPlaneClient, claims_not_implemented
 from nemo_dataplane.config import BUILTIN_BACKENDS, ConfigError, DataPlaneConfig, backend_path
 from nemo_dataplane.wrappers.capacity import CapacityGuard
 from nemo_dataplane.wrappers.gpu_resident import GpuResidentClient
+from nemo_dataplane.wrappers.identity import RowIdentityCheck
 from nemo_dataplane.wrappers.integrity import IntegrityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
@@ -43,12 +44,18 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
 _BUILTIN: dict[str, tuple[str, str]] = {name: _ADAPTERS[name] for name in BUILTIN_BACKENDS}
 
 
-def resolve_backend(name: str) -> type[DataPlaneClient]:
-    """The client class for a backend name or ``"pkg.module:ClassName"`` path.
+def resolve_backend(name: str, *, needs_claims: bool = False) -> type[DataPlaneClient]:
+    """The client class for a backend name or ``"pkg.module:ClassName"`` path, refused when it
+    is structurally unusable: the one check of a backend class (config load and factory alike).
+
+    Args:
+        needs_claims: the caller claims rows (``grpo_async``): a class that leaves any of
+            ``kv_claim``, ``kv_mark_consumed``, ``kv_claim_status`` to the ABC's defaults is refused.
 
     Raises:
-        ValueError: an unknown name, a malformed path (refused before any import), or a class
-            that is not a DataPlaneClient.
+        ValueError: an unknown name, a malformed path (refused before any import), a class that
+            is not a DataPlaneClient, one with abstract methods left unimplemented, or one
+            without claims when ``needs_claims``; the message names ``data_plane.backend``.
         ImportError: the backend's module (or its dependency) cannot be imported.
     """
     if not isinstance(name, str):
@@ -67,6 +74,18 @@ def resolve_backend(name: str) -> type[DataPlaneClient]:
     if not (isinstance(cls, type) and issubclass(cls, DataPlaneClient)):
         raise ValueError(
             f"data_plane.backend={name!r}: {target} is not a nemo_dataplane.DataPlaneClient subclass (got {cls!r})"
+        )
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if abstract:
+        raise ValueError(
+            f"data_plane.backend={name!r}: {cls.__name__} does not implement {', '.join(abstract)} "
+            "(abstract methods of DataPlaneClient; docs/custom-backends.md)"
+        )
+    missing = claims_not_implemented(cls) if needs_claims else []
+    if missing:
+        raise ValueError(
+            f"data_plane.backend={name!r}: {cls.__name__} has no claims ({', '.join(missing)} not implemented), "
+            "which grpo_async needs to take rows as they are produced; implement them, or use grpo_sync"
         )
     return cls
 
@@ -122,7 +141,8 @@ def build_data_plane_client(
         on_event: with ``observability.enabled``, called with every op's :class:`OpEvent`.
 
     Wrappers (:mod:`nemo_dataplane.wrappers`), each only when its key is set, innermost first:
-    :class:`CapacityGuard` (``max_rows``: a put past the capacity raises ``StoreFullError``),
+    :class:`RowIdentityCheck` (``verify_rows``, default on: each get checks every row is its
+    key's own), :class:`CapacityGuard` (``max_rows``: a put past the capacity raises ``StoreFullError``),
     :class:`IntegrityCheck` (``verify_integrity``: per-row digests sealed at put, checked at get),
     :class:`GpuResidentClient` (``gpu_fields``: CUDA tensors of those fields stay on their GPU
     and the store holds handles; one node only), :class:`ObservedClient`
@@ -141,6 +161,8 @@ def build_data_plane_client(
         client = from_config(cfg, bootstrap=bootstrap)
     else:
         client = cls(**dict(cfg.backend_kwargs))
+    if cfg.verify_rows:
+        client = RowIdentityCheck(client)
     if cfg.max_rows is not None:
         client = CapacityGuard(client, cfg.max_rows)
     if cfg.verify_integrity:

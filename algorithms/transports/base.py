@@ -181,6 +181,14 @@ class Transport(ABC):
         """Rows the store holds at most (``None``: unbounded)."""
         return None
 
+    def label(self) -> str:
+        """What the run's output calls this transport (its store named, where it has one)."""
+        return self.name
+
+    def require_claims(self) -> None:
+        """Raise ``ConfigError`` (naming the key at fault) when :meth:`source` could not take
+        groups as they are produced; called before anything starts. Default: it can."""
+
     # ------------------------------------------------------------------ the other sides
     @abstractmethod
     def sink(self) -> RolloutSink:

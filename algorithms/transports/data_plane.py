@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from algorithms.config import TrainerConfig
+from algorithms.config import TrainerConfig, check_backend
 from algorithms.faults import InjectedFailure
 from algorithms.metrics import payload_bytes
 from algorithms.rollouts import (
@@ -106,6 +106,12 @@ class DataPlaneTransport(Transport):
 
     def capacity_rows(self) -> int | None:
         return self.cfg.data_plane.max_rows
+
+    def label(self) -> str:
+        return f"{self.name} (backend={self.data_plane.backend})"
+
+    def require_claims(self) -> None:
+        check_backend(self.data_plane.backend, needs_claims=True)
 
     def sink(self) -> DataPlaneSink:
         return DataPlaneSink(self.cfg, self.data_plane)

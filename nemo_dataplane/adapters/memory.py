@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from nemo_dataplane.client import (
     ClaimStatus,
     DataPlaneClient,
+    DataPlaneError,
     Fields,
     StoreFullError,
     check_claim_args,
@@ -83,7 +84,7 @@ class InMemoryClient(DataPlaneClient):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("InMemoryClient is closed")
+            raise DataPlaneError("InMemoryClient is closed")
 
     def kv_batch_put(
         self,

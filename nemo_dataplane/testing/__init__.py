@@ -13,5 +13,7 @@ else:
     pytest.register_assert_rewrite(
         "nemo_dataplane.testing.conformance",
         "nemo_dataplane.testing.claim_conformance",
+        "nemo_dataplane.testing.scale_conformance",
+        "nemo_dataplane.testing.lifecycle_conformance",
         "nemo_dataplane.testing.weight_transfer_conformance",
     )

@@ -7,7 +7,7 @@ tests are then skipped, and one test checks that ``kv_claim``, ``kv_mark_consume
 ``kv_claim_status`` raise :class:`~nemo_dataplane.client.ClaimsNotSupported` (the ABC's defaults)
 instead of half-working. ``kv_partitions`` is part of the by-key contract, tested for every
 backend in ``conformance.py``. The cross-process claim test lives with the other
-cross-process test in ``conformance.py``.
+cross-process test in ``lifecycle_conformance.py``; a 1,000-row claim in ``scale_conformance.py``.
 
 Waits are short (at most about a second each) and asserted loosely: a claim that times out
 returns after at least 80% of ``timeout_s`` and less than ``timeout_s + 5`` seconds.

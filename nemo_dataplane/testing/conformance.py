@@ -12,58 +12,58 @@ A backend passes when every test here passes against it. In your own test file::
             yield c
             c.close()
 
-        # optional: a config that actors can pass to build_data_plane_client(cfg, bootstrap=False)
-        # to reach the same store from another process; None skips the cross-process test.
+        # required: the config through which another process (a Ray actor) reaches the same
+        # store with build_data_plane_client(cfg, bootstrap=False); None declares an in-process store.
         def remote_config(self):
             return {"backend": "my_pkg.store:MyStoreClient", "backend_kwargs": {...}}
+
+        # a store of this backend nobody created yet (a unique name each call)
+        def fresh_config(self):
+            return {"backend": "my_pkg.store:MyStoreClient", "backend_kwargs": {"name": unique()}}
 
 Every test works in its own partition (the ``pid`` fixture) and clears it afterwards, so a
 shared, long-lived store is fine. The in-memory reference client is the executable spec: this
 suite checks that a backend behaves like it, not how it stores data.
 
-The claim tests (``kv_claim`` and friends) come from
-:class:`~nemo_dataplane.testing.claim_conformance.ClaimConformance`, a base of the suite; a
-backend without claims sets ``supports_claims = False`` on its test class.
+The suite's parts, each a base of :class:`DataPlaneConformance`: the by-key contract (here);
+large reads (:class:`~nemo_dataplane.testing.scale_conformance.ScaleConformance`); claims
+(:class:`~nemo_dataplane.testing.claim_conformance.ClaimConformance`; a backend without them sets
+``supports_claims = False``); use after close, the bootstrap modes, owner-only teardown and other
+processes (:class:`~nemo_dataplane.testing.lifecycle_conformance.LifecycleConformance`, which
+says what ``remote_config``/``fresh_config`` mean and fails, rather than skips, what it cannot
+run: a hook not defined, Ray not initialized).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.codec import SUPPORTED_DTYPES
 from nemo_dataplane.meta import KVBatchMeta
 from nemo_dataplane.testing.claim_conformance import ClaimConformance
-from nemo_dataplane.testing.fields import (
-    assert_same_field,
-    from_wire,
-    jagged,
-    random_field,
-    rows_of,
-    to_wire,
-    unique_keys,
-)
+from nemo_dataplane.testing.fields import assert_same_field, jagged, random_field, rows_of, unique_keys
+from nemo_dataplane.testing.lifecycle_conformance import LifecycleConformance, conformance_ray
+from nemo_dataplane.testing.scale_conformance import ScaleConformance, assert_rows
 
-__all__ = ["DataPlaneConformance", "assert_same_field", "jagged", "random_field"]
+__all__ = ["DataPlaneConformance", "assert_rows", "assert_same_field", "conformance_ray", "jagged", "random_field"]
 
 
-class DataPlaneConformance(ClaimConformance):
-    """Contract tests for a :class:`DataPlaneClient`; subclass and provide ``client``."""
+class DataPlaneConformance(ScaleConformance, ClaimConformance, LifecycleConformance):
+    """Contract tests for a :class:`DataPlaneClient`; subclass, provide ``client`` and define
+    ``remote_config`` (and ``fresh_config``): see the module docstring."""
 
     @pytest.fixture
     def client(self) -> Iterator[DataPlaneClient]:
         raise NotImplementedError("subclasses provide a `client` fixture yielding the backend under test")
-
-    def remote_config(self) -> Mapping[str, Any] | None:
-        """A ``data_plane`` config that reaches the same store from another process, or None."""
-        return None
 
     @pytest.fixture
     def pid(self, client: DataPlaneClient) -> Iterator[str]:
@@ -144,6 +144,86 @@ class DataPlaneConformance(ClaimConformance):
             {"len": 2, "src": "gen"},
         ]
         assert meta2.fields is not None and "x" in meta2.fields
+
+    def test_tag_values_round_trip_with_their_types(self, client: DataPlaneClient, pid: str) -> None:
+        values: dict[str, Any] = {
+            "none": None,
+            "yes": True,
+            "no": False,
+            "zero": 0,
+            "neg": -7,
+            "max64": 2**63 - 1,
+            "min64": -(2**63),
+            "half": 0.5,
+            "negzero": -0.0,
+            "nan": float("nan"),
+            "inf": float("inf"),
+            "ninf": float("-inf"),
+            "tiny": 5e-324,
+            "text": "h\u00e9llo \u2713 \U0001f600",
+            "empty": "",
+            "list": [1, 2.5, "x", None, True, [3, []]],
+            "dict": {"a": 1, "b": {"c": [False, {}]}},
+        }
+        keys = unique_keys(2)
+        meta = client.kv_batch_put(keys, pid, {"x": torch.zeros(2)}, tags=[values, {"only": 1}])
+        _assert_same_tags("the put's meta", meta.tags[0], values)
+        _assert_same_tags("kv_list", client.kv_list(pid).tags[0], values)
+        merged = {**values, "zero": 1.0, "one": [None]}  # an int replaced by a float, a new list
+        _assert_same_tags(
+            "a tags-only upsert",
+            client.kv_batch_put(keys[:1], pid, None, [{"zero": 1.0, "one": [None]}]).tags[0],
+            merged,
+        )
+        _assert_same_tags("kv_list after the upsert", client.kv_list(pid).tags[0], merged)
+        if self.supports_claims:
+            _assert_same_tags("kv_claim", client.kv_claim(pid, "tags", ["x"], 1, 0).tags[0], merged)
+
+    def test_tag_values_that_are_not_json_values_are_refused_naming_the_tag(
+        self, client: DataPlaneClient, pid: str
+    ) -> None:
+        bad: list[tuple[Any, Any]] = [
+            ("pair", (1, 2)),
+            ("tensor", torch.tensor(1)),
+            ("np_float", np.float32(1.0)),
+            ("raw", b"x"),
+            ("a_set", {1}),
+            ("huge", 2**64),
+            ("nested", [1, (2,)]),
+            ("int_named", {1: "a"}),
+        ]
+        for name, value in bad:
+            with pytest.raises(TypeError, match=repr(name)):
+                client.kv_batch_put(["k"], pid, {"x": torch.zeros(1)}, tags=[{name: value}])
+            with pytest.raises(TypeError, match=repr(name)):
+                client.kv_batch_put(["k"], pid, None, tags=[{name: value}])
+        bad_names: list[Any] = [1, ""]  # deliberately not tag names
+        for bad_name in bad_names:
+            with pytest.raises(TypeError, match="tag name"):
+                client.kv_batch_put(["k"], pid, {"x": torch.zeros(1)}, tags=[{bad_name: 1}])
+        assert client.kv_list(pid).keys == ()  # nothing written
+
+    def test_meta_fields_name_each_field_once_in_any_order(self, client: DataPlaneClient, pid: str) -> None:
+        keys = unique_keys(3)
+        metas = [
+            ("a put", client.kv_batch_put(keys, pid, {"b": torch.zeros(3), "a": jagged([1, 2, 3])}), {"a", "b"}),
+            # an upsert in reversed key order, one field again and one new
+            (
+                "an upsert",
+                client.kv_batch_put(keys[::-1], pid, {"c": torch.ones(3), "a": jagged([3, 0, 2], seed=1)}),
+                {"a", "b", "c"},
+            ),
+            ("a put to some keys", client.kv_batch_put(keys[1:], pid, {"d": torch.ones(2)}), {"a", "b", "c", "d"}),
+            ("kv_list", client.kv_list(pid), {"a", "b", "c"}),
+        ]
+        for what, meta, want in metas:
+            fields = list(meta.fields or ())
+            assert len(fields) == len(set(fields)), f"{what}: meta.fields names a field twice: {fields}"
+            assert set(fields) == want, f"{what}: meta.fields {sorted(fields)}, stored on every key: {sorted(want)}"
+        if self.supports_claims:  # a claim's meta names at least the fields it claimed by, at most those stored
+            fields = list(client.kv_claim(pid, "f", ["d", "a"], 2, 0).fields or ())
+            assert len(fields) == len(set(fields)), f"kv_claim: meta.fields names a field twice: {fields}"
+            assert {"a", "d"} <= set(fields) <= {"a", "b", "c", "d"}, f"kv_claim: meta.fields {sorted(fields)}"
 
     def test_upsert_of_some_fields_keeps_the_others(self, client: DataPlaneClient, pid: str) -> None:
         keys = unique_keys(3)
@@ -337,109 +417,22 @@ class DataPlaneConformance(ClaimConformance):
             assert listed.keys == tuple(unique_keys(4, f"p{i}_")) and listed.tags[0] == {"i": i}
             assert gone.keys == ()
 
-    # ---------------------------------------------------------- cross-process
-    def test_put_in_one_actor_read_in_another(self, client: DataPlaneClient, pid: str) -> None:
-        cfg = self.remote_config()
-        if cfg is None:
-            pytest.skip("in-process backend: no store shared between processes")
-        import ray
 
-        if not ray.is_initialized():
-            pytest.skip("needs a running Ray cluster (ray_session fixture)")
-        writer = _Peer.remote(dict(cfg))
-        reader = _Peer.remote(dict(cfg))
-        try:
-            fields = {"ids": jagged([3, 1, 4]), "logp": random_field((3, 4), torch.float32, seed=7)}
-            meta = ray.get(
-                writer.put.remote(unique_keys(3), pid, to_wire(TensorDict(fields, batch_size=[3])), [{"w": 1}] * 3),
-                timeout=120,
-            )
-            assert meta.keys == tuple(unique_keys(3)) and meta.tags[0] == {"w": 1}
-            got = from_wire(ray.get(reader.get.remote(meta.reorder([2, 0, 1]), ["ids", "logp"]), timeout=120))
-            assert_same_field("ids", got["ids"], rows_of(fields["ids"], [2, 0, 1]))
-            assert_same_field("logp", got["logp"], fields["logp"][[2, 0, 1]])
-            # and the driver-side client sees the same store, the partition included
-            assert client.kv_list(pid).keys == tuple(unique_keys(3))
-            assert pid in client.kv_partitions()
-        finally:
-            # Both actors are killed even when a close fails or times out.
-            try:
-                ray.get([actor.close.remote() for actor in (writer, reader)], timeout=30)
-            finally:
-                for actor in (writer, reader):
-                    ray.kill(actor)
-
-    def test_claimers_in_several_processes_never_share_a_row(self, client: DataPlaneClient, pid: str) -> None:
-        cfg = self.remote_config()
-        if cfg is None or not self.supports_claims:
-            pytest.skip("no store shared between processes, or no claims")
-        import ray
-
-        if not ray.is_initialized():
-            pytest.skip("needs a running Ray cluster (ray_session fixture)")
-        peers = [_Peer.remote(dict(cfg)) for _ in range(2)]
-        try:
-            ray.get([p.ping.remote() for p in peers], timeout=120)  # both attached before racing
-            n = 60
-            client.kv_batch_put(unique_keys(n), pid, {"x": torch.arange(n)})
-            remote = [p.claim_all.remote(pid, "t", ["x"], 2) for p in peers]
-            local: list[str] = []
-            while got := client.kv_claim(pid, "t", ["x"], 2, 0).keys:
-                local.extend(got)
-            per_process = [local, *ray.get(remote, timeout=120)]
-            everything = [k for keys in per_process for k in keys]
-            assert len(everything) == len(set(everything)) == n, "a row went to two processes, or was lost"
-        finally:
-            try:
-                ray.get([p.close.remote() for p in peers], timeout=30)
-            finally:
-                for p in peers:
-                    ray.kill(p)
+def _same_tag_value(a: Any, b: Any) -> bool:
+    """Equal and of the same type, all the way down; NaN equals NaN, -0.0 is not 0.0."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_tag_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tag_value(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
-def _peer_cls() -> Any:
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Peer:
-        """A separate process attaching to the store (bootstrap=False), as worker actors do."""
-
-        def __init__(self, cfg: dict[str, Any]) -> None:
-            from nemo_dataplane.factory import build_data_plane_client
-
-            self.client = build_data_plane_client(cfg, bootstrap=False)
-
-        def put(self, keys: list[str], pid: str, wire: dict[str, Any], tags: list[dict[str, Any]]) -> KVBatchMeta:
-            return self.client.kv_batch_put(keys, pid, from_wire(wire), tags)
-
-        def get(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
-            return to_wire(self.client.kv_batch_get(meta, fields))
-
-        def ping(self) -> bool:
-            return True
-
-        def claim_all(self, pid: str, task: str, fields: list[str], batch_size: int) -> list[str]:
-            """Claim until a claim comes back empty; the keys this process got."""
-            mine: list[str] = []
-            while got := self.client.kv_claim(pid, task, fields, batch_size, 0).keys:
-                mine.extend(got)
-            return mine
-
-        def close(self) -> None:
-            self.client.close()
-
-    return Peer
-
-
-class _LazyPeer:
-    """Defers ``ray.remote`` until first use so importing this module does not need Ray."""
-
-    _cls: Any = None
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        if _LazyPeer._cls is None:
-            _LazyPeer._cls = _peer_cls()
-        return _LazyPeer._cls.remote(*args, **kwargs)
-
-
-_Peer = _LazyPeer()
+def _assert_same_tags(what: str, got: Any, want: dict[str, Any]) -> None:
+    assert isinstance(got, dict), f"{what}: tags are a {type(got).__name__}, not a dict"
+    assert set(got) == set(want), f"{what}: tag names {sorted(got)} != {sorted(want)}"
+    wrong = {k: (got[k], want[k]) for k in want if not _same_tag_value(got[k], want[k])}
+    assert not wrong, f"{what}: tags changed value or type (got, put): {wrong!r}"

@@ -2,6 +2,8 @@
 
 * :mod:`.base`: :class:`ForwardingClient`, which forwards every call; the others override only
   what they change;
+* :mod:`.identity`: :class:`RowIdentityCheck` (``data_plane.verify_rows``, default on: every get
+  checks each row is the row of the key asked for);
 * :mod:`.capacity`: :class:`CapacityGuard` (``data_plane.max_rows``; a put past it raises
   :class:`StoreFullError`);
 * :mod:`.integrity`: :class:`IntegrityCheck` (``data_plane.verify_integrity``: per-row digests
@@ -12,7 +14,7 @@
   op, bytes outstanding, snapshots).
 
 The factory composes them as
-``ObservedClient(GpuResidentClient(IntegrityCheck(CapacityGuard(backend))))``, each
+``ObservedClient(GpuResidentClient(IntegrityCheck(CapacityGuard(RowIdentityCheck(backend)))))``, each
 only when its key is set (see :func:`~nemo_dataplane.factory.build_data_plane_client`). Names
 resolve on first access (PEP 562).
 """
@@ -23,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nemo_dataplane.wrappers.base import ForwardingClient
     from nemo_dataplane.wrappers.capacity import CapacityGuard, StoreFullError
     from nemo_dataplane.wrappers.gpu_resident import GpuResidentClient
+    from nemo_dataplane.wrappers.identity import RowIdentityCheck
     from nemo_dataplane.wrappers.integrity import IntegrityCheck
     from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent, Outstanding
 
@@ -34,6 +37,7 @@ __all__ = [
     "ObservedClient",
     "OpEvent",
     "Outstanding",
+    "RowIdentityCheck",
     "StoreFullError",
 ]
 
@@ -46,6 +50,7 @@ _WHERE = {
     "ObservedClient": "observed",
     "OpEvent": "observed",
     "Outstanding": "observed",
+    "RowIdentityCheck": "identity",
 }
 
 

@@ -94,7 +94,7 @@ def test_max_bytes_reaches_the_memory_backend_through_backend_kwargs() -> None:
     from nemo_dataplane.adapters.memory import InMemoryClient
     from nemo_dataplane.factory import build_data_plane_client
 
-    client = build_data_plane_client({"backend": "memory", "backend_kwargs": {"max_bytes": 8}})
+    client = build_data_plane_client({"backend": "memory", "backend_kwargs": {"max_bytes": 8}, "verify_rows": False})
     assert isinstance(client, InMemoryClient) and client.max_bytes == 8
     with pytest.raises(StoreFullError, match="max_bytes=8"):
         client.kv_batch_put(["a"], "p", {"x": torch.zeros(1, 3)})

@@ -16,6 +16,7 @@ from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.config import ConfigError, DataPlaneConfig
 from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.factory import build_data_plane_client, resolve_backend
+from nemo_dataplane.wrappers.identity import RowIdentityCheck
 from nemo_dataplane.wrappers.observed import ObservedClient, OpEvent
 
 
@@ -54,10 +55,12 @@ def fake_module() -> Iterator[str]:
 
 
 def test_memory_backend_and_observability_wrapper() -> None:
-    client = build_data_plane_client({"backend": "memory"})
+    client = build_data_plane_client({"backend": "memory", "verify_rows": False})
     assert type(client) is InMemoryClient
     events: list[OpEvent] = []
-    wrapped = build_data_plane_client({"backend": "memory", "observability": {"enabled": True}}, on_event=events.append)
+    wrapped = build_data_plane_client(
+        {"backend": "memory", "observability": {"enabled": True}, "verify_rows": False}, on_event=events.append
+    )
     assert isinstance(wrapped, ObservedClient) and isinstance(wrapped.inner, InMemoryClient)
     wrapped.kv_batch_put(["a"], "p", {"x": torch.zeros(1)})
     assert [e.op for e in events] == ["kv_batch_put"]
@@ -65,10 +68,13 @@ def test_memory_backend_and_observability_wrapper() -> None:
 
 def test_custom_backend_by_path_uses_from_config(fake_module: str) -> None:
     client = build_data_plane_client(
-        {"backend": f"{fake_module}:ConfiguredStore", "backend_kwargs": {"label": "x"}}, bootstrap=False
+        {"backend": f"{fake_module}:ConfiguredStore", "backend_kwargs": {"label": "x"}, "verify_rows": False},
+        bootstrap=False,
     )
     assert isinstance(client, ConfiguredStore) and client.label == "x" and client.bootstrap is False
-    plain = build_data_plane_client({"backend": f"{fake_module}:KwargsStore", "backend_kwargs": {"size": 3}})
+    plain = build_data_plane_client(
+        {"backend": f"{fake_module}:KwargsStore", "backend_kwargs": {"size": 3}, "verify_rows": False}
+    )
     assert isinstance(plain, KwargsStore) and plain.size == 3
 
 
@@ -136,7 +142,7 @@ def test_missing_optional_dependency_names_what_to_install(monkeypatch: pytest.M
 def test_transfer_queue_backend_attaches_through_the_factory(tq_client: Any) -> None:
     from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
-    client = build_data_plane_client({"backend": "transfer_queue"}, bootstrap=False)
+    client = build_data_plane_client({"backend": "transfer_queue", "verify_rows": False}, bootstrap=False)
     try:
         assert isinstance(client, TransferQueueClient) and not client.owns_store
     finally:
@@ -164,5 +170,8 @@ def test_a_config_that_asks_for_no_store_is_refused(config: Any, match: str) -> 
 def test_the_trainers_config_shape_still_builds() -> None:
     # enabled: true without a backend is the trainers' YAML (default backend); a built config is taken as is.
     assert DataPlaneConfig.from_dict({"enabled": True}).backend == "transfer_queue"
-    assert type(build_data_plane_client(DataPlaneConfig(backend="memory"))) is InMemoryClient
-    assert type(build_data_plane_client({"enabled": True, "backend": "memory"})) is InMemoryClient
+    for built in (
+        build_data_plane_client(DataPlaneConfig(backend="memory")),
+        build_data_plane_client({"enabled": True, "backend": "memory"}),
+    ):
+        assert type(built) is RowIdentityCheck and type(built.inner) is InMemoryClient  # verify_rows: on by default

@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ from nemo_dataplane.wrappers.gpu_resident import (
 
 REPO = Path(__file__).resolve().parents[2]
 # The conformance suite's own field names: every one of its gets goes through the wrapper's path.
-SUITE_FIELDS = ("x", "ids", "score", "len", "src", "i", "a", "w", "t", "b", "c")
+SUITE_FIELDS = ("x", "ids", "score", "len", "src", "i", "a", "w", "t", "b", "c", "d", "uid", "bf", "hid", "tenfold")
 
 
 class TestGpuResidentConformance(DataPlaneConformance):
@@ -46,6 +47,12 @@ class TestGpuResidentConformance(DataPlaneConformance):
         c = GpuResidentClient(InMemoryClient(), SUITE_FIELDS)
         yield c
         c.close()
+
+    def remote_config(self) -> None:
+        return None  # around the in-process store
+
+    def fresh_config(self) -> dict[str, Any]:
+        return {"backend": "memory", "gpu_fields": list(SUITE_FIELDS)}
 
 
 def test_cpu_tensors_of_a_gpu_field_take_the_host_path_bit_exact() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,6 +12,7 @@ from algorithms.config import ConfigError, TrainerConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "examples" / "configs" / "grpo_tiny.yaml"
+sys.path.insert(0, str(Path(__file__).parent))  # the test backends (_backends.py) by path
 
 
 def test_shipped_config_loads_and_runs_on_the_data_plane() -> None:
@@ -300,6 +303,50 @@ def test_memory_backend_with_the_multi_process_trainer_is_refused() -> None:
 def test_unusable_backend_path_is_refused_at_load_naming_it(backend: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(YAML, [f"data_plane.backend={backend}"])
+
+
+def test_a_backend_class_missing_abstract_methods_is_refused_at_load_naming_them() -> None:
+    with pytest.raises(
+        ConfigError, match=r"data_plane.backend='_backends:Incomplete': Incomplete does not implement kv_partitions"
+    ):
+        load_config(YAML, ["data_plane.backend=_backends:Incomplete"])
+
+
+def test_structural_backend_problems_exit_2_with_one_line_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from algorithms.cli import main
+    from algorithms.grpo_async import AsyncTrainer
+    from algorithms.grpo_sync import SyncTrainer
+
+    def run(trainer: Any, backend: str) -> list[str]:
+        code = main(
+            trainer, ["--config", str(YAML), f"data_plane.backend={backend}", "logging.output_dir=/nonexistent/x"]
+        )
+        assert code == 2
+        return capsys.readouterr().err.strip().splitlines()
+
+    (line,) = run(SyncTrainer, "_backends:Incomplete")
+    assert line.startswith("grpo_sync: config error: data_plane.backend='_backends:Incomplete'")
+    # A store without claims serves the sync trainer, not the async one (it claims groups as produced).
+    assert load_config(YAML, ["data_plane.backend=_backends:ByKeyOnly"]).data_plane.backend.endswith("ByKeyOnly")
+    (line,) = run(AsyncTrainer, "_backends:ByKeyOnly")
+    assert line.startswith(
+        "grpo_async: config error: data_plane.backend='_backends:ByKeyOnly': ByKeyOnly has no claims"
+    )
+    assert "kv_claim, kv_mark_consumed, kv_claim_status not implemented" in line
+
+
+def test_the_run_names_its_transport_and_backend() -> None:
+    from algorithms.grpo_sync import SyncTrainer
+
+    assert SyncTrainer(load_config(YAML)).summary["transport"] == "data_plane (backend=transfer_queue)"
+    custom = load_config(YAML, ["data_plane.backend=nemo_dataplane.adapters.memory:InMemoryClient"])
+    assert (
+        SyncTrainer(custom).summary["transport"] == "data_plane (backend=nemo_dataplane.adapters.memory:InMemoryClient)"
+    )
+    legacy = load_config(YAML, ["data_plane.enabled=false", "data_plane.packing.micro_batch_size=2"])
+    assert SyncTrainer(legacy).summary["transport"] == "legacy"
 
 
 def test_a_custom_backend_class_that_imports_is_accepted() -> None:

@@ -12,7 +12,14 @@ import torch
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.client import DataIntegrityError, DataPlaneClient
 from nemo_dataplane.factory import build_data_plane_client
-from nemo_dataplane.wrappers import CapacityGuard, ForwardingClient, IntegrityCheck, ObservedClient, OpEvent
+from nemo_dataplane.wrappers import (
+    CapacityGuard,
+    ForwardingClient,
+    IntegrityCheck,
+    ObservedClient,
+    OpEvent,
+    RowIdentityCheck,
+)
 from nemo_dataplane.wrappers.capacity import StoreFullError
 
 
@@ -76,7 +83,7 @@ def test_context_manager_closes_the_inner_client_and_extras_read_through() -> No
         inner.kv_list("p")
 
 
-def test_the_factory_composes_capacity_then_integrity_then_the_observer() -> None:
+def test_the_factory_composes_identity_then_capacity_then_integrity_then_the_observer() -> None:
     events: list[OpEvent] = []
     client = build_data_plane_client(
         {"backend": "memory", "max_rows": 2, "verify_integrity": True, "observability": {"enabled": True}},
@@ -84,7 +91,8 @@ def test_the_factory_composes_capacity_then_integrity_then_the_observer() -> Non
     )
     assert isinstance(client, ObservedClient)
     assert isinstance(client.inner, IntegrityCheck) and isinstance(client.inner.inner, CapacityGuard)
-    raw = client.inner.inner.inner
+    assert isinstance(client.inner.inner.inner, RowIdentityCheck)
+    raw = client.inner.inner.inner.inner
     assert isinstance(raw, InMemoryClient)
 
     meta = client.kv_batch_put(["a", "b"], "p", {"x": torch.arange(2.0)})
@@ -106,6 +114,8 @@ def test_the_factory_composes_capacity_then_integrity_then_the_observer() -> Non
 
 
 def test_each_wrapper_only_when_its_key_is_set() -> None:
-    assert type(build_data_plane_client({"backend": "memory"})) is InMemoryClient
-    only = build_data_plane_client({"backend": "memory", "verify_integrity": True})
+    assert type(build_data_plane_client({"backend": "memory", "verify_rows": False})) is InMemoryClient
+    rows = build_data_plane_client({"backend": "memory"})  # verify_rows: on by default
+    assert type(rows) is RowIdentityCheck and type(rows.inner) is InMemoryClient
+    only = build_data_plane_client({"backend": "memory", "verify_integrity": True, "verify_rows": False})
     assert type(only) is IntegrityCheck and type(only.inner) is InMemoryClient

@@ -212,7 +212,14 @@ def test_fsdp_sends_every_ranks_shards_through_the_resharding_refit() -> None:
     plain = load_config(YAML, [])
     assert not plain.fully_sharded and plain.refit_senders == 1 and plain.weight_transfer.sender_layout == "tp"
     assert load_config(YAML, ["grpo.kl_clamp=null"]).grpo.kl_clamp is None
-    fp8 = ["policy.device=cuda", "generation.device=cuda", "generation.backend=vllm", "policy.precision=bf16"]
+    fp8 = [
+        "policy.device=cuda",
+        "policy.dist_backend=nccl",
+        "policy.gpus_per_rank=1",
+        "generation.device=cuda",
+        "generation.backend=vllm",
+        "policy.precision=bf16",
+    ]
     with pytest.raises(ConfigError, match=r"trainer.dp_size with policy.sharding=fsdp"):
         from algorithms.refit_weights import check_quantization
 

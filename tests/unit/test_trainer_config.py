@@ -364,3 +364,22 @@ def test_groups_per_generation_auto_is_a_steps_groups_over_the_collectors_within
         load_config(YAML, ["async.groups_per_generation=most"])
     with pytest.raises(ConfigError, match="async.max_inflight_groups=2 is below async.groups_per_generation=8"):
         load_config(YAML, ["async.max_inflight_groups=2", "async.groups_per_generation=8"])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sections_built_directly_refuse_non_finite_bounds_naming_the_field(value: float) -> None:
+    """Built without YAML (whose loader refuses non-finite numbers), every ``require_positive``
+    field and the sampling spec refuse NaN and infinity, naming the field."""
+    from algorithms.config_sections import AsyncConfig, RefitConfig, TrainerSection
+    from algorithms.engines.generation.base import SamplingSpec
+    from nemo_dataplane.config import FieldError
+
+    for make, field in (
+        (lambda: TrainerSection(step_timeout_s=value), "step_timeout_s"),
+        (lambda: RefitConfig(timeout_s=value), "timeout_s"),
+        (lambda: AsyncConfig(claim_poll_s=value), "claim_poll_s"),
+    ):
+        with pytest.raises(FieldError, match=rf"^{field} must be a finite number"):
+            make()
+    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
+        SamplingSpec(max_new_tokens=4, temperature=float("nan"))

@@ -130,10 +130,11 @@ def backend_path(name: str) -> tuple[str, str]:
 class TransferQueueConfig:
     """How the TransferQueue adapter finds or creates its controller and storage.
 
-    ``listen``: where a store this client creates listens. TransferQueue's wire format is pickle,
-    so whoever reaches its ports runs code in it. ``auto``: loopback when the Ray cluster has one
-    node at creation, else each actor's node address; ``loopback``: always (every client must be
-    on the store's node); ``node``: the node address (reachable from the network: trust it).
+    ``listen``: where a store this client creates listens. TransferQueue's wire format is pickle;
+    its sockets admit only clients holding the store's keys (docs/reliability.md, "Trust
+    boundary"), and a one-node store stays off the network besides. ``auto``: loopback when the
+    Ray cluster has one node at creation, else each actor's node address; ``loopback``: always
+    (every client must be on the store's node); ``node``: the node address.
     """
 
     ray_address: str | None = None

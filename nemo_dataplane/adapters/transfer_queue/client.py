@@ -121,7 +121,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         namespace: str = DEFAULT_NAMESPACE,
         secret: bytes | str | None = None,
         *,
-        _plain_wire: bool = False,  # benchmarks only (bench_data_plane.py --wire): no wire keys
+        _plain_wire: bool = False,  # benchmarks only (bench_data_plane.py --compare-plain-wire): no wire keys
     ) -> None:
         self.cfg = _tq_config(config)
         self._secret = job_secret(secret)

@@ -186,31 +186,26 @@ def _published(client: TransferQueueClient) -> set[str]:
     return {info.to_addr(port) for info in infos for port in info.ports}
 
 
-def test_a_client_attaching_from_another_process_gets_the_keys_and_is_admitted(
+def test_a_client_that_attaches_gets_the_keys_from_the_controller_and_is_admitted(
     wired: TransferQueueClient,
 ) -> None:
-    """A worker's client (bootstrap=False, no secret of its own) gets the keys from the controller
-    through Ray; its requests are admitted (counted) and served."""
-    import ray
-
+    """A client that attaches (bootstrap=False, as every worker's; no secret of its own) gets the
+    store's keys from the controller through Ray; its connections are admitted (counted) and
+    served. (Clients in other processes: the conformance suite's actor tests, on this wire.)"""
     pid = f"wire-{uuid.uuid4().hex[:6]}"
     wired.kv_batch_put(["k"], pid, {"x": torch.tensor([7.0])})
     before = wired.wire_stats()
-
-    @ray.remote(num_cpus=0)
-    def attach_and_read(name: str) -> tuple[bool, list[float]]:
-        c = TransferQueueClient(TransferQueueConfig(op_timeout_s=60), bootstrap=False, controller_name=name)
-        try:
-            # A ZMQ request to the controller (keys, tags), then the row.
-            return c._wire is not None, c.kv_batch_get(["k"], ["x"], partition_id=pid)["x"].tolist()
-        finally:
-            c.close()
-
+    attached = TransferQueueClient(
+        TransferQueueConfig(op_timeout_s=60), bootstrap=False, controller_name=wired.controller_name
+    )
     try:
-        assert ray.get(attach_and_read.remote(wired.controller_name), timeout=120) == (True, [7.0])
+        assert attached._wire == wired._wire
+        assert attached.kv_list(pid).keys == ("k",)
+        assert attached.kv_batch_get(["k"], ["x"], partition_id=pid)["x"].tolist() == [7.0]
         after = wired.wire_stats()
         assert after["zap_admitted"] > before["zap_admitted"] and after["zap_refused"] == before["zap_refused"]
     finally:
+        attached.close()
         wired.kv_clear(None, pid)
 
 

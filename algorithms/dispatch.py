@@ -44,6 +44,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from algorithms.remote import StepError, gather
+from nemo_dataplane.timeouts import check_timeout
 
 KINDS = ("logprobs", "train")
 
@@ -145,8 +146,8 @@ class CompiledGraphDispatch:
         idle_teardown_s: float | None = None,
         log: Any = None,
     ) -> None:
-        if idle_teardown_s is not None and idle_teardown_s <= 0:
-            raise ValueError(f"idle_teardown_s must be > 0 or None, got {idle_teardown_s}")
+        if idle_teardown_s is not None:
+            idle_teardown_s = check_timeout(idle_teardown_s, "idle_teardown_s", allow_zero=False)
         self.policy = list(policy)
         self.actors = ActorDispatch(policy)
         self.warmup_calls = warmup_calls

@@ -19,6 +19,9 @@ What one timed transfer is (median of ``--repeats`` after one warm-up; MB/s = pa
   ``ray_store.zero_copy_reads`` (reads share memory like ``ray_zero_copy``).
 * ``tq_adapter``: driver ``TransferQueueClient.kv_batch_put`` -> readers' attached adapters.
 * ``tq_raw``: TransferQueue's own ``kv_batch_put`` / ``kv_batch_get`` on the same store.
+* with ``--compare-plain-wire``: ``tq_adapter_plain`` / ``tq_raw_plain``, the same on a store whose
+  ZMQ sockets take any client (no CURVE, no ZAP check: the adapter's benchmark-only switch), in a
+  subprocess with its own Ray after the rest; a table sets them beside the authenticated rows.
 
 With R readers (``--readers``, default 1 2 4) every reader reads a disjoint 1/R of the rows at
 the same time (DP ranks); the get time is until the last one finished. Every reader call returns
@@ -52,7 +55,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -66,7 +68,8 @@ os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from data_plane_report import report  # noqa: E402
+from data_plane_children import ray_zero_copy_subprocess, tq_plain_wire_subprocess  # noqa: E402
+from data_plane_report import report, report_wire  # noqa: E402
 from data_plane_startup import measure_startup, report_startup  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
@@ -129,6 +132,9 @@ class Reader:
             self.clients["tq_adapter"] = TransferQueueClient(TransferQueueConfig(op_timeout_s=120), bootstrap=False)
             import transfer_queue as tq
 
+            from nemo_dataplane.adapters.transfer_queue.client import admit_transfer_queue_clients
+
+            admit_transfer_queue_clients()  # the store's wire keys on TransferQueue's own sockets
             tq.init()  # attaches to the same controller; never tq.close() here (it would kill it)
             self.tq = tq
         if "ray_store" in backends:
@@ -250,31 +256,6 @@ def bench_ray(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[
     return rows, lat
 
 
-def ray_zero_copy_subprocess(
-    sizes: list[int], readers: list[int], repeats: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    env = {**os.environ, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--ray-only",
-        "--repeats",
-        str(repeats),
-        "--sizes",
-        *map(str, sizes),
-        "--readers",
-        *map(str, readers),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"zero-copy run failed:\n{proc.stderr[-3000:]}")
-    rows, lat = json.loads(proc.stdout.strip().splitlines()[-1])
-    for r in rows:
-        r["method"] = "ray_zero_copy"
-    return rows, {"ray_zero_copy": lat["ray"]}
-
-
 def bench_local(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     from nemo_dataplane.adapters.memory import InMemoryClient
 
@@ -359,17 +340,19 @@ def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple
 
 
 def bench_tq(
-    sizes: list[int], readers: list[int], repeats: int, unit_in_controller: bool | None = None
+    sizes: list[int], readers: list[int], repeats: int, unit_in_controller: bool | None = None, plain: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
+    """``plain``: the store's sockets take any client (the adapter's benchmark-only switch)."""
+    from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient, admit_transfer_queue_clients
     from nemo_dataplane.config import TransferQueueConfig
 
     cfg = TransferQueueConfig(op_timeout_s=120, unit_in_controller=unit_in_controller)
-    client = TransferQueueClient(cfg, bootstrap=True)
+    client = TransferQueueClient(cfg, bootstrap=True, _plain_wire=plain)
     actors: list[Any] = []
     try:
         import transfer_queue as tq
 
+        admit_transfer_queue_clients()  # the store's wire keys on TransferQueue's own sockets here
         tq.init()  # the driver's raw TQ client attaches to the adapter's store
         actors = _readers(max(readers), ["tq"])
         rows = _bench_store("tq_adapter", client, actors, sizes, readers, repeats)
@@ -416,7 +399,13 @@ def main() -> None:
         default="cpu",
         help="cuda: GPU-resident fields against the host path and a peer copy (bench_gpu_resident.py)",
     )
+    ap.add_argument(
+        "--compare-plain-wire",
+        action="store_true",
+        help="TransferQueue: also on a store whose ZMQ sockets take any client (what the CURVE check costs)",
+    )
     ap.add_argument("--ray-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tq-plain-only", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.device == "cuda":
         from bench_gpu_resident import main as gpu_main  # this directory is the script's sys.path[0]
@@ -432,9 +421,13 @@ def main() -> None:
     torch.set_num_threads(1)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     lat: dict[str, Any] = {}
+    hosted = {"auto": None, "on": True, "off": False}[args.unit_in_controller]
     try:
         if args.ray_only:  # the zero-copy child: print its rows as one JSON line
             print(json.dumps(bench_ray(args.sizes, args.readers, args.repeats)))
+            return
+        if args.tq_plain_only:  # the plain-wire child: likewise
+            print(json.dumps(bench_tq(args.sizes, args.readers, args.repeats, hosted, plain=True)))
             return
         t_start = time.perf_counter()
         load_start = os.getloadavg()
@@ -447,19 +440,23 @@ def main() -> None:
             rows += r
             lat.update(lt)
         if "tq" not in args.skip:
-            hosted = {"auto": None, "on": True, "off": False}[args.unit_in_controller]
             r, lt = bench_tq(args.sizes, args.readers, args.repeats, hosted)
             rows += r
             lat.update(lt)
     finally:
         ray.shutdown()
-    r, lt = ray_zero_copy_subprocess(args.sizes, args.readers, args.repeats)
+    r, lt = ray_zero_copy_subprocess(__file__, args.sizes, args.readers, args.repeats)
     rows += r
     lat.update(lt)
+    if args.compare_plain_wire and "tq" not in args.skip:
+        r, lt = tq_plain_wire_subprocess(__file__, args.sizes, args.readers, args.repeats, hosted)
+        rows += r
+        lat.update(lt)
     start = {}
     if "startup" not in args.skip:
         start = measure_startup(args.startup_runs)
     targets = report(rows, lat, start, args.sizes, args.readers)
+    wire = report_wire(rows, lat) if args.compare_plain_wire else {}
     out = REPO / "benchmarks" / "results" / "bench_data_plane.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -468,6 +465,7 @@ def main() -> None:
                 "rows": rows,
                 "targets": targets,
                 "tiny_latency_s": lat,
+                "wire_auth_vs_plain": wire,
                 "startup_s": start,
                 "repeats": args.repeats,
                 "loadavg_1min_start_end": [load_start[0], os.getloadavg()[0]],

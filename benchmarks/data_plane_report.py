@@ -8,7 +8,18 @@ from typing import Any
 
 from data_plane_startup import report_startup
 
-ORDER = ["memcpy", "memory", "ray", "ray_zero_copy", "ray_store", "ray_store_zc_reads", "tq_raw", "tq_adapter"]
+ORDER = [
+    "memcpy",
+    "memory",
+    "ray",
+    "ray_zero_copy",
+    "ray_store",
+    "ray_store_zc_reads",
+    "tq_raw_plain",
+    "tq_raw",
+    "tq_adapter_plain",
+    "tq_adapter",
+]
 
 # The issue's table (one run, before this work): tq_adapter / ray_zero_copy MB/s.
 BEFORE_VS_ZC = {"256/dense": 0.33, "256/jagged": 0.25, "1024/dense": 0.25, "1024/jagged": 0.20}
@@ -77,3 +88,30 @@ def report(
             print(f"  {name:>18}: {v[0] * 1e3:7.2f} / {v[1] * 1e3:7.2f}")
     report_startup(start)
     return targets
+
+
+def report_wire(rows: list[dict[str, Any]], lat: dict[str, Any]) -> dict[str, Any]:
+    """The TransferQueue rows on the authenticated wire beside the same on a plain one (rows as
+    :func:`report` left them): median put + get ms each and their ratio; the tiny batch too."""
+    by = {(r["method"], r["batch"], r["layout"], r["readers"]): r for r in rows}
+    out: dict[str, Any] = {}
+    print("\nTransferQueue wire: CURVE + ZAP check (auth) vs plain ZMQ, median put + get ms")
+    print(f"{'rd':>2} {'batch':>5} {'layout':>6} {'method':>10} {'plain ms':>9} {'auth ms':>8} {'auth/plain':>10}")
+    for (method, b, lay, rd), r in sorted(by.items(), key=lambda kv: (kv[0][3], kv[0][1], kv[0][2], kv[0][0])):
+        plain = by.get((f"{method}_plain", b, lay, rd))
+        if method not in ("tq_adapter", "tq_raw") or plain is None:
+            continue
+        ratio = r["total_s"] / plain["total_s"]
+        out[f"{method}/{b}/{lay}/r{rd}"] = {"plain_s": plain["total_s"], "auth_s": r["total_s"], "ratio": ratio}
+        print(
+            f"{rd:>2} {b:>5} {lay:>6} {method:>10} {plain['total_s'] * 1e3:>9.1f} {r['total_s'] * 1e3:>8.1f}"
+            f" {ratio:>10.2f}"
+        )
+    if "tq_adapter" in lat and "tq_adapter_plain" in lat:
+        auth, plain = lat["tq_adapter"], lat["tq_adapter_plain"]
+        out["tiny_tq_adapter"] = {"plain_s": plain, "auth_s": auth}
+        print(
+            f"tiny batch (8 rows) tq_adapter put + get, median / best ms: plain {plain[0] * 1e3:.2f} / "
+            f"{plain[1] * 1e3:.2f}, auth {auth[0] * 1e3:.2f} / {auth[1] * 1e3:.2f}"
+        )
+    return out

@@ -70,8 +70,10 @@ class FieldError(NemoDataplaneError, ValueError):
 
 
 def require_positive(section: Any, *names: str, allow_zero: bool = False) -> None:
-    """Each named field of ``section`` that is not ``None`` must be ``> 0`` (``>= 0`` with
-    ``allow_zero``); NaN never passes.
+    """Each named field of ``section`` that is not ``None`` must be a finite number ``> 0``
+    (``>= 0`` with ``allow_zero``): NaN (which compares false with every bound) and infinities
+    (a timeout that never ends, a bound that bounds nothing) never pass, as in YAML
+    (:func:`build_config`), so a section built directly is held to the same rule.
 
     Raises:
         FieldError: naming the first field out of range.
@@ -80,9 +82,16 @@ def require_positive(section: Any, *names: str, allow_zero: bool = False) -> Non
         value = getattr(section, name)
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FieldError(name, f"must be a finite number, got {value}")
         ok = value >= 0 if allow_zero else value > 0
         if not ok:
             raise FieldError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _below_one(value: Any) -> bool:
+    """``value < 1``, true for NaN too (``nan < 1`` is false: a ``< 1`` check lets NaN through)."""
+    return not value >= 1
 
 
 FetchPolicy = Literal["independent", "leader_broadcast", "auto"]
@@ -123,10 +132,11 @@ def backend_path(name: str) -> tuple[str, str]:
 class TransferQueueConfig:
     """How the TransferQueue adapter finds or creates its controller and storage.
 
-    ``listen``: where a store this client creates listens. TransferQueue's wire format is pickle,
-    so whoever reaches its ports runs code in it. ``auto``: loopback when the Ray cluster has one
-    node at creation, else each actor's node address; ``loopback``: always (every client must be
-    on the store's node); ``node``: the node address (reachable from the network: trust it).
+    ``listen``: where a store this client creates listens. TransferQueue's wire format is pickle;
+    its sockets admit only clients holding the store's keys (docs/reliability.md, "Trust
+    boundary"), and a one-node store stays off the network besides. ``auto``: loopback when the
+    Ray cluster has one node at creation, else each actor's node address; ``loopback``: always
+    (every client must be on the store's node); ``node``: the node address.
     """
 
     ray_address: str | None = None
@@ -141,7 +151,7 @@ class TransferQueueConfig:
     quiet: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_storage_units is not None and self.num_storage_units < 1:
+        if self.num_storage_units is not None and _below_one(self.num_storage_units):
             raise ValueError(f"data_plane.transfer_queue.num_storage_units must be >= 1, got {self.num_storage_units}")
         if self.storage_placement not in ("pack", "per_node"):
             raise ValueError(
@@ -152,12 +162,8 @@ class TransferQueueConfig:
             raise ValueError(
                 f"data_plane.transfer_queue.listen must be 'auto', 'loopback' or 'node', got {self.listen!r}"
             )
-        for name in ("storage_unit_num_cpus", "controller_num_cpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"data_plane.transfer_queue.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("bootstrap_timeout_s", "op_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"data_plane.transfer_queue.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "storage_unit_num_cpus", "controller_num_cpus", allow_zero=True)
+        require_positive(self, "bootstrap_timeout_s", "op_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -180,11 +186,8 @@ class RayStoreConfig:
     op_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.index_num_cpus < 0:
-            raise ValueError(f"data_plane.ray_store.index_num_cpus must be >= 0, got {self.index_num_cpus}")
-        for name in ("bootstrap_timeout_s", "op_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"data_plane.ray_store.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "index_num_cpus", allow_zero=True)
+        require_positive(self, "bootstrap_timeout_s", "op_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -216,11 +219,11 @@ class PackingConfig:
         if self.mode not in get_args(PackingMode):
             raise ValueError(f"data_plane.packing.mode must be one of {get_args(PackingMode)}, got {self.mode!r}")
         if self.mode == "none":
-            if self.micro_batch_size is None or self.micro_batch_size < 1:
+            if self.micro_batch_size is None or _below_one(self.micro_batch_size):
                 raise ValueError(
                     f"data_plane.packing.micro_batch_size must be >= 1 when mode is 'none', got {self.micro_batch_size}"
                 )
-        elif self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch < 1:
+        elif self.max_tokens_per_microbatch is None or _below_one(self.max_tokens_per_microbatch):
             raise ValueError(
                 "data_plane.packing.max_tokens_per_microbatch must be >= 1 when mode is "
                 f"{self.mode!r}, got {self.max_tokens_per_microbatch}"
@@ -256,7 +259,7 @@ class DataPlaneConfig:
     gpu_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_rows is not None and self.max_rows < 1:
+        if self.max_rows is not None and _below_one(self.max_rows):
             raise ValueError(f"data_plane.max_rows must be >= 1 (or null: unbounded), got {self.max_rows}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"data_plane.backend must be a non-empty str, got {self.backend!r}")
@@ -266,7 +269,7 @@ class DataPlaneConfig:
             raise ValueError(
                 f"data_plane.fetch_policy must be one of {get_args(FetchPolicy)}, got {self.fetch_policy!r}"
             )
-        if self.column_max_bytes_per_sample < 1:
+        if _below_one(self.column_max_bytes_per_sample):
             raise ValueError(
                 f"data_plane.column_max_bytes_per_sample must be >= 1, got {self.column_max_bytes_per_sample}"
             )

@@ -69,6 +69,9 @@ class Peer:
     def tq_get(self, keys: list[str], pid: str, fields: list[str]) -> dict[str, Any]:
         import transfer_queue as tq
 
+        from nemo_dataplane.adapters.transfer_queue.client import admit_transfer_queue_clients
+
+        admit_transfer_queue_clients()  # the store's wire keys on TransferQueue's sockets here
         tq.init()  # attaches to the running controller; never tq.close() (it would kill it)
         return to_wire(tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
 

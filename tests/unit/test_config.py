@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_dataplane.config import DataPlaneConfig, PackingConfig, TransferQueueConfig
+from nemo_dataplane.config import (
+    DataPlaneConfig,
+    FieldError,
+    PackingConfig,
+    RayStoreConfig,
+    TransferQueueConfig,
+)
+
+NAN, INF = float("nan"), float("inf")
 
 
 def test_defaults_are_the_documented_ones() -> None:
@@ -77,3 +85,43 @@ def test_round_trip_and_omegaconf_input() -> None:
     assert DataPlaneConfig.from_dict(cfg) is cfg
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.backend = "x"  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda v: TransferQueueConfig(op_timeout_s=v), "op_timeout_s"),
+        (lambda v: TransferQueueConfig(bootstrap_timeout_s=v), "bootstrap_timeout_s"),
+        (lambda v: TransferQueueConfig(controller_num_cpus=v), "controller_num_cpus"),
+        (lambda v: TransferQueueConfig(storage_unit_num_cpus=v), "storage_unit_num_cpus"),
+        (lambda v: RayStoreConfig(op_timeout_s=v), "op_timeout_s"),
+        (lambda v: RayStoreConfig(bootstrap_timeout_s=v), "bootstrap_timeout_s"),
+        (lambda v: RayStoreConfig(index_num_cpus=v), "index_num_cpus"),
+    ],
+)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_sections_built_directly_refuse_non_finite_bounds_naming_the_field(make, field: str, value: float) -> None:
+    """A NaN passes a ``<= 0`` check (and an op would then wait forever); an infinite timeout
+    never ends. Built directly (not from YAML), each section refuses both, naming the field."""
+    with pytest.raises(FieldError, match=rf"^{field} must be a finite number, got {value}"):
+        make(value)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: TransferQueueConfig(num_storage_units=NAN), "num_storage_units must be >= 1"),  # type: ignore[arg-type]
+        (lambda: PackingConfig(mode="none", micro_batch_size=NAN), "micro_batch_size must be >= 1"),  # type: ignore[arg-type]
+        (lambda: PackingConfig(mode="sequence", max_tokens_per_microbatch=NAN), "max_tokens_per_microbatch"),  # type: ignore[arg-type]
+        (lambda: DataPlaneConfig(max_rows=NAN), "max_rows must be >= 1"),  # type: ignore[arg-type]
+        (lambda: DataPlaneConfig(column_max_bytes_per_sample=NAN), "column_max_bytes_per_sample must be >= 1"),  # type: ignore[arg-type]
+    ],
+)
+def test_count_fields_refuse_nan(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_a_nan_timeout_through_a_mapping_names_its_dotted_path() -> None:
+    with pytest.raises(ValueError, match=r"data_plane.ray_store.op_timeout_s must be a finite number"):
+        DataPlaneConfig.from_dict({"ray_store": {"op_timeout_s": NAN}})

@@ -219,6 +219,10 @@ def test_an_idle_graph_is_torn_down_its_ranks_stop_polling_and_the_next_call_rec
             ray.kill(a, no_restart=True)
 
 
-def test_the_idle_teardown_setting_is_validated() -> None:
-    with pytest.raises(ValueError, match="idle_teardown_s must be > 0"):
-        CompiledGraphDispatch([], idle_teardown_s=0)
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [(0, "idle_teardown_s must be > 0"), (float("nan"), "idle_teardown_s must be a finite"), (float("inf"), "finite")],
+)
+def test_the_idle_teardown_setting_is_validated(value: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CompiledGraphDispatch([], idle_teardown_s=value)

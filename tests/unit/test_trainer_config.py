@@ -467,3 +467,22 @@ def test_the_shipped_tokenizer_builder_makes_exactly_the_ids_asked_for(tmp_path:
     assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
     again = bpe.build(tmp_path / "tok2", vocab_size=2000, lines=4000)
     assert (Path(again) / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes(), "deterministic"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sections_built_directly_refuse_non_finite_bounds_naming_the_field(value: float) -> None:
+    """Built without YAML (whose loader refuses non-finite numbers), every ``require_positive``
+    field and the sampling spec refuse NaN and infinity, naming the field."""
+    from algorithms.config_sections import AsyncConfig, RefitConfig, TrainerSection
+    from algorithms.engines.generation.base import SamplingSpec
+    from nemo_dataplane.config import FieldError
+
+    for make, field in (
+        (lambda: TrainerSection(step_timeout_s=value), "step_timeout_s"),
+        (lambda: RefitConfig(timeout_s=value), "timeout_s"),
+        (lambda: AsyncConfig(claim_poll_s=value), "claim_poll_s"),
+    ):
+        with pytest.raises(FieldError, match=rf"^{field} must be a finite number"):
+            make()
+    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
+        SamplingSpec(max_new_tokens=4, temperature=float("nan"))

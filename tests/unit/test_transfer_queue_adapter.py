@@ -247,8 +247,9 @@ def test_reserved_layout_tag_is_hidden_and_protected(tq_client: TransferQueueCli
 
 # ------------------------------------------------------------------ interop
 def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: TransferQueueClient, pid: str) -> None:
-    """A Ray actor using plain ``transfer_queue`` (tq.init() attaches to the store by name)
-    reads what the adapter wrote, and the adapter reads what it wrote."""
+    """A Ray actor using plain ``transfer_queue`` (tq.init() attaches to the store by name, its
+    sockets carrying the store's wire keys) reads what the adapter wrote, and the adapter reads
+    what it wrote."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -256,6 +257,9 @@ def test_transfer_queues_own_clients_read_and_write_the_same_store(tq_client: Tr
         def __init__(self) -> None:
             import transfer_queue as tq
 
+            from nemo_dataplane.adapters.transfer_queue.client import admit_transfer_queue_clients
+
+            admit_transfer_queue_clients()  # the store's wire keys on TransferQueue's sockets here
             tq.init()  # attaches: the controller exists; never tq.close() here (it kills it)
             self.tq = tq
 

@@ -53,13 +53,13 @@ class SamplingSpec:
     row_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        if not self.max_new_tokens >= 1:  # NaN too
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.min_running < 1.0:
             raise ValueError(f"min_running must be in [0, 1), got {self.min_running}")
         if self.limits is not None and any(not 1 <= m <= self.max_new_tokens for m in self.limits):
             raise ValueError(f"limits must be in [1, max_new_tokens={self.max_new_tokens}], got {self.limits}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

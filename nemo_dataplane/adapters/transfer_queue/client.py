@@ -49,6 +49,7 @@ from nemo_dataplane.adapters.transfer_queue.store import (
     LIVENESS_PING_S,
     StoreLostError,
     TransferQueueStore,
+    admit_transfer_queue_clients,
     auto_storage_units,
 )
 from nemo_dataplane.client import (
@@ -63,6 +64,7 @@ from nemo_dataplane.client import (
 )
 from nemo_dataplane.codec import batch_nbytes, is_jagged, make_batch
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
+from nemo_dataplane.distributed.auth import job_secret
 from nemo_dataplane.meta import KVBatchMeta
 
 LAYOUT_TAG = compat.LAYOUT_TAG
@@ -74,6 +76,7 @@ __all__ = [
     "LIVENESS_PING_S",
     "StoreLostError",
     "TransferQueueClient",
+    "admit_transfer_queue_clients",
     "auto_storage_units",
 ]
 
@@ -86,7 +89,12 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         bootstrap: ``"auto"`` attaches to the named controller or creates it; ``True`` creates
             it (error if it exists); ``False`` only attaches (what worker actors use).
         controller_name / namespace: the Ray actor to attach to or create. Defaults are
-            TransferQueue's own, so ``transfer_queue.init()`` elsewhere joins the same store.
+            TransferQueue's own, so ``transfer_queue.init()`` elsewhere joins the same store
+            (after :func:`~.store.admit_transfer_queue_clients` in that process).
+        secret: what a store this client creates derives its wire keys from (``None``:
+            ``$NEMO_DATAPLANE_SECRET``, else a fresh secret). Only processes holding the keys
+            reach the store's sockets; clients that attach get them from the controller
+            through Ray (compat quirk 15).
 
     Only the client that created the controller (``owns_store``) shuts it and the storage units
     down on :meth:`close`; attached clients just disconnect. When this client had to start Ray
@@ -111,8 +119,14 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         bootstrap: Bootstrap = "auto",
         controller_name: str = DEFAULT_CONTROLLER,
         namespace: str = DEFAULT_NAMESPACE,
+        secret: bytes | str | None = None,
+        *,
+        _plain_wire: bool = False,  # benchmarks only (bench_data_plane.py --compare-plain-wire): no wire keys
     ) -> None:
         self.cfg = _tq_config(config)
+        self._secret = job_secret(secret)
+        self._plain_wire = _plain_wire
+        self._wire = None
         self._controller: Any = None
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 controller and storage units), lifecycle (teardown of what this client created, disconnect) and
 the op plumbing every data op runs through (a private event loop, ``op_timeout_s`` on each op,
 and a liveness watch that turns a dead controller or storage unit into :class:`StoreLostError`
-within seconds). The data ops themselves (put/get/clear/list) are
+within seconds), and who may talk to the store (its wire keys, :func:`admit_transfer_queue_clients`).
+The data ops themselves (put/get/clear/list) are
 :class:`~nemo_dataplane.adapters.transfer_queue.client.TransferQueueClient`'s; every TransferQueue
 quirk worked around lives in :mod:`.compat`.
 """
@@ -22,6 +23,7 @@ import ray
 from nemo_dataplane.adapters.actor_store import ActorBackedClient
 from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import DataPlaneError
+from nemo_dataplane.distributed.auth import new_job_secret
 
 T = TypeVar("T")
 # An op still pending after this long checks that the store's actors are alive (every second):
@@ -30,6 +32,35 @@ T = TypeVar("T")
 LIVENESS_EVERY_S = 1.0
 LOOPBACK_HOST = "127.0.0.1"
 LIVENESS_PING_S = 2.0
+
+
+def new_store_keys(secret: bytes | None, plain: bool = False) -> compat.WireKeys | None:
+    """The wire keys of a store a client creates: derived from ``secret``, else from a fresh one;
+    ``None`` (the store takes any client) only with ``plain``, which benchmarks alone set."""
+    return None if plain else compat.wire_keys(secret or new_job_secret().encode())
+
+
+def admit_transfer_queue_clients(
+    controller_name: str = "TransferQueueController", namespace: str = "transfer_queue", timeout_s: float = 60.0
+) -> None:
+    """Let TransferQueue's own API in this process (``tq.init()``, ``kv_*``) use the store whose
+    controller is ``controller_name``: its wire keys (compat quirk 15), asked from the controller
+    through Ray, go on every socket TransferQueue opens here from now on. Call it before
+    ``tq.init()``, only in a process meant to use TransferQueue's API directly (it patches
+    TransferQueue in this process). A store without keys (made by ``tq.init()``) needs nothing.
+
+    Raises:
+        DataPlaneError: no such controller, or it did not answer within ``timeout_s``.
+    """
+    try:
+        handle = ray.get_actor(controller_name, namespace=namespace)
+        _, keys = ray.get(compat.ask_config(handle), timeout=timeout_s)
+    except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        raise DataPlaneError(
+            f"cannot get the wire keys of TransferQueue controller {controller_name!r} (namespace {namespace!r}): {e}"
+        ) from e
+    if keys is not None:
+        compat.admit_transfer_queue_clients(keys)
 
 
 class StoreLostError(DataPlaneError):
@@ -58,6 +89,9 @@ class TransferQueueStore(ActorBackedClient):
     _claims_unsupported: str | None
     _watched: list[tuple[str, Any]]
     _lost: str | None
+    _secret: bytes | None  # what a store this client creates derives its wire keys from
+    _plain_wire: bool  # benchmarks only: a store this client creates takes any client
+    _wire: compat.WireKeys | None  # the store's; None: it takes any client
     _loop: asyncio.AbstractEventLoop | None
     _thread: Any
     # Where bringing the store up went (seconds; set by a client that created it, else empty):
@@ -71,7 +105,8 @@ class TransferQueueStore(ActorBackedClient):
         return self.actor_name
 
     def _connect(self, conf: Any) -> Any:
-        """This client's view of the store ``conf`` describes: unit handles, placement, claims, client."""
+        """This client's view of the store ``conf`` describes: unit handles, placement, claims,
+        client (with the store's wire keys, ``self._wire``)."""
         self.num_storage_units = compat.storage_units_of(conf)
         # Bulk reads need the units' actor handles; stores made by tq.init() have none we can
         # find, and are read through TransferQueue's per-row protocol instead.
@@ -96,7 +131,7 @@ class TransferQueueStore(ActorBackedClient):
         self._watched = [(f"TransferQueue controller {self.controller_name!r}{also}", controller)] + [
             (f"TransferQueue storage unit {uid!r}", h) for uid, h in self._units.items() if uid not in hosted
         ]
-        self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}")
+        self._tq = compat.make_client(conf, f"nd_{os.getpid()}_{uuid.uuid4().hex[:6]}", self._wire)
         return conf
 
     # ------------------------------------------------------------- bootstrap
@@ -105,7 +140,7 @@ class TransferQueueStore(ActorBackedClient):
         while True:
             left = deadline - time.monotonic()
             try:
-                conf = ray.get(handle.get_config.remote(), timeout=max(left, 0.01))
+                conf, self._wire = ray.get(compat.ask_config(handle), timeout=max(left, 0.01))
             except ray.exceptions.GetTimeoutError:
                 conf = None
             except ray.exceptions.RayActorError as e:
@@ -166,6 +201,9 @@ class TransferQueueStore(ActorBackedClient):
         # the controller holds it (one process, one import: the store is up sooner and costs
         # one process less; docs/data-flow.md, "Start-up").
         hosted = n_units == 1 if cfg.unit_in_controller is None else cfg.unit_in_controller
+        # Only clients holding the store's keys reach its sockets (compat quirk 15); clients
+        # that attach ask the controller for them through Ray.
+        self._wire = new_store_keys(self._secret, self._plain_wire)
         conf = compat.base_config(n_units)
         unit_conf = compat.unit_config(conf)
         asked, t0 = time.time(), time.perf_counter()
@@ -177,6 +215,7 @@ class TransferQueueStore(ActorBackedClient):
             listen_host,
             hosted_unit=unit_conf if hosted else None,
             node_id=nodes[0] if hosted and nodes else None,
+            wire=self._wire,
         )
         self.owns_store = True
         # The controller stands in for the unit it holds: found under the controller's name.
@@ -191,6 +230,7 @@ class TransferQueueStore(ActorBackedClient):
                 nodes,
                 listen_host,
                 first=1 if hosted else 0,
+                wire=self._wire,
             )
         )
         asks = {name: compat.ask_server_info(h, cfg.quiet, unit=True) for name, h in self._storage.items()}
@@ -213,6 +253,29 @@ class TransferQueueStore(ActorBackedClient):
         out = self._connect(conf)
         phases["config_connect_s"] = time.perf_counter() - t1
         self.startup_phases = phases
+        return out
+
+    def wire_stats(self) -> dict[str, Any]:
+        """The store's handshakes as its actors counted them (compat quirk 15): ``admitted`` per
+        endpoint (``tcp://host:port``), ``refused`` per endpoint and reason (``mechanism``: a
+        client without CURVE; ``protocol``: another store's server key; ``client_key``: a key
+        the store does not admit; ``no_detail``), and ``zap_admitted``/``zap_refused`` (peers that
+        proved a client key, right or wrong). Empty counts for a store without wire keys."""
+        # The unit a controller holds answers through the controller: one process, one count.
+        actors = [self._controller or self._find(), *self._units.values()]
+        handles = {h._actor_id: h for h in actors if h is not None}
+        out: dict[str, Any] = {"admitted": {}, "refused": {}, "zap_admitted": 0, "zap_refused": 0}
+        for stats in ray.get([compat.ask_wire_stats(h) for h in handles.values()], timeout=self.cfg.op_timeout_s):
+            if stats is None:
+                continue
+            for endpoint, n in stats["admitted"].items():
+                out["admitted"][endpoint] = out["admitted"].get(endpoint, 0) + n
+            for endpoint, why in stats["refused"].items():
+                into = out["refused"].setdefault(endpoint, {})
+                for reason, n in why.items():
+                    into[reason] = into.get(reason, 0) + n
+            out["zap_admitted"] += stats["zap_admitted"]
+            out["zap_refused"] += stats["zap_refused"]
         return out
 
     # ------------------------------------------------------------- lifecycle

@@ -3,13 +3,16 @@
 The adapter (:mod:`nemo_dataplane.adapters.transfer_queue.client` and its store and claims
 halves) talks to TransferQueue only through this package (import it as a whole:
 ``from nemo_dataplane.adapters.transfer_queue import compat``; every name below is re-exported
-here). Nothing here patches the dependency in the caller's process: each function calls a
-TransferQueue API (public or, where the public one misbehaves, the internal one it wraps) in a
-way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the two changes
-inside TransferQueue's own actors are quirks 12, 13 and 14's lock. By responsibility:
+here). Nothing the adapter calls patches the dependency in the caller's process: each function
+calls a TransferQueue API (public or, where the public one misbehaves, the internal one it wraps)
+in a way that sidesteps one of the behaviours below, each seen on a 2-CPU machine; the changes
+inside TransferQueue's own actors are quirks 12, 13, 14's lock and 15, and the one patch of a
+caller's process is :func:`admit_transfer_queue_clients`, which only a process that uses
+TransferQueue's own API calls (quirk 15). By responsibility:
 
 * :mod:`.bootstrap`: starting and finding a store (controller, storage units, placement, clients,
   where they listen);
+* :mod:`.wire`: who may talk to them (CURVE keys, the ZAP handler, handshake counts);
 * :mod:`.writes`: rows into the units, tags and production notices to the controller;
 * :mod:`.reads`: rows back out (mapped from the writers' objects, stacked by units, or per row);
 * :mod:`.mapped`: which writer's object a stored row is a view of (runs inside the units);
@@ -94,6 +97,23 @@ The quirks:
    (:func:`hosted_put`, :func:`hosted_locate`, :func:`hosted_clear`); the controller subclass
    takes one lock around each ZMQ request it serves and each of those ops, so they are atomic
    against each other and against TransferQueue's own clients.
+15. Quirk 12 keeps a one-node store off the network, but any process of the host, and with
+   ``listen: node`` any host that reaches the nodes, still connects to the controller's two
+   ports and every unit's, and the first frame it sends is unpickled there: one message runs
+   code in the store (it keeps serving, so nothing shows) -> :func:`create_controller` /
+   :func:`create_storage_units` take the store's :class:`WireKeys` (:func:`wire_keys`, derived
+   from a secret) and their subclasses' ``__init__`` hands ``_init_zmq_socket`` (in that actor's
+   own process) a ``create_zmq_socket`` whose ROUTER sockets are ZMQ CURVE servers; a ZAP handler
+   (:class:`.wire.Guard`, one thread per actor process) admits only peers proving the client
+   key, so no frame of anyone else is delivered, let alone decoded. Our clients carry the keys on
+   every socket (:func:`make_client`: the context's default options, and
+   :class:`.wire.AuthenticatedStorageManager` for the storage manager's start-up handshake,
+   which TransferQueue opens on a private context); so does the controller's own context.
+   Clients that attach get the keys from the controller through Ray (:func:`ask_config`).
+   TransferQueue's own clients (``tq.init()``) reach such a store only in a process that calls
+   :func:`admit_transfer_queue_clients` first (it patches TransferQueue there, so only such a
+   process does). Each actor counts handshakes admitted and refused per endpoint
+   (:func:`ask_wire_stats`).
 """
 
 from transfer_queue.metadata import BatchMeta
@@ -101,7 +121,9 @@ from transfer_queue.storage import StorageKeyNotFoundError
 
 from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
     ActorStart,
+    ask_config,
     ask_server_info,
+    ask_wire_stats,
     base_config,
     create_controller,
     create_storage_units,
@@ -143,6 +165,11 @@ from nemo_dataplane.adapters.transfer_queue.compat.reads import (
     get_rows,
     read_columns,
 )
+from nemo_dataplane.adapters.transfer_queue.compat.wire import (
+    WireKeys,
+    admit_transfer_queue_clients,
+    wire_keys,
+)
 from nemo_dataplane.adapters.transfer_queue.compat.writes import (
     chunk_of,
     field_schema,
@@ -169,7 +196,11 @@ __all__ = [
     "ClaimSampler",
     "Column",
     "StorageKeyNotFoundError",
+    "WireKeys",
+    "admit_transfer_queue_clients",
+    "ask_config",
     "ask_server_info",
+    "ask_wire_stats",
     "base_config",
     "claim_rows",
     "claims_unsupported",
@@ -195,4 +226,5 @@ __all__ = [
     "unit_config",
     "unit_handles",
     "unit_nodes",
+    "wire_keys",
 ]

@@ -1,5 +1,6 @@
 """Starting and finding a TransferQueue store: controller, storage units, placement, clients,
-where they listen, how fast they start, the controller's lock (quirks 1, 2, 8, 12, 13, 14)."""
+where they listen, who may talk to them, how fast they start, the controller's lock (quirks 1, 2,
+8, 12, 13, 14, 15)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from transfer_queue.storage import SimpleStorageUnit
 
 from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, ClaimSampler
 from nemo_dataplane.adapters.transfer_queue.compat.common import BACKEND, quiet_logs
+from nemo_dataplane.adapters.transfer_queue.compat.wire import (
+    AuthenticatedStorageManager,
+    WireKeys,
+    authenticate_context,
+    guard_stats,
+    serve_authenticated,
+)
 
 
 def base_config(num_storage_units: int) -> DictConfig:
@@ -79,21 +87,34 @@ _RawStorageUnit: Any = SimpleStorageUnit.__ray_actor_class__  # type: ignore[att
 
 
 class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's class is untyped
-    """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address);
-    with ``unit_config``, it also holds storage unit 0 in its process (``nd_unit``), which it
-    then stands in for: what a unit's callers use (``storage_data``, ``shutdown``) is that unit's.
+    """TransferQueue's controller, listening on ``listen_host`` (``None``: the node's address),
+    admitting only clients holding ``wire``'s client key (quirk 15; ``None``: anyone, benchmarks
+    only); with ``unit_config``, it also holds storage unit 0 in its process (``nd_unit``), which
+    it then stands in for: what a unit's callers use (``storage_data``, ``shutdown``) is that unit's.
     """
 
     def __init__(
-        self, *args: Any, listen_host: str | None = None, unit_config: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        listen_host: str | None = None,
+        unit_config: dict[str, Any] | None = None,
+        wire: WireKeys | None = None,
+        **kwargs: Any,
     ) -> None:
         self.nd_constructed_at = time.time()  # its module is imported by now (ActorStart)
         # Held by every ZMQ request and every op of .hosted (quirk 14); before super() starts
         # the request thread.
         self.nd_lock = threading.RLock()
+        self.nd_wire = wire  # handed to clients that attach (through Ray: ask_config)
         _listen_on(listen_host, self)
+        serve_authenticated(self, wire)
         super().__init__(*args, **kwargs)
-        self.nd_unit = None if unit_config is None else _StorageUnit(config=unit_config, listen_host=listen_host)
+        if wire is not None:
+            # Its own connections to the units (TransferQueue's metrics exporter) carry the keys.
+            authenticate_context(self.zmq_context, wire)
+        self.nd_unit = (
+            None if unit_config is None else _StorageUnit(config=unit_config, listen_host=listen_host, wire=wire)
+        )
 
     def _handle_request(self, request_msg: Any, monitor: Any) -> Any:
         with self.nd_lock:
@@ -124,11 +145,13 @@ class _NoSleep:
 
 class _StorageUnit(_RawStorageUnit):  # type: ignore[misc]  # as above
     """TransferQueue's storage unit, listening on ``listen_host`` (``None``: the node's address),
-    constructed without its fixed 0.5 s wait (quirk 13)."""
+    admitting only clients holding ``wire``'s client key (quirk 15), constructed without its
+    fixed 0.5 s wait (quirk 13)."""
 
-    def __init__(self, *args: Any, listen_host: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, listen_host: str | None = None, wire: WireKeys | None = None, **kwargs: Any) -> None:
         self.nd_constructed_at = time.time()  # its module is imported by now (ActorStart)
         _listen_on(listen_host, self)
+        serve_authenticated(self, wire)
         # The wait lets the worker thread connect before the proxy thread forwards; the backend
         # is a DEALER, whose send blocks until a peer connects, so nothing is lost without it.
         # The globals the very function reads (as in _listen_on), in this actor's process only.
@@ -169,12 +192,14 @@ def create_controller(
     listen_host: str | None = None,
     hosted_unit: dict[str, Any] | None = None,
     node_id: str | None = None,
+    wire: WireKeys | None = None,
 ) -> Any:
     """Start the named controller actor with ``num_cpus`` (TQ hard-codes 1, quirk 1), in polling
     mode with :class:`ClaimSampler` (quirk 8), its sockets bound to ``listen_host`` (``None``:
-    the node's address; quirk 12), on ``node_id`` if given. With ``hosted_unit`` (a
-    :func:`unit_config`) it also holds storage unit 0: one process, one import of TransferQueue
-    and torch, instead of two. Pass ``quiet`` again to :func:`ask_server_info`."""
+    the node's address; quirk 12) and admitting only ``wire``'s clients (quirk 15), on
+    ``node_id`` if given. With ``hosted_unit`` (a :func:`unit_config`) it also holds storage
+    unit 0: one process, one import of TransferQueue and torch, instead of two. Pass ``quiet``
+    again to :func:`ask_server_info`."""
     return _ControllerActor.options(
         name=name,
         namespace=namespace,
@@ -186,6 +211,7 @@ def create_controller(
         polling_mode=True,
         listen_host=listen_host,
         unit_config=hosted_unit,
+        wire=wire,
     )
 
 
@@ -198,13 +224,14 @@ def create_storage_units(
     node_ids: Sequence[str] | None = None,
     listen_host: str | None = None,
     first: int = 0,
+    wire: WireKeys | None = None,
 ) -> dict[str, Any]:
     """Start the store's SimpleStorage units ``first`` and on (``unit_conf``:
     :func:`unit_config`) with fractional CPUs; returns ``{name: handle}``.
 
     With ``node_ids``, unit ``i`` is pinned to node ``node_ids[i % len(node_ids)]``. Their
-    sockets bind ``listen_host`` (``None``: their node's address; quirk 12). Pass ``quiet``
-    again to :func:`ask_server_info`.
+    sockets bind ``listen_host`` (``None``: their node's address; quirk 12) and admit only
+    ``wire``'s clients (quirk 15). Pass ``quiet`` again to :func:`ask_server_info`.
     """
     handles: dict[str, Any] = {}
     for rank in range(first, int(unit_conf["num_data_storage_units"])):
@@ -215,7 +242,7 @@ def create_storage_units(
             num_cpus=num_cpus,
             **_actor_options(quiet),
             **_on_node(node_ids[rank % len(node_ids)] if node_ids else None),
-        ).remote(config=unit_conf, listen_host=listen_host)
+        ).remote(config=unit_conf, listen_host=listen_host, wire=wire)
     return handles
 
 
@@ -273,11 +300,35 @@ def storage_units_of(conf: DictConfig) -> int:
     return int(conf.backend[BACKEND].num_data_storage_units)
 
 
-def make_client(conf: DictConfig, client_id: str) -> AsyncTransferQueueClient:
-    """A client of our own (quirk 2): not ``interface._TQ_CLIENT``, so no stale globals."""
+def make_client(conf: DictConfig, client_id: str, wire: WireKeys | None) -> AsyncTransferQueueClient:
+    """A client of our own (quirk 2): not ``interface._TQ_CLIENT``, so no stale globals; every
+    socket it opens carries ``wire``'s client keys (quirk 15; ``None``: a store without them)."""
     client = AsyncTransferQueueClient(client_id=client_id, controller_info=conf.controller.zmq_info)
-    client.initialize_storage_manager(manager_type=BACKEND, config=conf.backend[BACKEND])
+    if wire is None:
+        client.initialize_storage_manager(manager_type=BACKEND, config=conf.backend[BACKEND])
+        return client
+    # Its pools open their sockets on first use: none exists yet.
+    authenticate_context(client.zmq_context, wire)
+    client.storage_manager = AuthenticatedStorageManager(
+        conf.controller.zmq_info, conf.backend[BACKEND], zmq_context=client.zmq_context, keys=wire
+    )
     return client
+
+
+def ask_config(handle: Any) -> Any:
+    """Ask a controller for its store's config (``None`` until published) and wire keys
+    (``None``: a store without them, e.g. one made by ``tq.init()``): a ref for ``ray.get``.
+    Only through Ray, whose callers can run code in the controller anyway (its token)."""
+    return handle.__ray_call__.remote(_config_and_keys)
+
+
+def _config_and_keys(actor: Any) -> tuple[Any, WireKeys | None]:
+    return actor.get_config(), getattr(actor, "nd_wire", None)
+
+
+def ask_wire_stats(handle: Any) -> Any:
+    """Ask a store's actor for its process's handshake counts (:func:`.wire.guard_stats`): a ref."""
+    return handle.__ray_call__.remote(guard_stats)
 
 
 def unit_handles(conf: DictConfig, namespace: str) -> dict[str, Any]:

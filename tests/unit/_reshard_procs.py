@@ -94,13 +94,19 @@ def hand_shards(
     epr: int = 0,
     pp: int = 1,
     ppr: int = 0,
+    fsdp: int = 1,
+    fsdpr: int = 0,
     fused: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """What a rank at (tp rank, ep rank, pp stage) holds, by torch.chunk, with vLLM-style fused
-    qkv / gate_up (its q rows, k rows, v rows) when ``fused``."""
+    """What a rank at (tp rank, ep rank, pp stage, fsdp rank) holds, by torch.chunk, with
+    vLLM-style fused qkv / gate_up (its q rows, k rows, v rows) when ``fused``; a fully sharded
+    rank holds chunk ``fsdpr`` of every tensor's dim 0, whatever its name."""
     out: dict[str, torch.Tensor] = {}
     for n, t in full.items():
         if _hand_stage(n, pp) != ppr:
+            continue
+        if fsdp > 1:
+            out[n] = t.chunk(fsdp, 0)[fsdpr].clone()
             continue
         rule = _hand_rule(n)
         if rule == "column":
@@ -132,6 +138,8 @@ RESHARD_CASES: dict[str, tuple[dict[str, int], dict[str, int], bool, bool]] = {
     "pp2->pp1": ({"pp": 2}, {"tp": 1}, False, False),
     "ep2->ep1": ({"ep": 2}, {"ep": 1}, True, False),
     "tp1->tp1": ({"tp": 1}, {"tp": 1}, False, True),  # 2 ranks: the NCCL p2p case on 2 GPUs
+    # A fully sharded trainer (dim 0 of every tensor) into a vLLM-like TP=2 generator.
+    "fsdp2->tp2": ({"fsdp": 2}, {"tp": 2}, False, True),
 }
 
 
@@ -143,7 +151,12 @@ def reshard_layouts(case: str, *, extra_receiver_param: bool = False) -> tuple[A
     ns, nr = math.prod(sdims.values()), math.prod(rdims.values())
     shapes = reshard_shapes(moe)
     stage = layer_stages(RESHARD_LAYERS, sdims.get("pp", 1))
-    src = build_layout(Mesh.of(range(ns), **sdims), shapes, stage_of=stage)
+    if "fsdp" in sdims:
+        from nemo_dataplane.refit.reshard.facade import FSDP_RULES
+
+        src = build_layout(Mesh.of(range(ns), **sdims), shapes, rules=FSDP_RULES, tp="fsdp")
+    else:
+        src = build_layout(Mesh.of(range(ns), **sdims), shapes, stage_of=stage)
     rshapes = dict(shapes)
     if extra_receiver_param:
         rshapes["model.layers.1.self_attn.q_norm.weight"] = ((16,), torch.float32)
@@ -166,6 +179,8 @@ def _hand_for(layout: Any, rank: int, full: dict[str, torch.Tensor], fused: bool
         epr=c.get("ep", 0),
         pp=sizes.get("pp", 1),
         ppr=c.get("pp", 0),
+        fsdp=sizes.get("fsdp", 1),
+        fsdpr=c.get("fsdp", 0),
         fused=fused,
     )
 
@@ -333,9 +348,14 @@ def check_reshard(res: dict[int, Any], case: str) -> None:
     sent = [res[s]["sent"] for s in src.mesh.ranks]
     assert all(a == b == res[s]["plan_bytes_from"] for (a, b), s in zip(sent, src.mesh.ranks)), sent
     assert sum(a for a, _ in sent) == received, (sent, received)
-    # the parameter no rule knows arrived whole from one sender
-    assert "model.layers.0.mlp.router_A_log" in res[dst.mesh.ranks[0]]["fallback"]
-    assert res[dst.mesh.ranks[0]]["senders_by_param"]["model.layers.0.mlp.router_A_log"] == [0]
+    if "fsdp" in src.mesh.dims:
+        # every parameter, unknown names included, is split by dim 0: each arrives from both
+        assert res[dst.mesh.ranks[0]]["fallback"] == []
+        assert res[dst.mesh.ranks[0]]["senders_by_param"]["model.layers.0.mlp.router_A_log"] == [0, 1]
+    else:
+        # the parameter no rule knows arrived whole from one sender
+        assert "model.layers.0.mlp.router_A_log" in res[dst.mesh.ranks[0]]["fallback"]
+        assert res[dst.mesh.ranks[0]]["senders_by_param"]["model.layers.0.mlp.router_A_log"] == [0]
     if case == "dp2tp2->tp2":  # both data-parallel replicas of the trainer send
         assert all(res[s]["sent"][0] > 0 for s in src.mesh.ranks)
 

@@ -23,7 +23,7 @@ def _ok(res: dict) -> None:
         assert not isinstance(out, BaseException), f"rank {r}:\n{P.format_exc(out)}"
 
 
-CPU_CASES = ["tp2->tp1", "tp1->tp2", "dp2tp2->tp2", "pp2->pp1", "ep2->ep1"]
+CPU_CASES = ["tp2->tp1", "tp1->tp2", "dp2tp2->tp2", "pp2->pp1", "ep2->ep1", "fsdp2->tp2"]
 
 
 @pytest.mark.parametrize("case", CPU_CASES)

@@ -117,9 +117,14 @@ class GenerationConfig:
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
     # GPUs Ray gives the generator (cuda); < 1 shares a GPU with policy ranks (refit: reshard/ipc).
     num_gpus: float = 1.0
+    # grpo_sync: data-parallel generation engines, each its own actor (and num_gpus); a step's
+    # prompts are split over them, every refit reaches all of them in one group operation, and
+    # each response is drawn from its own seed where the engine allows it (hf), so the engine
+    # count does not change what is sampled. grpo_async: async.num_collectors.
+    num_engines: int = 1
 
     def __post_init__(self) -> None:
-        require_positive(self, "n", "max_new_tokens", "num_gpus")
+        require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines")
         require_positive(self, "temperature", "val_temperature", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")

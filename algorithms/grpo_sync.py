@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from algorithms.cli import main as _main
+from algorithms.config import TrainerConfig
 from algorithms.faults import maybe_kill_store
 from algorithms.inputs import load_datasets
 from algorithms.metrics import PhaseTimer
@@ -35,6 +36,11 @@ class SyncTrainer(Trainer):
     """Synchronous GRPO: generate a step's batch, train on it, refit, repeat."""
 
     name = "grpo_sync"
+
+    @classmethod
+    def num_collectors(cls, cfg: TrainerConfig) -> int:
+        """One collector (with its generator) per generation engine."""
+        return cfg.generation.num_engines
 
     def _init_data(self, train: list[Any]) -> None:
         self.prompts = PromptIterator(train, self.cfg.grpo.prompts_per_step, self.cfg.trainer.seed)

@@ -72,36 +72,75 @@ class StepResult:
     staleness: list[int] = field(default_factory=list)
 
 
+def spread(jobs: Sequence[Job], engines: int) -> list[list[Job]]:
+    """``jobs`` in contiguous chunks over ``engines``, sizes differing by at most one (none empty)."""
+    per, extra = divmod(len(jobs), engines)
+    out, at = [], 0
+    for i in range(engines):
+        size = per + (1 if i < extra else 0)
+        if size:
+            out.append(list(jobs[at : at + size]))
+        at += size
+    return out
+
+
 def collect(
     cfg: TrainerConfig, workers: Workers, transport: Transport, jobs: Sequence[Job], timer: PhaseTimer, step: int
 ) -> RolloutBatch:
-    """Sync source: the collector generates ``jobs`` (one step's prompts) with the generator's
-    current weights and hands over the batch (through the transport's sink).
+    """Sync source: the collectors generate ``jobs`` (one step's prompts, :func:`spread` over the
+    engines) with their generators' current weights and hand over the batch (through the
+    transport's sink; several engines' parts joined by ``transport.concat``). With several
+    engines every response is drawn from its own seed, so the split changes nothing sampled.
 
     Raises:
-        StepError: the collector failed or timed out.
+        StepError: a collector failed or timed out; what the others delivered is released first.
     """
+    chunks = spread(jobs, len(workers.collectors))
+    seed = generation_seed(cfg.trainer.seed, jobs[0].group_id)
+    row_seeded = len(workers.collectors) > 1
     with timer("generate"):
-        call = workers.collector.collect.remote(list(jobs), generation_seed(cfg.trainer.seed, jobs[0].group_id))
+        calls = [c.collect.remote(ch, seed, row_seeded) for c, ch in zip(workers.collectors, chunks)]
         transport.driver_bytes += payload_bytes(list(jobs))
-        (res,) = gather([call], cfg.trainer.step_timeout_s, f"step {step} collect")
-        transport.driver_bytes += payload_bytes(res)
-    gids = list(res["group_ids"])
+        try:
+            names = [f"collector{i}" if i else "collector" for i in range(len(calls))]
+            results = gather(calls, cfg.trainer.step_timeout_s, f"step {step} collect", names)
+        except StepError:
+            _release_delivered(transport, calls, cfg.trainer.step_timeout_s)
+            raise
+        transport.driver_bytes += sum(payload_bytes(res) for res in results)
+    gids = [g for res in results for g in res["group_ids"]]
+    groups = [len(res["group_ids"]) for res in results]
     batch = RolloutBatch(
-        handle=res["handle"],
-        rewards=res["rewards"],
+        handle=results[0]["handle"] if len(results) == 1 else transport.concat([r["handle"] for r in results]),
+        rewards=torch.cat([res["rewards"] for res in results]),
         group_size=cfg.generation.n,
         group_ids=gids,
-        versions=[int(res["weight_version"])] * len(gids),
-        response_len=float(res["response_len"]),
+        versions=[int(res["weight_version"]) for res, k in zip(results, groups) for _ in range(k)],
+        response_len=sum(float(res["response_len"]) * k for res, k in zip(results, groups)) / len(gids),
         prompts=[str(getattr(j.record, "prompt", "")) for j in jobs],
     )
-    batch.row["dp_bytes_collect"] = int(res["dp_bytes"])
-    transport.ops.extend(res.get("ops", ()))
-    # The trainer waits for the whole generation; the generator works only inside it.
+    batch.row["dp_bytes_collect"] = sum(int(res["dp_bytes"]) for res in results)
+    for res in results:
+        transport.ops.extend(res.get("ops", ()))
+    # The trainer waits for the whole generation; the generators work only inside it (summed).
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
-    batch.row["generator_busy_s"] = float(res["generator_busy_s"])
+    batch.row["generator_busy_s"] = sum(float(res["generator_busy_s"]) for res in results)
     return batch
+
+
+def _release_delivered(transport: Transport, calls: Sequence[Any], timeout_s: float) -> None:
+    """After a failed collect: the parts other collectors delivered leave the store too (bounded;
+    a failed collector rolled its own part back)."""
+    done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    for ref in done:
+        try:
+            res = ray.get(ref)
+        except Exception:  # noqa: BLE001 - the failed one: nothing of it was delivered
+            continue
+        try:
+            transport.release(res["handle"])
+        except Exception as e:  # noqa: BLE001 - the step's own error is the one to raise
+            print(f"step collect: could not release a delivered part: {e}", file=sys.stderr)
 
 
 def train_on_batch(

@@ -41,6 +41,8 @@ from nemo_dataplane.codec import jagged_from_rows
 # still running, so finished responses' places go to new prompts instead of idling until the
 # longest response is done (the long tail).
 PARTIAL_MIN_RUNNING = 0.5
+# A generation's rows, tags, the oldest weight version of any token and the mean response length.
+Generated = tuple[TensorDict, list[dict[str, Any]], int, float]
 
 
 class RolloutCollector:
@@ -195,14 +197,15 @@ class RolloutCollector:
         cap = self.cfg.generation.max_new_tokens
         return [cap if r.max_new_tokens is None else min(int(r.max_new_tokens), cap) for r in records]
 
-    def _generate(self, jobs: Sequence[Job], seed: int) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
+    def _generate(self, jobs: Sequence[Job], seed: int, row_seeded: bool = False) -> Generated:
         """Generate and score ``jobs``: (rows, tags, the oldest weight version of any token, mean
-        response length); the generator's busy seconds are added to ``generator_busy_s``."""
+        response length); the generator's busy seconds are added to ``generator_busy_s``.
+        ``row_seeded``: every response from its own seed (deterministic mode always)."""
         prompts = [self.tokenizer.encode_prompt(j.record.prompt) for j in jobs]
         version = jobs[0].version  # deterministic mode: the schedule's version and per-sample seeds
         row_seeds = (
             None
-            if version is None
+            if version is None and not row_seeded
             else [sample_seed(self.cfg.trainer.seed, j.group_id, i) for j in jobs for i in range(self.n)]
         )
         got = self._sample(
@@ -212,9 +215,7 @@ class RolloutCollector:
             self._stats["generator_busy_s"] += got.busy_s
         return self._assemble(jobs, prompts, got)
 
-    def _assemble(
-        self, jobs: Sequence[Job], prompts: Sequence[Sequence[int]], got: Sampled
-    ) -> tuple[TensorDict, list[dict[str, Any]], int, float]:
+    def _assemble(self, jobs: Sequence[Job], prompts: Sequence[Sequence[int]], got: Sampled) -> Generated:
         """Score ``jobs``' complete responses and lay them out as rollout rows: (rows, tags, the
         oldest weight version of any token, mean response length)."""
         n = self.n
@@ -252,8 +253,9 @@ class RolloutCollector:
         mean_len = float(sum(len(r) for r in responses)) / max(len(responses), 1)
         return batch, tags, version, mean_len
 
-    def collect(self, jobs: Sequence[Job], seed: int) -> dict[str, Any]:
-        """Sync: generate ``jobs`` (``generation.n`` responses each) and deliver them now.
+    def collect(self, jobs: Sequence[Job], seed: int, row_seeded: bool = False) -> dict[str, Any]:
+        """Sync: generate ``jobs`` (``generation.n`` responses each) and deliver them now
+        (``row_seeded``: each response from its own seed, as :meth:`_generate` says).
 
         Returns ``handle`` (what the driver's transport moves), ``rewards`` [B] float32,
         ``response_len`` (mean), ``weight_version``, ``group_ids``, ``dp_bytes`` (bytes put into
@@ -261,8 +263,10 @@ class RolloutCollector:
         """
         t0 = time.perf_counter()
         busy_before = self._stats["generator_busy_s"]
-        batch, tags, version, mean_len = self._generate(jobs, seed)
+        batch, tags, version, mean_len = self._generate(jobs, seed, row_seeded)
         handle, stored = self._sink().deliver(jobs, batch, tags, version)
+        with self._cv:
+            self._stats["groups_written"] += len(jobs)
         out: dict[str, Any] = {
             "handle": handle,
             "rewards": batch["rewards"].clone(),
@@ -275,7 +279,7 @@ class RolloutCollector:
             "ops": self._sink().drain_ops(),
         }
         # After the delivery, so the test sees the driver release keys a failed step left behind.
-        step = jobs[0].group_id // len(jobs)
+        step = jobs[0].group_id // self.cfg.grpo.prompts_per_step
         maybe_fail(self.cfg.debug, "collect", step=step, what=f"at step {step} in the collector")
         return out
 

@@ -69,9 +69,14 @@ def fsdp_run(paired_runs):
     return paired_runs[2]
 
 
+# Several generation engines: 6 prompts a step over 2 and over 3 engines, 4 steps.
+ENGINES = ("grpo.prompts_per_step=6", "generation.n=4", "data_plane.packing.micro_batch_size=6", "trainer.steps=4")
+
+
 @pytest.fixture(scope="module")
-def resumed_runs(run_trainers_concurrently, paired_runs, runs_dir: Path):
-    """``dp_run`` (compiled graph, data plane) and ``fsdp_run`` resumed from their step-8 checkpoints."""
+def second_wave(run_trainers_concurrently, paired_runs, runs_dir: Path):
+    """``dp_run`` (compiled graph, data plane) and ``fsdp_run`` resumed from their step-8
+    checkpoints; and two short runs with 2 and 3 generation engines."""
     jobs = []
     for name in ("dp", "fsdp"):
         ckpt = runs_dir / name / "checkpoints" / "step_000008"
@@ -82,10 +87,27 @@ def resumed_runs(run_trainers_concurrently, paired_runs, runs_dir: Path):
             else ("data_plane.enabled=true", "trainer.dispatch=compiled_graph")
         )
         jobs.append((runs_dir / f"{name}_resumed", (*extra, f"checkpoint.resume={ckpt}")))
+    for engines in (2, 3):
+        jobs.append((runs_dir / f"engines{engines}", (*ENGINES, f"generation.num_engines={engines}")))
     runs = run_trainers_concurrently(jobs)
     for run in runs:
         assert run.returncode == 0, run.explain()
     return runs
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(second_wave):
+    return second_wave[:2]
+
+
+def test_several_engines_split_the_prompts_all_take_every_refit_and_sample_the_same(second_wave) -> None:
+    two, three = second_wave[2:]
+    assert two.summary["groups_per_engine"] == [12, 12] and three.summary["groups_per_engine"] == [8, 8, 8]
+    assert two.summary["generator_versions"] == [4, 4] and three.summary["generator_versions"] == [4, 4, 4]
+    # Each response from its own seed: which engine drew it changes nothing, so neither do the steps.
+    for key in ("reward", "loss", "grad_norm", "response_len"):
+        assert [r[key] for r in two.rows] == [r[key] for r in three.rows], key
+    assert all(r["keys_outstanding"] == 0 for r in two.rows + three.rows)
 
 
 def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> None:

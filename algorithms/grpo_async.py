@@ -52,6 +52,11 @@ class AsyncTrainer(Trainer):
         capacity it can progress with; refused before anything is written or started (the
         CLI's exit 2)."""
         self.transport.require_claims()
+        if self.cfg.generation.num_engines != 1:
+            raise ConfigError(
+                f"generation.num_engines={self.cfg.generation.num_engines} sets grpo_sync's engines; grpo_async "
+                "runs one engine per collector: set async.num_collectors instead"
+            )
         cap, need = self.transport.capacity_rows(), async_min_rows(self.cfg)
         if cap is not None and cap < need:
             raise ConfigError(  # this run could never make progress

@@ -12,6 +12,8 @@ compiled-graph dispatch (``trainer.dispatch``, algorithms/dispatch.py) included:
   and Hugging Face exports every 8 steps: its losses within a stated tolerance of ``dp_run``'s;
 * a run resumed from ``dp_run``'s step-8 checkpoint, with the compiled graph on the data plane,
   and one resumed from ``fsdp_run``'s (sharded state): each bitwise equal to its run's tail;
+  beside them two short runs with 2 and 3 generation engines (``generation.num_engines``):
+  the prompts split, every engine refit, the steps bitwise equal;
 * a small run whose policy rank raises mid-step through the graph (its peer stays blocked in the
   gradient all-reduce: the actors are killed at shutdown instead of waiting for it), and one
   that gets Ctrl-C.

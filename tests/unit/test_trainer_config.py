@@ -342,6 +342,12 @@ def test_structural_backend_problems_exit_2_with_one_line_before_anything_starts
         "grpo_async: config error: data_plane.backend='_backends:ByKeyOnly': ByKeyOnly has no claims"
     )
     assert "kv_claim, kv_mark_consumed, kv_claim_status not implemented" in line
+    # Several engines: grpo_sync's key; the async trainer has one engine per collector.
+    code = main(AsyncTrainer, ["--config", str(YAML), "generation.num_engines=2", "logging.output_dir=/nonexistent/x"])
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "generation.num_engines=2 sets grpo_sync's engines" in line and "async.num_collectors" in line
+    assert SyncTrainer.num_collectors(load_config(YAML, ["generation.num_engines=3"])) == 3
 
 
 def test_the_run_names_its_transport_and_backend() -> None:

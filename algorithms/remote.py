@@ -11,11 +11,29 @@ import ray
 from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.timeouts import check_timeout
 
-__all__ = ["StepError", "gather"]
+__all__ = ["StepError", "WorkerTraceback", "gather", "worker_error"]
 
 
 class StepError(NemoDataplaneError, RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
+
+
+class WorkerTraceback(Exception):
+    """Where a worker's exception was raised: the worker's own traceback, as text (Ray sends the
+    exception without its traceback object)."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0].rstrip()}\n"""'
+
+
+def worker_error(e: ray.exceptions.RayTaskError) -> BaseException:
+    """The worker's own exception inside ``e``, chained to a :class:`WorkerTraceback` of where it
+    was raised, so that a printed traceback of an error raised ``from`` it starts in the worker."""
+    cause = getattr(e, "cause", None) or e
+    text = getattr(e, "traceback_str", None)
+    if cause is not e and text and cause.__cause__ is None and cause.__traceback__ is None:
+        cause.__cause__ = WorkerTraceback(text)
+    return cause
 
 
 def gather(
@@ -44,7 +62,7 @@ def gather(
             try:
                 results[index[r]] = ray.get(r)
             except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None) or e
+                cause = worker_error(e)
                 raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
             except ray.exceptions.RayError as e:
                 name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]

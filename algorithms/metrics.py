@@ -95,7 +95,7 @@ class StartupProgress:
             self._bar = tqdm(
                 total=len(self.phases),
                 desc=f"{name} start-up",
-                bar_format="{desc}: {n_fmt}/{total_fmt} phases [{elapsed}] {postfix}",
+                bar_format="{desc}: {n_fmt}/{total_fmt} phases [{elapsed}]{postfix}",
                 file=stream or sys.stderr,
                 dynamic_ncols=True,
                 leave=True,

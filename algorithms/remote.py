@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,9 @@ class StepError(NemoDataplaneError, RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 class WorkerTraceback(Exception):
     """Where a worker's exception was raised: the worker's own traceback, as text (Ray sends the
     exception without its traceback object)."""
@@ -30,7 +34,10 @@ def worker_error(e: ray.exceptions.RayTaskError) -> BaseException:
     """The worker's own exception inside ``e``, chained to a :class:`WorkerTraceback` of where it
     was raised, so that a printed traceback of an error raised ``from`` it starts in the worker."""
     cause = getattr(e, "cause", None) or e
-    text = getattr(e, "traceback_str", None)
+    # Ray's text of the worker's traceback (its frames, without Ray's own), headed by the worker's
+    # process title and pid; colour codes dropped, and the caret lines (those of Ray's hidden
+    # frames would stand alone).
+    text = "\n".join(line for line in _ANSI.sub("", str(e)).splitlines() if line.strip(" ^") or not line.strip())
     if cause is not e and text and cause.__cause__ is None and cause.__traceback__ is None:
         cause.__cause__ = WorkerTraceback(text)
     return cause

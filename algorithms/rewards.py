@@ -101,10 +101,11 @@ def _parse_limit() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-# A plain decimal number (optional sign, thousands commas, fraction digits): math-verify parses
-# every one (tests/unit/test_rewards.py checks samples of each form), so the check of a dataset's
-# references skips its sympy parse, 2-15 ms an answer.
-_PLAIN_NUMBER = re.compile(r"-?(\d+|\d{1,3}(,\d{3})+)(\.\d+)?")
+# A plain decimal number (optional sign, thousands commas, fraction digits; ASCII digits, no
+# leading zero: math-verify refuses "-01"): math-verify parses every one (tests/unit/
+# test_rewards.py checks samples of each form), so the check of a dataset's references skips its
+# sympy parse, 2-15 ms an answer.
+_PLAIN_NUMBER = re.compile(r"-?(0|[1-9]\d*|[1-9]\d{0,2}(,\d{3})+)(\.\d+)?", re.ASCII)
 
 
 def unparsable_references(fn: RewardFn, answers: Sequence[str]) -> list[int]:

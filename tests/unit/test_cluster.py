@@ -83,3 +83,89 @@ def test_a_run_started_cluster_gives_its_idle_workers_the_run_env_and_the_store_
     assert got["processes"] >= 5, "GCS, raylet, its two agents and the workers carry the id"
     assert got["left"] == []
     assert got["task"]["modules"] == {"transfer_queue": True, "torch._dynamo": False}
+
+
+# A trainer whose Ctrl-C lands while Ray waits for its raylet to register: its GCS, raylet and the
+# raylet's agents are up, Ray has not recorded its node yet (so ray.shutdown alone stops nothing),
+# and the terminal's SIGINT reaches every process of the group, as a Ctrl-C does.
+_CTRL_C = r"""
+import json, os, signal, sys, time
+import ray._private.services as services
+from algorithms.config import load_config
+from algorithms.grpo_sync import SyncTrainer
+
+TAG = "PROBE_TAG=" + os.environ["PROBE_TAG"]
+
+
+def run_processes():
+    found = []
+    for e in os.listdir("/proc"):
+        if e.isdigit() and int(e) != os.getpid():
+            try:
+                with open(f"/proc/{e}/environ", "rb") as f:
+                    if TAG.encode() in f.read().split(b"\0"):
+                        with open(f"/proc/{e}/cmdline", "rb") as g:
+                            found.append(g.read().replace(b"\0", b" ").decode()[:100])
+            except OSError:
+                pass
+    return found
+
+
+seen = {}
+
+
+def ctrl_c_while_the_raylet_registers(*args, **kwargs):
+    deadline = time.monotonic() + 120
+    while not any("agent" in c.lower() for c in run_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["at_interrupt"] = run_processes()
+    seen["t"] = time.monotonic()
+    os.killpg(os.getpgid(0), signal.SIGINT)
+    time.sleep(60)  # the interrupt lands here
+    raise AssertionError("no KeyboardInterrupt within 60 s")
+
+
+services.get_node = ctrl_c_while_the_raylet_registers
+cfg = load_config("examples/configs/grpo_tiny.yaml", [f"logging.output_dir={sys.argv[1]}", "logging.plot=false"])
+code = SyncTrainer(cfg).run()
+print(json.dumps({"code": code, "took": time.monotonic() - seen["t"], "at_interrupt": seen["at_interrupt"],
+                  "left": run_processes()}))
+"""
+
+
+def test_ctrl_c_during_ray_start_leaves_no_process_of_the_run(tmp_path: Path) -> None:
+    """Before: the run exited 130 with its GCS, raylet and agents alive (the agents for a minute
+    or more after the driver). Now every one of them is gone when ``run`` returns."""
+    import os
+    import signal
+    import uuid
+
+    tag = uuid.uuid4().hex
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home()), "PROBE_TAG": tag}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C, str(tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,  # the probe's SIGINT reaches its own group only
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["code"] == 130, out.stderr[-3000:]
+        names = " ".join(got["at_interrupt"])
+        assert "gcs_server" in names and "raylet" in names and "agent" in names.lower(), got["at_interrupt"]
+        assert got["left"] == [], got["left"]
+        assert got["took"] < 30, got["took"]
+    finally:  # never leave a probe's process behind, whatever failed
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"PROBE_TAG={tag}".encode() in f.read().split(b"\0"):
+                        os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass

@@ -59,4 +59,7 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the inputs are checked: nothing was written or started yet
+        print(f"\n{trainer_cls.name}: interrupted before the run started", file=sys.stderr)
+        return 130
     return trainer.run()

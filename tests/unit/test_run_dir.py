@@ -362,6 +362,18 @@ def test_the_cli_refuses_a_taken_output_dir_with_exit_2(tmp_path: Path, capsys: 
     assert err.count("\n") == 0 and "summary.json" in err and "logging.overwrite" in err
 
 
+def test_a_ctrl_c_while_the_inputs_are_checked_exits_130_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(self: SyncTrainer) -> None:  # e.g. parsing a large dataset's reference answers
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SyncTrainer, "prepare", interrupted)
+    assert _sync_main(["--config", str(YAML), f"logging.output_dir={tmp_path / 'run'}"]) == 130
+    assert capsys.readouterr().err.strip() == "grpo_sync: interrupted before the run started"
+    assert not (tmp_path / "run").exists()
+
+
 def test_help_points_to_the_config_reference(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         _sync_main(["--help"])

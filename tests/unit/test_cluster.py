@@ -126,8 +126,12 @@ def ctrl_c_while_the_raylet_registers(*args, **kwargs):
 
 
 services.get_node = ctrl_c_while_the_raylet_registers
-cfg = load_config("examples/configs/grpo_tiny.yaml", [f"logging.output_dir={sys.argv[1]}", "logging.plot=false"])
+# Short, should Ray stop calling get_node (then the probe fails on a missing interrupt, quickly).
+short = ["trainer.steps=1", "trainer.val_every=0", "checkpoint.every=0", "grpo.prompts_per_step=2", "generation.n=2"]
+short += [f"logging.output_dir={sys.argv[1]}", "logging.plot=false"]
+cfg = load_config("examples/configs/grpo_tiny.yaml", short)
 code = SyncTrainer(cfg).run()
+assert seen, "Ray never waited for its raylet through services.get_node: the probe must hook it elsewhere"
 print(json.dumps({"code": code, "took": time.monotonic() - seen["t"], "at_interrupt": seen["at_interrupt"],
                   "left": run_processes()}))
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import typing
 from collections.abc import Sequence
@@ -19,12 +20,22 @@ from algorithms.trainer import Trainer
 __all__ = ["main"]
 
 
+# Where every key is documented, with its default and meaning (one table for the whole config).
+CONFIG_REFERENCE = 'docs/grpo_sync.md "Config keys" (async: docs/grpo_async.md "Config")'
+
+
+def _plain(text: str) -> str:
+    """Docstring markup as plain text: ``:mod:`x```, ```x``` -> ``x``."""
+    return re.sub(r":\w+:`([^`]*)`", r"\1", text).replace("``", "")
+
+
 def _sections() -> str:
-    """One line per config section: its YAML key and the first line of its docstring."""
+    """One line per config section: its YAML key and its class's one-line summary (the
+    docstring's first line, a whole sentence)."""
     hints = typing.get_type_hints(TrainerConfig)
     lines = []
     for f in dataclasses.fields(TrainerConfig):
-        doc = (hints[f.name].__doc__ or "").strip().splitlines()[0]
+        doc = _plain((hints[f.name].__doc__ or "").strip().splitlines()[0])
         lines.append(f"  {f.metadata.get('key', f.name):12s} {doc}")
     return "\n".join(lines)
 
@@ -35,8 +46,7 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
         prog=f"python -m algorithms.{trainer_cls.name}",
         description=(trainer_cls.__doc__ or "").strip().splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config sections (each key documented in algorithms/config_sections.py and docs/grpo_sync.md):\n"
-        + _sections(),
+        epilog=f"config sections; every key, its default and meaning: {CONFIG_REFERENCE}\n" + _sections(),
     )
     parser.add_argument("--config", help="YAML config (examples/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.steps=10")
@@ -49,4 +59,7 @@ def main(trainer_cls: type[Trainer], argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"{trainer_cls.name}: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the inputs are checked: nothing was written or started yet
+        print(f"\n{trainer_cls.name}: interrupted before the run started", file=sys.stderr)
+        return 130
     return trainer.run()

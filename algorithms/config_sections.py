@@ -243,8 +243,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Policy + optimizer + step + RNG + data position, every ``every`` steps; with ``export_hf``
-    also a Hugging Face directory of the policy (policy rank 0)."""
+    """Checkpoints: how often, where, how many are kept, and resuming from one.
+
+    A checkpoint holds the policy, optimizer, step, RNG and data position, every ``every`` steps;
+    with ``export_hf`` also a Hugging Face directory of the policy (policy rank 0)."""
 
     every: int = 0  # 0: never
     dir: str | None = None  # None: {logging.output_dir}/checkpoints
@@ -365,12 +367,14 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests (:mod:`algorithms.faults`): the named phase fails on
-    ``fail_at_step`` (``put``: the collector's write of group ``fail_at_group`` fails half-way,
-    async only), by raising or, with ``fail_mode=sigkill``, by the process killing itself, or with
-    ``fail_mode=hang`` by going silent (every point is listed in :mod:`algorithms.faults`);
-    ``fail_dispatch_compile``: the compiled graph's compile raises as in an unsupported
-    environment, so the run falls back to actor calls (``trainer.dispatch=compiled_graph``)."""
+    """Fault injection and injected delays, for tests.
+
+    :mod:`algorithms.faults`: the named phase fails on ``fail_at_step`` (``put``: the collector's
+    write of group ``fail_at_group`` fails half-way, async only), by raising or, with
+    ``fail_mode=sigkill``, by the process killing itself, or with ``fail_mode=hang`` by going
+    silent (every point is listed in :mod:`algorithms.faults`); ``fail_dispatch_compile``: the
+    compiled graph's compile raises as in an unsupported environment, so the run falls back to
+    actor calls (``trainer.dispatch=compiled_graph``)."""
 
     fail_at_step: int | None = None
     fail_in: (

@@ -43,7 +43,7 @@ from typing import Any
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from algorithms.remote import StepError, gather
+from algorithms.remote import StepError, gather, worker_error
 from nemo_dataplane.timeouts import check_timeout
 
 KINDS = ("logprobs", "train")
@@ -224,7 +224,7 @@ class CompiledGraphDispatch:
         except ray.exceptions.RayTaskError as e:
             # A worker's own exception (the graph reads every rank's output channel in turns, so
             # the first error is returned without waiting for ranks blocked in a collective).
-            cause = getattr(e, "cause", None) or e
+            cause = worker_error(e)
             if isinstance(cause, (ray.exceptions.RayChannelError, ray.exceptions.ActorDiedError)):
                 return self._after_graph_failure(cause, kind, inputs, step, flag, timeout_s, what)
             self.failed = f"{what}: {type(cause).__name__}: {cause}"

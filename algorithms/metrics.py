@@ -81,6 +81,44 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+class StartupProgress:
+    """The run's start-up on the progress display (a tqdm bar on stderr, before the steps' bar):
+    how many of ``phases`` are done, the one under way and the time since the start. Nothing is
+    shown when ``enabled`` is false. :meth:`close` is idempotent."""
+
+    def __init__(self, phases: Sequence[str], *, name: str, enabled: bool, stream: TextIO | None = None) -> None:
+        self.phases = list(phases)
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm  # extra `train`, loaded only when asked for
+
+            self._bar = tqdm(
+                total=len(self.phases),
+                desc=f"{name} start-up",
+                bar_format="{desc}: {n_fmt}/{total_fmt} phases [{elapsed}]{postfix}",
+                file=stream or sys.stderr,
+                dynamic_ncols=True,
+                leave=True,
+            )
+
+    def phase(self, name: str, detail: str = "") -> None:
+        """Phase ``name`` (one of ``phases``) begins: those before it are done."""
+        if self._bar is None:
+            return
+        self._bar.n = self.phases.index(name)
+        self._bar.set_postfix_str(f"{name}{': ' + detail if detail else ''} ...", refresh=True)
+
+    def close(self, done: bool) -> None:
+        """End the display: every phase done (``done``), or the start-up cut short where it was."""
+        if self._bar is None:
+            return
+        if done:
+            self._bar.n = len(self.phases)
+            self._bar.set_postfix_str("done", refresh=True)
+        self._bar.close()
+        self._bar = None
+
+
 class MetricsLogger:
     """Writes one JSON line per step to ``metrics.jsonl`` (appending on resume), mirrors scalars
     to TensorBoard when asked, and drives a tqdm bar (stderr) with reward, loss and step time.

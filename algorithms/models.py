@@ -10,6 +10,7 @@ seconds to import and the driver, which loads this module through the trainer, n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ __all__ = [
     "build_model",
     "generate",
     "model_config_values",
+    "model_files_digest",
     "pad_batch",
     "sample",
     "save_pretrained_dir",
@@ -129,6 +131,56 @@ def model_config_values(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
         data = json.loads((Path(str(model_cfg["path"])).expanduser() / "config.json").read_text())
         return {**(data.get("text_config") or {}), **data}
     return dict(model_cfg.get("hf_config") or {})
+
+
+# What a model directory's weights are: every file with one of these suffixes, with the indices
+# that map tensors to shards, and config.json.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_INDEX_SUFFIX = ".index.json"
+# A weights file up to this size is hashed whole; above it, its head (with the whole safetensors
+# header), its tail and evenly spaced blocks (~5 MiB read however large the file: a full hash of a
+# 16 GB checkpoint takes minutes on a loaded CPU).
+_WHOLE_FILE_BYTES = 4 << 20
+_SAMPLE_BLOCKS = 64
+_BLOCK_BYTES = 1 << 16
+
+
+def _file_digest(path: Path) -> str:
+    """``"<size>:<sha256>"`` of ``path``: the whole file up to :data:`_WHOLE_FILE_BYTES`, else its
+    first MiB (or its safetensors header, if longer), :data:`_SAMPLE_BLOCKS` blocks spread over
+    it and its last block."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE_BYTES:
+            h.update(f.read())
+        else:
+            head = f.read(8)
+            header = int.from_bytes(head, "little") + 8 if path.suffix == ".safetensors" else 0
+            f.seek(0)
+            h.update(f.read(max(1 << 20, min(header, size))))
+            for i in range(_SAMPLE_BLOCKS):
+                f.seek(size * i // _SAMPLE_BLOCKS)
+                h.update(f.read(_BLOCK_BYTES))
+            f.seek(size - _BLOCK_BYTES)
+            h.update(f.read(_BLOCK_BYTES))
+    return f"{size}:{h.hexdigest()}"
+
+
+def model_files_digest(model_cfg: Mapping[str, Any]) -> dict[str, str] | None:
+    """``{file name: digest}`` of a ``policy.model.path`` directory's ``config.json``, weights
+    files and shard indices (:func:`_file_digest`: size and content, sampled above 4 MiB), to tell
+    a model rewritten in place from the one a checkpoint was trained from; ``None`` for a
+    random-init model (its ``hf_config`` is part of the config already)."""
+    if model_cfg.get("path") in (None, ""):
+        return None
+    root = Path(str(model_cfg["path"])).expanduser()
+    names = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_file() and (p.name == "config.json" or p.name.endswith(_INDEX_SUFFIX) or p.suffix in _WEIGHT_SUFFIXES)
+    )
+    return {name: _file_digest(root / name) for name in names}
 
 
 def attention_head_size(model_cfg: Mapping[str, Any]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,11 +12,35 @@ import ray
 from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.timeouts import check_timeout
 
-__all__ = ["StepError", "gather"]
+__all__ = ["StepError", "WorkerTraceback", "gather", "worker_error"]
 
 
 class StepError(NemoDataplaneError, RuntimeError):
     """A step failed; the message names the step, the phase and the worker's own error."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerTraceback(Exception):
+    """Where a worker's exception was raised: the worker's own traceback, as text (Ray sends the
+    exception without its traceback object)."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0].rstrip()}\n"""'
+
+
+def worker_error(e: ray.exceptions.RayTaskError) -> BaseException:
+    """The worker's own exception inside ``e``, chained to a :class:`WorkerTraceback` of where it
+    was raised, so that a printed traceback of an error raised ``from`` it starts in the worker."""
+    cause = getattr(e, "cause", None) or e
+    # Ray's text of the worker's traceback (its frames, without Ray's own), headed by the worker's
+    # process title and pid; colour codes dropped, and the caret lines (those of Ray's hidden
+    # frames would stand alone).
+    text = "\n".join(line for line in _ANSI.sub("", str(e)).splitlines() if line.strip(" ^") or not line.strip())
+    if cause is not e and text and cause.__cause__ is None and cause.__traceback__ is None:
+        cause.__cause__ = WorkerTraceback(text)
+    return cause
 
 
 def gather(
@@ -44,7 +69,7 @@ def gather(
             try:
                 results[index[r]] = ray.get(r)
             except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None) or e
+                cause = worker_error(e)
                 raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
             except ray.exceptions.RayError as e:
                 name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]

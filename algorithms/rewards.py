@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "math_score",
     "resolve_reward_fn",
     "reward",
+    "unparsable_references",
 ]
 
 RewardFn = Callable[[PromptRecord, str], float]
@@ -86,12 +88,39 @@ def math_score(answer: str, response: str) -> float:
     bound applies there and is off in other threads (the collector's producer thread).
     """
     mv = _math_verify()
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    limit = _parse_limit()
     gold = mv.parse(answer, parsing_timeout=limit)
     if not gold:
         raise ValueError(f"math reward: cannot parse the reference answer {answer!r}")
     pred = mv.parse(response, parsing_timeout=limit)
     return float(bool(pred) and mv.verify(gold, pred, timeout_seconds=limit))
+
+
+def _parse_limit() -> int | None:
+    """math-verify's parse bound: SIGALRM, which only the main thread may set."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+# A plain decimal number (optional sign, thousands commas, fraction digits; ASCII digits, no
+# leading zero: math-verify refuses "-01"): math-verify parses every one (tests/unit/
+# test_rewards.py checks samples of each form), so the check of a dataset's references skips its
+# sympy parse, 2-15 ms an answer.
+_PLAIN_NUMBER = re.compile(r"-?(0|[1-9]\d*|[1-9]\d{0,2}(,\d{3})+)(\.\d+)?", re.ASCII)
+
+
+def unparsable_references(fn: RewardFn, answers: Sequence[str]) -> list[int]:
+    """Indices of the ``answers`` that reward ``fn`` can never score: for the built-in ``math``
+    reward, the reference answers math-verify cannot parse (:func:`math_score` raises on them
+    when such a prompt is drawn); empty for every other reward. Each distinct answer is parsed
+    once and plain numbers not at all."""
+    if not (isinstance(fn, _BuiltinReward) and fn.name == "math"):
+        return []
+    mv, limit = _math_verify(), _parse_limit()
+    verdicts: dict[str, bool] = {}
+    for a in answers:
+        if a not in verdicts:
+            verdicts[a] = _PLAIN_NUMBER.fullmatch(a.strip()) is not None or bool(mv.parse(a, parsing_timeout=limit))
+    return [i for i, a in enumerate(answers) if not verdicts[a]]
 
 
 _SCORES: dict[str, Callable[[str, str], float]] = {

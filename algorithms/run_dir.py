@@ -12,7 +12,10 @@ start:
 * the config differs from the one the checkpoint was written under (:func:`config_changes`) in a
   key that is not free to change (:data:`FREE_ON_RESUME`): keys of :data:`SAFE_ON_RESUME` pass
   with ``checkpoint.allow_config_change: true``, any other (the model, the task, anything that
-  changes the shapes or the meaning of the saved state) never does.
+  changes the shapes or the meaning of the saved state) never does;
+* the files of ``policy.model.path`` differ from those the checkpoint's run started from (a model
+  rewritten in place: :func:`algorithms.models.model_files_digest`, stored in the driver state
+  under :data:`MODEL_FILES`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from typing import Any
 from algorithms.checkpoint import load_trusted, resolve_resume
 from algorithms.config import ConfigError, TrainerConfig
 from algorithms.metrics import plot_metrics, summary_line
+from algorithms.models import model_files_digest
 
 __all__ = [
+    "FAILED_RESUME_SUMMARY",
     "FREE_ON_RESUME",
+    "MODEL_FILES",
     "RESHARDABLE_ON_RESUME",
     "RESULTS",
     "SAFE_ON_RESUME",
@@ -55,7 +61,16 @@ RESULTS: tuple[str, ...] = (
     "reward_loss.png",
     "tensorboard",
     "hf",  # checkpoint.export_hf
+    "summary_failed_resume.json",  # FAILED_RESUME_SUMMARY
 )
+
+# Where a resume that logged no step of its own writes its summary: summary.json stays the
+# resumed run's.
+FAILED_RESUME_SUMMARY = "summary_failed_resume.json"
+
+# The driver state's entry (beside the trainer's data position) holding the digest of the model
+# files the run started from.
+MODEL_FILES = "model_files"
 
 # Dotted config keys (a key or a whole section) that only say how a run is executed, observed or
 # checkpointed, never what it trains: they may differ freely from the checkpoint's config
@@ -182,20 +197,30 @@ def write_outputs(
     wall_s: float,
     idle: Mapping[str, float],
     title: str | None,
+    keep_summary: bool = False,
 ) -> None:
     """What every run leaves, whatever its status: ``reward_loss.png`` (when steps were logged and
     ``title`` is given; a plot that fails is reported, never fails the run), ``summary.json``,
-    then the summary line on stdout, naming only outputs that exist."""
+    then the summary line on stdout, naming only outputs that exist. ``keep_summary`` (a resume
+    that logged no step of its own): an existing ``summary.json`` is left as it is and this
+    summary goes to :data:`FAILED_RESUME_SUMMARY` instead (said on stderr)."""
     if rows and title is not None:
         try:
             plot_metrics(rows, out / "reward_loss.png", title)
         except Exception as e:  # noqa: BLE001 - a plot must not turn a good run into a failure
             print(f"{name}: could not write the plot: {e}", file=sys.stderr)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    target = "summary.json"
+    if keep_summary and (out / target).exists():
+        target = FAILED_RESUME_SUMMARY
+        print(
+            f"{name}: the resume logged no step: its summary is {out / target}; "
+            "summary.json is still the resumed run's",
+            file=sys.stderr,
+        )
+    (out / target).write_text(json.dumps(summary, indent=2, default=str))
     status = str(summary.get("status"))
-    print(
-        summary_line(rows, wall_s=wall_s, status=status, files=existing_outputs(out), name=name, idle=idle), flush=True
-    )
+    files = existing_outputs(out, ("metrics.jsonl", target))
+    print(summary_line(rows, wall_s=wall_s, status=status, files=files, name=name, idle=idle), flush=True)
 
 
 def remove_results(paths: Sequence[Path], name: str) -> None:
@@ -305,4 +330,23 @@ def plan_run_dir(cfg: TrainerConfig) -> RunPlan:
             f"{where} {_describe(safe)}: set checkpoint.allow_config_change=true to resume with them "
             "(docs/grpo_sync.md, 'Checkpoint and resume')"
         )
+    _check_model_files(cfg, resume, (state.get("prompts") or {}).get(MODEL_FILES))
     return RunPlan(resume=resume, start_step=int(state["step"]))
+
+
+def _check_model_files(cfg: TrainerConfig, resume: Path, saved: Mapping[str, str] | None) -> None:
+    """Refuse a resume whose ``policy.model.path`` files changed since the checkpoint's run
+    started (a checkpoint that recorded none is not checked)."""
+    if saved is None:
+        return
+    current = model_files_digest(cfg.policy.model) or {}
+    changed = sorted(n for n in saved.keys() | current.keys() if saved.get(n) != current.get(n))
+    if changed:
+        state = {n: "new" if n not in saved else "gone" if n not in current else "changed" for n in changed}
+        what = ", ".join(f"{n} ({how})" for n, how in state.items())
+        raise ConfigError(
+            f"checkpoint.resume={str(resume)!r}: the model files under policy.model.path="
+            f"{str(cfg.policy.model.get('path'))!r} differ from those the checkpoint's run started from: {what}; "
+            "resume with the model it was trained from, or start a new run (logging.overwrite=true or another "
+            "logging.output_dir)"
+        )

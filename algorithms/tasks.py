@@ -218,8 +218,9 @@ def load_dataset(path: str | os.PathLike[str], *, prompt_key: str, answer_key: s
     as its text, e.g. ``19`` -> ``"19"``); other keys are ignored. ``uid`` is the record's index;
     ``source`` is where it came from (``file:line`` for JSONL, 1-based; ``file row i`` for Parquet,
     0-based). Raises ``ValueError`` naming the file, the line or row and the key for invalid JSON,
-    a missing key or a value of the wrong type, and for a file without records; ``ImportError``
-    naming ``pyarrow`` when a Parquet file is given and the package is missing.
+    a missing key (listing the keys the row has), a null or a value of the wrong type, and for a
+    file without records; ``ImportError`` naming ``pyarrow`` and how to install it when a Parquet
+    file is given and the package is missing.
     """
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
@@ -257,7 +258,10 @@ def _parquet_rows(path: str | os.PathLike[str], keys: Sequence[str]) -> Iterator
     try:
         import pyarrow.parquet as pq  # optional: only Parquet datasets need it
     except ImportError as e:
-        raise ImportError(f"{path}: reading a Parquet dataset needs the pyarrow package (pip install pyarrow)") from e
+        raise ImportError(
+            f"{path}: reading a Parquet dataset needs the pyarrow package (in the train extra: "
+            "pip install -e '.[train]', or pip install pyarrow)"
+        ) from e
     names = pq.read_schema(path).names
     for key in keys:
         if key not in names:
@@ -268,8 +272,10 @@ def _parquet_rows(path: str | os.PathLike[str], keys: Sequence[str]) -> Iterator
 
 
 def _value(row: Mapping[str, Any], key: str, where: str, types: tuple[type, ...], what: str) -> Any:
-    if key not in row or row[key] is None:
-        raise ValueError(f"{where}: missing key {key!r}")
+    if key not in row:
+        raise ValueError(f"{where}: missing key {key!r} (the row has keys {sorted(row)})")
+    if row[key] is None:
+        raise ValueError(f"{where}: missing key {key!r} (its value is null)")
     value = row[key]
     if not isinstance(value, types) or isinstance(value, bool):  # a bool is an int to Python, not an answer
         raise ValueError(f"{where}: key {key!r} must be {what}, got {type(value).__name__}")

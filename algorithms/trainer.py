@@ -14,7 +14,11 @@ Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up fa
 worker's error is printed with its traceback), 2 when the run's inputs fail their checks before
 Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 130 on
 Ctrl-C. In every case the store is emptied, the store and the workers are shut down, and the Ray
-cluster the run started is stopped.
+cluster the run started is stopped, every process of it, also when the start-up was cut short.
+
+Size: one run's lifecycle, each step of which reads and sets the same state (cluster, store,
+workers, logger, summary) in an order the shutdown mirrors; the workers' launch and group set-up
+(``_launch_workers``, ``_connect_workers``) are the part to move out if it grows further.
 """
 
 from __future__ import annotations
@@ -34,15 +38,24 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.cluster import start_ray, worker_env
+from algorithms.cluster import RunCluster, worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
-from algorithms.metrics import MetricsLogger
+from algorithms.metrics import MetricsLogger, StartupProgress
+from algorithms.models import model_files_digest
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.rollouts import keys_outside_groups
-from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
+from algorithms.run_dir import (
+    MODEL_FILES,
+    RunPlan,
+    checkpoint_root,
+    plan_run_dir,
+    plot_title,
+    remove_results,
+    write_outputs,
+)
 from algorithms.step import StepResult, Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
@@ -73,16 +86,19 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.logging.output_dir)
         self.tokenizer_record: dict[str, Any] | None = None  # the run's tokenizer, recorded in checkpoints
+        self.model_files: dict[str, str] | None = None  # the model files' digest, recorded in checkpoints
         self.workers: Workers | None = None
         self.actors: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.transport: Transport = make_transport(cfg)
         self._transport_started = False
-        self._ray_started = False
+        self.cluster: RunCluster | None = None  # the Ray cluster this run attached to or started
+        self._workers_up = False  # every worker answered: they can shut down cleanly
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled, "transport": self.transport.label()}
         self.plan: RunPlan | None = None
         self._datasets: tuple[list[Any], list[Any]] = ([], [])
+        self._startup = StartupProgress([], name=self.name, enabled=False)  # run() shows the real one
 
     def prepare(self) -> RunPlan:
         """Check the output directory and the checkpoint to resume from (:mod:`algorithms.run_dir`),
@@ -96,6 +112,7 @@ class Trainer:
             if plan.resume is not None:  # the tokenizer the checkpoint was trained with
                 check_tokenizer_record(saved_tokenizer(plan.resume), tok, str(plan.resume))
             self.tokenizer_record = tokenizer_record(tok)
+            self.model_files = model_files_digest(self.cfg.policy.model)
             self._datasets = (train, val)
             self.plan = plan
         return self.plan
@@ -104,7 +121,8 @@ class Trainer:
     def _start_ray(self) -> None:
         if not ray.is_initialized():
             cfg = self.cfg
-            self._ray_started = start_ray(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
+            self.cluster = RunCluster(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
+            self.cluster.start()
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
         """Create the worker actors without waiting for them (their processes start and import
@@ -117,7 +135,7 @@ class Trainer:
         self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
         # A cluster this run started has worker_env in every process already (start_ray): no
         # runtime_env, so the actors take Ray's prestarted workers.
-        env_vars = {} if self._ray_started else worker_env(cfg)
+        env_vars = {} if self.cluster is not None and self.cluster.owned else worker_env(cfg)
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         gpu_vars = env_vars
         if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
@@ -183,6 +201,8 @@ class Trainer:
             + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
         )
         ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up", names)
+        self._workers_up = True
+        self._startup.phase("groups", "train, store attach, refit")
         self.policy_params = int(ready[0]["params"])
         nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement", names)
         self.summary["worker_nodes"] = dict(zip(names, nodes))
@@ -264,7 +284,8 @@ class Trainer:
             self.cfg.trainer.step_timeout_s,
             "checkpoint",
         )
-        save_driver_state(d, step_done, self._driver_state(), self.cfg.to_dict(), tokenizer=self.tokenizer_record)
+        state = {**self._driver_state(), MODEL_FILES: self.model_files}
+        save_driver_state(d, step_done, state, self.cfg.to_dict(), tokenizer=self.tokenizer_record)
         mark_complete(d, step_done, root=root, keep=self.cfg.checkpoint.keep)
         if self.cfg.checkpoint.export_hf:
             self._export_hf(d.name)
@@ -293,6 +314,9 @@ class Trainer:
         random.seed(cfg.trainer.seed)
         torch.set_num_threads(cfg.trainer.num_threads)
         summary = self.summary
+        store = self.transport.startup_phase
+        shown = ["Ray", *([store] if store else []), "workers", "groups", *(["checkpoint"] if resume else []), "refit"]
+        startup = self._startup = StartupProgress(shown, name=self.name, enabled=cfg.logging.progress)
         try:
             train, val = self._datasets
             self._init_data(train)
@@ -302,12 +326,16 @@ class Trainer:
                 summary["resumed_from"] = str(resume)
                 print(f"{self.name}: resuming from step {start} ({resume})", file=sys.stderr, flush=True)
             marks = [time.perf_counter()]
+            startup.phase("Ray")
             self._start_ray()
             marks.append(time.perf_counter())
             self._transport_started = True  # from here on shutdown empties and closes it
+            if store:
+                startup.phase(store)
             self.transport.start()
             marks.append(time.perf_counter())
             self._launch_workers(self.num_collectors(cfg))
+            startup.phase("workers", f"{len(self.actors)} processes")
             self._connect_workers()
             marks.append(time.perf_counter())
             # The store comes up first, then the workers: a store that cannot start fails the run
@@ -318,6 +346,7 @@ class Trainer:
             summary["startup_s"] = {**phases, "data_plane_detail": detail} if detail else phases
             assert self.workers is not None
             if resume is not None:
+                startup.phase("checkpoint", str(resume))
                 notes = gather(
                     [w.load_checkpoint.remote(str(resume)) for w in self.workers.policy],
                     cfg.trainer.startup_timeout_s,
@@ -327,7 +356,9 @@ class Trainer:
                     print(f"{self.name}: {note}", file=sys.stderr, flush=True)
                     summary.setdefault("resume_notes", []).append(note)
                 self.transport.clear_all()  # rollouts of the interrupted run are regenerated
+            startup.phase("refit")
             refit(cfg, self.workers, start)  # the generator starts from exactly the policy's weights
+            startup.close(done=True)
             summary["policy_params"] = self.policy_params
             summary["prompts"] = {"train": len(train), "val": len(val)}
             self.logger = MetricsLogger.for_run(self.out, cfg, start_step=start, policy_params=self.policy_params)
@@ -351,6 +382,7 @@ class Trainer:
             print(f"{self.name}: error: {e}", file=sys.stderr)
             summary["error"] = str(e)
         finally:
+            startup.close(done=False)
             self._shutdown()
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
@@ -367,7 +399,9 @@ class Trainer:
             driver_data_plane_modules=data_plane_modules_loaded(sys.modules),
         )
         title = plot_title(cfg, self.name, self.transport.name) if cfg.logging.plot else None
-        write_outputs(self.out, rows, summary, name=self.name, wall_s=wall, idle=idle, title=title)
+        # A resume that logged no step of its own leaves the resumed run's summary.json as it was.
+        keep = resume is not None and not any(int(r.get("step", -1)) >= plan.start_step for r in rows)
+        write_outputs(self.out, rows, summary, name=self.name, wall_s=wall, idle=idle, title=title, keep_summary=keep)
         return code
 
     @classmethod
@@ -440,7 +474,10 @@ class Trainer:
                 signal.signal(signal.SIGINT, previous)
 
     def _shutdown_parts(self) -> None:
-        if self.workers is not None and ray.is_initialized():
+        # Workers that never answered (interrupted or failed start-up) have no groups to leave: their
+        # clean-shutdown calls would only wait out their bounds behind the start-up. They are killed.
+        graceful = self._workers_up
+        if self.workers is not None and ray.is_initialized() and graceful:
             # Producers stop first, so nothing is written after the store is emptied.
             try:
                 ray.wait(
@@ -467,6 +504,7 @@ class Trainer:
             # them until it timed out), so their shutdown calls below return at once.
             self.workers.dispatch.close(timeout_s=10.0)
             self.summary["dispatch"] = self.workers.dispatch.report()
+        if self.workers is not None and ray.is_initialized() and graceful:
             # Let workers tear down their process groups and detach from the store before they
             # are killed (an NCCL communicator left half-open can hold the GPU); bounded, since
             # a wedged worker is killed below either way.
@@ -494,5 +532,6 @@ class Trainer:
                 except Exception:  # noqa: BLE001 - already dead
                     pass
             self.actors = []
-            if self._ray_started:
-                ray.shutdown()
+        self.workers = None
+        if self.cluster is not None:
+            self.cluster.stop()  # a local cluster's every process, however far its start got

@@ -236,7 +236,9 @@ def _default_packing() -> PackingConfig:
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    """The ``data_plane`` section. Build from YAML/dicts with :meth:`from_dict`."""
+    """The ``data_plane`` section: whether batches move through a store, which one, and how.
+
+    Build from YAML/dicts with :meth:`from_dict`."""
 
     enabled: bool = False
     backend: str = "transfer_queue"

@@ -148,6 +148,8 @@ class Transport(ABC):
     """
 
     name: ClassVar[str]
+    # What :meth:`start` brings up, as the start-up display names it (None: nothing to wait for).
+    startup_phase: ClassVar[str | None] = None
 
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg

@@ -70,6 +70,7 @@ class DataPlaneTransport(Transport):
     """The driver's side: owns the store (brought up by :meth:`start`, emptied and closed at the end)."""
 
     name = "data_plane"
+    startup_phase = "store"
 
     def __init__(self, cfg: TrainerConfig) -> None:
         super().__init__(cfg)

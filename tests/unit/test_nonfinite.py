@@ -116,6 +116,38 @@ def test_a_nan_reward_is_a_non_finite_error_naming_the_prompt_and_group() -> Non
     assert isinstance(e.value, RewardError) and isinstance(e.value, NemoDataplaneError)
 
 
+def _nan_reward(record: PromptRecord, text: str) -> float:
+    return float("nan")
+
+
+def _score_in_a_worker(record: PromptRecord) -> float:
+    """As the collector scores a response: in a Ray worker, through the check."""
+    return checked_reward(_nan_reward, record, "19", name="nan_reward", group=2)
+
+
+def test_a_workers_non_finite_reward_prints_whole_from_the_worker_frame_on(ray_session: Any) -> None:
+    """Ray returns the worker's exception without its traceback; the step's error is chained to
+    the worker's own traceback, so the printed error starts where the reward was checked."""
+    import traceback
+
+    from algorithms.remote import StepError, WorkerTraceback
+
+    rec = PromptRecord(uid=3, prompt="What is 12 + 7?", answer="19")
+    ref = ray_session.remote(num_cpus=0)(_score_in_a_worker).remote(rec)
+    with pytest.raises(StepError) as e:
+        gather([ref], 60, "step 0 collect")
+    cause = e.value.__cause__
+    assert isinstance(cause, NonFiniteError) and isinstance(cause.__cause__, WorkerTraceback)
+    printed = "".join(traceback.format_exception(e.value))
+    first = printed.splitlines()[0]
+    assert first.startswith("algorithms.remote.WorkerTraceback") and "direct cause" not in first
+    worker_part = printed.split("The above exception was the direct cause")[0]
+    assert "ray::_score_in_a_worker() (pid=" in worker_part  # the worker, then its frames
+    assert 'test_nonfinite.py", line' in worker_part and 'rewards.py", line' in worker_part
+    assert "raise NonFiniteReward" in worker_part and "\x1b[" not in worker_part
+    assert printed.rstrip().endswith("of group 2; it must be finite")
+
+
 @pytest.fixture(scope="module")
 def worker():
     cfg = load_config(CONFIG, ["data_plane.enabled=false", "grpo.epochs=1", "data_plane.packing.micro_batch_size=2"])

@@ -6,14 +6,18 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from algorithms.rewards import (
+    _PLAIN_NUMBER,
     BUILTIN_REWARDS,
     RewardError,
     checked_reward,
     exact_match_score,
     math_score,
     resolve_reward_fn,
+    unparsable_references,
 )
 from algorithms.tasks import PromptRecord
 
@@ -39,6 +43,32 @@ def test_math_reward_compares_the_final_answer_symbolically(response: str, score
 def test_math_reward_refuses_a_reference_it_cannot_parse() -> None:
     with pytest.raises(ValueError, match="cannot parse the reference answer 'nineteen'"):
         math_score("nineteen", "19")
+
+
+def test_every_reference_answer_the_math_reward_cannot_parse_is_found() -> None:
+    answers = ["19", "nineteen", "19", "\\frac{1}{2}", "x^2+1", "$x^2+1$", "1,000", "-3.5", " 7 ", "nineteen"]
+    math = resolve_reward_fn("math", "digit_map")
+    assert unparsable_references(math, answers) == [1, 4, 9]
+    for i in (1, 4):  # what the check refuses, the reward raises on when such a prompt is drawn
+        with pytest.raises(ValueError, match="cannot parse the reference answer"):
+            math_score(answers[i], "19")
+    for i in (0, 3, 5, 6, 7, 8):
+        assert math_score(answers[i], f"the answer is {answers[i].strip()}") == 1.0
+    # by task name too; no other reward has references it cannot score
+    assert unparsable_references(resolve_reward_fn(None, "math"), ["nineteen"]) == [0]
+    assert unparsable_references(resolve_reward_fn("exact_match", "digit_map"), answers) == []
+    assert unparsable_references(resolve_reward_fn(None, "digit_map"), answers) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.from_regex(_PLAIN_NUMBER, fullmatch=True), st.sampled_from(["", " ", "\n"]))
+def test_every_plain_number_the_check_does_not_parse_is_one_math_verify_parses(number: str, pad: str) -> None:
+    """The check skips math-verify for plain numbers: each one must be an answer it parses."""
+    import math_verify
+
+    assert math_verify.parse(pad + number + pad, parsing_timeout=5), number
+    # Other scripts' digits and leading zeros go through the parse ("-01" does not parse).
+    assert not any(_PLAIN_NUMBER.fullmatch(s) for s in ("\u0661\u0662", "-01", "007"))
 
 
 def test_math_reward_works_off_the_main_thread() -> None:

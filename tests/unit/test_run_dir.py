@@ -4,6 +4,7 @@ the CLI reports both as one-line config errors (exit 2); the end-of-run line and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ from algorithms.cli import main
 from algorithms.config import ConfigError, TrainerConfig, load_config
 from algorithms.grpo_sync import SyncTrainer
 from algorithms.metrics import metrics_figure
+from algorithms.models import model_files_digest
 from algorithms.run_dir import (
+    FAILED_RESUME_SUMMARY,
     FREE_ON_RESUME,
+    MODEL_FILES,
     SAFE_ON_RESUME,
     checkpoint_root,
     config_changes,
@@ -233,6 +237,111 @@ def _flat_keys(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
+# ----------------------------------------------------------------------------- resume: the model's files
+def _model_dir(root: Path, tensor_bytes: int = 1024) -> Path:
+    """A Hugging Face model directory as far as the resume reads it: config.json and one
+    safetensors file (header + data)."""
+    import struct
+
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llama", "vocab_size": 64, "max_position_embeddings": 64}')
+    header = json.dumps({"w": {"dtype": "F32", "shape": [tensor_bytes // 4], "data_offsets": [0, tensor_bytes]}})
+    data = struct.pack("<Q", len(header)) + header.encode() + bytes(range(256)) * (tensor_bytes // 256)
+    (root / "model.safetensors").write_bytes(data)
+    return root
+
+
+def test_a_resume_whose_model_was_rewritten_in_place_is_refused_naming_the_path_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The driver state holds the digest of the model files the run started from; a resume whose
+    files differ stops before Ray starts (exit 2), leaving the run's summary.json as it was."""
+    import ray
+
+    model = _model_dir(tmp_path / "model")
+    base = ("policy.model.hf_config=null", f"policy.model.path={model}")
+    old = _cfg(tmp_path / "run", *base)
+    root = checkpoint_root(old)
+    d = step_dir(root, 2)
+    d.mkdir(parents=True)
+    save_driver_state(d, 2, {MODEL_FILES: model_files_digest(old.policy.model)}, old.to_dict())
+    mark_complete(d, 2, root=root, keep=0)
+    resume = _cfg(tmp_path / "run", *base, "checkpoint.resume=latest")
+    assert plan_run_dir(resume).start_step == 2
+
+    weights = model / "model.safetensors"
+    saved = weights.read_bytes()
+    weights.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))  # the same size, one weight byte flipped
+    with pytest.raises(ConfigError) as e:
+        plan_run_dir(resume)
+    msg = _one_line(e)
+    assert f"the model files under policy.model.path={str(model)!r} differ" in msg
+    assert "model.safetensors (changed)" in msg and "config.json" not in msg
+    (model / "model-00002.safetensors").write_bytes(b"x")
+    (model / "config.json").write_text((model / "config.json").read_text().replace("}", ', "x": 1}', 1))
+    with pytest.raises(ConfigError, match=r"config\.json \(changed\), model-00002\.safetensors \(new\)"):
+        plan_run_dir(resume)
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ray.init called before the resume was checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    (tmp_path / "run" / "summary.json").write_text('{"status": "finished", "steps": 2}')
+    argv = ["--config", str(YAML), "data_plane.enabled=false", *base, f"logging.output_dir={tmp_path / 'run'}"]
+    assert _sync_main([*argv, "checkpoint.resume=latest"]) == 2
+    assert "policy.model.path" in capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.json").read_text() == '{"status": "finished", "steps": 2}'
+    # a checkpoint written before the digest was recorded is not checked
+    save_driver_state(d, 2, {}, old.to_dict())
+    assert plan_run_dir(resume).start_step == 2
+
+
+def test_a_large_weights_file_is_digested_from_its_header_and_sampled_blocks(tmp_path: Path) -> None:
+    """Above 4 MiB: the whole safetensors header, 64 blocks of 64 KiB spread over the file and its
+    last block; a byte between the blocks is not read (the documented limit)."""
+    import struct
+
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2 << 20], "data_offsets": [0, 8 << 20]}}).encode()
+    data = bytearray(struct.pack("<Q", len(header)) + header + bytes(8 << 20))
+    size = len(data)
+    weights = root / "model.safetensors"
+
+    def digest_after(offset: int) -> str:
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        weights.write_bytes(changed)
+        return model_files_digest({"path": str(root)})["model.safetensors"]
+
+    weights.write_bytes(data)
+    first = model_files_digest({"path": str(root)})
+    assert set(first) == {"config.json", "model.safetensors"} and first["model.safetensors"].startswith(f"{size}:")
+    block = size * 17 // 64
+    for offset in (10, (1 << 20) - 1, block, block + (1 << 16) - 1, size - 1):  # header, head, a block, the tail
+        assert digest_after(offset) != first["model.safetensors"], offset
+    assert digest_after(block + (1 << 16) + 10) == first["model.safetensors"]
+    assert model_files_digest({"arch": "llama", "hf_config": {}}) is None
+
+
+def test_a_resume_that_logged_no_step_keeps_the_resumed_runs_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    previous = '{"status": "finished", "steps": 4}'
+    (tmp_path / "summary.json").write_text(previous)
+    failed = {"status": "failed", "exit_code": 1, "error": "step 4 collect: boom"}
+    write_outputs(tmp_path, [], failed, name="grpo_sync", wall_s=3.0, idle={}, title=None, keep_summary=True)
+    assert (tmp_path / "summary.json").read_text() == previous
+    assert json.loads((tmp_path / FAILED_RESUME_SUMMARY).read_text())["error"] == "step 4 collect: boom"
+    out = capsys.readouterr()
+    assert str(tmp_path / FAILED_RESUME_SUMMARY) in out.out and "summary.json is still the resumed run's" in out.err
+    # nothing to keep: the summary goes where it always does
+    (tmp_path / "summary.json").unlink()
+    write_outputs(tmp_path, [], failed, name="grpo_sync", wall_s=3.0, idle={}, title=None, keep_summary=True)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
 # ----------------------------------------------------------------------------- the CLI
 def test_the_cli_reports_a_resume_error_as_one_line_and_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -251,6 +360,18 @@ def test_the_cli_refuses_a_taken_output_dir_with_exit_2(tmp_path: Path, capsys: 
     assert _sync_main(["--config", str(YAML), f"logging.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "summary.json" in err and "logging.overwrite" in err
+
+
+def test_a_ctrl_c_while_the_inputs_are_checked_exits_130_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(self: SyncTrainer) -> None:  # e.g. parsing a large dataset's reference answers
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SyncTrainer, "prepare", interrupted)
+    assert _sync_main(["--config", str(YAML), f"logging.output_dir={tmp_path / 'run'}"]) == 130
+    assert capsys.readouterr().err.strip() == "grpo_sync: interrupted before the run started"
+    assert not (tmp_path / "run").exists()
 
 
 def test_help_points_to_the_config_reference(capsys: pytest.CaptureFixture[str]) -> None:

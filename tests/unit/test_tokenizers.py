@@ -3,6 +3,7 @@ checkpoint built at test time (``make_real_model`` / ``real_model`` in tests/con
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,99 @@ def test_unknown_reward_and_dataset_format_are_config_errors(tmp_path: Path) -> 
     cfg = config(None, "task.reward_fn=no_such_module_xyz:f")
     with pytest.raises(ConfigError, match=r"task\.reward_fn='no_such_module_xyz:f': .*cannot import"):
         check_run_inputs(cfg, [PromptRecord("1=", "1", 0)], [])
+
+
+def _jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_math_reference_it_cannot_parse_is_refused_before_start_naming_file_and_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found before Ray starts (exit 2, one line), not at the step that first draws the prompt."""
+    import ray
+
+    from algorithms.cli import main
+    from algorithms.grpo_sync import SyncTrainer
+
+    rows = [{"q": f"{i}=", "a": str(i)} for i in range(9)]
+    rows[2]["a"], rows[6]["a"] = "nineteen", "x^2+1"
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    val = _jsonl(tmp_path / "val.jsonl", [{"q": "1=", "a": "one"}, {"q": "2=", "a": "2"}])
+    keys = [f"task.dataset={train}", "task.prompt_key=q", "task.answer_key=a", "task.reward_fn=math"]
+    cfg = config(None, *keys, f"task.val_dataset={val}")
+    with pytest.raises(ConfigError) as e:
+        check_run_inputs(cfg, *load_datasets(cfg))
+    msg = str(e.value)
+    assert msg.startswith("task.reward_fn='math': the math verifier cannot parse the reference answer")
+    assert "task.answer_key='a'" in msg and "of 3 record(s)" in msg
+    assert f"{train}:3 ('nineteen'), {train}:7 ('x^2+1'), {val}:1 ('one')" in msg
+    good = _jsonl(tmp_path / "good.jsonl", [{"q": "1=", "a": "$x^2+1$"}, {"q": "2=", "a": "1,000"}])
+    fixed = config(None, *keys[1:], f"task.dataset={good}")
+    check_run_inputs(fixed, *load_datasets(fixed))
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ray.init called before the inputs were checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    out = tmp_path / "run"
+    argv = ["--config", str(TINY), *keys, f"task.val_dataset={val}", f"logging.output_dir={out}"]
+    assert main(SyncTrainer, argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nineteen" in err and not out.exists()
+
+
+def test_max_new_tokens_past_the_models_context_is_refused_naming_both(real_model: Path, tmp_path: Path) -> None:
+    # grpo_tiny's model: max_position_embeddings 64; its prompts ("4=") are <bos> + 2 tokens
+    cfg = config(None, "generation.max_new_tokens=62")
+    with pytest.raises(ConfigError) as e:
+        check_run_inputs(cfg, *load_datasets(cfg))
+    assert str(e.value).startswith(
+        "generation.max_new_tokens=62 plus the longest prompt (3 tokens, uid "
+    ) and "exceeds the model's policy.model.hf_config.max_position_embeddings=64" in str(e.value)
+    ok = config(None, "generation.max_new_tokens=61")
+    check_run_inputs(ok, *load_datasets(ok))
+    # a checkpoint's config.json (max_position_embeddings 256), the longest of a dataset's prompts
+    problems = _jsonl(
+        tmp_path / "p.jsonl", [{"question": "What is 1 + 2?", "gold": 3}, {"question": QUESTION * 4, "gold": 19}]
+    )
+    keys = (f"task.dataset={problems}", "task.prompt_key=question", "task.answer_key=gold", "task.val_size=0")
+    tok = HFTokenizer(real_model)
+    longest = len(tok.encode_prompt(QUESTION * 4))
+    cfg = config(real_model, *keys, f"generation.max_new_tokens={257 - longest}")
+    limit = r"max_position_embeddings=256 in .*config\.json"
+    with pytest.raises(ConfigError, match=rf"\({longest} tokens, .*p\.jsonl:2\) exceeds the model's {limit}"):
+        check_run_inputs(cfg, *load_datasets(cfg))
+    fits = config(real_model, *keys, f"generation.max_new_tokens={256 - longest}")
+    check_run_inputs(fits, *load_datasets(fits))
+
+
+def test_a_missing_prompt_key_names_the_training_file_first_and_the_keys_the_row_has(tmp_path: Path) -> None:
+    rows = [{"question": "1=", "answer": "1"}]
+    train, val = _jsonl(tmp_path / "train.jsonl", rows), _jsonl(tmp_path / "val.jsonl", rows)
+    cfg = config(None, f"task.dataset={train}", f"task.val_dataset={val}")
+    with pytest.raises(ConfigError) as e:
+        load_datasets(cfg)
+    assert str(e.value).startswith(f"task.dataset={str(train)!r}")
+    assert f"{train}:1: missing key 'prompt' (the row has keys ['answer', 'question'])" in str(e.value)
+
+
+def test_a_reward_module_the_workers_cannot_import_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector's import path is the driver's cwd and sys.path without its first entry (the
+    directory of the script the driver runs): a module found only there is refused."""
+    import sys
+
+    for name in ("script_dir_reward", "path_reward"):
+        (tmp_path / f"{name}.py").write_text("def score(record, text):\n    return 1.0\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))  # sys.path[0], as for `python script.py` in tmp_path
+    cfg = config(None, "task.reward_fn=script_dir_reward:score")
+    with pytest.raises(ConfigError) as e:
+        check_run_inputs(cfg, [PromptRecord("1=", "1", 0)], [])
+    assert str(e.value).startswith(
+        f"task.reward_fn='script_dir_reward:score': module 'script_dir_reward' was imported from {tmp_path}"
+    )
+    assert "outside the workers' import path" in str(e.value)
+    sys.path.insert(1, sys.path.pop(0))  # on PYTHONPATH: the workers see it
+    check_run_inputs(config(None, "task.reward_fn=path_reward:score"), [PromptRecord("1=", "1", 0)], [])

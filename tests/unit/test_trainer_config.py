@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -492,3 +493,95 @@ def test_sections_built_directly_refuse_non_finite_bounds_naming_the_field(value
             make()
     with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
         SamplingSpec(max_new_tokens=4, temperature=float("nan"))
+
+
+# ----------------------------------------------------------------------------- the reference
+def _cells(cell: str) -> list[str]:
+    """A default cell's comma-separated entries (commas inside brackets stay)."""
+    out, depth, cur = [], 0, ""
+    for ch in cell:
+        depth += ch in "[{" and 1 or (-1 if ch in "]}" else 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+def _table(doc: Path, heading: str) -> dict[str, str]:
+    """``{dotted key: its default as written}`` of the table under ``heading`` (a row's further
+    keys are relative to its first key's section: `policy.lr`, `weight_decay`)."""
+    text = doc.read_text().split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        key_cell, default_cell = line.split(" | ")[0][2:], line.split(" | ")[1]
+        keys, prefix = [], ""
+        for item in re.findall(r"`([^`]+)`", key_cell):
+            if "." in item:
+                prefix = item.rsplit(".", 1)[0]
+                keys.append(item)
+            else:
+                keys.append(f"{prefix}.{item}")
+        defaults = _cells(default_cell)
+        rows.update(zip(keys, defaults + [""] * (len(keys) - len(defaults))))
+    return rows
+
+
+def _written(value: object) -> str:
+    """A default as the tables write it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_written(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_written(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for k, v in d.items():
+        nested = isinstance(v, dict) and v and k != "model"
+        out += _flat(v, f"{prefix}{k}.") if nested else [(f"{prefix}{k}", v)]
+    return out
+
+
+def test_every_config_key_is_in_the_docs_table_with_its_default() -> None:
+    """docs/grpo_sync.md "Config keys" lists every key with the default it takes when left out
+    (the async section: docs/grpo_async.md); a key added without a row fails here."""
+    async_table = _table(REPO / "docs" / "grpo_async.md", "Config (`async` section)")
+    table = {
+        **_table(REPO / "docs" / "grpo_sync.md", "Config keys"),
+        **{k: v for k, v in async_table.items() if k.startswith("async.")},
+    }
+    missing, wrong = [], []
+    for key, value in _flat(TrainerConfig().to_dict()):
+        if key not in table:
+            missing.append(key)
+        elif key != "policy.model" and table[key].strip("`") != _written(value):
+            wrong.append((key, table[key], _written(value)))
+    assert missing == [] and wrong == []
+    assert table["policy.model"] == "required"
+
+
+def test_help_names_where_keys_are_documented_and_each_section_in_a_whole_sentence(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from algorithms.cli import CONFIG_REFERENCE, main
+    from algorithms.grpo_sync import SyncTrainer
+
+    with pytest.raises(SystemExit):
+        main(SyncTrainer, ["--help"])
+    out = capsys.readouterr().out
+    assert CONFIG_REFERENCE in out
+    for doc, heading in re.findall(r'(docs/\S+\.md) "([^"]+)"', CONFIG_REFERENCE):
+        assert f"\n## {heading}" in (REPO / doc).read_text(), (doc, heading)
+    sections = out.split(CONFIG_REFERENCE, 1)[1].strip().splitlines()
+    assert [line.split()[0] for line in sections] == [k for k in TrainerConfig().to_dict()]
+    for line in sections:
+        assert line.rstrip().endswith((".", ")")) and "``" not in line and ":mod:" not in line, line

@@ -18,7 +18,7 @@ from algorithms.checkpoint import (
     save_driver_state,
     step_dir,
 )
-from algorithms.metrics import STEP_KEYS, MetricsLogger, payload_bytes, plot_metrics, summary_line
+from algorithms.metrics import STEP_KEYS, MetricsLogger, StartupProgress, payload_bytes, plot_metrics, summary_line
 from algorithms.rollout_buffer import PromptLedger
 from algorithms.tasks import PromptIterator, make_task_dataset
 from nemo_dataplane.meta import KVBatchMeta
@@ -126,3 +126,28 @@ def test_a_checkpoint_holding_an_arbitrary_object_is_refused_unexecuted(tmp_path
     with pytest.raises(pickle.UnpicklingError, match="driver.pt"):
         load_driver_state(tmp_path)
     assert not marker.exists(), "the payload ran"
+
+
+def test_the_start_up_shows_each_phase_as_it_begins_and_where_it_was_cut_short() -> None:
+    import io
+
+    phases = ["Ray", "store", "workers", "groups", "refit"]
+    out = io.StringIO()
+    shown = StartupProgress(phases, name="grpo_sync", enabled=True, stream=out)
+    shown.phase("Ray")
+    assert "grpo_sync start-up: 0/5 phases" in out.getvalue() and "Ray ..." in out.getvalue()
+    shown.phase("workers", "4 processes")
+    assert out.getvalue().rstrip("\r\n").split("\r")[-1].startswith("grpo_sync start-up: 2/5 phases")
+    assert "workers: 4 processes ..." in out.getvalue()
+    shown.close(done=False)  # an interrupt in the workers' start-up: the display stays where it was
+    last = out.getvalue().rstrip("\r\n").split("\r")[-1]
+    assert "2/5 phases" in last and "workers: 4 processes" in last
+    shown.close(done=True)  # idempotent
+    done = StartupProgress(phases, name="grpo_sync", enabled=True, stream=(out := io.StringIO()))
+    done.phase("refit")
+    done.close(done=True)
+    assert out.getvalue().rstrip("\r\n").split("\r")[-1].startswith("grpo_sync start-up: 5/5 phases")
+    quiet = StartupProgress(phases, name="grpo_sync", enabled=False, stream=(out := io.StringIO()))
+    quiet.phase("Ray")
+    quiet.close(done=True)
+    assert out.getvalue() == ""

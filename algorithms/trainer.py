@@ -16,9 +16,7 @@ Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad con
 Ctrl-C. In every case the store is emptied, the store and the workers are shut down, and the Ray
 cluster the run started is stopped, every process of it, also when the start-up was cut short.
 
-Size: one run's lifecycle, each step of which reads and sets the same state (cluster, store,
-workers, logger, summary) in an order the shutdown mirrors; the workers' launch and group set-up
-(``_launch_workers``, ``_connect_workers``) are the part to move out if it grows further.
+The workers' launch and the set-up of their groups are :mod:`algorithms.launch`'s.
 """
 
 from __future__ import annotations
@@ -38,14 +36,13 @@ import ray
 import torch
 
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.cluster import RunCluster, worker_env
+from algorithms.cluster import RunCluster
 from algorithms.config import TrainerConfig
-from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
+from algorithms.launch import connect, launch
 from algorithms.metrics import MetricsLogger, StartupProgress
 from algorithms.models import model_files_digest
 from algorithms.remote import gather
-from algorithms.replicas import ReplicaDispatch
 from algorithms.rollouts import keys_outside_groups
 from algorithms.run_dir import (
     MODEL_FILES,
@@ -59,18 +56,9 @@ from algorithms.run_dir import (
 from algorithms.step import StepResult, Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
 from algorithms.transports import DATA_PLANE_MODULES, Transport, data_plane_modules_loaded, make_transport
-from algorithms.workers.collector import RolloutCollector
-from algorithms.workers.generator import GeneratorWorker
-from algorithms.workers.gpus import ALL_GPUS_ENV
-from algorithms.workers.policy import PolicyWorker
 from nemo_dataplane.distributed.auth import SECRET_ENV, new_job_secret
 
 __all__ = ["DATA_PLANE_MODULES", "Trainer", "checkpoint_root", "data_plane_modules_loaded"]
-
-
-def _node_id(actor: Any) -> str:
-    """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
-    return ray.get_runtime_context().get_node_id()
 
 
 class Trainer:
@@ -125,127 +113,28 @@ class Trainer:
             self.cluster.start()
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
-        """Create the worker actors without waiting for them (their processes start and import
-        torch side by side); :meth:`_connect_workers` waits for them."""
-        cfg = self.cfg
-        cpus = cfg.ray.worker_num_cpus
+        """Create the worker actors without waiting for them (:func:`algorithms.launch.launch`);
+        :meth:`_connect_workers` waits for them."""
         # The job secret that authenticates rendezvous-store records reaches the workers as an
         # argument of the calls that form the groups: in memory, never through a store nor the
         # runtime_env (Ray logs that to a file). docs/reliability.md, "Trust boundary".
         self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
-        # A cluster this run started has worker_env in every process already (start_ray): no
-        # runtime_env, so the actors take Ray's prestarted workers.
-        env_vars = {} if self.cluster is not None and self.cluster.owned else worker_env(cfg)
-        ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
-        gpu_vars = env_vars
-        if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
-            # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
-            gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
-        env = {"env_vars": env_vars} if env_vars else None
-        gpu_env = {"env_vars": gpu_vars} if gpu_vars else None
-        policy_cls = ray.remote(PolicyWorker)
-        policy = [
-            policy_cls.options(
-                num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env, name=None
-            ).remote(r, ranks, cfg)
-            for r in range(ranks)
-        ]
-        # One generator per collector (its own GPU, a GPU fraction, or CPU); every one receives
-        # every refit.
-        generators = [
-            ray.remote(GeneratorWorker)
-            .options(
-                num_cpus=cpus,
-                num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
-                runtime_env=gpu_env,
-                # A refit must reach a generator that generates (partial) or waits for a version.
-                max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
-            )
-            .remote(cfg)
-            for _ in range(num_collectors)
-        ]
-        # Several concurrent calls: submit/poll/take while the producer thread generates.
-        collectors = [
-            ray.remote(RolloutCollector)
-            .options(num_cpus=0, runtime_env=env, max_concurrency=4)
-            .remote(cfg, generators[i], i)
-            for i in range(num_collectors)
-        ]
-        self.actors = [*policy, *generators, *collectors]
-        dispatch: Any = make_dispatcher(
-            cfg.trainer.dispatch,
-            policy,
-            fail_compile=cfg.debug.fail_dispatch_compile,
-            idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s,
-        )
-        tp = cfg.policy.tensor_parallel_size
-        if tp > 1:
-            dispatch = ReplicaDispatch(dispatch, tp)
-        # The refit's senders: rank 0 (packed, whole weights) or the first replica's TP ranks.
-        senders = policy[: cfg.refit_senders]
-        self.workers = Workers(
-            policy=policy, generators=generators, collectors=collectors, dispatch=dispatch, refit_senders=senders
-        )
+        owned = self.cluster is not None and self.cluster.owned
+        self.workers, self.actors = launch(self.cfg, num_collectors, owned_cluster=owned)
 
     def _connect_workers(self) -> None:
-        """Wait for the launched workers, then form the train group, attach the store and form the
-        refit group (each bounded by ``trainer.startup_timeout_s``, naming the phase that failed)."""
-        cfg = self.cfg
+        """Wait for the workers, form their groups, attach the transport
+        (:func:`algorithms.launch.connect`); the summary records where they run."""
         assert self.workers is not None
-        policy, generators, collectors = self.workers.policy, self.workers.generators, self.workers.collectors
-        ranks = len(policy)  # dp * tp
-        timeout = cfg.trainer.startup_timeout_s
-        names = (
-            [f"policy{r}" for r in range(ranks)]
-            + [f"generator{i}" if i else "generator" for i in range(len(generators))]
-            + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
-        )
-        ready = gather([a.ready.remote() for a in self.actors], timeout, "worker start-up", names)
-        self._workers_up = True
-        self._startup.phase("groups", "train, store attach, refit")
-        self.policy_params = int(ready[0]["params"])
-        nodes = gather([a.__ray_call__.remote(_node_id) for a in self.actors], timeout, "worker placement", names)
-        self.summary["worker_nodes"] = dict(zip(names, nodes))
-        self.summary["policy_layout"] = {
-            "dp": cfg.trainer.dp_size,
-            "tp": cfg.policy.tensor_parallel_size,
-            "sharding": cfg.policy.sharding,
-            "refit": cfg.refit_mode,
-        }
-        # Rendezvous addresses come from the node rank 0 runs on, ports from the process that
-        # binds them (workers may sit on other nodes; a port picked here could be taken meanwhile).
-        # Every worker on one node: the stores listen on loopback only.
-        local = len(set(nodes)) == 1
-        (train_at,) = gather(
-            [policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous"
-        )
-        gather([p.join_train_group.remote(*train_at, self._secret) for p in policy], timeout, "train group set-up")
-        io, sink = self.transport.batch_io(), self.transport.sink()
-        gather(
-            [*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)],
-            timeout,
-            f"{self.transport.name} transport attach",
-        )
-        senders = self.workers.refit_senders
-        world = len(senders) + len(generators)  # the generators are the last refit ranks
-        if cfg.refit.port:
-            host, port = cfg.refit.host, cfg.refit.port
-        else:
-            (refit_at,) = gather(
-                [policy[0].host_rendezvous.remote("refit", world, local)], timeout, "refit group rendezvous"
-            )
-            host, port = refit_at
-        gather(
-            [
-                *(s.init_refit.remote(host, port, world, self._secret) for s in senders),
-                *(
-                    g.init_refit.remote(host, port, world, len(senders) + i, self._secret)
-                    for i, g in enumerate(generators)
-                ),
-            ],
-            timeout,
-            "refit group set-up",
-        )
+
+        def ready() -> None:
+            self._workers_up = True  # every worker answered: they can shut down cleanly
+            self._startup.phase("groups", "train, store attach, refit")
+
+        placed = connect(self.cfg, self.workers, self.actors, self.transport, self._secret, on_ready=ready)
+        self.policy_params = placed.policy_params
+        self.summary["worker_nodes"] = placed.nodes
+        self.summary["policy_layout"] = placed.layout
 
     # -------------------------------------------------------------- checkpoint
     def _driver_state(self) -> dict[str, Any]:

@@ -306,8 +306,8 @@ DECISIONS = {
     ("generation", "backend"): {"algorithms/engines/generation/__init__.py", "algorithms/run_dir.py"},
     ("policy", "tokenizer"): {"algorithms/tokenizers.py"},
     ("policy", "precision"): {"algorithms/precision.py"},
-    # trainer: summary only (the config's fully_sharded answers everyone else).
-    ("policy", "sharding"): {"algorithms/engines/training/__init__.py", "algorithms/trainer.py"},
+    # launch: the summary's layout only (the config's fully_sharded answers everyone else).
+    ("policy", "sharding"): {"algorithms/engines/training/__init__.py", "algorithms/launch.py"},
     ("vllm", "quantization"): {"algorithms/refit_weights.py"},
 }
 

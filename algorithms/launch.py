@@ -1,0 +1,171 @@
+"""The run's worker actors: launched side by side, then wired together.
+
+:func:`launch` creates, without waiting for any of them (their processes start and import torch
+at the same time), ``trainer.dp_size * policy.tensor_parallel_size`` policy ranks (TP innermost,
+:mod:`algorithms.replicas`), one generator per collector and the collectors, and the per-rank
+dispatcher. :func:`connect` then waits for them, forms the train group, attaches the transport's
+sides and forms the refit group: each phase bounded by ``trainer.startup_timeout_s`` and named
+when it fails. The job secret that authenticates the groups' rendezvous records travels as an
+argument of those calls, in memory (``docs/reliability.md``, "Trust boundary").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from algorithms.cluster import worker_env
+from algorithms.config import TrainerConfig
+from algorithms.dispatch import make_dispatcher
+from algorithms.remote import gather
+from algorithms.replicas import ReplicaDispatch
+from algorithms.step import Workers
+from algorithms.transports import Transport
+from algorithms.workers.collector import RolloutCollector
+from algorithms.workers.generator import GeneratorWorker
+from algorithms.workers.gpus import ALL_GPUS_ENV
+from algorithms.workers.policy import PolicyWorker
+
+__all__ = ["Placed", "connect", "launch"]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What :func:`connect` learned: the policy's parameter count, each actor's Ray node (by
+    name), and the policy's layout (dp, tp, sharding, refit family)."""
+
+    policy_params: int
+    nodes: dict[str, str]
+    layout: dict[str, Any]
+
+
+def _node_id(actor: Any) -> str:
+    """The Ray node an actor runs on (called inside it through ``__ray_call__``)."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> tuple[Workers, list[Any]]:
+    """Create the actors; returns the run's :class:`~algorithms.step.Workers` and every actor
+    (policy ranks, generators, collectors, in that order). ``owned_cluster``: the run started
+    its cluster with the workers' environment in every process (``worker_env``), so the actors
+    need no ``runtime_env`` and take Ray's prestarted workers."""
+    cpus = cfg.ray.worker_num_cpus
+    env_vars = {} if owned_cluster else worker_env(cfg)
+    ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
+    gpu_vars = env_vars
+    if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
+        # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
+        gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
+    env = {"env_vars": env_vars} if env_vars else None
+    gpu_env = {"env_vars": gpu_vars} if gpu_vars else None
+    policy_cls = ray.remote(PolicyWorker)
+    policy = [
+        policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env, name=None).remote(
+            r, ranks, cfg
+        )
+        for r in range(ranks)
+    ]
+    # One generator per collector (its own GPU, a GPU fraction, or CPU); every one receives
+    # every refit.
+    generators = [
+        ray.remote(GeneratorWorker)
+        .options(
+            num_cpus=cpus,
+            num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
+            runtime_env=gpu_env,
+            # A refit must reach a generator that generates (partial) or waits for a version.
+            max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
+        )
+        .remote(cfg)
+        for _ in range(num_collectors)
+    ]
+    # Several concurrent calls: submit/poll/take while the producer thread generates.
+    collectors = [
+        ray.remote(RolloutCollector)
+        .options(num_cpus=0, runtime_env=env, max_concurrency=4)
+        .remote(cfg, generators[i], i)
+        for i in range(num_collectors)
+    ]
+    dispatch: Any = make_dispatcher(
+        cfg.trainer.dispatch,
+        policy,
+        fail_compile=cfg.debug.fail_dispatch_compile,
+        idle_teardown_s=cfg.trainer.dispatch_idle_teardown_s,
+    )
+    tp = cfg.policy.tensor_parallel_size
+    if tp > 1:
+        dispatch = ReplicaDispatch(dispatch, tp)
+    # The refit's senders: rank 0 (packed, whole weights), the first replica's TP ranks, or every
+    # rank of a fully sharded policy.
+    senders = policy[: cfg.refit_senders]
+    workers = Workers(
+        policy=policy, generators=generators, collectors=collectors, dispatch=dispatch, refit_senders=senders
+    )
+    return workers, [*policy, *generators, *collectors]
+
+
+def connect(
+    cfg: TrainerConfig,
+    workers: Workers,
+    actors: list[Any],
+    transport: Transport,
+    secret: str,
+    *,
+    on_ready: Callable[[], None] = lambda: None,
+) -> Placed:
+    """Wait for the launched ``actors`` (``on_ready`` is called once every one answered), then
+    form the train group, attach ``transport``'s batch I/O and sink, and form the refit group.
+
+    Raises:
+        StepError: a worker failed or a phase outlasted ``trainer.startup_timeout_s`` (named).
+    """
+    policy, generators, collectors = workers.policy, workers.generators, workers.collectors
+    ranks = len(policy)  # dp * tp
+    timeout = cfg.trainer.startup_timeout_s
+    names = (
+        [f"policy{r}" for r in range(ranks)]
+        + [f"generator{i}" if i else "generator" for i in range(len(generators))]
+        + [f"collector{i}" if i else "collector" for i in range(len(collectors))]
+    )
+    ready = gather([a.ready.remote() for a in actors], timeout, "worker start-up", names)
+    on_ready()
+    nodes = gather([a.__ray_call__.remote(_node_id) for a in actors], timeout, "worker placement", names)
+    # Rendezvous addresses come from the node rank 0 runs on, ports from the process that binds
+    # them (workers may sit on other nodes; a port picked here could be taken meanwhile). Every
+    # worker on one node: the stores listen on loopback only.
+    local = len(set(nodes)) == 1
+    (train_at,) = gather([policy[0].host_rendezvous.remote("train", ranks, local)], timeout, "train group rendezvous")
+    gather([p.join_train_group.remote(*train_at, secret) for p in policy], timeout, "train group set-up")
+    io, sink = transport.batch_io(), transport.sink()
+    gather(
+        [*(p.attach.remote(io) for p in policy), *(c.attach.remote(sink) for c in collectors)],
+        timeout,
+        f"{transport.name} transport attach",
+    )
+    senders = workers.refit_senders
+    world = len(senders) + len(generators)  # the generators are the last refit ranks
+    if cfg.refit.port:
+        host, port = cfg.refit.host, cfg.refit.port
+    else:
+        (refit_at,) = gather(
+            [policy[0].host_rendezvous.remote("refit", world, local)], timeout, "refit group rendezvous"
+        )
+        host, port = refit_at
+    gather(
+        [
+            *(s.init_refit.remote(host, port, world, secret) for s in senders),
+            *(g.init_refit.remote(host, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
+        ],
+        timeout,
+        "refit group set-up",
+    )
+    layout = {
+        "dp": cfg.trainer.dp_size,
+        "tp": cfg.policy.tensor_parallel_size,
+        "sharding": cfg.policy.sharding,
+        "refit": cfg.refit_mode,
+    }
+    return Placed(int(ready[0]["params"]), dict(zip(names, nodes)), layout)

@@ -1,9 +1,21 @@
-"""The Ray cluster a run uses: attach to ``ray.address``, or start one of its own."""
+"""The Ray cluster a run uses: attach to ``ray.address``, or start one of its own and stop it, all
+of it, however the run ends; and SIGTERM, which ends a run as Ctrl-C does.
+
+Stopping a cluster the run started (:func:`stop_ray`) is ``ray.shutdown()`` and then a SIGKILL
+of whatever of the cluster's processes is still up, each found by a mark in its environment
+(:func:`cluster_mark`): a ``ray.init`` interrupted by a signal leaves the whole local cluster
+running (``ray.shutdown()`` then stops nothing), and the raylet's dashboard and runtime-env
+agents, once their raylet is gone, spend Ray's fixed 60 s trying to report it to the GCS before
+they exit.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +53,123 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+SIGTERM_EXIT = 143  # a run ended by SIGTERM (128 + 15), after the same shutdown as Ctrl-C's 130
+CLUSTER_ENV = "NEMO_DATAPLANE_RAY_CLUSTER"  # marks every process of a local cluster a run started
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises ``KeyboardInterrupt`` (so the run stops
+    the same way); the run then exits :data:`SIGTERM_EXIT`."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises :class:`Terminated` in the main thread (a no-op off it).
+    ``ray.init`` installs a handler of its own: :func:`start_ray` calls this again after it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside the block (main thread; elsewhere a no-op): a second
+    Ctrl-C or a SIGTERM during the run's shutdown must not cut it short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _init(**kwargs: Any) -> None:
+    """``ray.init``, with SIGTERM meaning :class:`Terminated` before, during and after it (inside
+    it Ray's own handler raises ``SystemExit(SIGTERM)``)."""
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        raise Terminated("SIGTERM while Ray started") from None
+    finally:
+        raise_on_sigterm()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of ``pid`` from /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[19])
+
+
+def cluster_mark() -> str:
+    """The value of :data:`CLUSTER_ENV` in the environment of every process of the local cluster
+    this process starts (:func:`start_ray`): this process's pid and start time, unique on the host."""
+    st = _proc_stat(os.getpid())
+    return f"{os.getpid()}:{st[1] if st else 0}"
+
+
+def cluster_processes(mark: str) -> dict[int, int]:
+    """pid -> start time of every live process whose environment has :data:`CLUSTER_ENV` set to
+    ``mark`` (/proc; Linux, empty elsewhere): the raylet, the GCS, their agents, the workers and
+    what they started."""
+    needle = b"\0" + f"{CLUSTER_ENV}={mark}".encode() + b"\0"
+    out: dict[int, int] = {}
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in b"\0" + f.read() + b"\0":
+                    continue
+        except OSError:
+            continue
+        st = _proc_stat(pid)
+        if st is not None and st[0] != "Z" and pid != os.getpid():
+            out[pid] = st[1]
+    return out
+
+
+def stop_ray(grace_s: float = 2.0) -> list[int]:
+    """Stop the local cluster this process started, a half-started one too: ``ray.shutdown()``,
+    then :func:`kill_cluster_processes`. Returns the pids killed."""
+    try:
+        ray.shutdown()
+    except Exception as e:  # noqa: BLE001 - what is left is killed below
+        print(f"ray.shutdown failed: {e!r}", file=sys.stderr)
+    return kill_cluster_processes(cluster_mark(), grace_s)
+
+
+def kill_cluster_processes(mark: str, grace_s: float) -> list[int]:
+    """SIGKILL every process still marked ``mark`` (:func:`cluster_processes`) after ``grace_s``
+    (after ``ray.shutdown()``: all of them when ``ray.init`` was interrupted, else at most agents
+    whose raylet went first). Returns the pids killed."""
+    deadline = time.monotonic() + grace_s
+    while cluster_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = []
+    for pid, start in cluster_processes(mark).items():
+        st = _proc_stat(pid)
+        if st is not None and st[1] == start:  # the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+    return killed
+
+
 def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:
     """Attach to ``cfg.ray.address`` or start a local cluster (``num_cpus``, every visible GPU
     when a worker runs on CUDA, idle workers importing the modules in ``preload``); returns
@@ -58,7 +187,7 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **kwargs)
+        _init(address=cfg.ray.address, **kwargs)
         return False
     num_gpus = torch.cuda.device_count() if "cuda" in (cfg.policy.device, cfg.generation.device) else 0
     for attempt in (1, 2):
@@ -67,8 +196,9 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str
             # The store's actors take idle workers: importing their modules ahead overlaps the
             # import (torch, seconds) with the rest of the start-up (docs/data-flow.md, "Start-up").
             system = {"preload_python_modules": list(preload)} if preload else None
-            with _environ(worker_env(cfg)):  # the raylet, and so every worker, inherits it
-                ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs)
+            # The raylet, and so every worker, inherits it; the mark finds them all at the end.
+            with _environ({**worker_env(cfg), CLUSTER_ENV: cluster_mark()}):
+                _init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs)
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.

@@ -101,6 +101,7 @@ def collect(
     # The trainer waits for the whole generation; the generator works only inside it.
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
     batch.row["generator_busy_s"] = float(res["generator_busy_s"])
+    batch.row["reward_timeouts"] = int(res["reward_timeouts"])
     return batch
 
 

@@ -12,9 +12,10 @@ engines and the refit family.
 
 Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up failed (the
 worker's error is printed with its traceback), 2 when the run's inputs fail their checks before
-Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 130 on
-Ctrl-C. In every case the store is emptied, the store and the workers are shut down, and the Ray
-cluster the run started is stopped.
+Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 3 when it
+finished but left keys no group in flight owns (a leak, :func:`algorithms.rollouts.leak_exit`),
+130 on Ctrl-C, 143 on SIGTERM. In every case the store is emptied, the store and the workers are
+shut down, and the Ray cluster the run started is stopped, every process of it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,15 +32,15 @@ from typing import Any
 import ray
 import torch
 
+from algorithms import cluster
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.cluster import start_ray, worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
 from algorithms.inputs import check_run_inputs, load_datasets
 from algorithms.metrics import MetricsLogger
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
-from algorithms.rollouts import keys_outside_groups
+from algorithms.rollouts import keys_outside_groups, leak_exit
 from algorithms.run_dir import RunPlan, checkpoint_root, plan_run_dir, plot_title, remove_results, write_outputs
 from algorithms.step import StepResult, Workers, refit, run_idle_ratios
 from algorithms.tokenizers import check_tokenizer_record, tokenizer_record
@@ -104,7 +103,8 @@ class Trainer:
     def _start_ray(self) -> None:
         if not ray.is_initialized():
             cfg = self.cfg
-            self._ray_started = start_ray(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
+            self._ray_started = not cfg.ray.address  # a start cut short by a signal is stopped too
+            cluster.start_ray(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
         """Create the worker actors without waiting for them (their processes start and import
@@ -117,7 +117,7 @@ class Trainer:
         self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
         # A cluster this run started has worker_env in every process already (start_ray): no
         # runtime_env, so the actors take Ray's prestarted workers.
-        env_vars = {} if self._ray_started else worker_env(cfg)
+        env_vars = {} if self._ray_started else cluster.worker_env(cfg)
         ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
         gpu_vars = env_vars
         if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
@@ -249,7 +249,9 @@ class Trainer:
         self.summary["keys_leaked_at_exit"] = len(leaked)
         if leaked:
             print(
-                f"{self.name}: {len(leaked)} key(s) at exit in no group in flight, e.g. {leaked[:5]}", file=sys.stderr
+                f"{self.name}: {len(leaked)} key(s) leaked: in the store at exit, in no group in flight, e.g. "
+                f"{leaked[:5]}",
+                file=sys.stderr,
             )
 
     def _save_checkpoint(self, step_done: int) -> Path:
@@ -293,6 +295,7 @@ class Trainer:
         random.seed(cfg.trainer.seed)
         torch.set_num_threads(cfg.trainer.num_threads)
         summary = self.summary
+        cluster.raise_on_sigterm()  # SIGTERM stops the run as Ctrl-C does (exit 143)
         try:
             train, val = self._datasets
             self._init_data(train)
@@ -339,9 +342,10 @@ class Trainer:
                 [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"
             )
             summary["workers_data_plane_modules"] = self._worker_modules()
-        except KeyboardInterrupt:
-            status, code = "interrupted (Ctrl-C)", 130
-            print(f"\n{self.name}: interrupted; clearing the store and shutting down workers", file=sys.stderr)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (cluster.Terminated)
+            sigterm = isinstance(e, cluster.Terminated)
+            status, code = ("terminated (SIGTERM)", cluster.SIGTERM_EXIT) if sigterm else ("interrupted (Ctrl-C)", 130)
+            print(f"\n{self.name}: {status}; clearing the store and shutting down workers", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - reported, then the process exits non-zero
             status, code = "failed", 1
             # The traceback too: the step's own error (with its worker's cause) is what a user debugs.
@@ -350,6 +354,7 @@ class Trainer:
             summary["error"] = str(e)
         finally:
             self._shutdown()
+        status, code = leak_exit(status, code, summary)  # _account_stored_keys named the leaked keys
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
             self.logger.close()
@@ -426,16 +431,10 @@ class Trainer:
 
     def _shutdown(self) -> None:
         """Best effort, each part bounded: collectors, the store (emptied), workers, Ray. Safe
-        after any failure; a second Ctrl-C while it runs is ignored so the store and the cluster
-        still go down."""
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+        after any failure; a second Ctrl-C or a SIGTERM while it runs is ignored so the store and
+        the cluster still go down."""
+        with cluster.signals_ignored():
             self._shutdown_parts()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
 
     def _shutdown_parts(self) -> None:
         if self.workers is not None and ray.is_initialized():
@@ -492,5 +491,6 @@ class Trainer:
                 except Exception:  # noqa: BLE001 - already dead
                     pass
             self.actors = []
-            if self._ray_started:
-                ray.shutdown()
+        if self._ray_started:
+            self._ray_started = False
+            cluster.stop_ray()

@@ -4,10 +4,12 @@ what the run's actors take, so they must hold the run's environment and the stor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from algorithms.cluster import CLUSTER_ENV, cluster_mark, cluster_processes, kill_cluster_processes
 from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -16,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 _PROBE = r"""
 import json, os, sys
 import ray
-from algorithms.cluster import start_ray
+from algorithms.cluster import CLUSTER_ENV, cluster_mark, cluster_processes, start_ray, stop_ray
 from algorithms.config import load_config
 from algorithms.transports import make_transport
 
@@ -44,15 +46,18 @@ def task() -> dict:
 @ray.remote(num_cpus=0)
 class Actor:  # as the trainer creates its workers on a cluster it started: no runtime_env
     def report(self) -> dict:
-        return report()
+        return {**report(), "mark": os.environ.get(CLUSTER_ENV)}
 
 
 # An idle worker imports its preload before it takes a task; a task may land on one still
 # importing (then it waits for it), never on one that skipped it.
 got = {"modules": list(modules), "driver": driver, "task": ray.get(task.remote(), timeout=120)}
 got["actor"] = ray.get(Actor.remote().report.remote(), timeout=120)
+got["mark"], got["driver_mark"] = cluster_mark(), os.environ.get(CLUSTER_ENV)
+got["marked"] = len(cluster_processes(cluster_mark()))
+got["killed"] = stop_ray()
+got["left"] = cluster_processes(cluster_mark())
 print(json.dumps(got))
-ray.shutdown()
 """
 
 
@@ -72,3 +77,33 @@ def test_a_run_started_cluster_gives_its_idle_workers_the_run_env_and_the_store_
         assert seen["env"] == {"OMP_NUM_THREADS": "3", "TOKENIZERS_PARALLELISM": "false"}, who
         assert seen["cwd_on_path"], who
     assert got["task"]["modules"] == {"transfer_queue": True, "torch._dynamo": False}
+    # Every process of the cluster carries the run's mark (the driver's own environment does not),
+    # and stopping the cluster leaves none of them.
+    assert got["actor"]["mark"] == got["mark"] and got["driver_mark"] is None
+    assert got["marked"] >= 4, "the raylet, the GCS, an agent and the actor's worker at least"
+    assert got["left"] == {} and got["killed"] == [], "ray.shutdown alone stopped a cluster that started whole"
+
+
+def test_what_carries_a_clusters_mark_is_killed_and_nothing_else() -> None:
+    """After an interrupted ``ray.init`` (``ray.shutdown`` then stops nothing) or a raylet gone first
+    (its agents orphaned): every process with the mark is SIGKILLed, orphans included; a process
+    with another run's mark is left alone."""
+    mark = cluster_mark()
+    env = {**os.environ, CLUSTER_ENV: mark}
+    # An orphan (its parent exits at once, as an agent whose raylet died), and a child.
+    orphan = int(
+        subprocess.run(
+            ["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env, capture_output=True, text=True, check=True
+        ).stdout
+    )
+    child = subprocess.Popen(["sleep", "300"], env=env)
+    other = subprocess.Popen(["sleep", "300"], env={**os.environ, CLUSTER_ENV: "4242:0"})
+    try:
+        assert set(cluster_processes(mark)) == {orphan, child.pid}
+        assert sorted(kill_cluster_processes(mark, grace_s=0.2)) == sorted([orphan, child.pid])
+        assert child.wait(5) == -9 and other.poll() is None
+        assert cluster_processes(mark) == {}
+    finally:
+        for p in (child, other):
+            p.kill()
+            p.wait()

@@ -55,6 +55,8 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 
 SIGTERM_EXIT = 143  # a run ended by SIGTERM (128 + 15), after the same shutdown as Ctrl-C's 130
 CLUSTER_ENV = "NEMO_DATAPLANE_RAY_CLUSTER"  # marks every process of a local cluster a run started
+# The ports of the Ray head's token-less Prometheus endpoints, set to one no socket can take.
+RAY_METRICS_OFF = {"DASHBOARD_METRIC_PORT": "-1", "AUTOSCALER_METRIC_PORT": "-1"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -158,15 +160,20 @@ def kill_cluster_processes(mark: str, grace_s: float) -> list[int]:
     deadline = time.monotonic() + grace_s
     while cluster_processes(mark) and time.monotonic() < deadline:
         time.sleep(0.05)
-    killed = []
-    for pid, start in cluster_processes(mark).items():
-        st = _proc_stat(pid)
-        if st is not None and st[1] == start:  # the same process, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
+    killed: list[int] = []
+    for _ in range(10):  # again while any is left: one may still have been starting (a worker)
+        left = cluster_processes(mark)
+        if not left:
+            break
+        for pid, start in left.items():
+            st = _proc_stat(pid)
+            if st is not None and st[1] == start:  # the same process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except OSError:
+                    pass
+        time.sleep(0.1)
     return killed
 
 
@@ -195,9 +202,15 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str
             # address="local": a cluster of this run's own, even if `ray start` left one running.
             # The store's actors take idle workers: importing their modules ahead overlaps the
             # import (torch, seconds) with the rest of the start-up (docs/data-flow.md, "Start-up").
-            system = {"preload_python_modules": list(preload)} if preload else None
+            # Ray's Prometheus endpoints answer without Ray's token, on every interface: its metrics
+            # export (the dashboard agent's) is off, and the head's two (the dashboard process's
+            # and the autoscaler monitor's) get a port they cannot bind (RAY_METRICS_OFF): Ray
+            # logs the failed start and goes on. The run exports its own (logging.prometheus_port).
+            system: dict[str, Any] = {"enable_metrics_collection": False}
+            if preload:
+                system["preload_python_modules"] = list(preload)
             # The raylet, and so every worker, inherits it; the mark finds them all at the end.
-            with _environ({**worker_env(cfg), CLUSTER_ENV: cluster_mark()}):
+            with _environ({**worker_env(cfg), **RAY_METRICS_OFF, CLUSTER_ENV: cluster_mark()}):
                 _init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs)
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this

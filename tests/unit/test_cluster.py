@@ -54,6 +54,37 @@ class Actor:  # as the trainer creates its workers on a cluster it started: no r
 got = {"modules": list(modules), "driver": driver, "task": ray.get(task.remote(), timeout=120)}
 got["actor"] = ray.get(Actor.remote().report.remote(), timeout=120)
 got["mark"], got["driver_mark"] = cluster_mark(), os.environ.get(CLUSTER_ENV)
+
+
+def http_answers() -> list:
+    # [command, port, HTTP status of GET /metrics or None] for every listener of the cluster
+    import urllib.error
+    import urllib.request
+
+    import psutil
+
+    out = []
+    for pid in cluster_processes(cluster_mark()):
+        try:
+            p = psutil.Process(pid)
+            cmd, conns = " ".join(p.cmdline())[:100], p.net_connections("inet")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status != psutil.CONN_LISTEN:
+                continue
+            host = "127.0.0.1" if c.laddr.ip in ("0.0.0.0", "::") else c.laddr.ip
+            try:
+                code = urllib.request.urlopen(f"http://{host}:{c.laddr.port}/metrics", timeout=2).status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            except Exception:
+                code = None
+            out.append([cmd, c.laddr.port, code])
+    return out
+
+
+got["http"] = http_answers()
 got["marked"] = len(cluster_processes(cluster_mark()))
 got["killed"] = stop_ray()
 got["left"] = cluster_processes(cluster_mark())
@@ -81,7 +112,12 @@ def test_a_run_started_cluster_gives_its_idle_workers_the_run_env_and_the_store_
     # and stopping the cluster leaves none of them.
     assert got["actor"]["mark"] == got["mark"] and got["driver_mark"] is None
     assert got["marked"] >= 4, "the raylet, the GCS, an agent and the actor's worker at least"
-    assert got["left"] == {} and got["killed"] == [], "ray.shutdown alone stopped a cluster that started whole"
+    assert got["left"] == {}, got["killed"]
+    # No listener of the cluster answers an HTTP request without Ray's token: its Prometheus
+    # endpoints (the dashboard agent's metrics export, the dashboard process's and the autoscaler
+    # monitor's) are off, the agents' HTTP ports answer 401, the rest speak gRPC (token checked).
+    assert any("DashboardAgent" in cmd for cmd, _, _ in got["http"]), got["http"]
+    assert [x for x in got["http"] if x[2] is not None and x[2] != 401] == [], got["http"]
 
 
 def test_what_carries_a_clusters_mark_is_killed_and_nothing_else() -> None:

@@ -3,10 +3,11 @@ of it, however the run ends; and SIGTERM, which ends a run as Ctrl-C does.
 
 Stopping a cluster the run started (:func:`stop_ray`) is ``ray.shutdown()`` and then a SIGKILL
 of whatever of the cluster's processes is still up, each found by a mark in its environment
-(:func:`cluster_mark`): a ``ray.init`` interrupted by a signal leaves the whole local cluster
-running (``ray.shutdown()`` then stops nothing), and the raylet's dashboard and runtime-env
-agents, once their raylet is gone, spend Ray's fixed 60 s trying to report it to the GCS before
-they exit.
+(:mod:`algorithms.cluster_procs`): a ``ray.init`` interrupted by a signal leaves the whole local
+cluster running (``ray.shutdown()`` then stops nothing), and the raylet's dashboard and
+runtime-env agents, once their raylet is gone, spend Ray's fixed 60 s trying to report it to the
+GCS before they exit. Where the driver ends without its shutdown (a SIGKILL, or Ray's core worker
+exiting it when the raylet or the GCS is lost), a watchdog process does the same.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 
+from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, kill_cluster_processes, start_watchdog
 from algorithms.config import TrainerConfig, check_devices
 
 
@@ -54,7 +55,6 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 
 
 SIGTERM_EXIT = 143  # a run ended by SIGTERM (128 + 15), after the same shutdown as Ctrl-C's 130
-CLUSTER_ENV = "NEMO_DATAPLANE_RAY_CLUSTER"  # marks every process of a local cluster a run started
 # The ports of the Ray head's token-less Prometheus endpoints, set to one no socket can take.
 RAY_METRICS_OFF = {"DASHBOARD_METRIC_PORT": "-1", "AUTOSCALER_METRIC_PORT": "-1"}
 
@@ -103,46 +103,6 @@ def _init(**kwargs: Any) -> None:
         raise_on_sigterm()
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of ``pid`` from /proc; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[19])
-
-
-def cluster_mark() -> str:
-    """The value of :data:`CLUSTER_ENV` in the environment of every process of the local cluster
-    this process starts (:func:`start_ray`): this process's pid and start time, unique on the host."""
-    st = _proc_stat(os.getpid())
-    return f"{os.getpid()}:{st[1] if st else 0}"
-
-
-def cluster_processes(mark: str) -> dict[int, int]:
-    """pid -> start time of every live process whose environment has :data:`CLUSTER_ENV` set to
-    ``mark`` (/proc; Linux, empty elsewhere): the raylet, the GCS, their agents, the workers and
-    what they started."""
-    needle = b"\0" + f"{CLUSTER_ENV}={mark}".encode() + b"\0"
-    out: dict[int, int] = {}
-    try:
-        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return out
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle not in b"\0" + f.read() + b"\0":
-                    continue
-        except OSError:
-            continue
-        st = _proc_stat(pid)
-        if st is not None and st[0] != "Z" and pid != os.getpid():
-            out[pid] = st[1]
-    return out
-
-
 def stop_ray(grace_s: float = 2.0) -> list[int]:
     """Stop the local cluster this process started, a half-started one too: ``ray.shutdown()``,
     then :func:`kill_cluster_processes`. Returns the pids killed."""
@@ -151,30 +111,6 @@ def stop_ray(grace_s: float = 2.0) -> list[int]:
     except Exception as e:  # noqa: BLE001 - what is left is killed below
         print(f"ray.shutdown failed: {e!r}", file=sys.stderr)
     return kill_cluster_processes(cluster_mark(), grace_s)
-
-
-def kill_cluster_processes(mark: str, grace_s: float) -> list[int]:
-    """SIGKILL every process still marked ``mark`` (:func:`cluster_processes`) after ``grace_s``
-    (after ``ray.shutdown()``: all of them when ``ray.init`` was interrupted, else at most agents
-    whose raylet went first). Returns the pids killed."""
-    deadline = time.monotonic() + grace_s
-    while cluster_processes(mark) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    killed: list[int] = []
-    for _ in range(10):  # again while any is left: one may still have been starting (a worker)
-        left = cluster_processes(mark)
-        if not left:
-            break
-        for pid, start in left.items():
-            st = _proc_stat(pid)
-            if st is not None and st[1] == start:  # the same process, not a reused pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except OSError:
-                    pass
-        time.sleep(0.1)
-    return killed
 
 
 def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:
@@ -197,6 +133,7 @@ def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str
         _init(address=cfg.ray.address, **kwargs)
         return False
     num_gpus = torch.cuda.device_count() if "cuda" in (cfg.policy.device, cfg.generation.device) else 0
+    start_watchdog(cluster_mark())  # stops the cluster should this process end without stop_ray
     for attempt in (1, 2):
         try:
             # address="local": a cluster of this run's own, even if `ray start` left one running.

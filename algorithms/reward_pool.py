@@ -236,7 +236,7 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         ours, theirs = socket.socketpair()
-        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        path = os.pathsep.join(p for p in (q or os.getcwd() for q in sys.path) if os.path.isdir(p))  # "": the cwd
         env = {**os.environ, "PYTHONPATH": path}
         code = "from algorithms.reward_pool import worker_main; worker_main()"
         try:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from algorithms.cluster import CLUSTER_ENV, cluster_mark, cluster_processes, kill_cluster_processes
+from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, cluster_processes, kill_cluster_processes
 from nemo_dataplane.adapters.transfer_queue.client import TransferQueueClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 _PROBE = r"""
 import json, os, sys
 import ray
-from algorithms.cluster import CLUSTER_ENV, cluster_mark, cluster_processes, start_ray, stop_ray
+from algorithms.cluster import start_ray, stop_ray
+from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, cluster_processes
 from algorithms.config import load_config
 from algorithms.transports import make_transport
 
@@ -143,3 +144,48 @@ def test_what_carries_a_clusters_mark_is_killed_and_nothing_else() -> None:
         for p in (child, other):
             p.kill()
             p.wait()
+
+
+_DRIVER = r"""
+import os, subprocess, sys, time
+from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, start_watchdog
+mark = cluster_mark()
+watchdog = start_watchdog(mark)
+env = {**os.environ, CLUSTER_ENV: mark}
+# An agent-like process that outlives its parent, and a child of the driver's own.
+orphan = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env, capture_output=True, text=True)
+child = subprocess.Popen(["sleep", "300"], env=env)
+print(watchdog.pid, int(orphan.stdout), child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_watchdog_kills_the_cluster_when_the_driver_is_sigkilled() -> None:
+    """A driver SIGKILLed runs no shutdown: the watchdog it started kills every process carrying
+    its mark (a raylet's agents would otherwise spend Ray's 60 s reporting to a dead GCS), then exits."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        watchdog, *marked = (int(x) for x in proc.stdout.readline().split())
+        assert all(_alive(p) for p in (watchdog, *marked))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in (watchdog, *marked)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in marked), "the marked processes outlived the driver"
+        assert not _alive(watchdog), "the watchdog did not exit"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

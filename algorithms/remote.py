@@ -18,7 +18,7 @@ __all__ = ["LOST_PEER_GRACE_S", "StepError", "gather", "may_be_a_lost_peer"]
 # remote errors, the stateless groups' own), by type name or wording.
 _LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "StatelessGroupError")  # not its Timeout subclass
 _LOST_PEER_WORDS = re.compile(
-    r"connection (reset|closed|refused) by peer|broken pipe|pair closure|read error|socket closed|"
+    r"connection (reset|closed|refused) by peer|broken pipe|read error|socket closed|"
     r"remote (process|peer|end)|peer (died|closed|exited|is gone)",
     re.IGNORECASE,
 )

@@ -21,8 +21,9 @@ function that cannot leave it.
 
 Cost: a worker starts as a fresh interpreter importing :mod:`algorithms.rewards` and the reward's
 module (the ``math`` reward: ~1.4 s of CPU, math-verify and sympy). The pool starts one at once,
-in the background, a second only when a call finds none idle (a validation beside the producer, a
-replacement still starting); a call costs one pipe round trip (~0.1 ms).
+in the background, a second only when a call finds the first busy (a validation beside the
+producer); a call costs one pipe round trip (~0.1 ms), a timeout the bound plus, for the next call,
+the replacement's start.
 """
 
 from __future__ import annotations

@@ -23,7 +23,13 @@ from typing import Any
 import ray
 import torch
 
-from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, kill_cluster_processes, start_watchdog
+from algorithms.cluster_procs import (
+    CLUSTER_ENV,
+    cluster_mark,
+    cluster_processes,
+    kill_cluster_processes,
+    start_watchdog,
+)
 from algorithms.config import TrainerConfig, check_devices
 
 
@@ -105,12 +111,15 @@ def _init(**kwargs: Any) -> None:
 
 def stop_ray(grace_s: float = 2.0) -> list[int]:
     """Stop the local cluster this process started, a half-started one too: ``ray.shutdown()``,
-    then :func:`kill_cluster_processes`. Returns the pids killed."""
+    then :func:`kill_cluster_processes` of what is left (listed before: once the raylet is gone,
+    its agents are no longer its descendants). Returns the pids killed."""
+    mark = cluster_mark()
+    before = cluster_processes(mark)
     try:
         ray.shutdown()
     except Exception as e:  # noqa: BLE001 - what is left is killed below
         print(f"ray.shutdown failed: {e!r}", file=sys.stderr)
-    return kill_cluster_processes(cluster_mark(), grace_s)
+    return kill_cluster_processes(mark, grace_s, before)
 
 
 def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:

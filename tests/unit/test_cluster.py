@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # In a process of its own: start_ray starts a cluster, and this session already has one.
 _PROBE = r"""
-import json, os, sys
+import json, os, sys, time
 import ray
 from algorithms.cluster import start_ray, stop_ray
 from algorithms.cluster_procs import CLUSTER_ENV, cluster_mark, cluster_processes
@@ -85,7 +85,12 @@ def http_answers() -> list:
     return out
 
 
-got["http"] = http_answers()
+# Probed once the dashboard agent listens (its metrics export, when on, starts with it).
+for _ in range(120):
+    got["http"] = http_answers()
+    if any("DashboardAgent" in cmd or "dashboard/agent.py" in cmd for cmd, _, _ in got["http"]):
+        break
+    time.sleep(0.5)
 got["marked"] = len(cluster_processes(cluster_mark()))
 got["killed"] = stop_ray()
 got["left"] = cluster_processes(cluster_mark())
@@ -117,27 +122,38 @@ def test_a_run_started_cluster_gives_its_idle_workers_the_run_env_and_the_store_
     # No listener of the cluster answers an HTTP request without Ray's token: its Prometheus
     # endpoints (the dashboard agent's metrics export, the dashboard process's and the autoscaler
     # monitor's) are off, the agents' HTTP ports answer 401, the rest speak gRPC (token checked).
-    assert any("DashboardAgent" in cmd for cmd, _, _ in got["http"]), got["http"]
+    assert any("DashboardAgent" in cmd or "dashboard/agent.py" in cmd for cmd, _, _ in got["http"]), got["http"]
     assert [x for x in got["http"] if x[2] is not None and x[2] != 401] == [], got["http"]
 
 
-def test_what_carries_a_clusters_mark_is_killed_and_nothing_else() -> None:
+def _spawned(cmd: str, env: dict[str, str]) -> dict[str, int]:
+    """``name=pid`` pairs a shell command prints (it backgrounds them and exits: orphans)."""
+    out = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in (x.split("=") for x in out.split())}
+
+
+# A process whose environment, as /proc shows it, lost the mark (Ray's workers and agents write
+# their new title over its start), under a marked parent that lives ``life`` s: a raylet, its agent.
+_RAYLET_AND_AGENT = (
+    "sh -c 'env -u {env} sleep 300 >/dev/null 2>&1 & echo agent=$!; exec sleep {life} >/dev/null 2>&1' & echo raylet=$!"
+)
+
+
+def test_what_carries_a_clusters_mark_or_descends_from_it_is_killed_and_nothing_else() -> None:
     """After an interrupted ``ray.init`` (``ray.shutdown`` then stops nothing) or a raylet gone first
-    (its agents orphaned): every process with the mark is SIGKILLed, orphans included; a process
-    with another run's mark is left alone."""
+    (its agents orphaned): every process with the mark, and every descendant of one, is SIGKILLed,
+    orphans included; a process with another run's mark is left alone."""
     mark = cluster_mark()
     env = {**os.environ, CLUSTER_ENV: mark}
-    # An orphan (its parent exits at once, as an agent whose raylet died), and a child.
-    orphan = int(
-        subprocess.run(
-            ["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env, capture_output=True, text=True, check=True
-        ).stdout
-    )
+    orphan = _spawned("sleep 300 >/dev/null 2>&1 & echo orphan=$!", env)["orphan"]  # an agent, its raylet gone
     child = subprocess.Popen(["sleep", "300"], env=env)
+    pair = _spawned(_RAYLET_AND_AGENT.format(env=CLUSTER_ENV, life=300), env)
+    raylet, unmarked = pair["raylet"], pair["agent"]
     other = subprocess.Popen(["sleep", "300"], env={**os.environ, CLUSTER_ENV: "4242:0"})
     try:
-        assert set(cluster_processes(mark)) == {orphan, child.pid}
-        assert sorted(kill_cluster_processes(mark, grace_s=0.2)) == sorted([orphan, child.pid])
+        ours = {orphan, child.pid, raylet, unmarked}
+        assert set(cluster_processes(mark)) == ours
+        assert set(kill_cluster_processes(mark, grace_s=0.2)) == ours
         assert child.wait(5) == -9 and other.poll() is None
         assert cluster_processes(mark) == {}
     finally:
@@ -155,22 +171,30 @@ env = {**os.environ, CLUSTER_ENV: mark}
 # An agent-like process that outlives its parent, and a child of the driver's own.
 orphan = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env, capture_output=True, text=True)
 child = subprocess.Popen(["sleep", "300"], env=env)
-print(watchdog.pid, int(orphan.stdout), child.pid, flush=True)
+# A raylet that goes first (2 s), leaving its agent, whose /proc environment lost the mark.
+out = subprocess.run(["sh", "-c", sys.argv[1]], env=env, capture_output=True, text=True).stdout
+pair = dict(x.split("=") for x in out.split())
+print(watchdog.pid, int(orphan.stdout), child.pid, pair["agent"], flush=True)
 time.sleep(300)
 """
 
 
 def test_the_watchdog_kills_the_cluster_when_the_driver_is_sigkilled() -> None:
-    """A driver SIGKILLed runs no shutdown: the watchdog it started kills every process carrying
-    its mark (a raylet's agents would otherwise spend Ray's 60 s reporting to a dead GCS), then exits."""
+    """A driver SIGKILLed runs no shutdown: the watchdog it started kills every process of its
+    cluster (a raylet's agents would otherwise spend Ray's 60 s reporting to a dead GCS), those it
+    saw descend from a marked one before they were orphaned too, then exits."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    raylet_and_agent = _RAYLET_AND_AGENT.format(env=CLUSTER_ENV, life=2)
+    cmd = [sys.executable, "-c", _DRIVER, raylet_and_agent]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         watchdog, *marked = (int(x) for x in proc.stdout.readline().split())
         assert all(_alive(p) for p in (watchdog, *marked))
+        time.sleep(3)  # the raylet-like parent has exited: its unmarked agent is an orphan now
+        assert _alive(marked[-1])
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 15

@@ -2,7 +2,8 @@
 
 Exit status: 0 on success, 1 when a step or the set-up failed, 2 for a bad config (one line naming
 the key; also an output directory holding another run's results, or a checkpoint that cannot be
-resumed: :mod:`algorithms.run_dir`), 130 on Ctrl-C.
+resumed: :mod:`algorithms.run_dir`), 3 when the run finished but leaked keys in the store, 130 on
+Ctrl-C, 143 on SIGTERM (after the same shutdown as Ctrl-C's).
 """
 
 from __future__ import annotations

@@ -1,13 +1,21 @@
-"""The Ray cluster a run uses: attach to ``ray.address``, or start one of its own and stop it,
-every process of it, however far its start got (:class:`RunCluster`)."""
+"""The Ray cluster a run uses: attach to ``ray.address``, or start one of its own and stop it, all
+of it, however the run ends; and SIGTERM, which ends a run as Ctrl-C does.
+
+Stopping a cluster the run started (:func:`stop_ray`) is ``ray.shutdown()`` and then a SIGKILL
+of whatever of the cluster's processes is still up, each found by a mark in its environment
+(:mod:`algorithms.cluster_procs`): a ``ray.init`` interrupted by a signal leaves the whole local
+cluster running (``ray.shutdown()`` then stops nothing), and the raylet's dashboard and
+runtime-env agents, once their raylet is gone, spend Ray's fixed 60 s trying to report it to the
+GCS before they exit. Where the driver ends without its shutdown (a SIGKILL, or Ray's core worker
+exiting it when the raylet or the GCS is lost), a watchdog process does the same.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import time
-import uuid
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,21 +23,20 @@ from typing import Any
 import ray
 import torch
 
+from algorithms.cluster_procs import (
+    CLUSTER_ENV,
+    cluster_mark,
+    cluster_processes,
+    kill_cluster_processes,
+    start_watchdog,
+)
 from algorithms.config import TrainerConfig, check_devices
-
-__all__ = ["CLUSTER_ENV", "RunCluster", "cluster_pids", "worker_env"]
-
-# Every process of a local cluster a run starts (GCS, raylet, its agents, the workers and what
-# they spawn) carries the cluster's id in this variable: the run finds them by it at its end,
-# including agents whose raylet is already gone (they outlive it by a minute or more otherwise).
-CLUSTER_ENV = "NEMO_DATAPLANE_CLUSTER"
 
 
 def worker_env(cfg: TrainerConfig) -> dict[str, str]:
     """The environment every worker process of a run needs: its thread count, no tokenizer
     thread pool, and the driver's import path (so a ``task.reward_fn`` module the driver can
-    import, the collector can too): the driver's working directory and ``sys.path`` without its
-    first entry (the directory of the script the driver runs, not the workers')."""
+    import, the collector can too)."""
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), *sys.path[1:]] if p and os.path.isdir(p))
     return {
         "OMP_NUM_THREADS": str(cfg.trainer.num_threads),
@@ -53,104 +60,109 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def cluster_pids(cluster_id: str) -> list[int]:
-    """The live processes of this machine whose environment holds ``CLUSTER_ENV=cluster_id``
-    (read from ``/proc``; empty where there is none), this process excepted."""
-    want = f"{CLUSTER_ENV}={cluster_id}".encode()
+SIGTERM_EXIT = 143  # a run ended by SIGTERM (128 + 15), after the same shutdown as Ctrl-C's 130
+# The ports of the Ray head's token-less Prometheus endpoints, set to one no socket can take.
+RAY_METRICS_OFF = {"DASHBOARD_METRIC_PORT": "-1", "AUTOSCALER_METRIC_PORT": "-1"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises ``KeyboardInterrupt`` (so the run stops
+    the same way); the run then exits :data:`SIGTERM_EXIT`."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises :class:`Terminated` in the main thread (a no-op off it).
+    ``ray.init`` installs a handler of its own: :func:`start_ray` calls this again after it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside the block (main thread; elsewhere a no-op): a second
+    Ctrl-C or a SIGTERM during the run's shutdown must not cut it short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    pids = []
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:  # a zombie's is empty: it has exited
-                if want in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:  # gone meanwhile, or another user's
-            continue
-    return pids
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
-class RunCluster:
-    """The Ray cluster of one run: ``ray.address``'s (attached; left running at the end), or a
-    local one the run starts (:meth:`start`) and stops (:meth:`stop`).
+def _init(**kwargs: Any) -> None:
+    """``ray.init``, with SIGTERM meaning :class:`Terminated` before, during and after it (inside
+    it Ray's own handler raises ``SystemExit(SIGTERM)``)."""
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        raise Terminated("SIGTERM while Ray started") from None
+    finally:
+        raise_on_sigterm()
+
+
+def stop_ray(grace_s: float = 2.0) -> list[int]:
+    """Stop the local cluster this process started, a half-started one too: ``ray.shutdown()``,
+    then :func:`kill_cluster_processes` of what is left (listed before: once the raylet is gone,
+    its agents are no longer its descendants). Returns the pids killed."""
+    mark = cluster_mark()
+    before = cluster_processes(mark)
+    try:
+        ray.shutdown()
+    except Exception as e:  # noqa: BLE001 - what is left is killed below
+        print(f"ray.shutdown failed: {e!r}", file=sys.stderr)
+    return kill_cluster_processes(mark, grace_s, before)
+
+
+def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:
+    """Attach to ``cfg.ray.address`` or start a local cluster (``num_cpus``, every visible GPU
+    when a worker runs on CUDA, idle workers importing the modules in ``preload``); returns
+    whether this call started the cluster (then the run stops it). A CUDA layout this machine
+    cannot hold fails here, before any actor exists. A local start that hits Ray's fixed 30 s
+    raylet wait is tried once more.
 
     A local cluster's processes start with :func:`worker_env` in their environment, so the
     run's actors need no ``runtime_env`` and Ray hands them its prestarted idle workers (an
-    actor with a ``runtime_env`` always gets a new process). On an attached cluster the actors
-    carry :func:`worker_env` as their ``runtime_env`` instead. They also carry
-    ``CLUSTER_ENV=<id>``, by which :meth:`stop` finds every one of them.
-    """
-
-    def __init__(self, cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> None:
-        self.cfg = cfg
-        self.name = name
-        self.generators = generators
-        self.preload = preload
-        self.id = uuid.uuid4().hex
-        # Set before ray.init is called: an interrupt inside it still leaves processes to stop.
-        self.owned = False
-
-    def start(self) -> None:
-        """Attach to ``cfg.ray.address`` or start a local cluster (``num_cpus``, every visible GPU
-        when a worker runs on CUDA, idle workers importing the modules in ``preload``). A CUDA
-        layout this machine cannot hold fails here, before any process exists. A local start that
-        hits Ray's fixed 30 s raylet wait is tried once more."""
-        cfg = self.cfg
-        check_devices(cfg, generators=self.generators)
-        # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
-        # that raised) would otherwise print their own, secondary tracebacks at shutdown.
-        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
-        if cfg.ray.address:
-            ray.init(address=cfg.ray.address, **kwargs)
-            return
-        num_gpus = torch.cuda.device_count() if "cuda" in (cfg.policy.device, cfg.generation.device) else 0
-        # The store's actors take idle workers: importing their modules ahead overlaps the import
-        # (torch, seconds) with the rest of the start-up (docs/data-flow.md, "Start-up").
-        system = {"preload_python_modules": list(self.preload)} if self.preload else None
-        env = {**worker_env(cfg), CLUSTER_ENV: self.id}
-        self.owned = True
-        for attempt in (1, 2):
-            try:
-                # address="local": a cluster of this run's own, even if `ray start` left one running.
-                with _environ(env):  # the raylet, and so every worker, inherits it
-                    ray.init(
-                        address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs
-                    )
-                return
-            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-                # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.
-                if attempt == 2 or "timed out during startup" not in str(e):
-                    raise
-                print(f"{self.name}: local Ray did not start within its 30 s ({e}); trying once more", file=sys.stderr)
-                self.stop()
-
-    def stop(self, grace_s: float = 2.0) -> list[int]:
-        """Stop the local cluster this run started, whatever state its start reached: Ray's own
-        shutdown, then every process still carrying the cluster's id (agents whose raylet is gone
-        wait a minute for the GCS otherwise) gets ``grace_s`` seconds to exit and is then
-        SIGKILLed. Returns the pids killed. On an attached cluster: nothing (it is not the run's)."""
-        if not self.owned:
-            return []
+    actor with a ``runtime_env`` always gets a new process). On an attached
+    cluster the actors carry :func:`worker_env` as their ``runtime_env`` instead."""
+    check_devices(cfg, generators=generators)
+    # Errors are surfaced through gather(); refs abandoned after a failure (peers of the rank
+    # that raised) would otherwise print their own, secondary tracebacks at shutdown.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+    if cfg.ray.address:
+        _init(address=cfg.ray.address, **kwargs)
+        return False
+    num_gpus = torch.cuda.device_count() if "cuda" in (cfg.policy.device, cfg.generation.device) else 0
+    start_watchdog(cluster_mark())  # stops the cluster should this process end without stop_ray
+    for attempt in (1, 2):
         try:
+            # address="local": a cluster of this run's own, even if `ray start` left one running.
+            # The store's actors take idle workers: importing their modules ahead overlaps the
+            # import (torch, seconds) with the rest of the start-up (docs/data-flow.md, "Start-up").
+            # Ray's Prometheus endpoints answer without Ray's token, on every interface: its metrics
+            # export (the dashboard agent's) is off, and the head's two (the dashboard process's
+            # and the autoscaler monitor's) get a port they cannot bind (RAY_METRICS_OFF): Ray
+            # logs the failed start and goes on. The run exports its own (logging.prometheus_port).
+            system: dict[str, Any] = {"enable_metrics_collection": False}
+            if preload:
+                system["preload_python_modules"] = list(preload)
+            # The raylet, and so every worker, inherits it; the mark finds them all at the end.
+            with _environ({**worker_env(cfg), **RAY_METRICS_OFF, CLUSTER_ENV: cluster_mark()}):
+                _init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=num_gpus, _system_config=system, **kwargs)
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray waits a fixed 30 s for its raylet; on a loaded machine a second try usually starts.
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            print(f"{name}: local Ray did not start within its 30 s ({e}); trying once more", file=sys.stderr)
             ray.shutdown()
-        except Exception as e:  # noqa: BLE001 - a start cut short leaves Ray half set up
-            print(f"{self.name}: ray.shutdown failed ({e!r}); stopping the cluster's processes", file=sys.stderr)
-        deadline = time.monotonic() + grace_s
-        left = cluster_pids(self.id)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = cluster_pids(self.id)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:  # exited meanwhile
-                pass
-        deadline = time.monotonic() + 5.0
-        while cluster_pids(self.id) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return left
+    return True

@@ -175,12 +175,16 @@ class TaskConfig:
     chat_template: bool = False
     # math | exact_match | char_match | "pkg.module:function"; None: the built-in reward of `name`.
     reward_fn: str | None = None
+    # Hard bound on one reward call: the function runs in a worker process that is killed past it,
+    # and the response scores 0 (counted: `reward_timeouts`; algorithms/reward_pool.py). null: call
+    # it in the collector's own process, unbounded.
+    reward_timeout_s: float | None = 10.0
 
     def __post_init__(self) -> None:
         for key in ("prompt_key", "answer_key"):
             if not getattr(self, key):
                 raise FieldError(key, "is empty")
-        require_positive(self, "train_size")
+        require_positive(self, "train_size", "reward_timeout_s")
         require_positive(self, "val_size", allow_zero=True)
 
 

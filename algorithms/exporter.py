@@ -40,6 +40,7 @@ METRICS: dict[str, tuple[str, str]] = {
     P + "refit_gbps": ("gauge", "weight bytes over the slowest receiver's seconds, GB/s"),
     P + "tokens_per_second": ("gauge", "tokens trained per second of step wall time"),
     P + "reward": ("gauge", "mean reward of the step's samples"),
+    P + "reward_timeouts": ("counter", "reward calls past task.reward_timeout_s, each scored 0"),
 }
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -111,7 +112,7 @@ class PrometheusExporter:
         ):
             if row.get(key) is not None:
                 m[P + name].set(float(row[key]))
-        for name in ("groups_dropped_stale", "groups_requeued_failed"):
+        for name in ("groups_dropped_stale", "groups_requeued_failed", "reward_timeouts"):
             if row.get(name):
                 m[P + name].inc(float(row[name]))
         receive = row.get("refit_receive_s")

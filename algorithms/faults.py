@@ -26,7 +26,8 @@ Keys (see :class:`algorithms.config.DebugConfig`):
   test can measure the time from fault to error.
 
 :func:`raising_reward` is a user-style reward function that always raises, for
-``task.reward_fn=algorithms.faults:raising_reward``.
+``task.reward_fn=algorithms.faults:raising_reward``; :func:`hanging_reward` one that never
+returns (once per run with ``$NEMO_DATAPLANE_HANG_ONCE``), for ``task.reward_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,24 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
+from algorithms.rewards import char_match_score
 
-from algorithms.config import DebugConfig
-from nemo_dataplane.config import DataPlaneConfig
+if TYPE_CHECKING:  # type names only: a reward worker imports this module for the rewards below
+    from algorithms.config import DebugConfig
+    from nemo_dataplane.config import DataPlaneConfig
 
-__all__ = ["HANG_S", "STORE_ACTORS", "InjectedFailure", "maybe_fail", "maybe_kill_store", "raising_reward"]
+__all__ = [
+    "HANG_ONCE_ENV",
+    "HANG_S",
+    "STORE_ACTORS",
+    "InjectedFailure",
+    "hanging_reward",
+    "maybe_fail",
+    "maybe_kill_store",
+    "raising_reward",
+]
 
 HANG_S = 3600.0  # fail_mode=hang: longest sleep (a bound, so the hook itself never waits forever)
 STORE_ACTORS = ("store_controller", "store_unit")  # fail_in points where the driver kills a store actor
@@ -98,6 +109,8 @@ def maybe_kill_store(debug: DebugConfig, step: int, data_plane: DataPlaneConfig)
     if debug.fail_in not in STORE_ACTORS or debug.fail_at_step != step:
         return None
     # Only a chaos run gets here: it names the store's actors, so it needs the adapter.
+    import ray
+
     from nemo_dataplane.adapters.transfer_queue.client import DEFAULT_CONTROLLER, DEFAULT_NAMESPACE
 
     if data_plane.backend != "transfer_queue":
@@ -148,3 +161,20 @@ def _process_alive(pid: int) -> bool:
 def raising_reward(record: Any, response_text: str) -> float:
     """A reward function that always raises (``task.reward_fn=algorithms.faults:raising_reward``)."""
     raise ValueError(f"raising_reward: refusing to score a response of {len(response_text)} chars")
+
+
+HANG_ONCE_ENV = "NEMO_DATAPLANE_HANG_ONCE"
+
+
+def hanging_reward(record: Any, response_text: str) -> float:
+    """``char_match`` of the response, except for calls that sleep :data:`HANG_S` (a reward that
+    never returns, for ``task.reward_timeout_s``): every call, or with ``$NEMO_DATAPLANE_HANG_ONCE``
+    set to a path, only the one call of the run that creates that file."""
+    once = os.environ.get(HANG_ONCE_ENV)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return char_match_score(str(record.answer), response_text)
+    time.sleep(HANG_S)
+    raise RuntimeError(f"hanging_reward: still running after {HANG_S:g}s")

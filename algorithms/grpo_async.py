@@ -115,7 +115,7 @@ class AsyncTrainer(Trainer):
         self.summary["async_mode"] = a.mode
         buffer.load_state_dict(self._buffer_state, start)
         buffer.top_up()
-        idle_before = busy_before = partial_before = 0.0
+        idle_before = busy_before = partial_before = timeouts_before = 0.0
         with self._trained_log(start) as trained_log:
             for step in range(start, cfg.trainer.steps):
                 maybe_kill_store(cfg.debug, step, cfg.data_plane)  # fault hook (chaos tests); no-op otherwise
@@ -135,6 +135,8 @@ class AsyncTrainer(Trainer):
                 batch.row["generator_busy_s"], busy_before = busy - busy_before, busy
                 partial = buffer.collector_stats.get("partial_samples", 0.0)
                 batch.row["partial_samples"], partial_before = int(partial - partial_before), partial
+                timeouts = buffer.collector_stats.get("reward_timeouts", 0.0)
+                batch.row["reward_timeouts"], timeouts_before = int(timeouts - timeouts_before), timeouts
                 result = train_on_batch(
                     cfg,
                     self.workers,

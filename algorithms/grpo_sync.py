@@ -7,8 +7,9 @@ and the summary are :class:`algorithms.trainer.Trainer`'s; the asynchronous trai
 (:mod:`algorithms.grpo_async`) differs only in where a batch comes from.
 
 Exit status: 0 on success, 1 when a step or the set-up failed (the worker's error is printed),
-2 for a bad config, 130 on Ctrl-C. In every case the store is emptied, the store and the workers
-are shut down, and the Ray cluster the run started is stopped.
+2 for a bad config, 3 when the run finished but leaked keys in the store, 130 on Ctrl-C, 143 on
+SIGTERM. In every case the store is emptied, the store and the workers are shut down, and the Ray
+cluster the run started is stopped.
 """
 
 from __future__ import annotations

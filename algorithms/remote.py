@@ -12,7 +12,17 @@ import ray
 from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.timeouts import check_timeout
 
-__all__ = ["StepError", "WorkerTraceback", "gather", "worker_error"]
+__all__ = ["LOST_PEER_GRACE_S", "StepError", "WorkerTraceback", "gather", "may_be_a_lost_peer", "worker_error"]
+
+# What a survivor of a collective says when a peer's process is gone (gloo's socket errors, NCCL's
+# remote errors, the stateless groups' own), by type name or wording.
+_LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "StatelessGroupError")  # not its Timeout subclass
+_LOST_PEER_WORDS = re.compile(
+    r"connection (reset|closed|refused) by peer|broken pipe|read error|socket closed|"
+    r"remote (process|peer|end)|peer (died|closed|exited|is gone)",
+    re.IGNORECASE,
+)
+LOST_PEER_GRACE_S = 5.0  # how long gather looks for a dead worker behind such an error
 
 
 class StepError(NemoDataplaneError, RuntimeError):
@@ -43,13 +53,45 @@ def worker_error(e: ray.exceptions.RayTaskError) -> BaseException:
     return cause
 
 
+def may_be_a_lost_peer(error: BaseException) -> bool:
+    """Whether a worker's error may only be the echo of another worker's death: a collective that
+    lost a peer (gloo's "Read error ...: Connection reset by peer", a stateless group's failure)."""
+    chain: BaseException | None = error
+    while chain is not None:
+        if type(chain).__name__ in _LOST_PEER_TYPES or _LOST_PEER_WORDS.search(str(chain)):
+            return True
+        chain = chain.__cause__
+    return False
+
+
+def _dead_among(pending: list[Any], seconds: float) -> tuple[Any, BaseException] | None:
+    """The first of ``pending`` whose worker is found dead (Ray's notice of a SIGKILLed process can
+    come after its peers' errors) within ``seconds``; None when none is."""
+    deadline = time.monotonic() + seconds
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for r in ready:
+            try:
+                ray.get(r)
+            except ray.exceptions.RayTaskError:
+                continue  # another survivor's own error
+            except ray.exceptions.RayError as e:
+                return r, e
+    return None
+
+
 def gather(
     refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: str | Sequence[str] = "worker"
 ) -> list[Any]:
     """``ray.get`` of ``refs`` that raises the *first* worker error as soon as it arrives (a rank
     that failed would otherwise leave its peers blocked in a collective until they time out).
     A worker that died (no error of its own) is named as ``{who} {its index in refs}``, or
-    ``who[index]`` when ``who`` is a list of names, one per ref.
+    ``who[index]`` when ``who`` is a list of names, one per ref. A first error that may be a
+    collective's echo of a dead peer (:func:`may_be_a_lost_peer`) is raised only after the other
+    calls were given up to :data:`LOST_PEER_GRACE_S` to show a worker that died: that one is named.
 
     Raises:
         StepError: a worker raised (its error is the cause and is quoted) or ``timeout_s`` passed.
@@ -70,8 +112,21 @@ def gather(
                 results[index[r]] = ray.get(r)
             except ray.exceptions.RayTaskError as e:
                 cause = worker_error(e)
-                raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
+                # A collective that lost a peer: name the worker that died, not the survivor's echo.
+                found = None
+                if pending and may_be_a_lost_peer(cause):
+                    found = _dead_among(list(pending), min(LOST_PEER_GRACE_S, deadline - time.monotonic()))
+                if found is None:
+                    raise StepError(f"{what}: {type(cause).__name__}: {cause}") from cause
+                dead, death = found
+                echo = f"{_name(who, index[r])} then failed with {type(cause).__name__}: {cause}"
+                raise StepError(
+                    f"{what}: {_name(who, index[dead])} died or was lost: {type(death).__name__}: {death} ({echo})"
+                ) from death
             except ray.exceptions.RayError as e:
-                name = f"{who} {index[r]}" if isinstance(who, str) else who[index[r]]
-                raise StepError(f"{what}: {name} died or was lost: {type(e).__name__}: {e}") from e
+                raise StepError(f"{what}: {_name(who, index[r])} died or was lost: {type(e).__name__}: {e}") from e
     return results
+
+
+def _name(who: str | Sequence[str], i: int) -> str:
+    return f"{who} {i}" if isinstance(who, str) else who[i]

@@ -14,6 +14,7 @@ import importlib
 import math
 import numbers
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteReward",
     "RewardError",
     "RewardFn",
+    "RewardTimeout",
     "char_match_score",
     "checked_reward",
     "exact_match_score",
@@ -44,6 +46,11 @@ BUILTIN_REWARDS: tuple[str, ...] = ("math", "exact_match", "char_match")
 class RewardError(RuntimeError):
     """A reward function raised, or returned something other than a finite real number; the
     message names the reward, the prompt (uid, text, source) and the group when known."""
+
+
+class RewardTimeout(RewardError):
+    """A reward call did not answer within ``task.reward_timeout_s`` (its worker process was
+    killed: :mod:`algorithms.reward_pool`); :func:`checked_reward` scores it 0."""
 
 
 class NonFiniteReward(NonFiniteError, RewardError):
@@ -85,7 +92,9 @@ def math_score(answer: str, response: str) -> float:
     data is wrong: every response would score 0).
 
     ``math-verify`` bounds its parsing with ``SIGALRM``, which only the main thread may use: the
-    bound applies there and is off in other threads (the collector's producer thread).
+    bound (5 s, where its signal can interrupt the work) applies there and is off in other
+    threads. The trainer calls it in a reward worker's main thread, under the hard bound
+    ``task.reward_timeout_s`` (:mod:`algorithms.reward_pool`).
     """
     mv = _math_verify()
     limit = _parse_limit()
@@ -186,11 +195,15 @@ def checked_reward(
 ) -> float:
     """``fn(record, response_text)`` as a float; raises :class:`RewardError` naming the reward
     ``name``, the prompt and ``group`` when ``fn`` raises or returns anything but a finite real
-    number (a NaN or a string would otherwise reach the advantages silently)."""
+    number (a NaN or a string would otherwise reach the advantages silently). A call past its time
+    limit (:class:`RewardTimeout`) scores 0, with a line on stderr naming the prompt."""
     where = f"prompt uid {record.uid} ({record.prompt[:80]!r}"
     where += (f", {record.source})" if record.source else ")") + ("" if group is None else f" of group {group}")
     try:
         value = fn(record, response_text)
+    except RewardTimeout as e:
+        print(f"{e} on {where}: scored 0", file=sys.stderr, flush=True)
+        return 0.0
     except Exception as e:
         raise RewardError(f"reward_fn {name!r} raised {type(e).__name__} on {where}: {e}") from e
     if not isinstance(value, numbers.Real):

@@ -121,6 +121,7 @@ COLLECTOR_COUNTERS = (
     "partial_samples",
     "groups_written",
     "store_full_waits",
+    "reward_timeouts",
 )
 
 

@@ -31,6 +31,7 @@ from algorithms.remote import StepError
 from nemo_dataplane.codec import jagged_from_rows, jagged_rows
 
 __all__ = [
+    "LEAK_EXIT",
     "ROLLOUTS",
     "ROLLOUT_FIELDS",
     "TRAINER_TASK",
@@ -43,6 +44,8 @@ __all__ = [
     "continuation_seed",
     "generation_seed",
     "group_from_tags",
+    "keys_outside_groups",
+    "leak_exit",
     "parse_rollout_key",
     "rollout_keys",
     "rollout_tags",
@@ -248,6 +251,20 @@ def keys_outside_groups(stored: Mapping[str, Sequence[str]], groups: Set[int]) -
             if not ours:
                 out.append(key)
     return out
+
+
+LEAK_EXIT = 3  # the exit status of a run that finished but leaked keys
+
+
+def leak_exit(status: str, code: int, summary: Mapping[str, Any]) -> tuple[str, int]:
+    """The run's (status, exit code) once its leak count is known: a run that finished (0) but
+    left keys in the store that no group in flight owns (``keys_leaked_at_exit``, counted before
+    the final clear) exits :data:`LEAK_EXIT`; any other exit keeps its code (-1, the store gone
+    and nothing counted, is no leak)."""
+    leaked = int(summary.get("keys_leaked_at_exit") or 0)
+    if code == 0 and leaked > 0:
+        return f"finished, but {leaked} key(s) leaked", LEAK_EXIT
+    return status, code
 
 
 def rows_state(rows: Any) -> dict[str, Any]:

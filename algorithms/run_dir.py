@@ -117,6 +117,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "grpo.epochs",
     "task.val_size",
     "task.val_dataset",
+    "task.reward_timeout_s",
     "trainer.steps",
     "trainer.val_every",
     "trainer.num_threads",

@@ -125,6 +125,7 @@ def collect(
     # The trainer waits for the whole generation; the generators work only inside it (summed).
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
     batch.row["generator_busy_s"] = sum(float(res["generator_busy_s"]) for res in results)
+    batch.row["reward_timeouts"] = sum(int(res["reward_timeouts"]) for res in results)
     return batch
 
 

@@ -12,9 +12,11 @@ engines and the refit family.
 
 Exit status of :meth:`Trainer.run`: 0 on success, 1 when a step or the set-up failed (the
 worker's error is printed with its traceback), 2 when the run's inputs fail their checks before
-Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 130 on
-Ctrl-C. In every case the store is emptied, the store and the workers are shut down, and the Ray
-cluster the run started is stopped, every process of it, also when the start-up was cut short.
+Ray starts (:mod:`algorithms.inputs`; one line, as ``main`` prints for a bad config), 3 when it
+finished but left keys no group in flight owns (a leak, :func:`algorithms.rollouts.leak_exit`),
+130 on Ctrl-C, 143 on SIGTERM. In every case the store is emptied, the store and the workers are
+shut down, and the Ray cluster the run started is stopped, every process of it, also when the
+start-up was cut short (:mod:`algorithms.cluster`).
 
 The workers' launch and the set-up of their groups are :mod:`algorithms.launch`'s.
 """
@@ -24,9 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -35,15 +35,15 @@ from typing import Any
 import ray
 import torch
 
+from algorithms import cluster
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
-from algorithms.cluster import RunCluster
 from algorithms.config import TrainerConfig
 from algorithms.inputs import check_run_inputs, load_datasets
 from algorithms.launch import connect, launch
 from algorithms.metrics import MetricsLogger, StartupProgress
 from algorithms.models import model_files_digest
 from algorithms.remote import gather
-from algorithms.rollouts import keys_outside_groups
+from algorithms.rollouts import keys_outside_groups, leak_exit
 from algorithms.run_dir import (
     MODEL_FILES,
     RunPlan,
@@ -80,7 +80,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self.transport: Transport = make_transport(cfg)
         self._transport_started = False
-        self.cluster: RunCluster | None = None  # the Ray cluster this run attached to or started
+        self._ray_started = False  # this run started its Ray cluster (then it stops it, all of it)
         self._workers_up = False  # every worker answered: they can shut down cleanly
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled, "transport": self.transport.label()}
@@ -109,8 +109,8 @@ class Trainer:
     def _start_ray(self) -> None:
         if not ray.is_initialized():
             cfg = self.cfg
-            self.cluster = RunCluster(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
-            self.cluster.start()
+            self._ray_started = not cfg.ray.address  # a start cut short by a signal is stopped too
+            cluster.start_ray(cfg, self.name, self.num_collectors(cfg), self.transport.actor_modules())
 
     def _launch_workers(self, num_collectors: int = 1) -> None:
         """Create the worker actors without waiting for them (:func:`algorithms.launch.launch`);
@@ -119,8 +119,7 @@ class Trainer:
         # argument of the calls that form the groups: in memory, never through a store nor the
         # runtime_env (Ray logs that to a file). docs/reliability.md, "Trust boundary".
         self._secret = os.environ.get(SECRET_ENV) or new_job_secret()
-        owned = self.cluster is not None and self.cluster.owned
-        self.workers, self.actors = launch(self.cfg, num_collectors, owned_cluster=owned)
+        self.workers, self.actors = launch(self.cfg, num_collectors, owned_cluster=self._ray_started)
 
     def _connect_workers(self) -> None:
         """Wait for the workers, form their groups, attach the transport
@@ -158,7 +157,9 @@ class Trainer:
         self.summary["keys_leaked_at_exit"] = len(leaked)
         if leaked:
             print(
-                f"{self.name}: {len(leaked)} key(s) at exit in no group in flight, e.g. {leaked[:5]}", file=sys.stderr
+                f"{self.name}: {len(leaked)} key(s) leaked: in the store at exit, in no group in flight, e.g. "
+                f"{leaked[:5]}",
+                file=sys.stderr,
             )
 
     def _save_checkpoint(self, step_done: int) -> Path:
@@ -206,6 +207,7 @@ class Trainer:
         store = self.transport.startup_phase
         shown = ["Ray", *([store] if store else []), "workers", "groups", *(["checkpoint"] if resume else []), "refit"]
         startup = self._startup = StartupProgress(shown, name=self.name, enabled=cfg.logging.progress)
+        cluster.raise_on_sigterm()  # SIGTERM stops the run as Ctrl-C does (exit 143)
         try:
             train, val = self._datasets
             self._init_data(train)
@@ -261,9 +263,10 @@ class Trainer:
             polls = gather([c.poll.remote() for c in self.workers.collectors], 60, "collector counters")
             summary["groups_per_engine"] = [int(p.get("groups_written", 0)) for p in polls]
             summary["workers_data_plane_modules"] = self._worker_modules()
-        except KeyboardInterrupt:
-            status, code = "interrupted (Ctrl-C)", 130
-            print(f"\n{self.name}: interrupted; clearing the store and shutting down workers", file=sys.stderr)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (cluster.Terminated)
+            sigterm = isinstance(e, cluster.Terminated)
+            status, code = ("terminated (SIGTERM)", cluster.SIGTERM_EXIT) if sigterm else ("interrupted (Ctrl-C)", 130)
+            print(f"\n{self.name}: {status}; clearing the store and shutting down workers", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - reported, then the process exits non-zero
             status, code = "failed", 1
             # The traceback too: the step's own error (with its worker's cause) is what a user debugs.
@@ -273,6 +276,7 @@ class Trainer:
         finally:
             startup.close(done=False)
             self._shutdown()
+        status, code = leak_exit(status, code, summary)  # _account_stored_keys named the leaked keys
         rows = self.logger.rows if self.logger is not None else []
         if self.logger is not None:
             self.logger.close()
@@ -351,16 +355,10 @@ class Trainer:
 
     def _shutdown(self) -> None:
         """Best effort, each part bounded: collectors, the store (emptied), workers, Ray. Safe
-        after any failure; a second Ctrl-C while it runs is ignored so the store and the cluster
-        still go down."""
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+        after any failure; a second Ctrl-C or a SIGTERM while it runs is ignored so the store and
+        the cluster still go down."""
+        with cluster.signals_ignored():
             self._shutdown_parts()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
 
     def _shutdown_parts(self) -> None:
         # Workers that never answered (interrupted or failed start-up) have no groups to leave: their
@@ -422,5 +420,6 @@ class Trainer:
                     pass
             self.actors = []
         self.workers = None
-        if self.cluster is not None:
-            self.cluster.stop()  # a local cluster's every process, however far its start got
+        if self._ray_started:
+            self._ray_started = False
+            cluster.stop_ray()  # a local cluster's every process, however far its start got

@@ -12,10 +12,15 @@ segment without a fault resumes and finishes (exit 0), which checks the last fau
 
 Reports (a table on stdout, JSON in ``--out``): faults injected and survived per kind, time
 from fault to error per kind (the hook's marker to the trainer's ``summary.json``, shutdown
-included), max keys outstanding over every step, keys left in the store at each exit (``-1``:
-the store itself was killed, nothing to empty) and at the final exit, store bytes at the final
-exit (0 when no key is left: rows live only under keys), and whether every handed-out prompt
-was trained exactly once or is still pending (``trained_groups.jsonl``).
+included), max keys outstanding over every step, at each exit the keys the trainer found in the
+store and the keys it found leaked (in no group in flight), both counted before its final clear
+(``-1``: the store itself was killed, nothing to count; ``None``: the segment wrote no summary),
+keys left after the final exit's clear and store bytes then (0 when no key is left: rows live
+only under keys), and whether every handed-out prompt was trained exactly once or is still
+pending (``trained_groups.jsonl``).
+
+Exit status: 0 when every fault that fired was survived, the final segment exited 0 and no exit
+leaked a key (:func:`soak_ok`); else 1. A leak fails the soak even where the trainer went on.
 
 ``--outside-kills N``: no hook in the code; N trials, each one trainer signalled from this process
 at a random moment (a policy rank, the generator, a collector, a TransferQueue actor, the driver,
@@ -96,6 +101,27 @@ BASE = (
     # one unit), so each kind of store process can be the victim.
     "data_plane.transfer_queue.unit_in_controller=false",
 )
+
+
+def exit_keys(summary: dict[str, Any]) -> dict[str, Any]:
+    """A segment's exit as its trainer counted the store before the final clear: keys held
+    (``in_store``) and keys of no group in flight (``leaked``), then ``left`` after the clear."""
+    return {
+        "in_store": summary.get("keys_in_store_at_exit"),
+        "leaked": summary.get("keys_leaked_at_exit"),
+        "left": summary.get("keys_outstanding_at_exit"),
+    }
+
+
+def soak_ok(report: dict[str, Any]) -> bool:
+    """Every fault that fired survived, the final segment finished (exit 0, nothing left after its
+    clear), and no exit leaked (a count > 0; -1, the store gone, and None, no summary, are not)."""
+    return (
+        report["faults_survived"] == report["faults_injected"]
+        and report["final_exit_code"] == 0
+        and report["keys_left_at_final_exit"] == 0
+        and not any((k or 0) > 0 for k in report["keys_leaked_at_each_exit"])
+    )
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -198,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     out_side = ap.add_argument_group("outside kills (benchmarks/soak_outside.py)")
     out_side.add_argument("--outside-kills", type=int, default=0, metavar="N", help="run N outside-kill trials")
     out_side.add_argument("--trainer", default="grpo_async", choices=["grpo_async", "grpo_sync"])
-    out_side.add_argument("--trial-steps", type=int, default=10, help="trainer.steps of each trial")
+    out_side.add_argument(
+        "--trial-steps",
+        type=int,
+        default=100_000,
+        help="trainer.steps of each trial: more than it trains before its signal, so the signal lands",
+    )
     out_side.add_argument(
         "--victims", nargs="+", default=list(VICTIMS), choices=list(VICTIMS), help="kinds to draw victims from"
     )
@@ -240,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     G = 4
     t_start = time.time()
     events: list[dict[str, Any]] = []
-    exits: list[int] = []
+    exits: list[dict[str, Any]] = []
     done, resume = 0, False
     final: dict[str, Any] = {}
     while True:
@@ -251,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = res["code"] == 0
             if events and events[-1]["survived"] is None:
                 events[-1]["survived"] = events[-1]["named"] and ok
-            exits.append(res["summary"].get("keys_outstanding_at_exit", -2))
+            exits.append(exit_keys(res["summary"]))
             break
         kind = rng.choice(args.faults)
         at = done + rng.randint(args.min_gap, args.max_gap)
@@ -276,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             "exit": res["code"],
             "named": named,
             "time_to_error_s": res["time_to_error_s"],
-            "keys_at_exit": res["summary"].get("keys_outstanding_at_exit"),
+            "keys_at_exit": exit_keys(res["summary"]),
             "steps_logged": len(rows),
             "resume_from": resumed_to,
             "survived": None,
@@ -288,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             ev["survived"] = None
             ev["note"] = "fault did not fire before the run finished"
         events.append(ev)
-        exits.append(ev["keys_at_exit"] if ev["keys_at_exit"] is not None else -2)
+        exits.append(ev["keys_at_exit"])
         print(
             f"[{time.time() - t_start:7.1f}s] {kind:26s} at step {at:4d}: exit {res['code']}, named={named}, "
             f"time to error {ev['time_to_error_s'] and round(ev['time_to_error_s'], 2)} s, keys at exit "
@@ -316,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         "per_kind": per_kind,
         "max_keys_outstanding": max((r["keys_outstanding"] for r in rows), default=0),
         "keys_outstanding_bound": fsum.get("keys_outstanding_bound"),
-        "keys_at_each_exit": exits,
+        "keys_in_store_at_each_exit": [e["in_store"] for e in exits],
+        "keys_leaked_at_each_exit": [e["leaked"] for e in exits],
         "final_exit_code": final.get("code"),
-        "keys_at_final_exit": fsum.get("keys_outstanding_at_exit"),
+        "keys_leaked_at_final_exit": fsum.get("keys_leaked_at_exit"),
+        "keys_left_at_final_exit": fsum.get("keys_outstanding_at_exit"),
         "store_bytes_at_final_exit": 0 if fsum.get("keys_outstanding_at_exit") == 0 else None,
         "every_prompt_trained_once_or_pending": _lossless(out, fsum) if fsum else None,
         "events": events,
@@ -332,20 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     for kind, k in sorted(per_kind.items()):
         print(f"{kind:26s} {k['injected']:8d} {k['survived']:8d} {k['times']}")
     print(
-        f"max keys outstanding {report['max_keys_outstanding']} (bound {report['keys_outstanding_bound']}); keys at "
-        f"each exit {exits}; final exit {report['final_exit_code']}, keys {report['keys_at_final_exit']}, store bytes "
-        f"{report['store_bytes_at_final_exit']}; every prompt trained once or pending: "
+        f"max keys outstanding {report['max_keys_outstanding']} (bound {report['keys_outstanding_bound']}); keys in "
+        f"the store / leaked at each exit (before its clear) {report['keys_in_store_at_each_exit']} / "
+        f"{report['keys_leaked_at_each_exit']}; final exit {report['final_exit_code']}, keys left after its clear "
+        f"{report['keys_left_at_final_exit']}, store bytes {report['store_bytes_at_final_exit']}; "
+        "every prompt trained once or pending: "
         f"{report['every_prompt_trained_once_or_pending']}"
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    ok = (
-        report["faults_survived"] == report["faults_injected"]
-        and report["final_exit_code"] == 0
-        and report["keys_at_final_exit"] == 0
-    )
-    return 0 if ok else 1
+    return 0 if soak_ok(report) else 1
 
 
 if __name__ == "__main__":

@@ -2,18 +2,22 @@
 in the trainer's code. Run through ``python benchmarks/soak.py --outside-kills N`` (see there).
 
 Each trial starts one trainer (``--trainer grpo_async`` or ``grpo_sync``, the soak's tiny config,
-checkpoint every ``--ckpt-every`` steps) in a session of its own, waits a random time (a share
-``--startup-frac`` of the trials during start-up, 0..``--startup-window`` s after a process of the
-drawn kind is up (the driver: its raylet); the rest 0..``--kill-window`` s after ``metrics.jsonl``
-has its first line), then lists the run's
+checkpoint every ``--ckpt-every`` steps, ``--trial-steps`` steps: more than it can train before
+its signal, so the signal always lands on a running run) in a session of its own, waits a random
+time (a share ``--startup-frac`` of the trials during start-up, 0..``--startup-window`` s after a
+process of the drawn kind is up (the driver: its raylet); the rest 0..``--kill-window`` s after
+``metrics.jsonl`` has its first line), then lists the run's
 processes with psutil (its session, or its ``SOAK_RUN_TAG`` environment variable: Ray's workers
 change their process group but keep both) and sends a signal (SIGKILL, SIGTERM or SIGINT, drawn
 with ``--signal-weights``) to one process of a drawn kind (:data:`KINDS`; when no process of that
-kind exists yet, one of the kinds present). Then it checks:
+kind exists yet, one of the kinds present). A trial whose signal did not land (the run ended
+first, or its victim was gone) is *not tried*, counted apart, and fails the soak. Then it checks:
 
 * the driver exits within ``--exit-bound`` s. Driver alive after the signal: exit 1 with an error
-  naming the lost component (:data:`NAMES`), or 0 when the run finished anyway (the signal landed
-  after the last step, or the process survived it; recorded apart). Driver signalled: its own code.
+  naming the lost component (:data:`NAMES`); or, when the signalled process is still alive after
+  the bound (it survived the signal: the raylet ignores SIGINT), the soak stops the run with a
+  Ctrl-C, which must end it with 130 (recorded apart). Driver signalled: 130 for SIGINT, 143 for
+  SIGTERM (the trainer's own shutdown, then its exit), -9 for SIGKILL.
 * no orphan: every process of the run listed at kill time, and any process started later with the
   run's session or tag, is gone (or a zombie) within ``--grace`` s of the driver's exit. Orphans
   are recorded (pid, kind, command line), then SIGKILLed so the next trial starts clean. Ray
@@ -160,23 +164,39 @@ def foreign_ray(before: Iterable[Proc], live: Iterable[Proc]) -> list[Proc]:
     return [p for p in live if not p.ours and p.key not in keys and re.search(RAY_LIKE, p.cmdline)]
 
 
+# The driver's exit status for each signal it receives itself: SIGKILL ends it at once, SIGINT and
+# SIGTERM after the trainer's shutdown (algorithms/trainer.py: 130, 143).
+DRIVER_EXIT: dict[str, int] = {"SIGKILL": -signal.SIGKILL, "SIGTERM": 143, "SIGINT": 130}
+NOT_TRIED = "not tried"
+
+
 def verdict(
-    victim: str | None, sig: str, code: int | None, error: str, finished_at_kill: bool, resumed: bool | None
+    victim: str | None,
+    sig: str,
+    code: int | None,
+    error: str,
+    survived: bool,
+    resumed: bool | None,
+    not_tried: str = "",
 ) -> str:
-    """A trial's outcome (``ok...`` or why not), orphans aside; ``error`` is the driver's error line."""
+    """A trial's outcome (``ok...``, ``not tried: ...`` or why not), orphans aside; ``error`` is
+    the driver's error line, ``survived``: the signalled process outlived ``--exit-bound`` and the
+    soak stopped the run with a Ctrl-C (``code`` is that exit)."""
+    if not_tried:
+        return f"{NOT_TRIED}: {not_tried}"
     if code is None:
         return "no exit within the bound"
     if resumed is False:
         return "resume failed"
-    if victim is None:
-        return "ok (run ended before the kill)" if code in (0, 1) else f"exit {code} before the kill"
     if victim == "driver":
-        want = {"SIGKILL": -signal.SIGKILL, "SIGTERM": -signal.SIGTERM, "SIGINT": 130}[sig]
-        return "ok" if code in (want, 0) else f"driver exit {code} (expected {want})"
-    if code == 0:
-        return "ok (signal landed after the last step)" if finished_at_kill else "ok (the process survived the signal)"
+        want = DRIVER_EXIT[sig]
+        return "ok" if code == want else f"driver exit {code} (expected {want})"
+    if survived:
+        if code == 130:
+            return "ok (the process survived the signal; the soak's Ctrl-C ended the run)"
+        return f"the process survived the signal, and the soak's Ctrl-C ended the run with exit {code}, not 130"
     if code == 1:
-        return "ok" if re.search(NAMES[victim], error) else "error does not name the component"
+        return "ok" if victim is not None and re.search(NAMES[victim], error) else "error does not name the component"
     return f"exit {code}"
 
 
@@ -210,6 +230,33 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as under a terminal, whatever our parent ignored
 
 
+def _still_alive(p: Proc) -> bool:
+    """Whether the process ``p`` (same pid and start time) still runs (a zombie has exited)."""
+    import psutil
+
+    try:
+        q = psutil.Process(p.pid)
+        return round(q.create_time(), 2) == p.key[1] and q.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stop(proc: subprocess.Popen[Any], sid: int, bound: float) -> int | None:
+    """End a running trial's run with a Ctrl-C to its driver (its own exit), SIGKILLing its session
+    when it does not end within ``bound``; the driver's exit status (None: it had to be killed)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGINT)
+            proc.wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            os.killpg(sid, signal.SIGKILL)
+            proc.wait()
+            return None
+        except ProcessLookupError:
+            proc.wait()
+    return proc.returncode
+
+
 def _metric_lines(out: Path) -> int:
     try:
         return sum(1 for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip())
@@ -236,7 +283,8 @@ class Trial:
     signal: str = ""
     moment_s: float | None = None  # after the launch
     moment_step: int | None = None  # metrics lines at the kill
-    finished_at_kill: bool = False
+    not_tried: str = ""  # why the signal did not land (the run ended first, the victim was gone)
+    survived: bool = False  # the victim outlived --exit-bound; the soak stopped the run with a Ctrl-C
     exit_code: int | None = None
     error_line: str = ""
     seconds_to_exit: float | None = None  # from the signal
@@ -258,7 +306,6 @@ def run_trial(
     cmd: list[str],
     env: dict[str, str],
     allowed: Sequence[str],
-    steps: int,
     args: Any,
 ) -> Trial:
     """Launch, signal, wait, look for orphans (and SIGKILL them), optionally resume."""
@@ -291,31 +338,43 @@ def run_trial(
         time.sleep(0.05)
     recorded: list[Proc] = []
     t_kill = None
+    victim: Proc | None = None
     if proc.poll() is None:
         recorded = [p for p in snapshot(sid, tag) if p.ours]
         trial.tree_at_kill = [
             {"pid": p.pid, "kind": kind_of(p, proc.pid), "cmdline": p.cmdline[:200]} for p in recorded
         ]
         pick = choose_victim(rng, recorded, proc.pid, plan.kind, allowed)
-        if pick is not None:
+        if pick is None:
+            trial.not_tried = "no process of an allowed kind was up"
+        else:
             kind, victim = pick
             trial.moment_step = _metric_lines(out)
-            trial.finished_at_kill = trial.moment_step >= steps
-            t_kill = time.time()
+            trial.victim_kind, trial.victim_pid, trial.victim_cmdline = kind, victim.pid, victim.cmdline[:200]
+            trial.signal = plan.signal
             try:
                 os.kill(victim.pid, SIGNALS[plan.signal])
+                t_kill = time.time()
+                trial.moment_s = round(t_kill - t0, 2)
             except ProcessLookupError:
-                pass
-            trial.victim_kind, trial.victim_pid, trial.victim_cmdline = kind, victim.pid, victim.cmdline[:200]
-            trial.signal, trial.moment_s = plan.signal, round(t_kill - t0, 2)
+                trial.not_tried = f"the {kind} (pid {victim.pid}) was gone at the signal"
+    else:
+        trial.not_tried = f"the run ended before its moment (exit {proc.returncode}), after {_metric_lines(out)} steps"
     # ---- the exit
-    try:
-        proc.wait(timeout=args.exit_bound if t_kill else args.exit_bound + args.startup_timeout + 60 * steps)
-        trial.exit_code = proc.returncode
-    except subprocess.TimeoutExpired:
-        trial.exit_code = None
-        os.killpg(sid, signal.SIGKILL)
-        proc.wait()
+    if t_kill is None:  # not tried: end the run the way a user would, then clean up as for any trial
+        trial.exit_code = _stop(proc, sid, args.exit_bound)
+    else:
+        try:
+            proc.wait(timeout=args.exit_bound)
+            trial.exit_code = proc.returncode
+        except subprocess.TimeoutExpired:
+            if victim is not None and trial.victim_kind != "driver" and _still_alive(victim):
+                trial.survived = True  # e.g. the raylet ignores SIGINT: the run goes on, as it should
+                trial.exit_code = _stop(proc, sid, args.exit_bound)
+            else:
+                trial.exit_code = None
+                os.killpg(sid, signal.SIGKILL)
+                proc.wait()
     t_exit = time.time()
     if t_kill is not None:
         trial.seconds_to_exit = round(t_exit - t_kill, 2)
@@ -360,7 +419,13 @@ def run_trial(
             if not trial.resumed_ok:
                 trial.error_line += f" | resume: exit {res['code']}: {_error_line(res['stderr'])}"
     trial.verdict = verdict(
-        trial.victim_kind, trial.signal, trial.exit_code, trial.error_line, trial.finished_at_kill, trial.resumed_ok
+        trial.victim_kind,
+        trial.signal,
+        trial.exit_code,
+        trial.error_line,
+        trial.survived,
+        trial.resumed_ok,
+        trial.not_tried,
     )
     if trial.orphans:
         fates = [
@@ -378,14 +443,16 @@ def summarize(trials: Sequence[Trial]) -> dict[str, Any]:
     """Totals over the trials."""
     per: dict[str, dict[str, int]] = {}
     for t in trials:
-        k = per.setdefault(t.victim_kind or "none (ended before)", {"trials": 0, "ok": 0, "orphans": 0})
+        k = per.setdefault(NOT_TRIED if t.not_tried else str(t.victim_kind), {"trials": 0, "ok": 0, "orphans": 0})
         k["trials"] += 1
         k["ok"] += t.verdict.startswith("ok") and not t.orphans
         k["orphans"] += len(t.orphans)
     return {
         "trials": len(trials),
         "ok": sum(t.verdict.startswith("ok") and not t.orphans for t in trials),
-        "killed": sum(t.victim_kind is not None for t in trials),
+        "signalled": sum(not t.not_tried for t in trials),
+        "not_tried": sum(bool(t.not_tried) for t in trials),
+        "survived_the_signal": sum(t.survived for t in trials),
         "orphan_processes": sum(len(t.orphans) for t in trials),
         "orphans_killed_by_soak": sum(o["left_by_itself_after_s"] is None for t in trials for o in t.orphans),
         "trials_with_orphans": sum(bool(t.orphans) for t in trials),
@@ -394,6 +461,12 @@ def summarize(trials: Sequence[Trial]) -> dict[str, Any]:
         "max_seconds_to_exit": max((t.seconds_to_exit for t in trials if t.seconds_to_exit is not None), default=None),
         "per_victim": per,
     }
+
+
+def soak_exit(totals: dict[str, Any]) -> int:
+    """The soak's exit status from :func:`summarize`'s totals: 0 when there were trials and every
+    one landed its signal and was ok (no orphan); a trial not tried fails the soak too."""
+    return 0 if totals["trials"] and totals["ok"] == totals["trials"] and not totals["not_tried"] else 1
 
 
 def _row(t: Trial) -> str:
@@ -454,7 +527,7 @@ def main(args: Any) -> int:
             f"logging.output_dir={out}",
             "logging.overwrite=true",
         ]
-        trial = run_trial(i, plan, rng, out, cmd, trainer_env(), args.victims, args.trial_steps, args)
+        trial = run_trial(i, plan, rng, out, cmd, trainer_env(), args.victims, args)
         trials.append(trial)
         print(_row(trial), flush=True)
         report = {"args": vars(args), "wall_s": round(time.time() - t_start, 1), **summarize(trials)}
@@ -463,7 +536,8 @@ def main(args: Any) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2))
     s = summarize(trials)
     print(
-        f"\noutside kills: {s['trials']} trials, {s['killed']} signalled, {s['ok']} ok, "
+        f"\noutside kills: {s['trials']} trials, {s['signalled']} signalled ({s['not_tried']} not tried), "
+        f"{s['ok']} ok, {s['survived_the_signal']} survived their signal, "
         f"{s['orphan_processes']} orphan processes in {s['trials_with_orphans']} trials "
         f"({s['orphans_killed_by_soak']} never left by themselves), "
         f"resumed ok {s['resumed_ok']} (failed {s['resume_failed']}), max s to exit {s['max_seconds_to_exit']}"
@@ -471,4 +545,4 @@ def main(args: Any) -> int:
     for kind, k in sorted(s["per_victim"].items()):
         print(f"  {kind:20s} trials {k['trials']:3d} ok {k['ok']:3d} orphans {k['orphans']:3d}")
     print(f"wrote {args.out}")
-    return 0 if trials and s["ok"] == s["trials"] else 1
+    return soak_exit(s)

@@ -29,9 +29,9 @@ from tensordict import TensorDict
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation import Rollouts
 from algorithms.faults import InjectedFailure, maybe_fail
-from algorithms.rewards import RewardFn, checked_reward, resolve_reward_fn
+from algorithms.reward_pool import ResponseScorer
 from algorithms.rollouts import Job, Sampled, continuation_seed, generation_seed, rollout_tags, sample_seed
-from algorithms.tasks import PromptRecord, task_ignores_eos
+from algorithms.tasks import task_ignores_eos
 from algorithms.tokenizers import build_tokenizer
 from algorithms.transports import RolloutSink
 from algorithms.workers.row_pool import RowPool, batches_by_version
@@ -56,7 +56,8 @@ class RolloutCollector:
         self.index = index
         self.n = cfg.generation.n
         self.tokenizer = build_tokenizer(cfg)
-        self.reward_fn = resolve_reward_fn(cfg.task.reward_fn, cfg.task.name)
+        # The reward under task.reward_timeout_s: its first worker process starts now.
+        self.rewards = ResponseScorer(cfg, self.tokenizer.decode)
         self.ignore_eos = task_ignores_eos(cfg.task.name)
         self.timeout_s = cfg.trainer.step_timeout_s
         self.sink: RolloutSink | None = None
@@ -76,6 +77,8 @@ class RolloutCollector:
         )
 
     def ready(self) -> bool:
+        """Up once a reward worker is (a reward that cannot load fails the start-up here)."""
+        self.rewards.wait_ready(self.cfg.trainer.startup_timeout_s)
         return True
 
     def attach(self, sink: RolloutSink) -> None:
@@ -164,32 +167,6 @@ class RolloutCollector:
             pending = [j for k, j in enumerate(pending) if not more.finished[k]]
         return Sampled(tokens, logprobs, versions, out.version, busy)
 
-    def _score(
-        self, records: Sequence[Any], responses: Sequence[Sequence[int]], n: int, groups: Sequence[int] | None = None
-    ) -> list[float]:
-        """One checked reward per response (:func:`algorithms.rewards.checked_reward`: a raising
-        reward or a non-finite or non-number score fails the step, naming the prompt and group)."""
-        out = []
-        task = self.cfg.task
-        for i, resp in enumerate(responses):
-            record = records[i // n]
-            group = groups[i // n] if groups else None
-            text = self.tokenizer.decode(resp)
-            name = task.reward_fn or task.name
-            out.append(checked_reward(self._reward_call(group), record, text, name=name, group=group))
-        return out
-
-    def _reward_call(self, group: int | None) -> RewardFn:
-        """The reward function, with the fault hook inside it (``fail_in=reward``: the call for
-        group ``fail_at_group`` raises, as a user's function would)."""
-
-        def call(record: PromptRecord, text: str) -> float:
-            what = f"in the reward function of group {'?' if group is None else group}"
-            maybe_fail(self.cfg.debug, "reward", group=group, what=what)
-            return self.reward_fn(record, text)
-
-        return call
-
     def _limits(self, records: Sequence[Any]) -> list[int] | None:
         """Each prompt's own response limit, where its record has one (long-tail tasks)."""
         if all(r.max_new_tokens is None for r in records):
@@ -224,7 +201,7 @@ class RolloutCollector:
         with self._cv:
             self._stats["partial_samples"] += sum(len(set(v)) > 1 for v in got.versions)
         rewards = torch.tensor(
-            self._score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
+            self.rewards.score([j.record for j in jobs], responses, n, [j.group_id for j in jobs]), dtype=torch.float32
         )
         rows, gen_lp, tok_v, prompt_len = [], [], [], []
         for i, (resp, lps, vs) in enumerate(zip(responses, got.logprobs, got.versions)):
@@ -276,6 +253,7 @@ class RolloutCollector:
             "generate_s": time.perf_counter() - t0,
             "dp_bytes": stored,
             "generator_busy_s": self._stats["generator_busy_s"] - busy_before,
+            "reward_timeouts": self.rewards.new_timeouts(),
             "ops": self._sink().drain_ops(),
         }
         # After the delivery, so the test sees the driver release keys a failed step left behind.
@@ -457,13 +435,15 @@ class RolloutCollector:
         return self._sink().take(max_groups, timeout_s, lambda: self._error is not None)
 
     def poll(self) -> dict[str, Any]:
-        """Failed group ids since the last poll, the producer's error (if it stopped), counters."""
+        """Failed group ids since the last poll, the producer's error (if it stopped), counters
+        (cumulative: ``reward_timeouts`` counts every call past ``task.reward_timeout_s``)."""
         with self._cv:
             failed, self._failed = self._failed, []
             return {
                 "failed": failed,
                 "error": self._error,
                 "queued": len(self._queue),
+                "reward_timeouts": self.rewards.timeouts,
                 "ops": self.sink.drain_ops() if self.sink is not None else [],
                 **self._stats,
                 **(self.sink.stats() if self.sink is not None else {}),
@@ -487,7 +467,7 @@ class RolloutCollector:
             return float("nan")
         prompts = [self.tokenizer.encode_prompt(r.prompt) for r in records]
         responses = self._sample(prompts, 1, seed, self.cfg.generation.val_temperature, self._limits(records)).tokens
-        scores = self._score(records, responses, 1)
+        scores = self.rewards.score(records, responses, 1)
         return sum(scores) / len(scores)
 
     def loaded_modules(self) -> list[str]:
@@ -495,6 +475,7 @@ class RolloutCollector:
 
     def close(self) -> None:
         self.stop(5.0)
+        self.rewards.close()
         if self.sink is not None:
             self.sink.close()
             self.sink = None

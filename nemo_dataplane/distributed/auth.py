@@ -15,12 +15,20 @@ whatever host it is given, and serves anyone who connects. Two measures bound th
   key presence (``check``/``wait``) are not authenticated: a forger can delay or fail a
   rendezvous (denial of service), never make a process use a value it supplied.
 
-The secret is per job: the trainer makes one (:func:`new_job_secret`) and hands it to its
-processes through Ray (the ``NEMO_DATAPLANE_SECRET`` environment variable of the actors'
-``runtime_env``) or a constructor argument, never through the store. :func:`job_secret`
-resolves the argument, else that variable, else ``None`` (unauthenticated; see
-:func:`authenticated` for the warning this gives). The variable may be shared by several runs:
-the instance binding, not the secret, keeps their records apart.
+The secret is per job: the trainer makes one (:func:`new_job_secret`, or takes
+``$NEMO_DATAPLANE_SECRET`` from the driver's environment) and hands it to its workers as an
+argument of the calls that form the groups, in memory only: never through a store, nor an
+actor's ``runtime_env`` (Ray writes that to a log file). :func:`job_secret` resolves a
+constructor's argument, else that variable of the calling process, else ``None``
+(unauthenticated; see :func:`authenticated` for the warning this gives). The variable may be
+shared by several runs: the instance binding, not the secret, keeps their records apart.
+
+What the server itself bounds: torch's TCPStore server refuses a key over 8 KiB and a value over
+8 MiB in one message (it drops that connection); records keep within both
+(:data:`MAX_RECORD_BYTES`), and one grown past them by appends is refused unused. It bounds
+neither the number of keys nor appends to one: any process that reaches the port can grow the
+hosting process's memory, a denial of service like a forger's delays (docs/reliability.md,
+"Trust boundary"), never a way to make a process use its data.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import torch.distributed as dist
 from nemo_dataplane.errors import NemoDataplaneError
 
 __all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_RECORD_BYTES",
     "SECRET_ENV",
     "AuthStore",
     "StoreAuthError",
@@ -59,6 +69,11 @@ _VERSION_BYTES = 8
 # Domain separation: a tag of this format can never equal one computed over another message layout.
 _DOMAIN = b"nemo-dataplane/store-record/2\0"
 _NONCE_BYTES = 32
+# torch's TCPStore server (its libuv backend, which host_tcp_store runs) refuses a key over 8 KiB
+# and a value over 8 MiB in one message, closing that client's connection. Records keep within
+# both, so a write of ours too large fails here naming the key, not as a dropped connection.
+MAX_KEY_BYTES = 8 * 2**10
+MAX_RECORD_BYTES = 8 * 2**20 - _MAC_BYTES - _VERSION_BYTES  # a record's value, before its tag
 
 
 class StoreAuthError(NemoDataplaneError, RuntimeError):
@@ -159,12 +174,22 @@ class AuthStore(dist.Store):
         if not 0 <= version < 1 << (8 * _VERSION_BYTES):
             raise ValueError(f"record version must be in [0, 2**64), got {version}")
         v = _as_bytes(value)
+        if len(v) > MAX_RECORD_BYTES or len(key.encode()) > MAX_KEY_BYTES:
+            raise ValueError(
+                f"store record {key[:100]!r}: a key of {len(key.encode())} bytes and a value of {len(v)} bytes; the "
+                f"store takes keys up to {MAX_KEY_BYTES} and records up to {MAX_RECORD_BYTES} bytes"
+            )
         ver = version.to_bytes(_VERSION_BYTES, "big")
         return self._tag(key, ver, v) + ver + v
 
     def _open(self, key: str, raw: bytes, version: int = 0) -> bytes:
         raw = bytes(raw)
         head = _MAC_BYTES + _VERSION_BYTES
+        if len(raw) > head + MAX_RECORD_BYTES:  # grown by appends: no record of this job's is
+            raise StoreAuthError(
+                f"store record {key!r} is {len(raw)} bytes, more than any record this job writes "
+                f"({head + MAX_RECORD_BYTES}); refusing to use it"
+            )
         tag, ver, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:head], raw[head:]
         if len(raw) < head or not hmac.compare_digest(tag, self._tag(key, ver, value)):
             raise StoreAuthError(

@@ -42,9 +42,17 @@ RAY_SYSTEM = (
 CORE_WORKER_PORT = re.compile(r"(?:worker|driver) server started, listening on port (\d+)")
 
 
-def _routable_interface() -> str | None:
-    names = [n for _, n in socket.if_nameindex() if n not in ("lo", "lo0")]
-    return names[0] if names else None
+def _routable_interface() -> tuple[str, str] | None:
+    """(name, address) of an interface that is up and has a non-loopback IPv4 address: one gloo
+    could really listen on (the first non-loopback name may be down, without an address)."""
+    stats = psutil.net_if_stats()
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if name not in stats or not stats[name].isup:
+            continue
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return name, a.address
+    return None
 
 
 def _tree(pid: int) -> list[Any]:
@@ -85,6 +93,21 @@ def _listeners(procs: list[Any]) -> list[tuple[int, str, str, int]]:
             if c.status == psutil.CONN_LISTEN:
                 out.append((p.pid, cmd[:120], c.laddr.ip, c.laddr.port))
     return out
+
+
+def _cmd(p: Any) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _env(p: Any) -> dict[str, str]:
+    try:
+        env: dict[str, str] = p.environ()
+        return env
+    except psutil.Error:
+        return {}
 
 
 def _files_containing(roots: list[Path], needle: bytes, since: float) -> list[str]:
@@ -150,7 +173,7 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
     extra = {"NEMO_DATAPLANE_SECRET": secret}
     iface = _routable_interface()
     if iface:
-        extra["GLOO_SOCKET_IFNAME"] = iface
+        extra["GLOO_SOCKET_IFNAME"] = iface[0]
     overrides = ("trainer.steps=24", "trainer.val_every=0")
     cmd, env = trainer_command(out, *overrides)
     env.update(extra)
@@ -176,6 +199,7 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
         ray_ports = _core_worker_ports(session)
         gcs_env = next(p.environ() for p in procs if "gcs_server" in " ".join(p.cmdline()))
         actors = _actors(procs)
+        ranks_ifname = [_env(p).get("GLOO_SOCKET_IFNAME") for p in procs if "PolicyWorker" in _cmd(p)]
         connections = _disturb(sorted({port for *_, port in seen}), seed=len(seen))
         actors_after = _actors(_tree(proc.pid)) if proc.poll() is None else {}
         steps_at_attack_end = len(metrics.read_text().splitlines())
@@ -198,6 +222,7 @@ def exposed_run(tmp_path_factory: pytest.TempPathFactory, trainer_command: Any) 
         "secret": secret,
         "t0": t0,
         "iface": iface,
+        "ranks_ifname": ranks_ifname,
         "actors": actors,
         "actors_after": actors_after,
         "connections": connections,
@@ -223,6 +248,23 @@ def test_every_listener_the_run_opens_is_on_loopback(exposed_run: dict[str, Any]
     assert sum("_Controller" in c for _, c, _, _ in ours) >= 3, ours
     exposed = [x for x in ours if not ipaddress.ip_address(x[2].split("%")[0]).is_loopback]
     assert exposed == [], f"listeners beyond loopback (pid, process, address, port): {exposed}"
+
+
+def test_gloo_stays_on_loopback_with_gloo_socket_ifname_on_a_routable_interface(exposed_run: dict[str, Any]) -> None:
+    if exposed_run["iface"] is None:
+        pytest.skip("no interface here is up with a non-loopback IPv4 address for GLOO_SOCKET_IFNAME to name")
+    name, address = exposed_run["iface"]
+    # The setting reached the policy ranks (whose gloo groups it once moved off loopback) ...
+    assert exposed_run["ranks_ifname"] and set(exposed_run["ranks_ifname"]) == {name}, exposed_run["ranks_ifname"]
+    # ... and none of their listeners took that interface's address (nor any other beyond loopback).
+    ray_own = exposed_run["ray_ports"]  # each rank's core-worker port is Ray's (token-guarded)
+    ranks = [
+        (ip, port)
+        for pid, cmd, ip, port in exposed_run["listeners"]
+        if "PolicyWorker" in cmd and port not in ray_own.get(pid, set())
+    ]
+    assert ranks, "the policy ranks listen (gloo, the train group's store): nothing found to judge"
+    assert all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip, _ in ranks), (address, ranks)
 
 
 def test_ray_keeps_token_authentication_on(exposed_run: dict[str, Any]) -> None:

@@ -164,7 +164,8 @@ def test_store_memory_is_bounded_every_step_and_empty_at_exit(batch_runs) -> Non
         run = batch_runs[name]
         bound = _bound(run)
         assert all(0 <= r["keys_outstanding"] <= bound for r in run.rows), (name, bound)
-        assert run.summary["keys_outstanding_at_exit"] == 0, name
+        # Counted before the final clear (the count after it is 0 whatever leaked), then cleared.
+        assert run.summary["keys_leaked_at_exit"] == 0 and run.summary["keys_outstanding_at_exit"] == 0, name
     assert max(r["keys_outstanding"] for r in batch_runs["dp"].rows) > 0, "rollouts wait in the store between steps"
 
 
@@ -328,7 +329,8 @@ def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
     assert fail.returncode == 1, fail.explain()
     assert "injected failure at step 2 on policy rank 1" in fail.stderr
     assert "Traceback" in fail.stderr, "the error keeps its traceback"
-    assert fail.summary["keys_outstanding_at_exit"] == 0 and [r["step"] for r in fail.rows] == [0, 1]
+    assert fail.summary["keys_leaked_at_exit"] == 0 and fail.summary["keys_outstanding_at_exit"] == 0
+    assert [r["step"] for r in fail.rows] == [0, 1]
 
     out = runs_dir / "interrupted"
     cmd, env = trainer_command(out, *SMALL_ASYNC, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
@@ -337,6 +339,54 @@ def test_a_failing_step_and_ctrl_c_both_leave_the_store_empty(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"].startswith("interrupted") and summary["keys_outstanding_at_exit"] == 0
     assert summary["keys_leaked_at_exit"] == 0
+
+
+def test_sigterm_during_start_up_ends_the_run_with_143_leaving_no_process(trainer_command, runs_dir: Path) -> None:
+    """SIGTERM to the driver as soon as its raylet is up (inside or just after ``ray.init``): the
+    trainer's own shutdown runs, it exits 143, and no process of the run outlives it (Ray's agents
+    included, which otherwise spend 60 s reporting their raylet's death to a dead GCS)."""
+    import subprocess
+    import time
+    import uuid
+
+    psutil = pytest.importorskip("psutil")
+    out = runs_dir / "sigterm_start_up"
+    out.mkdir(parents=True)
+    cmd, env = trainer_command(out, *SMALL_ASYNC, "trainer.steps=10000", "trainer.val_every=0", module="grpo_async")
+    tag = uuid.uuid4().hex
+    env["NEMO_DATAPLANE_TEST_RUN_TAG"] = tag  # every process of the run inherits it (Ray's included)
+
+    def ours() -> list[Any]:
+        procs = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.environ().get("NEMO_DATAPLANE_TEST_RUN_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(p)
+            except psutil.Error:
+                continue
+        return procs
+
+    with open(out / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], env=env, stdout=err, stderr=err)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any("raylet/raylet" in " ".join(p.info["cmdline"] or []) for p in ours()):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, (out / "stderr.txt").read_text()[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+        stderr = (out / "stderr.txt").read_text()
+        assert code == 143, stderr[-4000:]
+        assert json.loads((out / "summary.json").read_text())["status"] == "terminated (SIGTERM)"
+        left = ours()
+        assert left == [], [(p.pid, " ".join(p.info["cmdline"] or [])[:80]) for p in left]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in ours():  # never leave a process behind, whatever failed above
+            p.kill()
 
 
 def test_idle_ratios_move_with_work_injected_on_each_side(run_trainers_concurrently, runs_dir: Path) -> None:

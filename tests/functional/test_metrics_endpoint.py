@@ -4,6 +4,10 @@
 While up: the step counter grows, the store-op histograms are not empty, the data plane's share
 of a step lies in (0, 1) and the idle ratios in [0, 1]; every value the gauge showed is one the
 run wrote to ``metrics.jsonl``. After the run the port no longer answers.
+
+Each run's reward (``algorithms.faults:hanging_reward``) never returns on its first call: that
+call is cut at ``task.reward_timeout_s``, scores 0, and shows once in ``reward_timeouts`` of
+``metrics.jsonl`` and in the endpoint's counter; the run goes on.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Any
 import pytest
 
 from algorithms.exporter import scrape
+from algorithms.faults import HANG_ONCE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
+REWARD_TIMEOUT_S = 2.0
 
 
 def _watch(proc: subprocess.Popen[Any], err: Path, timeout: float = 600) -> tuple[str, list[dict[str, float]]]:
@@ -52,7 +58,13 @@ def _watch(proc: subprocess.Popen[Any], err: Path, timeout: float = 600) -> tupl
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, trainer_command, small_overrides) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("metrics_endpoint")
-    common = (f"trainer.steps={STEPS}", "trainer.val_every=0", "logging.prometheus_port=0")
+    common = (
+        f"trainer.steps={STEPS}",
+        "trainer.val_every=0",
+        "logging.prometheus_port=0",
+        "task.reward_fn=algorithms.faults:hanging_reward",
+        f"task.reward_timeout_s={REWARD_TIMEOUT_S:g}",
+    )
     plan = {
         "sync": trainer_command(d / "sync", *common, small=True),
         "async": trainer_command(
@@ -63,6 +75,7 @@ def served(tmp_path_factory, trainer_command, small_overrides) -> dict[str, Any]
     for name, (cmd, env) in plan.items():
         (d / name).mkdir(parents=True, exist_ok=True)
         err = d / name / "stderr.txt"
+        env[HANG_ONCE_ENV] = str(d / name / "hung_once")
         procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err.open("w")), err)
     watched: dict[str, Any] = {}
 
@@ -113,5 +126,10 @@ def test_a_running_trainer_serves_its_step_accounting(served: dict[str, Any], tr
     assert all(0 < r["dataplane_step_fraction"] < 1 for r in rows) and len(rows) == STEPS
     if trainer == "async":
         assert last["nemo_dataplane_staleness_count"] > 0
+    # The one reward call that never returned: cut short, scored 0, counted in both places.
+    assert (out / "hung_once").exists(), "the hanging call never happened"
+    assert sum(r["reward_timeouts"] for r in rows) == 1, [r["reward_timeouts"] for r in rows]
+    assert rows[0]["reward_timeouts"] == 1, "the first reward call hung, before step 0's row"
+    assert last["nemo_dataplane_reward_timeouts_total"] == 1
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(url, timeout=5)  # gone with the run

@@ -60,5 +60,6 @@ def test_grpo_sync_trains_with_its_workers_spread_over_nodes(result: dict[str, A
     assert t["returncode"] == 0, t["stderr"]
     s = t["summary"]
     assert s["status"] == "finished" and s["steps"] == 3 and s["keys_outstanding_at_exit"] == 0
+    assert s["keys_leaked_at_exit"] == 0, "counted before the final clear"
     nodes = s["worker_nodes"]
     assert len({nodes["policy0"], nodes["policy1"], nodes["generator"]}) == 3, nodes

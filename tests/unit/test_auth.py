@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_dataplane.distributed.auth import (
+    MAX_KEY_BYTES,
+    MAX_RECORD_BYTES,
     SECRET_ENV,
     AuthStore,
     StoreAuthError,
@@ -192,6 +194,31 @@ def test_a_false_barrier_arrival_does_not_release_the_barrier(arrival: str) -> N
     finally:
         g0.destroy()
         g1.destroy()
+
+
+def test_the_server_refuses_an_oversized_value_or_key_and_ours_stay_within_it() -> None:
+    """torch's server (the libuv backend host_tcp_store runs) drops a client that sends a value over
+    8 MiB or a key over 8 KiB, storing nothing; the wrapper refuses such a write itself, naming the
+    key, and refuses a record grown past the cap by appends before using it."""
+    server = host_tcp_store(P.HOST, 0, 1, TD)
+    store = AuthStore(_client(server.port), b"job-1")
+    before = server.num_keys()
+    for key, value in (("big", b"x" * (8 * 2**20 + 1)), ("k" * (MAX_KEY_BYTES + 1), b"v")):
+        plain = _client(server.port)
+        with pytest.raises(RuntimeError, match="Connection reset by peer|Broken pipe"):
+            plain.set(key, value)
+            plain.get(key)  # a set has no reply: the dropped connection shows at the next request
+    assert server.num_keys() == before, "nothing of the oversized writes was stored"
+    store.set("spg/refit/0/info", b"i" * MAX_RECORD_BYTES)  # the largest record fits the server's cap
+    assert len(store.get("spg/refit/0/info")) == MAX_RECORD_BYTES
+    with pytest.raises(ValueError, match=r"'spg/refit/0/big'.* up to 8388568 bytes"):
+        store.set("spg/refit/0/big", b"x" * (MAX_RECORD_BYTES + 1))
+    with pytest.raises(ValueError, match="keys up to 8192"):
+        store.set("k" * (MAX_KEY_BYTES + 1), b"v")
+    # A stranger appends to a genuine record: it is refused by its size, its bytes never parsed.
+    _client(server.port).append("spg/refit/0/info", b"y")
+    with pytest.raises(StoreAuthError, match=r"'spg/refit/0/info' is 8388609 bytes, more than any record"):
+        store.get("spg/refit/0/info")
 
 
 def test_compare_set_round_trips_through_the_tag() -> None:

@@ -1,5 +1,6 @@
 """``algorithms/dispatch.py`` on the session's Ray cluster: the compiled graph's runtime fallbacks,
-a rank's own error (and the bounded close after it), and the idle teardown.
+a rank's own error (and the bounded close after it), and the idle teardown; and the actor calls'
+gather naming a rank killed in a collective rather than its survivor's gloo error.
 
 A forced compile failure is covered end to end (tests/functional/test_grpo_async.py); here a
 graph that was serving breaks under the dispatcher the way it does in a run: its channels are
@@ -9,14 +10,16 @@ closed (the graph torn down through Ray's own ``teardown``) or a rank's actor di
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from algorithms import remote
 from algorithms.dispatch import CompiledGraphDispatch
-from algorithms.remote import StepError
+from algorithms.remote import StepError, gather
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -226,3 +229,61 @@ def test_an_idle_graph_is_torn_down_its_ranks_stop_polling_and_the_next_call_rec
 def test_the_idle_teardown_setting_is_validated(value: float, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CompiledGraphDispatch([], idle_teardown_s=value)
+
+
+# ------------------------------------------------------------------ a rank dies in a collective
+GLOO_ECHO = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40155: Connection reset by peer"
+)
+
+
+class _Peer:
+    """A policy rank in a collective whose peer dies: the survivor's error may reach the driver
+    before Ray's notice of the death (a loaded machine), which these calls make certain."""
+
+    def survivor(self) -> None:
+        raise RuntimeError(GLOO_ECHO)
+
+    def own_error(self) -> None:
+        raise ValueError("a rank's own bug")
+
+    def die_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def block(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@pytest.fixture
+def peers(ray_session: Any):
+    ranks = [ray_session.remote(num_cpus=0)(_Peer).remote() for _ in range(2)]
+    ray_session.get([a.block.remote(0) for a in ranks], timeout=120)  # up: the timings below are the gather's
+    yield ranks
+    for a in ranks:
+        ray_session.kill(a, no_restart=True)
+
+
+def test_a_rank_killed_mid_collective_is_named_not_its_survivors_gloo_error(peers) -> None:
+    survivor, victim = peers
+    with pytest.raises(StepError) as e:
+        gather([survivor.survivor.remote(), victim.die_after.remote(0.5)], 60.0, "step 3 train", who="policy rank")
+    msg = str(e.value)
+    assert msg.startswith("step 3 train: policy rank 1 died or was lost: "), msg
+    assert "policy rank 0 then failed with RuntimeError" in msg and "Connection reset by peer" in msg
+
+
+def test_a_ranks_own_error_is_raised_at_once_and_an_echo_without_a_dead_peer_after_the_grace(
+    peers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = peers
+    t0 = time.monotonic()
+    with pytest.raises(StepError, match=r"^step 1 train: ValueError: a rank's own bug$"):
+        gather([first.own_error.remote(), second.block.remote(30.0)], 60.0, "step 1 train", who="policy rank")
+    assert time.monotonic() - t0 < 5.0, "a rank's own error does not wait for its blocked peers"
+    monkeypatch.setattr(remote, "LOST_PEER_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(StepError, match=r"^step 2 train: RuntimeError: .*Connection reset by peer$"):
+        gather([first.survivor.remote(), second.block.remote(30.0)], 60.0, "step 2 train", who="policy rank")
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert not remote.may_be_a_lost_peer(ValueError("x")) and remote.may_be_a_lost_peer(RuntimeError(GLOO_ECHO))

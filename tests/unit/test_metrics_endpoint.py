@@ -64,13 +64,14 @@ def test_the_exporter_serves_each_steps_numbers_and_frees_its_port() -> None:
             "reward": 0.25,
             "refit_receive_s": 0.002,
             "groups_dropped_stale": 2,
+            "reward_timeouts": 3,
         }
         ops = [
             OpRecord("kv_batch_put", 0.004, 800, 16, 1.0, "collector"),
             OpRecord("kv_claim", 0.02, 0, 16, 1.0, "driver"),
         ]
         ex.observe(row, ops, staleness=[1, 1, 0])
-        ex.observe({**row, "step": 1, "groups_dropped_stale": 0}, [], [])
+        ex.observe({**row, "step": 1, "groups_dropped_stale": 0, "reward_timeouts": 1}, [], [])
         got = scrape(ex.url)
         assert got["nemo_dataplane_steps_total"] == 2
         assert got["nemo_dataplane_step_seconds_count"] == 2 and got["nemo_dataplane_step_seconds_sum"] == 1.0
@@ -84,6 +85,7 @@ def test_the_exporter_serves_each_steps_numbers_and_frees_its_port() -> None:
         assert got["nemo_dataplane_groups_dropped_stale_total"] == 2
         assert got["nemo_dataplane_refit_gbps"] == pytest.approx(2.0)
         assert got["nemo_dataplane_reward"] == 0.25
+        assert got["nemo_dataplane_reward_timeouts_total"] == 4  # a counter: each step's timeouts added
     finally:
         ex.close()
     ex.close()  # idempotent

@@ -114,14 +114,59 @@ def test_verdict() -> None:
     err = "grpo_async: error: step 3 train: policy rank 1 died or was lost: ActorDiedError"
     assert so.verdict("policy_rank", "SIGKILL", 1, err, False, True) == "ok"
     assert so.verdict("policy_rank", "SIGKILL", 1, "grpo_async: error: timeout", False, None).startswith("error does")
-    assert so.verdict("collector", "SIGTERM", 0, "", True, None).startswith("ok (signal landed after")
-    assert so.verdict("collector", "SIGINT", 0, "", False, None).startswith("ok (the process survived")
+    # The run goes on until its signal: an exit 0 after one is not a pass.
+    assert so.verdict("collector", "SIGTERM", 0, "", False, None) == "exit 0"
+    # The victim outlived the bound (the raylet ignores SIGINT): ok once the soak's Ctrl-C ends the run with 130.
+    assert so.verdict("raylet", "SIGINT", 130, "", True, None).startswith("ok (the process survived")
+    assert not so.verdict("raylet", "SIGINT", 1, "", True, None).startswith("ok")
+    # The driver itself: -9, or its own shutdown's 130 (Ctrl-C) and 143 (SIGTERM); Ray's -6 or -15 is not.
     assert so.verdict("driver", "SIGKILL", -signal.SIGKILL, "", False, None) == "ok"
     assert so.verdict("driver", "SIGINT", 130, "", False, True) == "ok"
-    assert so.verdict("driver", "SIGTERM", 1, "", False, None).startswith("driver exit 1")
+    assert so.verdict("driver", "SIGTERM", 143, "", False, None) == "ok"
+    for code in (-6, -15, 1, 0):
+        assert so.verdict("driver", "SIGTERM", code, "", False, None).startswith(f"driver exit {code}")
     assert so.verdict("raylet", "SIGKILL", None, "", False, None) == "no exit within the bound"
     assert so.verdict("generator", "SIGKILL", 1, err, False, False) == "resume failed"
-    assert so.verdict(None, "", 0, "", False, None).startswith("ok (run ended")
+    # A signal that never landed is not a pass of any kind.
+    assert so.verdict("policy_rank", "SIGKILL", 130, "", False, None, "the run ended first") == (
+        "not tried: the run ended first"
+    )
+
+
+def _trial(i: int, verdict: str, not_tried: str = "", survived: bool = False) -> object:
+    t = so.Trial(i, {"phase": "training"}, victim_kind=None if not_tried else "collector", verdict=verdict)
+    t.not_tried, t.survived = not_tried, survived
+    return t
+
+
+def test_trials_not_tried_are_counted_apart_and_fail_the_soak() -> None:
+    ok = [_trial(0, "ok"), _trial(1, "ok (the process survived the signal; ...)", survived=True)]
+    s = so.summarize(ok)
+    assert (s["trials"], s["signalled"], s["not_tried"], s["ok"], s["survived_the_signal"]) == (2, 2, 0, 2, 1)
+    assert so.soak_exit(s) == 0
+    missed = [*ok, _trial(2, "not tried: the run ended first", not_tried="the run ended first")]
+    s = so.summarize(missed)
+    assert (s["trials"], s["signalled"], s["not_tried"], s["ok"]) == (3, 2, 1, 2)
+    assert s["per_victim"][so.NOT_TRIED] == {"trials": 1, "ok": 0, "orphans": 0}
+    assert so.soak_exit(s) == 1
+    assert so.soak_exit(so.summarize([])) == 1
+
+
+def test_the_soak_counts_keys_at_each_exit_before_the_clear_and_a_leak_fails_it() -> None:
+    # The trainer counts before its final clear; the count after it is 0 whatever leaked.
+    summary = {"keys_in_store_at_exit": 18, "keys_leaked_at_exit": 2, "keys_outstanding_at_exit": 0}
+    assert soak.exit_keys(summary) == {"in_store": 18, "leaked": 2, "left": 0}
+    report = {
+        "faults_survived": 2,
+        "faults_injected": 2,
+        "final_exit_code": 0,
+        "keys_left_at_final_exit": 0,
+        "keys_leaked_at_each_exit": [0, -1, None, 0],  # -1: the store was killed; None: no summary
+    }
+    assert soak.soak_ok(report)
+    assert not soak.soak_ok({**report, "keys_leaked_at_each_exit": [0, 2, 0]})
+    assert not soak.soak_ok({**report, "final_exit_code": 3}), "the trainer's own exit for a leak"
+    assert not soak.soak_ok({**report, "faults_survived": 1})
 
 
 def test_error_line_prefers_the_trainers_error_then_rays_own() -> None:

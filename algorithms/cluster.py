@@ -29,6 +29,7 @@ from algorithms.cluster_procs import (
     cluster_processes,
     kill_cluster_processes,
     start_watchdog,
+    stop_watchdogs,
 )
 from algorithms.config import TrainerConfig, check_devices
 
@@ -112,14 +113,16 @@ def _init(**kwargs: Any) -> None:
 def stop_ray(grace_s: float = 2.0) -> list[int]:
     """Stop the local cluster this process started, a half-started one too: ``ray.shutdown()``,
     then :func:`kill_cluster_processes` of what is left (listed before: once the raylet is gone,
-    its agents are no longer its descendants). Returns the pids killed."""
+    its agents are no longer its descendants), then its watchdog. Returns the pids killed."""
     mark = cluster_mark()
     before = cluster_processes(mark)
     try:
         ray.shutdown()
     except Exception as e:  # noqa: BLE001 - what is left is killed below
         print(f"ray.shutdown failed: {e!r}", file=sys.stderr)
-    return kill_cluster_processes(mark, grace_s, before)
+    killed = kill_cluster_processes(mark, grace_s, before)
+    stop_watchdogs()  # the cluster is gone: its watchdog has nothing left to wait for
+    return killed
 
 
 def start_ray(cfg: TrainerConfig, name: str, generators: int, preload: tuple[str, ...] = ()) -> bool:

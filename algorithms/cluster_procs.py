@@ -23,7 +23,15 @@ import sys
 import time
 from collections.abc import Mapping
 
-__all__ = ["CLUSTER_ENV", "cluster_mark", "cluster_processes", "kill_cluster_processes", "start_watchdog", "watch"]
+__all__ = [
+    "CLUSTER_ENV",
+    "cluster_mark",
+    "cluster_processes",
+    "kill_cluster_processes",
+    "start_watchdog",
+    "stop_watchdogs",
+    "watch",
+]
 
 CLUSTER_ENV = "NEMO_DATAPLANE_RAY_CLUSTER"  # marks every process of a local cluster a run started
 WATCHDOG_GRACE_S = 1.0  # after the driver is gone: its cluster's own exits first, then the kill
@@ -134,11 +142,26 @@ def start_watchdog(mark: str) -> subprocess.Popen[bytes]:
         )
     finally:
         os.close(r)
-    _WATCHED.append(w)  # held open for the life of this process
+    _WATCHED.append((w, proc))  # held open until stop_watchdogs(), or for the life of this process
     return proc
 
 
-_WATCHED: list[int] = []
+_WATCHED: list[tuple[int, subprocess.Popen[bytes]]] = []
+
+
+def stop_watchdogs(timeout_s: float = 5.0) -> None:
+    """End this process's watchdogs (after a clean stop of their cluster): each sees its pipe end,
+    makes its kill pass over what is left of the cluster (nothing, by then) and exits."""
+    while _WATCHED:
+        w, proc = _WATCHED.pop()
+        try:
+            os.close(w)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def watch(argv: list[str] | None = None) -> None:

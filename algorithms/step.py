@@ -90,16 +90,21 @@ def collect(
     """Sync source: the collectors generate ``jobs`` (one step's prompts, :func:`spread` over the
     engines) with their generators' current weights and hand over the batch (through the
     transport's sink; several engines' parts joined by ``transport.concat``). With several
-    engines every response is drawn from its own seed, so the split changes nothing sampled.
+    engines every response is drawn from its own seed where the engine allows it (hf), so the
+    split changes nothing sampled; an engine that seeds by call (vLLM) gets its part's own seed.
 
     Raises:
         StepError: a collector failed or timed out; what the others delivered is released first.
     """
     chunks = spread(jobs, len(workers.collectors))
-    seed = generation_seed(cfg.trainer.seed, jobs[0].group_id)
     row_seeded = len(workers.collectors) > 1
     with timer("generate"):
-        calls = [c.collect.remote(ch, seed, row_seeded) for c, ch in zip(workers.collectors, chunks)]
+        # Each part seeded by its first group: an engine that draws from the call's seed (vLLM)
+        # never shares a stream with another engine's part.
+        calls = [
+            c.collect.remote(ch, generation_seed(cfg.trainer.seed, ch[0].group_id), row_seeded)
+            for c, ch in zip(workers.collectors, chunks)
+        ]
         transport.driver_bytes += payload_bytes(list(jobs))
         try:
             names = [f"collector{i}" if i else "collector" for i in range(len(calls))]

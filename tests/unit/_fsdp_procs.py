@@ -46,6 +46,9 @@ def make_cfg(sharding: str, world: int, precision: str, device: str = "cpu") -> 
         "grpo.kl_coef=0.05",
         "grpo.epochs=1",
         *(CUDA if device == "cuda" else []),
+        # The sharded engine also recomputes its layers' activations in backward: the same numbers
+        # as the replicated engine, which keeps them.
+        *(["policy.activation_checkpointing=true"] if sharding == "fsdp" else []),
     ]
     return load_config(CONFIG, overrides)
 

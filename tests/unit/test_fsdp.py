@@ -2,10 +2,10 @@
 per rank standing in for a GPU, against the replicated engine on the same rows.
 
 One run per precision serves every check: per-step metrics (the sharded engine with activation
-checkpointing) within a stated tolerance of the replicated engine's, each rank holding its share of the parameters, the warm-up's rates, a
-checkpoint that reloads bitwise (and on another rank count, saying so), the refit from shards
-bit-exact at a generator, and the Hugging Face export loading in ``transformers`` with the
-sharded model's logits.
+checkpointing) within a stated tolerance of the replicated engine's, each rank holding its share
+of the parameters, the warm-up's rates, a checkpoint that reloads bitwise (and on another rank
+count, saying so), the refit from shards bit-exact at a generator, and the Hugging Face export
+loading in ``transformers`` with the sharded model's logits.
 """
 
 from __future__ import annotations

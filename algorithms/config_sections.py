@@ -122,9 +122,15 @@ class GenerationConfig:
     # each response is drawn from its own seed where the engine allows it (hf), so the engine
     # count does not change what is sampled. grpo_async: async.num_collectors.
     num_engines: int = 1
+    # grpo_sync with several engines: an engine found dead (process killed, node lost) is dropped,
+    # its prompts are generated again by the others, and a replacement is started that joins at
+    # the next refit, at most max_replacements times per run (algorithms/engine_pool.py).
+    replace_lost: bool = True
+    max_replacements: int = 4
 
     def __post_init__(self) -> None:
         require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines")
+        require_positive(self, "max_replacements", allow_zero=True)
         require_positive(self, "temperature", "val_temperature", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")

@@ -36,6 +36,9 @@ METRICS: dict[str, tuple[str, str]] = {
     P + "staleness": ("histogram", "weight versions between a trained group's sampler and the trainer"),
     P + "groups_dropped_stale": ("counter", "groups dropped as older than async.max_staleness"),
     P + "groups_requeued_failed": ("counter", "groups whose write failed and were generated again"),
+    P + "generators_lost": ("counter", "generation engines found dead and dropped (grpo_sync, several engines)"),
+    P + "generators_replaced": ("counter", "replacement engines that joined the refit group"),
+    P + "groups_requeued_lost": ("counter", "groups a lost engine held, generated again by the others"),
     P + "refit_seconds": ("gauge", "seconds of the last refit's slowest receiver"),
     P + "refit_gbps": ("gauge", "weight bytes over the slowest receiver's seconds, GB/s"),
     P + "tokens_per_second": ("gauge", "tokens trained per second of step wall time"),
@@ -112,7 +115,14 @@ class PrometheusExporter:
         ):
             if row.get(key) is not None:
                 m[P + name].set(float(row[key]))
-        for name in ("groups_dropped_stale", "groups_requeued_failed", "reward_timeouts"):
+        for name in (
+            "groups_dropped_stale",
+            "groups_requeued_failed",
+            "reward_timeouts",
+            "generators_lost",
+            "generators_replaced",
+            "groups_requeued_lost",
+        ):
             if row.get(name):
                 m[P + name].inc(float(row[name]))
         receive = row.get("refit_receive_s")

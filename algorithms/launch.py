@@ -11,6 +11,7 @@ argument of those calls, in memory (``docs/reliability.md``, "Trust boundary").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import ray
 from algorithms.cluster import worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
+from algorithms.engine_pool import EnginePool, Spawned, form_refit_group
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.step import Workers
@@ -29,7 +31,7 @@ from algorithms.workers.generator import GeneratorWorker
 from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 
-__all__ = ["Placed", "connect", "launch"]
+__all__ = ["Placed", "connect", "engine_actors", "launch", "make_pool"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Placed:
     policy_params: int
     nodes: dict[str, str]
     layout: dict[str, Any]
+    local: bool  # every worker on this node (the groups' rendezvous listen on loopback)
 
 
 def _node_id(actor: Any) -> str:
@@ -53,14 +56,8 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     its cluster with the workers' environment in every process (``worker_env``), so the actors
     need no ``runtime_env`` and take Ray's prestarted workers."""
     cpus = cfg.ray.worker_num_cpus
-    env_vars = {} if owned_cluster else worker_env(cfg)
     ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
-    gpu_vars = env_vars
-    if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
-        # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
-        gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
-    env = {"env_vars": env_vars} if env_vars else None
-    gpu_env = {"env_vars": gpu_vars} if gpu_vars else None
+    _, gpu_env = _envs(cfg, owned_cluster)
     policy_cls = ray.remote(PolicyWorker)
     policy = [
         policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env, name=None).remote(
@@ -70,25 +67,9 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     ]
     # One generator per collector (its own GPU, a GPU fraction, or CPU); every one receives
     # every refit.
-    generators = [
-        ray.remote(GeneratorWorker)
-        .options(
-            num_cpus=cpus,
-            num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
-            runtime_env=gpu_env,
-            # A refit must reach a generator that generates (partial) or waits for a version.
-            max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
-        )
-        .remote(cfg)
-        for _ in range(num_collectors)
-    ]
-    # Several concurrent calls: submit/poll/take while the producer thread generates.
-    collectors = [
-        ray.remote(RolloutCollector)
-        .options(num_cpus=0, runtime_env=env, max_concurrency=4)
-        .remote(cfg, generators[i], i)
-        for i in range(num_collectors)
-    ]
+    engines = [engine_actors(cfg, i, owned_cluster=owned_cluster) for i in range(num_collectors)]
+    generators = [g for g, _ in engines]
+    collectors = [c for _, c in engines]
     dispatch: Any = make_dispatcher(
         cfg.trainer.dispatch,
         policy,
@@ -105,6 +86,74 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
         policy=policy, generators=generators, collectors=collectors, dispatch=dispatch, refit_senders=senders
     )
     return workers, [*policy, *generators, *collectors]
+
+
+def _envs(cfg: TrainerConfig, owned_cluster: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The ``runtime_env`` of CPU-side and GPU-side actors (``None``: the cluster's own)."""
+    env_vars = {} if owned_cluster else worker_env(cfg)
+    gpu_vars = env_vars
+    if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
+        # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
+        gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
+    return ({"env_vars": env_vars} if env_vars else None), ({"env_vars": gpu_vars} if gpu_vars else None)
+
+
+def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tuple[Any, Any]:
+    """Create engine ``index``'s generator and the collector that drives it (not waited for)."""
+    env, gpu_env = _envs(cfg, owned_cluster)
+    generator = (
+        ray.remote(GeneratorWorker)
+        .options(
+            num_cpus=cfg.ray.worker_num_cpus,
+            num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
+            runtime_env=gpu_env,
+            # A refit must reach a generator that generates (partial) or waits for a version.
+            max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
+        )
+        .remote(cfg, index)
+    )
+    # Several concurrent calls: submit/poll/take while the producer thread generates.
+    collector = (
+        ray.remote(RolloutCollector)
+        .options(num_cpus=0, runtime_env=env, max_concurrency=4)
+        .remote(cfg, generator, index)
+    )
+    return generator, collector
+
+
+def make_pool(
+    cfg: TrainerConfig,
+    workers: Workers,
+    actors: list[Any],
+    transport: Transport,
+    secret: str,
+    *,
+    local: bool,
+    owned_cluster: bool,
+) -> EnginePool:
+    """The run's engines as a pool that can lose members (:mod:`algorithms.engine_pool`): a
+    replacement is created like the first engines, attached to ``transport``'s sink and added to
+    ``actors`` (so shutdown reaches it); the refit group is re-formed over the same senders."""
+
+    def spawn(index: int) -> Spawned:
+        g, c = engine_actors(cfg, index, owned_cluster=owned_cluster)
+        actors.extend([g, c])
+        starting = [g.ready.remote(), c.ready.remote(), c.attach.remote(transport.sink())]
+        return Spawned(g, c, starting, time.perf_counter())
+
+    def reform(generators: list[Any]) -> None:
+        form_refit_group(
+            cfg,
+            workers.refit_senders,
+            generators,
+            workers.policy[0],
+            secret,
+            local=local,
+            timeout_s=cfg.trainer.startup_timeout_s,
+            what="refit group re-formed",
+        )
+
+    return EnginePool(cfg, workers.generators, workers.collectors, spawn, reform)
 
 
 def connect(
@@ -145,27 +194,11 @@ def connect(
         timeout,
         f"{transport.name} transport attach",
     )
-    senders = workers.refit_senders
-    world = len(senders) + len(generators)  # the generators are the last refit ranks
-    if cfg.refit.port:
-        host, port = cfg.refit.host, cfg.refit.port
-    else:
-        (refit_at,) = gather(
-            [policy[0].host_rendezvous.remote("refit", world, local)], timeout, "refit group rendezvous"
-        )
-        host, port = refit_at
-    gather(
-        [
-            *(s.init_refit.remote(host, port, world, secret) for s in senders),
-            *(g.init_refit.remote(host, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
-        ],
-        timeout,
-        "refit group set-up",
-    )
+    form_refit_group(cfg, workers.refit_senders, generators, policy[0], secret, local=local, timeout_s=timeout)
     layout = {
         "dp": cfg.trainer.dp_size,
         "tp": cfg.policy.tensor_parallel_size,
         "sharding": cfg.policy.sharding,
         "refit": cfg.refit_mode,
     }
-    return Placed(int(ready[0]["params"]), dict(zip(names, nodes)), layout)
+    return Placed(int(ready[0]["params"]), dict(zip(names, nodes)), layout, local)

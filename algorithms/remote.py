@@ -128,5 +128,36 @@ def gather(
     return results
 
 
+def settle(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str, who: Sequence[str]) -> list[Any]:
+    """Wait for every one of ``refs`` (bounded by ``timeout_s`` in all); each one's value, or for
+    a call that failed the :class:`StepError` :func:`gather` would have raised for it (its cause
+    the worker's error), so the caller decides which failures it can survive.
+
+    Raises:
+        StepError: ``timeout_s`` passed with calls unfinished (named).
+    """
+    timeout_s = check_timeout(timeout_s, "timeout_s")
+    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [who[i] for i, r in enumerate(refs) if r in set(pending)]
+        raise StepError(f"{what}: {', '.join(late)} did not finish within {timeout_s}s")
+    out: list[Any] = []
+    for i, r in enumerate(refs):
+        try:
+            out.append(ray.get(r))
+        except ray.exceptions.RayTaskError as e:
+            cause = worker_error(e)
+            out.append(_failed(f"{what}: {type(cause).__name__}: {cause}", cause))
+        except ray.exceptions.RayError as e:
+            out.append(_failed(f"{what}: {who[i]} died or was lost: {type(e).__name__}: {e}", e))
+    return out
+
+
+def _failed(message: str, cause: BaseException) -> StepError:
+    err = StepError(message)
+    err.__cause__ = cause
+    return err
+
+
 def _name(who: str | Sequence[str], i: int) -> str:
     return f"{who} {i}" if isinstance(who, str) else who[i]

@@ -34,7 +34,7 @@ from algorithms.dispatch import ActorDispatch
 from algorithms.finite import refuse_nonfinite_groups
 from algorithms.grpo import dynamic_sampling_mask, group_advantages
 from algorithms.metrics import PhaseTimer, payload_bytes
-from algorithms.remote import StepError, gather
+from algorithms.remote import StepError, gather, settle
 from algorithms.rollouts import Job, RolloutBatch, generation_seed
 from algorithms.telemetry import OpRecord, op_summary
 from algorithms.transports import Transport
@@ -49,6 +49,7 @@ class Workers:
     collectors: list[Any]
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
     refit_senders: list[Any] = field(default_factory=list)  # the ranks that send a refit; empty: policy rank 0
+    pool: Any = None  # grpo_sync's algorithms.engine_pool.EnginePool over generators/collectors; None: fixed
 
     def __post_init__(self) -> None:
         if self.dispatch is None:
@@ -89,30 +90,62 @@ def collect(
 ) -> RolloutBatch:
     """Sync source: the collectors generate ``jobs`` (one step's prompts, :func:`spread` over the
     engines) with their generators' current weights and hand over the batch (through the
-    transport's sink; several engines' parts joined by ``transport.concat``). With several
-    engines every response is drawn from its own seed where the engine allows it (hf), so the
-    split changes nothing sampled; an engine that seeds by call (vLLM) gets its part's own seed.
+    transport's sink; several engines' parts joined by ``transport.concat``, in the jobs' order).
+    With several engines every response is drawn from its own seed where the engine allows it
+    (hf), so the split changes nothing sampled; an engine that seeds by call (vLLM) gets its
+    part's own seed. An engine found dead (``workers.pool``, :mod:`algorithms.engine_pool`) is
+    dropped and its part generated again on the survivors, the same groups from the same seeds.
 
     Raises:
-        StepError: a collector failed or timed out; what the others delivered is released first.
+        StepError: a collector failed or timed out, or no engine is left; what the others
+            delivered is released first.
     """
-    chunks = spread(jobs, len(workers.collectors))
-    row_seeded = len(workers.collectors) > 1
+    pool = workers.pool
+    row_seeded = (len(workers.collectors) if pool is None else pool.size) > 1
+    parts: list[tuple[int, dict[str, Any]]] = []  # (position of its first job, result)
+    queue = _positioned(spread(list(jobs), len(workers.collectors)))  # parts still to generate
+    lost_groups = lost_engines = 0
     with timer("generate"):
-        # Each part seeded by its first group: an engine that draws from the call's seed (vLLM)
-        # never shares a stream with another engine's part.
-        calls = [
-            c.collect.remote(ch, generation_seed(cfg.trainer.seed, ch[0].group_id), row_seeded)
-            for c, ch in zip(workers.collectors, chunks)
-        ]
         transport.driver_bytes += payload_bytes(list(jobs))
-        try:
+        while queue:
+            # One part per engine a round; parts handed back by lost engines are split over the
+            # survivors, and wait for a later round where there are more parts than engines.
+            queue = _split_to(queue, len(workers.collectors))
+            chunks, queue = queue[: len(workers.collectors)], queue[len(workers.collectors) :]
+            # Each part seeded by its first group: an engine that draws from the call's seed (vLLM)
+            # never shares a stream with another engine's part.
+            calls = [
+                c.collect.remote(ch, generation_seed(cfg.trainer.seed, ch[0].group_id), row_seeded)
+                for c, (_, ch) in zip(workers.collectors, chunks)
+            ]
             names = [f"collector{i}" if i else "collector" for i in range(len(calls))]
-            results = gather(calls, cfg.trainer.step_timeout_s, f"step {step} collect", names)
-        except StepError:
-            _release_delivered(transport, calls, cfg.trainer.step_timeout_s)
-            raise
-        transport.driver_bytes += sum(payload_bytes(res) for res in results)
+            outcomes = settle(calls, cfg.trainer.step_timeout_s, f"step {step} collect", names)
+            failed = [i for i, o in enumerate(outcomes) if isinstance(o, StepError)]
+            for i, o in enumerate(outcomes):
+                if not isinstance(o, StepError):
+                    parts.append((chunks[i][0], o))
+            if pool is not None:
+                pool.generated([i for i in range(len(outcomes)) if i not in failed])
+            if not failed:
+                continue
+            lost = [i for i in failed if pool is not None and pool.is_lost(i)]
+            errors = [outcomes[i] for i in failed]
+            if len(lost) < len(failed) or pool is None:
+                _release_parts(transport, [res for _, res in parts])
+                raise next(e for i, e in zip(failed, errors) if i not in lost)
+            losses = pool.drop(lost, step, [outcomes[i] for i in lost])
+            back = [chunks[i] for i in lost]
+            queue.extend(back)
+            lost_engines += len(losses)
+            lost_groups += sum(len(ch) for _, ch in back)
+            pool.requeued_groups += sum(len(ch) for _, ch in back)
+            if not workers.collectors:
+                _release_parts(transport, [res for _, res in parts])
+                raise pool.no_engine_left(step, outcomes[lost[-1]])
+            pool.resumed(losses)
+    parts.sort(key=lambda p: p[0])
+    results = [res for _, res in parts]
+    transport.driver_bytes += sum(payload_bytes(res) for res in results)
     gids = [g for res in results for g in res["group_ids"]]
     groups = [len(res["group_ids"]) for res in results]
     batch = RolloutBatch(
@@ -131,18 +164,39 @@ def collect(
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
     batch.row["generator_busy_s"] = sum(float(res["generator_busy_s"]) for res in results)
     batch.row["reward_timeouts"] = sum(int(res["reward_timeouts"]) for res in results)
+    if pool is not None:
+        batch.row["generators_lost"] = lost_engines
+        batch.row["groups_requeued_lost"] = lost_groups
     return batch
 
 
-def _release_delivered(transport: Transport, calls: Sequence[Any], timeout_s: float) -> None:
-    """After a failed collect: the parts other collectors delivered leave the store too (bounded;
-    a failed collector rolled its own part back)."""
-    done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-    for ref in done:
-        try:
-            res = ray.get(ref)
-        except Exception:  # noqa: BLE001 - the failed one: nothing of it was delivered
-            continue
+def _positioned(chunks: list[list[Job]]) -> list[tuple[int, list[Job]]]:
+    """Each chunk with the position of its first job among all of them."""
+    out, at = [], 0
+    for ch in chunks:
+        out.append((at, ch))
+        at += len(ch)
+    return out
+
+
+def _split_to(chunks: list[tuple[int, list[Job]]], engines: int) -> list[tuple[int, list[Job]]]:
+    """``chunks`` with the largest split in two (contiguous halves) until there are ``engines``
+    of them or none has two jobs left."""
+    chunks = list(chunks)
+    while len(chunks) < engines:
+        i = max(range(len(chunks)), key=lambda j: len(chunks[j][1]))
+        at, ch = chunks[i]
+        if len(ch) < 2:
+            break
+        half = (len(ch) + 1) // 2
+        chunks[i : i + 1] = [(at, ch[:half]), (at + half, ch[half:])]
+    return chunks
+
+
+def _release_parts(transport: Transport, results: Sequence[Mapping[str, Any]]) -> None:
+    """After a failed collect: the parts delivered leave the store (a failed collector rolled
+    its own part back)."""
+    for res in results:
         try:
             transport.release(res["handle"])
         except Exception as e:  # noqa: BLE001 - the step's own error is the one to raise
@@ -267,6 +321,8 @@ def train_on_batch(
     # in flight is the trainer's idle time too.
     row["refit_wait_s"] = timing.waited_s
     row["refit_receive_s"] = timing.receive_s  # the slowest receiver
+    if workers.pool is not None:
+        row["generators_replaced"] = timing.joined
     row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + timing.waited_s
     row.update(idle_ratios(row, timing.total_s - timing.waited_s, len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
@@ -324,6 +380,7 @@ class RefitTiming:
     total_s: float
     waited_s: float
     receive_s: float
+    joined: int = 0  # replacement engines that joined the refit group first (algorithms.engine_pool)
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
@@ -337,6 +394,8 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
             took part), or a generator reports another version.
     """
     t0 = time.perf_counter()
+    # A lost engine leaves the group first, and its replacements join: this refit reaches them.
+    joined = workers.pool.before_refit() if workers.pool is not None else 0
     senders = workers.refit_senders
     sends = [s.send_weights.remote(version) for s in senders]
     recvs = [g.receive_weights.remote(version) for g in workers.generators]
@@ -387,7 +446,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
             raise StepError(f"refit: {n} reports weight version {v}, expected {version}")
     total = time.perf_counter() - t0
     receive = max(r for _, r, _ in got)
-    return RefitTiming(total, max(0.0, total - receive), receive)
+    return RefitTiming(total, max(0.0, total - receive), receive, joined)
 
 
 @dataclass

@@ -38,8 +38,9 @@ import torch
 from algorithms import cluster
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
 from algorithms.config import TrainerConfig
+from algorithms.engine_pool import EnginePool
 from algorithms.inputs import check_run_inputs, load_datasets
-from algorithms.launch import connect, launch
+from algorithms.launch import Placed, connect, launch
 from algorithms.metrics import MetricsLogger, StartupProgress
 from algorithms.models import model_files_digest
 from algorithms.remote import gather
@@ -131,9 +132,16 @@ class Trainer:
             self._startup.phase("groups", "train, store attach, refit")
 
         placed = connect(self.cfg, self.workers, self.actors, self.transport, self._secret, on_ready=ready)
+        self.workers.pool = self._engine_pool(placed)
         self.policy_params = placed.policy_params
         self.summary["worker_nodes"] = placed.nodes
         self.summary["policy_layout"] = placed.layout
+
+    def _engine_pool(self, placed: Placed) -> EnginePool | None:
+        """The engines as a pool that survives losing members (:mod:`algorithms.engine_pool`), for
+        a trainer whose steps can generate a lost engine's prompts again; ``None``: a lost engine
+        fails the step."""
+        return None
 
     # -------------------------------------------------------------- checkpoint
     def _driver_state(self) -> dict[str, Any]:
@@ -275,6 +283,8 @@ class Trainer:
             summary["error"] = str(e)
         finally:
             startup.close(done=False)
+            if self.workers is not None and self.workers.pool is not None:
+                summary.update(self.workers.pool.summary())  # each loss, also of a failed run
             self._shutdown()
         status, code = leak_exit(status, code, summary)  # _account_stored_keys named the leaked keys
         rows = self.logger.rows if self.logger is not None else []

@@ -25,10 +25,13 @@ class GeneratorWorker:
 
     Args:
         cfg: the trainer config.
+        index: which engine this is (the ``debug.fail_rank`` of the generator's fault points).
     """
 
-    def __init__(self, cfg: TrainerConfig) -> None:
+    def __init__(self, cfg: TrainerConfig, index: int = 0) -> None:
         self.cfg = cfg
+        self.index = index
+        self._joined = False
         torch.set_num_threads(cfg.trainer.num_threads)
         self.device = worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
@@ -40,9 +43,13 @@ class GeneratorWorker:
     def init_refit(self, host: str, port: int, world_size: int, rank: int, secret: str | None = None) -> None:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
         group ranks ``0..refit_senders-1``); ``secret``: the job secret, handed over in memory
-        (``None``: ``$NEMO_DATAPLANE_SECRET``)."""
+        (``None``: ``$NEMO_DATAPLANE_SECRET``). A member of an earlier refit group leaves it
+        first: this is how the group is re-formed after an engine was lost."""
         c = self.cfg
         self._current_device()
+        if self._joined:
+            self.engine.close_refit()
+        self._joined = True
         self.engine.init_refit(
             host,
             port,
@@ -63,7 +70,9 @@ class GeneratorWorker:
         hook reads it; the received header is what counts). With
         ``async.partial_rollout`` it stops a generation in flight at its next token boundary (the
         actor then serves two calls at once); else it waits for that generation to end."""
-        maybe_fail(self.cfg.debug, "refit", step=version, what=f"in the generator before refit {version}")
+        maybe_fail(
+            self.cfg.debug, "refit", step=version, rank=self.index, what=f"in the generator before refit {version}"
+        )
         self._current_device()
         t0 = time.perf_counter()
         version = self.engine.receive_weights(interrupt=self.cfg.async_.partial_rollout)
@@ -117,6 +126,7 @@ class GeneratorWorker:
             self.cfg.debug,
             "generator",
             step=out.version,
+            rank=self.index,
             what=f"in the generator generating with weight version {out.version}",
         )
         return out, time.perf_counter() - t0

@@ -158,6 +158,12 @@ class PolicyWorker:
         being the last ranks. ``secret``: the job
         secret its records are authenticated with (as in :meth:`join_train_group`)."""
         r = self.cfg.refit
+        if self._refit_group is not None:  # re-formed (an engine was lost): leave the old group first
+            self._sender = None
+            try:
+                self._refit_group.destroy(abort=True)  # a member is lost: never wait on it
+            except Exception:  # noqa: BLE001 - a group with a dead member; the new one is what counts
+                pass
         self._refit_group = StatelessProcessGroup(
             host,
             port,

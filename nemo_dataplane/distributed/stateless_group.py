@@ -640,11 +640,12 @@ class StatelessProcessGroup:
         if not_self and r == self.rank:
             raise ValueError(f"{name}={r} is this rank itself")
 
-    def destroy(self) -> None:
+    def destroy(self, *, abort: bool = False) -> None:
         """Release the communicator (and the store, if this rank hosts it). Idempotent; never raises.
 
         nccl: a healthy communicator is destroyed (which, per NCCL, all ranks on a node should
-        do together); a broken one is aborted so destroy cannot hang on a dead peer.
+        do together); a broken one, or any with ``abort`` (a member is known lost, e.g. the
+        group is being re-formed without it), is aborted so destroy cannot hang on a dead peer.
 
         Every part is released even when an earlier one fails (destroy runs on shutdown and
         error paths, where raising would hide the first error); each failure is then reported
@@ -656,7 +657,7 @@ class StatelessProcessGroup:
         failed: list[str] = []
         if self._comm is not None:
             comm, self._comm = self._comm, None
-            how = "abort" if self._broken else "destroy"
+            how = "abort" if self._broken or abort else "destroy"
             try:
                 getattr(comm, how)()
             except Exception as e:  # noqa: BLE001 - reported below, after the rest is released

@@ -13,7 +13,9 @@ compiled-graph dispatch (``trainer.dispatch``, algorithms/dispatch.py) included:
 * a run resumed from ``dp_run``'s step-8 checkpoint, with the compiled graph on the data plane,
   and one resumed from ``fsdp_run``'s (sharded state): each bitwise equal to its run's tail;
   beside them two short runs with 2 and 3 generation engines (``generation.num_engines``):
-  the prompts split, every engine refit, the steps bitwise equal;
+  the prompts split, every engine refit; the 3-engine run loses engine 1 (SIGKILL mid-generate),
+  regenerates its prompts on the survivors and refits a replacement, with no restart: its steps
+  bitwise equal to the 2-engine run's;
 * a small run whose policy rank raises mid-step through the graph (its peer stays blocked in the
   gradient all-reduce: the actors are killed at shutdown instead of waiting for it), and one
   that gets Ctrl-C.
@@ -75,6 +77,14 @@ def fsdp_run(paired_runs):
 ENGINES = ("grpo.prompts_per_step=6", "generation.n=4", "data_plane.packing.micro_batch_size=6", "trainer.steps=4")
 
 
+# Engine 1 of 3 SIGKILLs itself inside its generate call with weight version 1 (step 1).
+LOSE_ENGINE_1 = ("debug.fail_in=generator", "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_mode=sigkill")
+
+
+def _marker(runs_dir: Path) -> str:
+    return f"debug.fault_marker={runs_dir / 'engine1.killed'}"
+
+
 @pytest.fixture(scope="module")
 def second_wave(run_trainers_concurrently, paired_runs, runs_dir: Path):
     """``dp_run`` (compiled graph, data plane) and ``fsdp_run`` resumed from their step-8
@@ -89,8 +99,8 @@ def second_wave(run_trainers_concurrently, paired_runs, runs_dir: Path):
             else ("data_plane.enabled=true", "trainer.dispatch=compiled_graph")
         )
         jobs.append((runs_dir / f"{name}_resumed", (*extra, f"checkpoint.resume={ckpt}")))
-    for engines in (2, 3):
-        jobs.append((runs_dir / f"engines{engines}", (*ENGINES, f"generation.num_engines={engines}")))
+    jobs.append((runs_dir / "engines2", (*ENGINES, "generation.num_engines=2")))
+    jobs.append((runs_dir / "engines3", (*ENGINES, "generation.num_engines=3", *LOSE_ENGINE_1, _marker(runs_dir))))
     runs = run_trainers_concurrently(jobs)
     for run in runs:
         assert run.returncode == 0, run.explain()
@@ -104,12 +114,45 @@ def resumed_runs(second_wave):
 
 def test_several_engines_split_the_prompts_all_take_every_refit_and_sample_the_same(second_wave) -> None:
     two, three = second_wave[2:]
-    assert two.summary["groups_per_engine"] == [12, 12] and three.summary["groups_per_engine"] == [8, 8, 8]
-    assert two.summary["generator_versions"] == [4, 4] and three.summary["generator_versions"] == [4, 4, 4]
-    # Each response from its own seed: which engine drew it changes nothing, so neither do the steps.
-    for key in ("reward", "loss", "grad_norm", "response_len"):
+    assert two.summary["groups_per_engine"] == [12, 12]
+    assert two.summary["generator_versions"] == [4, 4]
+    # Each response from its own seed: which engine drew it changes nothing, so neither do the
+    # steps, also of the 3-engine run that lost an engine (below).
+    for key in ("reward", "loss", "grad_norm", "response_len", "samples"):
         assert [r[key] for r in two.rows] == [r[key] for r in three.rows], key
     assert all(r["keys_outstanding"] == 0 for r in two.rows + three.rows)
+    assert two.summary["generators_lost_total"] == 0 and two.summary["generator_losses"] == []
+
+
+def test_a_lost_engine_is_dropped_its_prompts_regenerated_and_a_replacement_refit_without_a_restart(
+    second_wave, runs_dir: Path
+) -> None:
+    three = second_wave[3]
+    s = three.summary
+    assert s["status"] == "finished" and s["steps"] == 4 and "resumed_from" not in s
+    # Engine 1 died at step 1; its 2 groups went to the 2 survivors (1 each); engine 3 replaced it
+    # at step 1's refit and generated steps 2 and 3: every engine, the replacement too, holds
+    # the last version, and every group was trained once (24 samples a step, the losses of the
+    # undisturbed 2-engine run above).
+    (loss,) = s["generator_losses"]
+    assert (loss["engine"], loss["step"]) == (1, 1) and "generator died" in loss["error"]
+    assert s["generators_lost_total"] == 1 and s["generators_replaced_total"] == 1
+    assert s["groups_requeued_lost_total"] == 2
+    assert s["groups_per_engine"] == [9, 9, 4] and s["generator_versions"] == [4, 4, 4]
+    assert [(r["generators_lost"], r["groups_requeued_lost"], r["generators_replaced"]) for r in three.rows] == [
+        (0, 0, 0),
+        (1, 2, 1),
+        (0, 0, 0),
+        (0, 0, 0),
+    ]
+    assert all(r["samples"] == 24 for r in three.rows)
+    # Training went on within the target: from the kill (the fault's own clock) to the step's
+    # generation resuming on the survivors; the replacement generated within its target.
+    killed_at = float((runs_dir / "engine1.killed").read_text())
+    assert loss["resumed_at"] - killed_at < 5.0, loss
+    (first,) = s["replacement_first_generation_s"]
+    assert first < 30.0, first  # 10 s on a quiet machine; beside three other runs on 2 cores
+    assert s["keys_leaked_at_exit"] == 0
 
 
 def test_data_plane_and_legacy_losses_are_bitwise_equal(dp_run, legacy_run) -> None:

@@ -102,6 +102,14 @@ def test_every_dashboard_panel_queries_a_metric_the_exporter_emits() -> None:
             [0],
         )
         ex.observe({"step": 1, "step_s": 1.0, "groups_dropped_stale": 1, "groups_requeued_failed": 1}, [], [])
+        lost = {"generators_lost": 1, "groups_requeued_lost": 2, "generators_replaced": 1}
+        ex.observe({"step": 2, "step_s": 1.0, **lost}, [], [])
+        ex.observe({"step": 3, "step_s": 1.0, "generators_lost": 0, "generators_replaced": 1}, [], [])
+        page = scrape(ex.url)
+        # Counters of a step's increments: the run's totals.
+        assert page["nemo_dataplane_generators_lost_total"] == 1.0
+        assert page["nemo_dataplane_generators_replaced_total"] == 2.0
+        assert page["nemo_dataplane_groups_requeued_lost_total"] == 2.0
         emitted = {name.split("{")[0] for name in scrape(ex.url)}
     finally:
         ex.close()

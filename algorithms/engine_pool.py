@@ -1,0 +1,258 @@
+"""The generation engines as a pool that can lose members (grpo_sync's ``generation.num_engines``).
+
+An engine is a generator actor and the collector that drives it. When a step's collect call
+fails and a liveness check finds the engine's collector or generator dead (killed, lost with its
+node, a CUDA error that ended the process), the pool:
+
+* drops the engine (both actors are killed, so a half-alive one never holds a refit slot);
+* hands its prompts back to the step, which generates them again on the survivors: the same
+  group ids and prompts, and, with several engines, every response from its own seed, so the
+  step samples exactly what it would have;
+* with ``generation.replace_lost`` (and ``generation.max_replacements`` left), starts a
+  replacement at once, without waiting for it;
+* before the next refit re-forms the refit group without the lost rank and with the ready
+  replacements (a new group instance at a new rendezvous; the old group's records are refused
+  by the new one), so that refit gives every member, replacements first of all, the current
+  weights before they generate.
+
+A failure that is not a loss (a collector that raised, a store error) is the step's error, as
+with one engine. With no engine left the step fails naming each loss. The policy side stays
+fail-fast: a lost policy rank ends the run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from algorithms.config import TrainerConfig
+from algorithms.remote import StepError, gather
+
+__all__ = ["EngineLoss", "EnginePool", "Spawned", "form_refit_group"]
+
+# How long a liveness probe of a failed engine's actors waits: a dead actor answers at once
+# (Ray knows), a live one answers its trivial ``ready`` within it.
+PROBE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A replacement engine's actors, created and not waited for; ``pending``: the refs of its
+    start-up calls (ready, attach) that must succeed before it joins."""
+
+    generator: Any
+    collector: Any
+    pending: list[Any]
+    started_at: float
+
+
+@dataclass
+class EngineLoss:
+    """One lost engine: its id, the step it was lost in, the error seen, and the seconds from
+    the failure being seen to the step's generation going on without it (requeued)."""
+
+    engine: int
+    step: int
+    error: str
+    seen_at: float  # perf_counter
+    seen_wall: float  # time.time(), for a fault's own clock
+    resumed_s: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "step": self.step,
+            "error": self.error,
+            "seen_at": self.seen_wall,
+            "resumed_at": None if self.resumed_s is None else self.seen_wall + self.resumed_s,
+            "resumed_s": self.resumed_s,
+        }
+
+
+def form_refit_group(
+    cfg: TrainerConfig,
+    senders: Sequence[Any],
+    generators: Sequence[Any],
+    host: Any,
+    secret: str,
+    *,
+    local: bool,
+    timeout_s: float,
+    what: str = "refit group set-up",
+) -> None:
+    """Form (or re-form) the refit group: ``senders`` are group ranks ``0..len(senders)-1``, the
+    ``generators`` the ranks after them. ``host`` (policy rank 0) hosts a new rendezvous unless
+    ``refit.port`` fixes one (then the first formation only). Members of an earlier group leave it
+    first (their ``init_refit`` does), so this is also how the group shrinks and grows.
+
+    Raises:
+        StepError: a member failed or the set-up outlasted ``timeout_s`` (named).
+    """
+    world = len(senders) + len(generators)
+    if cfg.refit.port:
+        addr, port = cfg.refit.host, cfg.refit.port
+    else:
+        (at,) = gather([host.host_rendezvous.remote("refit", world, local)], timeout_s, f"{what}: rendezvous")
+        addr, port = at
+    names = [f"policy rank {r} (refit sender)" for r in range(len(senders))] + [
+        f"generator {i} (refit receiver)" for i in range(len(generators))
+    ]
+    gather(
+        [
+            *(s.init_refit.remote(addr, port, world, secret) for s in senders),
+            *(g.init_refit.remote(addr, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
+        ],
+        timeout_s,
+        what,
+        names,
+    )
+
+
+@dataclass
+class EnginePool:
+    """The run's engines (``generators[i]`` with ``collectors[i]``, id ``ids[i]``; the lists are
+    the run's :class:`~algorithms.step.Workers` lists, changed in place) and their losses.
+
+    Args:
+        spawn: creates engine ``id``'s actors (not waited for; its collector attached to the
+            run's sink) and records them with the run's actors, so shutdown reaches them.
+        reform: re-forms the refit group over the given generators (:func:`form_refit_group`
+            bound to the run's senders, rendezvous host and secret).
+    """
+
+    cfg: TrainerConfig
+    generators: list[Any]
+    collectors: list[Any]
+    spawn: Callable[[int], Spawned]
+    reform: Callable[[list[Any]], None]
+    ids: list[int] = field(default_factory=list)
+    size: int = 0  # the configured engine count (0: as many as given)
+    losses: list[EngineLoss] = field(default_factory=list)
+    replaced: int = 0
+    requeued_groups: int = 0
+    first_generation_s: list[float] = field(default_factory=list)  # per replacement: spawn -> first part
+    _waiting: list[tuple[int, Spawned]] = field(default_factory=list)  # replacements not yet in the group
+    _joined_at: dict[int, float] = field(default_factory=dict)  # replacement id -> spawn time
+    _stale: bool = False  # a member was lost: the refit group must be re-formed first
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            self.ids = list(range(len(self.generators)))
+        self.size = self.size or len(self.generators)
+        self._next_id = max(self.ids, default=-1) + 1
+
+    def name(self, i: int) -> str:
+        """Position ``i``'s engine in messages."""
+        return f"engine {self.ids[i]}"
+
+    def is_lost(self, i: int) -> bool:
+        """Whether position ``i``'s collector or generator is dead (Ray reports it at once); a
+        live actor answers ``ready`` within :data:`PROBE_S`."""
+        for actor in (self.collectors[i], self.generators[i]):
+            try:
+                ray.get(actor.ready.remote(), timeout=PROBE_S)
+            except ray.exceptions.RayActorError:
+                return True
+            except Exception:  # noqa: BLE001 - alive (busy, or failing on its own): not a loss
+                pass
+        return False
+
+    def drop(self, positions: Sequence[int], step: int, errors: Sequence[BaseException]) -> list[EngineLoss]:
+        """Remove the engines at ``positions`` (both actors killed), record the losses, and
+        start replacements as the budget allows. Returns the new losses."""
+        now = time.perf_counter()
+        new = []
+        for i, err in sorted(zip(positions, errors), key=lambda p: -p[0]):
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            loss = EngineLoss(self.ids[i], step, first[:300], now, time.time())
+            new.append(loss)
+            for actor in (self.collectors[i], self.generators[i]):
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            del self.collectors[i], self.generators[i], self.ids[i]
+            print(f"step {step}: {_loss_line(loss)}; its prompts go to the survivors", file=sys.stderr, flush=True)
+        self.losses.extend(reversed(new))
+        self._stale = True
+        g = self.cfg.generation
+        for _ in new:
+            # No survivor: the step fails now, a replacement would come too late for it.
+            if self.generators and g.replace_lost and self.replaced + len(self._waiting) < g.max_replacements:
+                rid, self._next_id = self._next_id, self._next_id + 1
+                self._waiting.append((rid, self.spawn(rid)))
+        return list(reversed(new))
+
+    def resumed(self, losses: Sequence[EngineLoss]) -> None:
+        """The step's generation went on without ``losses``' engines (their prompts requeued)."""
+        now = time.perf_counter()
+        for loss in losses:
+            loss.resumed_s = now - loss.seen_at
+
+    def no_engine_left(self, step: int, error: StepError) -> StepError:
+        """The error of a step that lost its last engine: the last failure as a single engine's
+        would read, then the run's earlier losses."""
+        earlier = [_loss_line(x) for x in self.losses[:-1]]
+        tail = f" (no generation engine left; earlier: {'; '.join(earlier)})" if earlier else ""
+        return StepError(f"{error}{tail}")
+
+    def before_refit(self) -> int:
+        """Re-form the refit group if a member was lost, taking in the replacements that started
+        (each bounded by ``trainer.startup_timeout_s``; one that failed to start is reported and
+        left out). The refit that follows gives them the current weights. Returns how many
+        replacements joined."""
+        if not self._stale:
+            return 0
+        joined = 0
+        timeout = self.cfg.trainer.startup_timeout_s
+        for rid, sp in self._waiting:
+            try:
+                gather(sp.pending, timeout, f"replacement engine {rid} start-up", [f"engine {rid}"] * len(sp.pending))
+            except StepError as e:
+                print(f"replacement engine {rid} did not start, left out: {e}", file=sys.stderr, flush=True)
+                for actor in (sp.collector, sp.generator):
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                continue
+            self.generators.append(sp.generator)
+            self.collectors.append(sp.collector)
+            self.ids.append(rid)
+            self._joined_at[rid] = sp.started_at
+            self.replaced += 1
+            joined += 1
+            print(f"engine {rid} replaces a lost engine: it joins the refit group now", file=sys.stderr, flush=True)
+        self._waiting = []
+        self.reform(self.generators)
+        self._stale = False
+        return joined
+
+    def generated(self, positions: Sequence[int]) -> None:
+        """Positions whose parts were delivered: a replacement's first delivery records its
+        seconds from start to first generation."""
+        now = time.perf_counter()
+        for i in positions:
+            started = self._joined_at.pop(self.ids[i], None)
+            if started is not None:
+                self.first_generation_s.append(now - started)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's account of losses: each loss, the totals, each replacement's seconds from its
+        start to its first delivered generation."""
+        return {
+            "generator_losses": [x.record() for x in self.losses],
+            "generators_lost_total": len(self.losses),
+            "generators_replaced_total": self.replaced,
+            "groups_requeued_lost_total": self.requeued_groups,
+            "replacement_first_generation_s": self.first_generation_s,
+        }
+
+
+def _loss_line(loss: EngineLoss) -> str:
+    return f"engine {loss.engine} lost at step {loss.step} ({loss.error})"

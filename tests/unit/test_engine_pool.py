@@ -1,0 +1,85 @@
+"""The engine pool's bookkeeping (algorithms/engine_pool.py) and the step's requeue plan
+(algorithms/step.py), on real Ray actors: a killed actor is a loss, a live one is not, a drop
+starts a replacement within the budget, the refit group is re-formed with it. The whole path with
+real engines (SIGKILL mid-generate, bitwise steps) is tests/functional/test_grpo_sync.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from algorithms.config import load_config
+from algorithms.engine_pool import EnginePool, Spawned
+from algorithms.remote import StepError
+from algorithms.rollouts import Job
+from algorithms.step import _positioned, _split_to, spread
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@ray.remote(num_cpus=0)
+class _Member:
+    """An actor with the one call the pool makes itself (``ready``)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def _jobs(n: int) -> list[Job]:
+    return [Job(i, i, None) for i in range(n)]
+
+
+@pytest.mark.parametrize(("groups", "engines", "lost"), [(6, 3, [1]), (7, 3, [0, 2]), (5, 4, [3]), (2, 2, [0])])
+def test_a_lost_part_is_split_over_the_survivors_and_the_parts_rebuild_the_step_in_order(
+    groups: int, engines: int, lost: list[int]
+) -> None:
+    first = _positioned(spread(_jobs(groups), engines))
+    back = [first[i] for i in lost]
+    survivors = engines - len(lost)
+    again = _split_to(back, survivors)
+    # Split until every survivor has a part (or no part has two groups); never joined.
+    assert len(again) == max(len(back), min(survivors, sum(len(ch) for _, ch in back)))
+    for at, ch in again:  # each part is contiguous and knows where it starts
+        assert [j.group_id for j in ch] == list(range(at, at + len(ch)))
+    done = [p for i, p in enumerate(first) if i not in lost] + again
+    order = [j.group_id for _, ch in sorted(done, key=lambda p: p[0]) for j in ch]
+    assert order == list(range(groups))  # every group once, in the step's order
+
+
+def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_with_the_replacement(
+    ray_session: Any,
+) -> None:
+    cfg = load_config(REPO / "examples" / "configs" / "grpo_tiny.yaml", ["generation.max_replacements=1"])
+    gens = [_Member.remote() for _ in range(3)]
+    cols = [_Member.remote() for _ in range(3)]
+    ray.get([a.ready.remote() for a in gens + cols])
+    spawned: list[int] = []
+    reformed: list[list[Any]] = []
+
+    def spawn(i: int) -> Spawned:
+        spawned.append(i)
+        g, c = _Member.remote(), _Member.remote()
+        return Spawned(g, c, [g.ready.remote(), c.ready.remote()], time.perf_counter())
+
+    pool = EnginePool(cfg, gens, cols, spawn, lambda gs: reformed.append(list(gs)))
+    assert pool.before_refit() == 0 and reformed == []  # nothing lost: the group stays
+    ray.kill(gens[1], no_restart=True)
+    ray.kill(cols[2], no_restart=True)
+    assert [pool.is_lost(i) for i in range(3)] == [False, True, True]
+    keep = gens[0]
+    losses = pool.drop([1, 2], 5, [StepError("step 5 collect: x\nmore"), StepError("step 5 collect: y")])
+    assert [(x.engine, x.step, x.error) for x in losses] == [(1, 5, "step 5 collect: x"), (2, 5, "step 5 collect: y")]
+    assert pool.generators == [keep] and pool.ids == [0]
+    assert spawned == [3]  # one replacement: the budget (max_replacements=1) allows no second
+    assert pool.before_refit() == 1
+    assert len(reformed) == 1 and reformed[0][0] == keep and len(reformed[0]) == 2 and pool.ids == [0, 3]
+    assert pool.before_refit() == 0 and len(reformed) == 1  # re-formed once per loss
+    s = pool.summary()
+    assert s["generators_lost_total"] == 2 and s["generators_replaced_total"] == 1
+    assert str(pool.no_engine_left(6, StepError("step 6 collect: z"))).startswith("step 6 collect: z (no generation")
+    for a in [*pool.generators, *pool.collectors, *gens, *cols]:
+        ray.kill(a, no_restart=True)

@@ -134,6 +134,7 @@ class EnginePool:
     size: int = 0  # the configured engine count (0: as many as given)
     losses: list[EngineLoss] = field(default_factory=list)
     replaced: int = 0
+    left_out: int = 0  # replacements that failed to start (killed, or past the start-up bound)
     requeued_groups: int = 0
     first_generation_s: list[float] = field(default_factory=list)  # per replacement: spawn -> first part
     _waiting: list[tuple[int, Spawned]] = field(default_factory=list)  # replacements not yet in the group
@@ -177,7 +178,7 @@ class EnginePool:
                 except Exception:  # noqa: BLE001 - already gone
                     pass
             del self.collectors[i], self.generators[i], self.ids[i]
-            print(f"step {step}: {_loss_line(loss)}; its prompts go to the survivors", file=sys.stderr, flush=True)
+            print(f"step {step}: {_loss_line(loss)}; the other engines go on", file=sys.stderr, flush=True)
         self.losses.extend(reversed(new))
         self._stale = True
         g = self.cfg.generation
@@ -201,11 +202,12 @@ class EnginePool:
         tail = f" (no generation engine left; earlier: {'; '.join(earlier)})" if earlier else ""
         return StepError(f"{error}{tail}")
 
-    def before_refit(self) -> int:
+    def before_refit(self, step: int) -> int:
         """Re-form the refit group if a member was lost, taking in the replacements that started
         (each bounded by ``trainer.startup_timeout_s``; one that failed to start is reported and
-        left out). The refit that follows gives them the current weights. Returns how many
-        replacements joined."""
+        left out). The refit that follows gives them the current weights. A member that died
+        meanwhile is dropped and the group formed again. Returns how many replacements joined.
+        ``step``: the step the refit ends (for the loss records)."""
         if not self._stale:
             return 0
         joined = 0
@@ -215,6 +217,7 @@ class EnginePool:
                 gather(sp.pending, timeout, f"replacement engine {rid} start-up", [f"engine {rid}"] * len(sp.pending))
             except StepError as e:
                 print(f"replacement engine {rid} did not start, left out: {e}", file=sys.stderr, flush=True)
+                self.left_out += 1
                 for actor in (sp.collector, sp.generator):
                     try:
                         ray.kill(actor, no_restart=True)
@@ -229,8 +232,19 @@ class EnginePool:
             joined += 1
             print(f"engine {rid} replaces a lost engine: it joins the refit group now", file=sys.stderr, flush=True)
         self._waiting = []
-        self.reform(self.generators)
-        self._stale = False
+        while True:
+            try:
+                self.reform(self.generators)
+                break
+            except StepError as e:
+                # A member died before or while the group formed: drop it and form again.
+                dead = [i for i in range(len(self.generators)) if self.is_lost(i)]
+                if not dead:
+                    raise
+                self.drop(dead, step, [e] * len(dead))
+                if not self.generators:
+                    raise self.no_engine_left(step, e) from e
+        self._stale = bool(self._waiting)  # replacements started meanwhile join at the next refit
         return joined
 
     def generated(self, positions: Sequence[int]) -> None:
@@ -249,6 +263,7 @@ class EnginePool:
             "generator_losses": [x.record() for x in self.losses],
             "generators_lost_total": len(self.losses),
             "generators_replaced_total": self.replaced,
+            "replacements_left_out": self.left_out,
             "groups_requeued_lost_total": self.requeued_groups,
             "replacement_first_generation_s": self.first_generation_s,
         }

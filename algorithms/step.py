@@ -323,6 +323,7 @@ def train_on_batch(
     row["refit_receive_s"] = timing.receive_s  # the slowest receiver
     if workers.pool is not None:
         row["generators_replaced"] = timing.joined
+        row["generators_lost"] = int(row.get("generators_lost") or 0) + timing.lost
     row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + timing.waited_s
     row.update(idle_ratios(row, timing.total_s - timing.waited_s, len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
@@ -381,24 +382,70 @@ class RefitTiming:
     waited_s: float
     receive_s: float
     joined: int = 0  # replacement engines that joined the refit group first (algorithms.engine_pool)
+    lost: int = 0  # engines found dead during it (dropped, the refit sent again to the others)
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
     """Policy -> every generator, weight version ``version``. The senders are
     ``workers.refit_senders`` (policy rank 0, or the first replica's TP ranks for a reshard).
     A generator installs it between two generate calls (its engine runs one at a time), so no
-    generation mixes two versions.
+    generation mixes two versions. With an engine pool (``workers.pool``) a lost engine leaves
+    the group first and its replacements join (this refit reaches them); a receiver found dead
+    during the refit is dropped, the group re-formed and the refit sent again to the others.
 
     Raises:
         StepError: a side failed, timed out (a sender timeout names the generator(s) that never
-            took part), or a generator reports another version.
+            took part), a generator reports another version, or no engine is left.
     """
+    pool = workers.pool
     t0 = time.perf_counter()
-    # A lost engine leaves the group first, and its replacements join: this refit reaches them.
-    joined = workers.pool.before_refit() if workers.pool is not None else 0
+    joined = 0
+    losses_before = len(pool.losses) if pool is not None else 0
+    while True:
+        if pool is not None:
+            joined += pool.before_refit(version - 1)
+        recvs: list[Any] = []
+        try:
+            timing = _refit_once(cfg, workers, version, recvs)
+        except StepError as e:
+            lost = _lost_receivers(cfg, workers, recvs) if pool is not None else []
+            if pool is None or not lost:
+                raise
+            pool.drop(lost, version - 1, [e] * len(lost))
+            if not workers.generators:
+                raise pool.no_engine_left(version - 1, e) from e
+            continue
+        total = time.perf_counter() - t0
+        lost_here = len(pool.losses) - losses_before if pool is not None else 0
+        return RefitTiming(total, timing.waited_s + (total - timing.total_s), timing.receive_s, joined, lost_here)
+
+
+def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) -> list[int]:
+    """After a failed refit: the senders leave the group (so a receiver still waiting in it
+    fails at once instead of at its timeout), then the receivers whose process died."""
+    try:
+        gather([s.leave_refit.remote() for s in workers.refit_senders], cfg.refit.timeout_s + 30, "refit group leave")
+    except StepError as e:  # a sender lost: the step's error stands (the policy side is fail-fast)
+        print(f"refit: a sender could not leave the group: {e}", file=sys.stderr)
+        return []
+    ray.wait(list(recvs), num_returns=len(recvs), timeout=cfg.refit.timeout_s + 30)
+    lost = []
+    for i, ref in enumerate(recvs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            lost.append(i)
+        except Exception:  # noqa: BLE001 - alive: failed with the group, or still waiting
+            pass
+    return lost
+
+
+def _refit_once(cfg: TrainerConfig, workers: Workers, version: int, recvs: list[Any]) -> RefitTiming:
+    """One refit to the current members (``recvs`` receives the receivers' call refs)."""
+    t0 = time.perf_counter()
     senders = workers.refit_senders
     sends = [s.send_weights.remote(version) for s in senders]
-    recvs = [g.receive_weights.remote(version) for g in workers.generators]
+    recvs.extend(g.receive_weights.remote(version) for g in workers.generators)
     names = ["the generator"] if len(recvs) == 1 else [f"generator {i}" for i in range(len(recvs))]
     what = f"refit of version {version}"
     try:
@@ -414,15 +461,17 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
     except StepError as e:
         # A sender may see the broken group before Ray reports a receiver dead: ask the receivers.
         waiting = []
+        done, _ = ray.wait(list(recvs), num_returns=len(recvs), timeout=2.0)  # all of them at once
         for n, rank, recv in zip(names, range(len(sends), len(sends) + len(recvs)), recvs):
+            if recv not in done:
+                waiting.append(f"{n} (refit rank {rank})")
+                continue
             try:
-                ray.get(recv, timeout=2.0)
+                ray.get(recv)
             except ray.exceptions.RayActorError as dead:
                 raise StepError(
                     f"{what}: {n} (refit receiver) died or was lost: {type(dead).__name__}: {dead}"
                 ) from dead
-            except ray.exceptions.GetTimeoutError:
-                waiting.append(f"{n} (refit rank {rank})")
             except Exception:  # noqa: BLE001 - failed with its own error: the one raised below
                 pass
         cause = e.__cause__
@@ -446,7 +495,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
             raise StepError(f"refit: {n} reports weight version {v}, expected {version}")
     total = time.perf_counter() - t0
     receive = max(r for _, r, _ in got)
-    return RefitTiming(total, max(0.0, total - receive), receive, joined)
+    return RefitTiming(total, max(0.0, total - receive), receive)
 
 
 @dataclass

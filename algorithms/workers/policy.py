@@ -189,6 +189,13 @@ class PolicyWorker:
         )
         self._sender.prepare_refit_info()
 
+    def leave_refit(self) -> None:
+        """Leave the refit group after a refit failed (a receiver was lost): aborted, so a
+        receiver still waiting in it fails at once; the next :meth:`init_refit` joins a new one."""
+        group, self._refit_group, self._sender = self._refit_group, None, None
+        if group is not None:
+            group.destroy(abort=True)
+
     def send_weights(self, version: int) -> float:
         """Broadcast the current weights to the generator (collective); returns seconds."""
         if self._sender is None:

@@ -66,7 +66,7 @@ def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_wit
         return Spawned(g, c, [g.ready.remote(), c.ready.remote()], time.perf_counter())
 
     pool = EnginePool(cfg, gens, cols, spawn, lambda gs: reformed.append(list(gs)))
-    assert pool.before_refit() == 0 and reformed == []  # nothing lost: the group stays
+    assert pool.before_refit(5) == 0 and reformed == []  # nothing lost: the group stays
     ray.kill(gens[1], no_restart=True)
     ray.kill(cols[2], no_restart=True)
     assert [pool.is_lost(i) for i in range(3)] == [False, True, True]
@@ -75,9 +75,9 @@ def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_wit
     assert [(x.engine, x.step, x.error) for x in losses] == [(1, 5, "step 5 collect: x"), (2, 5, "step 5 collect: y")]
     assert pool.generators == [keep] and pool.ids == [0]
     assert spawned == [3]  # one replacement: the budget (max_replacements=1) allows no second
-    assert pool.before_refit() == 1
+    assert pool.before_refit(5) == 1
     assert len(reformed) == 1 and reformed[0][0] == keep and len(reformed[0]) == 2 and pool.ids == [0, 3]
-    assert pool.before_refit() == 0 and len(reformed) == 1  # re-formed once per loss
+    assert pool.before_refit(5) == 0 and len(reformed) == 1  # re-formed once per loss
     s = pool.summary()
     assert s["generators_lost_total"] == 2 and s["generators_replaced_total"] == 1
     assert str(pool.no_engine_left(6, StepError("step 6 collect: z"))).startswith("step 6 collect: z (no generation")

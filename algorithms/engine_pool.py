@@ -247,6 +247,24 @@ class EnginePool:
         self._stale = bool(self._waiting)  # replacements started meanwhile join at the next refit
         return joined
 
+    def on_any(self, call: Callable[[Any], Any], timeout_s: float, what: str, step: int) -> Any:
+        """``call(collector)`` (a Ray call) on the first engine, dropping each one found lost and
+        trying the next (validation: any engine draws the same with the same weights and seed).
+
+        Raises:
+            StepError: the call failed on a live engine, or no engine is left.
+        """
+        while True:
+            try:
+                (out,) = gather([call(self.collectors[0])], timeout_s, what, [self.name(0)])
+                return out
+            except StepError as e:
+                if not self.is_lost(0):
+                    raise
+                self.drop([0], step, [e])
+                if not self.collectors:
+                    raise self.no_engine_left(step, e) from e
+
     def generated(self, positions: Sequence[int]) -> None:
         """Positions whose parts were delivered: a replacement's first delivery records its
         seconds from start to first generation."""
@@ -256,15 +274,21 @@ class EnginePool:
             if started is not None:
                 self.first_generation_s.append(now - started)
 
+    def counts(self) -> dict[str, int]:
+        """Run totals: engines lost, replacements joined, groups generated again."""
+        return {
+            "generators_lost": len(self.losses),
+            "generators_replaced": self.replaced,
+            "groups_requeued_lost": self.requeued_groups,
+        }
+
     def summary(self) -> dict[str, Any]:
         """The run's account of losses: each loss, the totals, each replacement's seconds from its
         start to its first delivered generation."""
         return {
             "generator_losses": [x.record() for x in self.losses],
-            "generators_lost_total": len(self.losses),
-            "generators_replaced_total": self.replaced,
+            **{f"{k}_total": v for k, v in self.counts().items()},
             "replacements_left_out": self.left_out,
-            "groups_requeued_lost_total": self.requeued_groups,
             "replacement_first_generation_s": self.first_generation_s,
         }
 

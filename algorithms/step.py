@@ -104,7 +104,6 @@ def collect(
     row_seeded = (len(workers.collectors) if pool is None else pool.size) > 1
     parts: list[tuple[int, dict[str, Any]]] = []  # (position of its first job, result)
     queue = _positioned(spread(list(jobs), len(workers.collectors)))  # parts still to generate
-    lost_groups = lost_engines = 0
     with timer("generate"):
         transport.driver_bytes += payload_bytes(list(jobs))
         while queue:
@@ -136,8 +135,6 @@ def collect(
             losses = pool.drop(lost, step, [outcomes[i] for i in lost])
             back = [chunks[i] for i in lost]
             queue.extend(back)
-            lost_engines += len(losses)
-            lost_groups += sum(len(ch) for _, ch in back)
             pool.requeued_groups += sum(len(ch) for _, ch in back)
             if not workers.collectors:
                 _release_parts(transport, [res for _, res in parts])
@@ -164,9 +161,6 @@ def collect(
     batch.row["trainer_idle_s"] = timer.seconds["generate"]
     batch.row["generator_busy_s"] = sum(float(res["generator_busy_s"]) for res in results)
     batch.row["reward_timeouts"] = sum(int(res["reward_timeouts"]) for res in results)
-    if pool is not None:
-        batch.row["generators_lost"] = lost_engines
-        batch.row["groups_requeued_lost"] = lost_groups
     return batch
 
 
@@ -321,9 +315,6 @@ def train_on_batch(
     # in flight is the trainer's idle time too.
     row["refit_wait_s"] = timing.waited_s
     row["refit_receive_s"] = timing.receive_s  # the slowest receiver
-    if workers.pool is not None:
-        row["generators_replaced"] = timing.joined
-        row["generators_lost"] = int(row.get("generators_lost") or 0) + timing.lost
     row["trainer_idle_s"] = float(row.get("trainer_idle_s") or 0.0) + timing.waited_s
     row.update(idle_ratios(row, timing.total_s - timing.waited_s, len(workers.generators)))
     row["tokens_per_s"] = (row.get("tokens") or 0) / row["step_s"]
@@ -381,8 +372,6 @@ class RefitTiming:
     total_s: float
     waited_s: float
     receive_s: float
-    joined: int = 0  # replacement engines that joined the refit group first (algorithms.engine_pool)
-    lost: int = 0  # engines found dead during it (dropped, the refit sent again to the others)
 
 
 def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
@@ -399,11 +388,9 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
     """
     pool = workers.pool
     t0 = time.perf_counter()
-    joined = 0
-    losses_before = len(pool.losses) if pool is not None else 0
     while True:
         if pool is not None:
-            joined += pool.before_refit(version - 1)
+            pool.before_refit(version - 1)
         recvs: list[Any] = []
         try:
             timing = _refit_once(cfg, workers, version, recvs)
@@ -416,8 +403,7 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
                 raise pool.no_engine_left(version - 1, e) from e
             continue
         total = time.perf_counter() - t0
-        lost_here = len(pool.losses) - losses_before if pool is not None else 0
-        return RefitTiming(total, timing.waited_s + (total - timing.total_s), timing.receive_s, joined, lost_here)
+        return RefitTiming(total, timing.waited_s + (total - timing.total_s), timing.receive_s)
 
 
 def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) -> list[int]:

@@ -86,6 +86,7 @@ class Trainer:
         self.t0 = time.perf_counter()
         self.summary: dict[str, Any] = {"data_plane": cfg.data_plane.enabled, "transport": self.transport.label()}
         self.plan: RunPlan | None = None
+        self._pool_logged: dict[str, int] = {}  # the engine pool's totals at the last logged step
         self._datasets: tuple[list[Any], list[Any]] = ([], [])
         self._startup = StartupProgress([], name=self.name, enabled=False)  # run() shows the real one
 
@@ -328,12 +329,20 @@ class Trainer:
         last = step == cfg.trainer.steps - 1
         if val and cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
             t = time.perf_counter()
-            (row["val_reward"],) = gather(
-                [self.workers.collector.validate.remote(val, cfg.trainer.seed * 7919 + step)],
-                cfg.trainer.step_timeout_s,
-                "validation",
-            )
+            seed, pool = cfg.trainer.seed * 7919 + step, self.workers.pool
+            if pool is not None:  # an engine lost since the step's generation is dropped here
+                row["val_reward"] = pool.on_any(
+                    lambda c: c.validate.remote(val, seed), cfg.trainer.step_timeout_s, "validation", step
+                )
+            else:
+                (row["val_reward"],) = gather(
+                    [self.workers.collector.validate.remote(val, seed)], cfg.trainer.step_timeout_s, "validation"
+                )
             row["time/validate"] = time.perf_counter() - t
+        if self.workers.pool is not None:  # the step's share of the pool's totals (validation's too)
+            totals = self.workers.pool.counts()
+            row.update({k: v - self._pool_logged.get(k, 0) for k, v in totals.items()})
+            self._pool_logged = totals
         row["elapsed_s"] = time.perf_counter() - self.t0  # since the trainer started (incl. start-up)
         assert self.logger is not None
         self.logger.log_step(row, result.ops, result.staleness)

@@ -1,19 +1,24 @@
-"""The generation engines as a pool that can lose members (grpo_sync's ``generation.num_engines``).
+"""The generation engines as a pool that can lose members (grpo_sync's ``generation.num_engines``,
+grpo_async's ``async.num_collectors``).
 
-An engine is a generator actor and the collector that drives it. When a step's collect call
-fails and a liveness check finds the engine's collector or generator dead (killed, lost with its
-node, a CUDA error that ended the process), the pool:
+An engine is a generator actor and the collector that drives it. When a call to it fails (sync:
+the step's collect; async: the collectors' poll; either: a refit) and a liveness check finds the
+engine's collector or generator dead (killed, lost with its node, a CUDA error that ended the
+process), the pool:
 
 * drops the engine (both actors are killed, so a half-alive one never holds a refit slot);
-* hands its prompts back to the step, which generates them again on the survivors: the same
+* hands its groups back to be generated again on the survivors. Sync: the step's part, the same
   group ids and prompts, and, with several engines, every response from its own seed, so the
-  step samples exactly what it would have;
+  step samples exactly what it would have. Async (:class:`CollectorPool`): every group it held
+  and had not delivered whole; its rows leave the store; free mode gives the prompts new group
+  ids, deterministic mode the same ids, seeds and weight versions, so the run stays bitwise
+  equal to an undisturbed one;
 * with ``generation.replace_lost`` (and ``generation.max_replacements`` left), starts a
   replacement at once, without waiting for it;
 * before the next refit re-forms the refit group without the lost rank and with the ready
   replacements (a new group instance at a new rendezvous; the old group's records are refused
   by the new one), so that refit gives every member, replacements first of all, the current
-  weights before they generate.
+  weights before they generate (an async replacement starts producing after it).
 
 A failure that is not a loss (a collector that raised, a store error) is the step's error, as
 with one engine. With no engine left the step fails naming each loss. The policy side stays
@@ -31,9 +36,10 @@ from typing import Any
 import ray
 
 from algorithms.config import TrainerConfig
-from algorithms.remote import StepError, gather
+from algorithms.remote import StepError, gather, settle
+from algorithms.rollouts import Job
 
-__all__ = ["EngineLoss", "EnginePool", "Spawned", "form_refit_group"]
+__all__ = ["CollectorPool", "EngineLoss", "EnginePool", "Spawned", "form_refit_group"]
 
 # How long a liveness probe of a failed engine's actors waits: a dead actor answers at once
 # (Ray knows), a live one answers its trivial ``ready`` within it.
@@ -130,6 +136,7 @@ class EnginePool:
     collectors: list[Any]
     spawn: Callable[[int], Spawned]
     reform: Callable[[list[Any]], None]
+    on_join: Callable[[Any], None] | None = None  # called with a replacement's collector once it has weights
     ids: list[int] = field(default_factory=list)
     size: int = 0  # the configured engine count (0: as many as given)
     losses: list[EngineLoss] = field(default_factory=list)
@@ -140,6 +147,7 @@ class EnginePool:
     _waiting: list[tuple[int, Spawned]] = field(default_factory=list)  # replacements not yet in the group
     _joined_at: dict[int, float] = field(default_factory=dict)  # replacement id -> spawn time
     _stale: bool = False  # a member was lost: the refit group must be re-formed first
+    _to_start: list[Any] = field(default_factory=list)  # joined collectors, for on_join after the refit
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -228,6 +236,7 @@ class EnginePool:
             self.collectors.append(sp.collector)
             self.ids.append(rid)
             self._joined_at[rid] = sp.started_at
+            self._to_start.append(sp.collector)
             self.replaced += 1
             joined += 1
             print(f"engine {rid} replaces a lost engine: it joins the refit group now", file=sys.stderr, flush=True)
@@ -246,6 +255,14 @@ class EnginePool:
                     raise self.no_engine_left(step, e) from e
         self._stale = bool(self._waiting)  # replacements started meanwhile join at the next refit
         return joined
+
+    def after_refit(self) -> None:
+        """The refit reached every member: replacements that joined before it may start."""
+        started, self._to_start = self._to_start, []
+        if self.on_join is not None:
+            for collector in started:
+                if collector in self.collectors:  # not lost meanwhile
+                    self.on_join(collector)
 
     def on_any(self, call: Callable[[Any], Any], timeout_s: float, what: str, step: int) -> Any:
         """``call(collector)`` (a Ray call) on the first engine, dropping each one found lost and
@@ -295,3 +312,82 @@ class EnginePool:
 
 def _loss_line(loss: EngineLoss) -> str:
     return f"engine {loss.engine} lost at step {loss.step} ({loss.error})"
+
+
+class CollectorPool:
+    """The async buffer's view of the collectors: queue jobs (remembering which collector holds
+    which group), poll failures, take outboxes. With an :class:`EnginePool` (``engines``) a
+    collector found lost is dropped and :meth:`poll` reports the groups it held and had not
+    delivered (``lost_groups``), for the buffer to generate again; without one a lost collector
+    fails the step, as any failed call does."""
+
+    def __init__(self, collectors: list[Any], timeout_s: float, engines: EnginePool | None = None) -> None:
+        self.collectors = collectors if engines is None else engines.collectors  # the engines' own list
+        self.engines = engines
+        self.timeout_s = timeout_s
+        self._rr = 0
+        self.held: dict[int, set[int]] = {}  # engine id -> group ids submitted to it, not yet dropped
+
+    def _id(self, i: int) -> int:
+        return self.engines.ids[i] if self.engines is not None else i
+
+    def _names(self) -> list[str]:
+        return [f"collector {self._id(i)}" for i in range(len(self.collectors))]
+
+    def submit(self, pieces: Sequence[Sequence[Job]]) -> None:
+        """Queue each piece (one generate call's worth) on the next collector, round robin."""
+        per: dict[int, list[Job]] = {}
+        for piece in pieces:
+            per.setdefault(self._rr % len(self.collectors), []).extend(piece)
+            self._rr += 1
+        for i, jobs in per.items():  # recorded first: a collector lost in the call still owes them
+            self.held.setdefault(self._id(i), set()).update(j.group_id for j in jobs)
+        # One call per collector: its calls run concurrently (threaded actor), so two calls could
+        # queue their jobs out of order, and groups are trained oldest first.
+        pos = list(per)
+        refs = [self.collectors[i].submit.remote(per[i]) for i in pos]
+        outs = settle(refs, self.timeout_s, "submitting prompts to the collectors", [self._names()[i] for i in pos])
+        for i, out in zip(pos, outs):
+            if isinstance(out, StepError) and not (self.engines is not None and self.engines.is_lost(i)):
+                raise out  # a lost one is found by the next poll, which hands its groups back
+
+    def poll(self, step: int, live: set[int]) -> tuple[list[dict[str, Any]], list[int]]:
+        """Every live collector's poll, and the groups lost collectors held that are still in
+        ``live`` (handed out, not yet arrived at the trainer): their rows may be partly written.
+
+        Raises:
+            StepError: a collector's call failed and it is not lost (or there is no pool).
+        """
+        outs = settle([c.poll.remote() for c in self.collectors], 60, "polling the collectors", self._names())
+        failed = [i for i, o in enumerate(outs) if isinstance(o, StepError) or o["error"]]
+        lost = [i for i in failed if self.engines is not None and self.engines.is_lost(i)]
+        for i in failed:
+            if i not in lost:
+                o = outs[i]
+                raise o if isinstance(o, StepError) else StepError(f"rollout collection stopped: {o['error']}")
+        polls = [o for i, o in enumerate(outs) if i not in lost]
+        if self.engines is not None:  # a replacement's first delivery
+            self.engines.generated([i for i, o in enumerate(outs) if i not in lost and o.get("groups_written")])
+        groups: list[int] = []
+        if self.engines is not None:
+            if lost:
+                errors = [
+                    o if isinstance(o, StepError) else StepError(str(o["error"])) for o in (outs[i] for i in lost)
+                ]
+                self.engines.resumed(self.engines.drop(lost, step, errors))
+                if not self.collectors:
+                    raise self.engines.no_engine_left(step, errors[-1])
+            # Engines dropped here or elsewhere (a refit that found one dead): their groups back.
+            for eid in [e for e in self.held if e not in self.engines.ids]:
+                groups += sorted(g for g in self.held.pop(eid) if g in live)
+            self.engines.requeued_groups += len(groups)
+        for held in self.held.values():  # what was trained or requeued meanwhile is no one's now
+            held &= live
+        return polls, groups
+
+    def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Finished groups from the outboxes (a failed call gives none; :meth:`poll` judges it)."""
+        per = max(timeout_s / len(self.collectors), 0.05)
+        refs = [c.take.remote(max_groups, per) for c in self.collectors]
+        outs = settle(refs, timeout_s + 60, "taking rollouts", self._names())
+        return [g for out in outs if not isinstance(out, StepError) for g in out]

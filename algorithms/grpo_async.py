@@ -30,10 +30,11 @@ from typing import Any
 
 from algorithms.cli import main as _main
 from algorithms.config import ConfigError, TrainerConfig, async_min_rows
+from algorithms.engine_pool import CollectorPool
 from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
 from algorithms.remote import gather
-from algorithms.rollout_buffer import CollectorPool, PromptLedger, RolloutBuffer, make_buffer
+from algorithms.rollout_buffer import PromptLedger, RolloutBuffer, make_buffer
 from algorithms.run_dir import RunPlan
 from algorithms.step import train_on_batch
 from algorithms.tasks import PromptIterator
@@ -74,6 +75,11 @@ class AsyncTrainer(Trainer):
         ledger = getattr(self, "ledger", None)  # none before the run set it up
         return set(ledger.inflight) if ledger is not None else set()
 
+    def _start_replacement(self, collector: Any) -> None:
+        """A replacement collector produces once the refit that joined it gave it the weights."""
+        a, G = self.cfg.async_, self.cfg.grpo.prompts_per_step
+        collector.start.remote(a.inflight_groups(G), a.generation_groups(G))
+
     def _driver_state(self) -> dict[str, Any]:
         assert self.buffer is not None
         return {**self.ledger.state_dict(), "buffer": self.buffer.state_dict()}
@@ -99,7 +105,7 @@ class AsyncTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.async_
         assert self.workers is not None
         G, n = cfg.grpo.prompts_per_step, cfg.generation.n
-        pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s)
+        pool = CollectorPool(self.workers.collectors, cfg.trainer.step_timeout_s, self.workers.pool)
         buffer = self.buffer = make_buffer(cfg, pool, self.transport, self.ledger)
         gather(
             [c.start.remote(a.inflight_groups(G), a.generation_groups(G)) for c in self.workers.collectors],

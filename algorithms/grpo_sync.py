@@ -22,13 +22,12 @@ from typing import Any
 
 from algorithms.cli import main as _main
 from algorithms.config import TrainerConfig
-from algorithms.engine_pool import EnginePool
 from algorithms.faults import maybe_kill_store
 from algorithms.inputs import load_datasets
-from algorithms.launch import Placed, make_pool
 from algorithms.metrics import PhaseTimer
 from algorithms.rollouts import Job
-from algorithms.step import collect, train_on_batch
+from algorithms.step import train_on_batch
+from algorithms.sync_source import collect
 from algorithms.tasks import PromptIterator
 from algorithms.trainer import DATA_PLANE_MODULES, Trainer, data_plane_modules_loaded
 
@@ -44,19 +43,6 @@ class SyncTrainer(Trainer):
     def num_collectors(cls, cfg: TrainerConfig) -> int:
         """One collector (with its generator) per generation engine."""
         return cfg.generation.num_engines
-
-    def _engine_pool(self, placed: Placed) -> EnginePool | None:
-        """A lost engine's prompts are generated again by the others within the step."""
-        assert self.workers is not None
-        return make_pool(
-            self.cfg,
-            self.workers,
-            self.actors,
-            self.transport,
-            self._secret,
-            local=placed.local,
-            owned_cluster=self._ray_started,
-        )
 
     def _init_data(self, train: list[Any]) -> None:
         self.prompts = PromptIterator(train, self.cfg.grpo.prompts_per_step, self.cfg.trainer.seed)

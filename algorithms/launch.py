@@ -130,10 +130,12 @@ def make_pool(
     *,
     local: bool,
     owned_cluster: bool,
+    on_join: Callable[[Any], None] | None = None,
 ) -> EnginePool:
     """The run's engines as a pool that can lose members (:mod:`algorithms.engine_pool`): a
     replacement is created like the first engines, attached to ``transport``'s sink and added to
-    ``actors`` (so shutdown reaches it); the refit group is re-formed over the same senders."""
+    ``actors`` (so shutdown reaches it); the refit group is re-formed over the same senders;
+    ``on_join(collector)``: after the refit that gave a replacement its weights (async: start it)."""
 
     def spawn(index: int) -> Spawned:
         g, c = engine_actors(cfg, index, owned_cluster=owned_cluster)
@@ -149,11 +151,13 @@ def make_pool(
             workers.policy[0],
             secret,
             local=local,
-            timeout_s=cfg.trainer.startup_timeout_s,
+            # Past the group's own bound: a formation that lost a member ends (its members' calls
+            # time out) before the next one is asked of them.
+            timeout_s=max(cfg.trainer.startup_timeout_s, cfg.refit.timeout_s) + 30,
             what="refit group re-formed",
         )
 
-    return EnginePool(cfg, workers.generators, workers.collectors, spawn, reform)
+    return EnginePool(cfg, workers.generators, workers.collectors, spawn, reform, on_join)
 
 
 def connect(

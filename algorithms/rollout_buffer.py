@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from algorithms.config import TrainerConfig
-from algorithms.remote import StepError, gather
+from algorithms.remote import StepError
 from algorithms.rollouts import ClaimedGroup, Job, RolloutBatch
 from algorithms.transports import RolloutSource, Transport
 
@@ -125,39 +125,6 @@ COLLECTOR_COUNTERS = (
 )
 
 
-class CollectorPool:
-    """The buffer's view of the collector actors: queue jobs, poll failures, take outboxes."""
-
-    def __init__(self, collectors: Sequence[Any], timeout_s: float) -> None:
-        self.collectors = list(collectors)
-        self.timeout_s = timeout_s
-        self._rr = 0
-
-    def submit(self, pieces: Sequence[Sequence[Job]]) -> None:
-        """Queue each piece (one generate call's worth) on the next collector, round robin."""
-        per: dict[int, list[Job]] = {}
-        for piece in pieces:
-            per.setdefault(self._rr % len(self.collectors), []).extend(piece)
-            self._rr += 1
-        # One call per collector: its calls run concurrently (threaded actor), so two calls could
-        # queue their jobs out of order, and groups are trained oldest first.
-        refs = [self.collectors[i].submit.remote(jobs) for i, jobs in per.items()]
-        gather(refs, self.timeout_s, "submitting prompts to the collectors", who=[f"collector {i}" for i in per])
-
-    def poll(self) -> list[dict[str, Any]]:
-        return gather([c.poll.remote() for c in self.collectors], 60, "polling the collectors", who="collector")
-
-    def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
-        per = max(timeout_s / len(self.collectors), 0.05)
-        outs = gather(
-            [c.take.remote(max_groups, per) for c in self.collectors],
-            timeout_s + 60,
-            "taking rollouts",
-            who="collector",
-        )
-        return [g for out in outs for g in out]
-
-
 class RolloutBuffer:
     """The async trainer's source of batches.
 
@@ -179,6 +146,9 @@ class RolloutBuffer:
         self.G = cfg.grpo.prompts_per_step
         self.S = cfg.async_.max_staleness
         self.ready: collections.deque[ClaimedGroup] = collections.deque()
+        self.taking: set[int] = set()  # popped from ready for the batch being assembled
+        self.training_ids: set[int] = set()  # the last batch's groups, until the next is asked for
+        self.step = 0  # the step being assembled or trained
         self.stats = BufferStats()
         self.collector_stats: dict[str, float] = {}
 
@@ -193,9 +163,18 @@ class RolloutBuffer:
         return len(jobs)
 
     # ------------------------------------------------------------------ claims
+    def _arrived(self) -> set[int]:
+        """Groups handed out that reached the trainer (waiting, being taken, being trained)."""
+        return {g.group_id for g in self.ready} | self.taking | self.training_ids
+
     def _poll_collectors(self) -> None:
-        """Requeue groups whose write failed (rolled back); raise if a collector stopped."""
-        polls = self.pool.poll()
+        """Requeue groups whose write failed (rolled back) and those a lost collector held
+        (:class:`~algorithms.engine_pool.CollectorPool`); raise if a collector stopped."""
+        live = set(self.ledger.inflight) - self._arrived()
+        polls, lost = self.pool.poll(self.step, live)
+        if lost:
+            self.source.forget(lost)  # rows it wrote of them, whole or not, leave the store
+            self._failed(lost, lost=True)
         for p in polls:
             if p["error"]:
                 raise StepError(f"rollout collection stopped: {p['error']}")
@@ -203,14 +182,15 @@ class RolloutBuffer:
             self.transport.ops.extend(p.get("ops", ()))
         self.collector_stats = {k: sum(float(p.get(k, 0)) for p in polls) for k in COLLECTOR_COUNTERS}
 
-    def _failed(self, group_ids: Sequence[int]) -> None:
-        """Groups whose write failed (their rows were cleared by the collector's rollback): the
-        prompts go back in line under new group ids."""
+    def _failed(self, group_ids: Sequence[int], lost: bool = False) -> None:
+        """Groups whose write failed (their rows were cleared by the collector's rollback), or
+        whose collector was lost (``lost``: counted by the engine pool): the prompts go back in
+        line under new group ids."""
         for gid in group_ids:
             self.source.discard(gid)
             if gid in self.ledger.inflight:
                 self.ledger.requeue(gid)
-                self.stats.requeued_failed += 1
+                self.stats.requeued_failed += 0 if lost else 1
 
     def _drop(self, group: ClaimedGroup) -> None:
         self.source.drop(group)
@@ -224,6 +204,7 @@ class RolloutBuffer:
             StepError: ``trainer.step_timeout_s`` passed without a full batch, or a collector failed.
         """
         self.stats = BufferStats()
+        self.step, self.training_ids = step, set()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.trainer.step_timeout_s
         taken: list[ClaimedGroup] = []
@@ -234,14 +215,16 @@ class RolloutBuffer:
                     self._drop(g)  # layer 2: never trained on; the prompt is generated again
                 else:
                     taken.append(g)
+                    self.taking.add(g.group_id)
             if len(taken) == self.G:
                 break
             self._poll_collectors()
             self.top_up()  # dropped or failed groups freed admission slots
             left = deadline - time.monotonic()
             if left <= 0:
-                for g in taken:
+                for g in reversed(taken):
                     self.ready.appendleft(g)
+                self.taking.clear()
                 raise StepError(
                     f"step {step}: waited {self.cfg.trainer.step_timeout_s}s for {self.G} rollout groups, got "
                     f"{len(taken)} (+{self.source.partial_rows()} rows of incomplete groups); collectors: "
@@ -254,6 +237,8 @@ class RolloutBuffer:
         return self._batch(taken)
 
     def _batch(self, groups: Sequence[ClaimedGroup]) -> RolloutBatch:
+        self.training_ids = {g.group_id for g in groups}
+        self.taking.clear()
         return RolloutBatch(
             handle=self.transport.concat([g.rows for g in groups]),
             rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
@@ -335,17 +320,20 @@ class DeterministicBuffer(RolloutBuffer):
         if todo:
             self.pool.submit(todo)
 
-    def _failed(self, group_ids: Sequence[int]) -> None:
+    def _arrived(self) -> set[int]:
+        return super()._arrived() | set(self.held)
+
+    def _failed(self, group_ids: Sequence[int], lost: bool = False) -> None:
         """The same groups again (same ids, seeds and pieces): their version is still installed,
         since the refit past it waits for them."""
-        lost = [g for g in group_ids if g in self.jobs and g not in self.held]
-        for gid in lost:
+        again = [g for g in group_ids if g in self.jobs and g not in self.held]
+        for gid in again:
             self.source.discard(gid)
         by_piece: dict[int | None, list[Job]] = {}
-        for gid in sorted(lost):
+        for gid in sorted(again):
             by_piece.setdefault(self.jobs[gid].piece, []).append(self.jobs[gid])
         if by_piece:
-            self.stats.requeued_failed += len(lost)
+            self.stats.requeued_failed += 0 if lost else len(again)
             self.pool.submit(list(by_piece.values()))
 
     # ------------------------------------------------------------------ arrivals
@@ -375,11 +363,13 @@ class DeterministicBuffer(RolloutBuffer):
         """Step ``step``'s groups, in group-id order, once all have arrived."""
         self.stats = BufferStats()
         t0 = time.perf_counter()
-        self.training = step
+        self.training = self.step = step
+        self.training_ids = set()
         self.top_up()
         gids = sorted(self.steps[step])
         self._await(gids, time.monotonic() + self.cfg.trainer.step_timeout_s, f"step {step}")
         taken = [self.held.pop(g) for g in gids]
+        self.training_ids = set(gids)  # arrived: never handed back, whatever happens to their writer
         del self.steps[step]
         for g in gids:
             self.jobs.pop(g)

@@ -38,9 +38,8 @@ import torch
 from algorithms import cluster
 from algorithms.checkpoint import load_driver_state, mark_complete, save_driver_state, saved_tokenizer, step_dir
 from algorithms.config import TrainerConfig
-from algorithms.engine_pool import EnginePool
 from algorithms.inputs import check_run_inputs, load_datasets
-from algorithms.launch import Placed, connect, launch
+from algorithms.launch import connect, launch, make_pool
 from algorithms.metrics import MetricsLogger, StartupProgress
 from algorithms.models import model_files_digest
 from algorithms.remote import gather
@@ -133,16 +132,24 @@ class Trainer:
             self._startup.phase("groups", "train, store attach, refit")
 
         placed = connect(self.cfg, self.workers, self.actors, self.transport, self._secret, on_ready=ready)
-        self.workers.pool = self._engine_pool(placed)
+        # The engines as a pool that survives losing members (algorithms/engine_pool.py).
+        self.workers.pool = make_pool(
+            self.cfg,
+            self.workers,
+            self.actors,
+            self.transport,
+            self._secret,
+            local=placed.local,
+            owned_cluster=self._ray_started,
+            on_join=self._start_replacement,
+        )
         self.policy_params = placed.policy_params
         self.summary["worker_nodes"] = placed.nodes
         self.summary["policy_layout"] = placed.layout
 
-    def _engine_pool(self, placed: Placed) -> EnginePool | None:
-        """The engines as a pool that survives losing members (:mod:`algorithms.engine_pool`), for
-        a trainer whose steps can generate a lost engine's prompts again; ``None``: a lost engine
-        fails the step."""
-        return None
+    def _start_replacement(self, collector: Any) -> None:
+        """What a replacement engine's collector needs once the refit gave it the weights (the
+        sync trainer drives it per step: nothing)."""
 
     # -------------------------------------------------------------- checkpoint
     def _driver_state(self) -> dict[str, Any]:

@@ -6,9 +6,10 @@ engine").
 
 First one undisturbed reference run; then each trial starts the same run (``--engines`` engines,
 ``--steps`` steps, ``generation.max_replacements`` = ``--kills``) and, once it trains, SIGKILLs
-``--kills`` times, every 1..``--gap`` s, one live process of a drawn kind (an engine's generator
-or its collector, found by the run's ``SOAK_RUN_TAG``; :mod:`soak_outside`). A kill *lands* when
-its victim was alive and the run still training. A trial passes when the run:
+``--kills`` times one live process of a drawn kind (an engine's generator or its collector,
+found by the run's ``SOAK_RUN_TAG``; :mod:`soak_outside`), each once the pool is back at full
+strength and has trained a step since, at a random moment 0..``--gap`` s later (so one engine
+dies at a time, in whatever phase the run is in). A trial passes when the run:
 
 * exits 0 with every step trained and no resume;
 * trains exactly the reference run's steps: per-step reward, loss, grad norm and sample count
@@ -72,6 +73,10 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def _live(sid: int, tag: str, kind: str) -> list[Any]:
+    return [p for p in soak_outside.snapshot(sid, tag) if p.ours and re.search(KINDS[kind], p.cmdline)]
+
+
 def _run(out: Path, args: argparse.Namespace, kills: int, rng: random.Random) -> dict[str, Any]:
     """One run, SIGKILLing ``kills`` engine processes once it trains."""
     out.mkdir(parents=True, exist_ok=True)
@@ -90,13 +95,21 @@ def _run(out: Path, args: argparse.Namespace, kills: int, rng: random.Random) ->
     while proc.poll() is None and not _rows(out) and time.time() - t0 < args.startup_timeout:
         time.sleep(0.2)
     for _ in range(kills):
-        wake = time.time() + rng.uniform(1.0, args.gap)
+        # Paced: the pool back at full strength (a replacement's process up) and a step trained
+        # since, then a random moment: every kill is survivable by design (one engine dies at a
+        # time), and lands in whatever phase the run is in.
+        while proc.poll() is None and len(_live(proc.pid, tag, "generator")) < args.engines:
+            time.sleep(0.2)
+        seen = len(_rows(out))
+        while proc.poll() is None and len(_rows(out)) <= seen:
+            time.sleep(0.1)
+        wake = time.time() + rng.uniform(0.0, args.gap)
         while proc.poll() is None and time.time() < wake:
             time.sleep(0.05)
         if proc.poll() is not None:
             break
         kind = rng.choice(sorted(KINDS))
-        live = [p for p in soak_outside.snapshot(proc.pid, tag) if p.ours and re.search(KINDS[kind], p.cmdline)]
+        live = _live(proc.pid, tag, kind)
         if not live:
             continue
         victim = rng.choice(live)
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=5, help="SIGKILLs per trial")
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--gap", type=float, default=4.0, help="longest seconds between two kills")
+    ap.add_argument("--gap", type=float, default=3.0, help="longest random delay before a kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--exit-bound", type=float, default=600.0, help="seconds a run may take after its kills")

@@ -100,6 +100,12 @@ class RolloutSource(ABC):
         """Rows held of groups not yet complete."""
         return 0
 
+    def forget(self, group_ids: Sequence[int]) -> None:
+        """Groups whose writer was lost mid-way: whatever of their rows was delivered (held
+        here or still in the store) is dropped, so they can be generated again."""
+        for gid in group_ids:
+            self.discard(gid)
+
 
 @dataclass
 class Loaded:

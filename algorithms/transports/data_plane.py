@@ -315,6 +315,15 @@ class DataPlaneSource(RolloutSource):
     def partial_rows(self) -> int:
         return len(self.assembler)
 
+    def forget(self, group_ids: Sequence[int]) -> None:
+        gone = set(group_ids)
+        for gid in gone:
+            self.assembler.discard(gid)
+        # Claimed or not, produced or not: every key of theirs in the partition.
+        keys = [k for k in self.client.kv_list(ROLLOUTS).keys if parse_rollout_key(k).group in gone]
+        if keys:
+            self.client.kv_clear(keys, ROLLOUTS)
+
 
 class DataPlaneBatchIO(BatchIO):
     """A rank fetches its meta's rows (``WorkerFetcher``: independently, or one leader per TP group

@@ -9,6 +9,9 @@ each run), so groups are written in a different order and at different moments e
   after a checkpoint and resumed with ``checkpoint.resume=latest`` (new delays again) give the
   same loss, policy-gradient loss, KL, reward and gradient norm at every step, bit for bit, and
   the same final policy weights (sha256);
+* the reference run at ``max_staleness`` 2 loses an engine mid-run (collector 1's generator is
+  SIGKILLed): its groups are generated again under the same ids, seeds and weight versions by the
+  survivor and a replacement, with no restart, and it still equals the killed-and-resumed run;
 * two free-mode runs with the same two delay streams differ (so the comparison can fail).
 """
 
@@ -36,6 +39,9 @@ BASE = (
     "debug.generate_jitter_s=0.3",
 )
 KEYS = ("loss", "pg_loss", "kl", "reward", "grad_norm")
+# The reference run at max_staleness 2 loses collector 1's generator (SIGKILL inside its generate
+# call with weight version 2) and goes on without a restart (algorithms/engine_pool.py).
+LOSE_ENGINE_1 = ("debug.fail_in=generator", "debug.fail_at_step=2", "debug.fail_rank=1", "debug.fail_mode=sigkill")
 
 
 def _weights_sha256(out: Path) -> str:
@@ -64,7 +70,7 @@ def runs(tmp_path_factory, run_trainers_concurrently, trainer_command, sigkill_a
     first = run_trainers_concurrently(
         [
             (d / "det1", (*det[1], "debug.jitter_seed=1"), "grpo_async"),
-            (d / "det2", (*det[2], "debug.jitter_seed=1"), "grpo_async"),
+            (d / "det2", (*det[2], "debug.jitter_seed=1", *LOSE_ENGINE_1), "grpo_async"),
             (d / "free_a", (*free, "debug.jitter_seed=1"), "grpo_async"),
         ],
         timeout=900,
@@ -116,3 +122,17 @@ def test_free_mode_under_the_same_delays_is_not_reproducible(runs: dict[str, Any
     a, b = runs["free_a"], runs["free_b"]
     assert a.summary["async_mode"] == b.summary["async_mode"] == "free"
     assert _series(a) != _series(b) or _weights_sha256(a.out_dir) != _weights_sha256(b.out_dir)
+
+
+def test_a_deterministic_run_that_loses_an_engine_goes_on_unchanged(runs: dict[str, Any]) -> None:
+    s = runs["det2"].summary
+    # Bitwise equal to the resumed run (the test above), and here: the loss was survived.
+    (loss,) = s["generator_losses"]
+    assert loss["engine"] == 1 and "generator died" in loss["error"], loss
+    assert loss["resumed_at"] - loss["seen_at"] < 5.0
+    assert s["generators_lost_total"] == 1 and s["generators_replaced_total"] == 1
+    assert s["groups_requeued_lost_total"] >= 1
+    assert s["generator_versions"] == [STEPS, STEPS]  # the survivor and the replacement
+    assert s["groups_per_engine"][1] > 0, "the replacement generated"
+    assert sum(r["generators_lost"] for r in runs["det2"].rows) == 1
+    assert s["keys_leaked_at_exit"] == 0

@@ -1,5 +1,5 @@
 """The engine pool's bookkeeping (algorithms/engine_pool.py) and the step's requeue plan
-(algorithms/step.py), on real Ray actors: a killed actor is a loss, a live one is not, a drop
+(algorithms/sync_source.py), on real Ray actors: a killed actor is a loss, a live one is not, a drop
 starts a replacement within the budget, the refit group is re-formed with it. The whole path with
 real engines (SIGKILL mid-generate, bitwise steps) is tests/functional/test_grpo_sync.py."""
 
@@ -16,7 +16,7 @@ from algorithms.config import load_config
 from algorithms.engine_pool import EnginePool, Spawned
 from algorithms.remote import StepError
 from algorithms.rollouts import Job
-from algorithms.step import _positioned, _split_to, spread
+from algorithms.sync_source import _positioned, _split_to, spread
 
 REPO = Path(__file__).resolve().parents[2]
 

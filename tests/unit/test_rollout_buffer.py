@@ -194,9 +194,9 @@ class _Pool:
     def submit(self, pieces: list[list[Job]]) -> None:
         self.jobs += [j for p in pieces for j in p]
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self, step: int, live: set[int]) -> tuple[list[dict[str, Any]], list[int]]:
         failed, self.failed = self.failed, []
-        return [{"failed": failed, "error": self.error, "idle_s": 0.0, "generate_s": 0.0, "groups_written": 0}]
+        return [{"failed": failed, "error": self.error, "idle_s": 0.0, "generate_s": 0.0, "groups_written": 0}], []
 
     def take(self, max_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         return []

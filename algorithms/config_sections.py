@@ -122,9 +122,10 @@ class GenerationConfig:
     # each response is drawn from its own seed where the engine allows it (hf), so the engine
     # count does not change what is sampled. grpo_async: async.num_collectors.
     num_engines: int = 1
-    # grpo_sync with several engines: an engine found dead (process killed, node lost) is dropped,
-    # its prompts are generated again by the others, and a replacement is started that joins at
-    # the next refit, at most max_replacements times per run (algorithms/engine_pool.py).
+    # Several engines (num_engines, or grpo_async's async.num_collectors): an engine found dead
+    # (process killed, node lost) is dropped, its groups are generated again by the others, and a
+    # replacement is started that joins at the next refit, at most max_replacements times per run
+    # (algorithms/engine_pool.py).
     replace_lost: bool = True
     max_replacements: int = 4
 

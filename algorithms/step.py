@@ -287,23 +287,30 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
 
 
 def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) -> list[int]:
-    """After a failed refit: the senders leave the group (so a receiver still waiting in it
-    fails at once instead of at its timeout), then the receivers whose process died."""
+    """After a failed refit: the receivers whose process died (Ray fails their call at once).
+    When there are some, the senders leave the group first (so a live receiver still waiting in
+    it fails at once instead of at its timeout) and every receiver's call is waited for."""
+    done, _ = ray.wait(list(recvs), num_returns=len(recvs), timeout=2.0)
+    if not any(_died(r) for r in done):
+        return []  # a live peer that failed or never took part: the refit's own error stands
     try:
         gather([s.leave_refit.remote() for s in workers.refit_senders], cfg.refit.timeout_s + 30, "refit group leave")
     except StepError as e:  # a sender lost: the step's error stands (the policy side is fail-fast)
         print(f"refit: a sender could not leave the group: {e}", file=sys.stderr)
         return []
     ray.wait(list(recvs), num_returns=len(recvs), timeout=cfg.refit.timeout_s + 30)
-    lost = []
-    for i, ref in enumerate(recvs):
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            lost.append(i)
-        except Exception:  # noqa: BLE001 - alive: failed with the group, or still waiting
-            pass
-    return lost
+    return [i for i, r in enumerate(recvs) if _died(r)]
+
+
+def _died(ref: Any) -> bool:
+    """Whether the finished call ``ref`` failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - alive: failed with the group, or still waiting
+        pass
+    return False
 
 
 def _refit_once(cfg: TrainerConfig, workers: Workers, version: int, recvs: list[Any]) -> RefitTiming:

@@ -84,6 +84,7 @@ class TransferQueueStore(ActorBackedClient):
     _storage: dict[str, Any]
     _units: dict[str, Any]
     _hosted: Any  # the controller, when it holds the store's only unit; else None
+    _control: Any  # the controller's actor handle (created or found), once connected
     _local_units: bool
     _tq: Any
     _claims_unsupported: str | None
@@ -117,7 +118,7 @@ class TransferQueueStore(ActorBackedClient):
             # Units all on this node map one shared chunk per put; else each gets its rows.
             self._local_units = all(node == here for node in nodes.values())
         self._claims_unsupported = compat.claims_unsupported(conf)
-        controller = self._controller or self._find()
+        controller = self._control = self._controller or self._find()
         # A unit the controller holds (registered under the controller's name) dies with it: one
         # watch, named for both.
         hosted = [

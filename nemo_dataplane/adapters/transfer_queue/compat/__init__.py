@@ -62,10 +62,15 @@ The quirks:
    chosen rows consumed. -> :func:`create_controller` starts the controller with
    ``polling_mode=True`` and :class:`ClaimSampler`, which takes up to ``nd_take`` keyed rows in
    key-insertion order once ``nd_min`` are ready, or marks exactly ``nd_mark_keys``
-   (:func:`claim_rows`, :func:`mark_rows`). Stores made elsewhere (``tq.init()``) lack both:
+   (:func:`ask_claim`, :func:`mark_rows`). Polling mode returns at once when too few rows are
+   there; rather than asking again and again, a claim (:func:`ask_claim`) runs the very fetch
+   the GET_META handler runs inside the controller, on a thread of its own, and between tries
+   sleeps on a condition the controller subclass notifies whenever rows become produced, so it
+   returns as soon as its rows are there. Stores made elsewhere (``tq.init()``) lack all this:
    :func:`claims_unsupported` says why.
 9. A fetch returns global indexes, not keys, and ``kv_retrieve_keys`` raises when a partition
-   vanished meanwhile -> :func:`keys_of` maps indexes to keys, ``None`` for rows cleared since.
+   vanished meanwhile -> the claim looks its rows' keys up inside the controller in the same
+   locked step that picked them, so none can be cleared in between.
 10. TransferQueue's own ``put`` marks rows produced before it writes their tags, so a claimer can
    see a row without its tags -> :func:`put_rows` only writes rows; the adapter calls
    :func:`mark_produced` after the tags are stored.
@@ -137,9 +142,9 @@ from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
 from nemo_dataplane.adapters.transfer_queue.compat.claims import (
     CLAIM_SAMPLER,
     ClaimSampler,
-    claim_rows,
+    ask_claim,
+    ask_claim_stats,
     claims_unsupported,
-    keys_of,
     mark_rows,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.common import (
@@ -202,14 +207,14 @@ __all__ = [
     "ask_server_info",
     "ask_wire_stats",
     "base_config",
-    "claim_rows",
+    "ask_claim",
+    "ask_claim_stats",
     "claims_unsupported",
     "column_from_rows",
     "create_controller",
     "create_storage_units",
     "field_schema",
     "get_rows",
-    "keys_of",
     "loop_thread",
     "make_client",
     "mark_produced",

@@ -382,14 +382,14 @@ def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Quirk 10: rows become produced only once their tags are stored, so a claimer waiting on
-    them never gets a row without the tags it was put with, however slow the tag write is."""
-    real_set_tags = tq_compat.set_tags
+    them never gets a row without the tags it was put with, however slow the row write is."""
+    real_put_rows = tq_compat.put_rows
 
-    async def slow_set_tags(*args: Any, **kwargs: Any) -> None:
+    async def slow_put_rows(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(0.5)
-        await real_set_tags(*args, **kwargs)
+        return await real_put_rows(*args, **kwargs)
 
-    monkeypatch.setattr(tq_compat, "set_tags", slow_set_tags)
+    monkeypatch.setattr(tq_compat, "put_rows", slow_put_rows)
     monkeypatch.setattr(tq_client, "_hosted", None)  # a one-request put is atomic (quirk 14)
     put = threading.Thread(
         target=tq_client.kv_batch_put, args=(["a", "b"], pid, {"x": torch.zeros(2)}, [{"g": 0}, {"g": 1}])
@@ -398,6 +398,35 @@ def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
     meta = tq_client.kv_claim(pid, "t", ["x"], 2, 10)
     put.join(30)
     assert meta.keys == ("a", "b") and meta.tags == ({"g": 0}, {"g": 1})
+
+
+def test_a_put_across_actors_sends_tags_and_production_in_one_request_after_the_rows(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the unit apart from the controller, a put is the key lookup, the rows (the unit)
+    and one request that stores the tags and then marks the rows produced (quirk 10); a
+    tags-only put's second request stores its tags alone."""
+    monkeypatch.setattr(tq_client, "_hosted", None)
+    sent: list[tuple[Any, bool]] = []
+    real_request = tq_client._tq._request_controller
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        sent.append((kwargs["request_type"].name, tq_compat.PRODUCED in kwargs["body"]))
+        return await real_request(*args, **kwargs)
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a production notice of its own")
+
+    monkeypatch.setattr(tq_client._tq, "_request_controller", spy)
+    monkeypatch.setattr(tq_compat, "mark_produced", never)
+    x = torch.randn(3, 5)
+    tq_client.kv_batch_put(["a", "b", "c"], pid, {"x": x}, tags=[{"i": 0}, {"i": 1}, {"i": 2}])
+    assert sent == [("KV_RETRIEVE_META", False), ("SET_CUSTOM_META", True)]
+    tq_client.kv_batch_put(["b"], pid, None, tags=[{"i": -1}])
+    assert sent[2:] == [("KV_RETRIEVE_META", False), ("SET_CUSTOM_META", False)]
+    monkeypatch.setattr(tq_client._tq, "_request_controller", real_request)
+    assert torch.equal(tq_client.kv_batch_get(["c", "b"], ["x"], partition_id=pid)["x"], x[[2, 1]])
+    assert tq_client.kv_claim(pid, "t", ["x"], 3, 0).tags == ({"i": 0}, {"i": -1}, {"i": 2})
 
 
 def test_claims_need_a_store_started_by_this_adapter(

@@ -132,6 +132,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         self._units: dict[str, Any] = {}
         self._hosted: Any = None
         self._control: Any = None
+        self._ours = False
         self._local_units = False
         self._tq: Any = None
         self._claims_unsupported: str | None = None
@@ -189,20 +190,23 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         new_meta = compat.merged_tags(bm.custom_meta, tag_list, layout)
         bm.custom_meta = new_meta
         try:
-            # Rows and tags go to different actors and do not depend on each other: send both
-            # at once (TransferQueue's own put does them one after the other).
-            jobs = [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
+            # Our controller takes the tags with the production notice, after the rows: one
+            # request (quirk 10). Another's takes them beside the rows (other actors), then it.
+            jobs = [] if self._ours else [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
             if columns:
                 jagged = results.jagged_in(layout)
                 jobs.append(compat.put_rows(self._tq, bm, columns, jagged, self._units, chunk))
-            # Wait for both before judging: cleanup must not race a tag write still in flight.
+            # Wait for all before judging: cleanup must not race a tag write still in flight.
             outcomes = await asyncio.gather(*jobs, return_exceptions=True)
             for r in outcomes:
                 if isinstance(r, BaseException):
                     raise r
-            if columns:
-                # Only now, with tags stored, may a claimer see the rows as produced (quirk 10).
-                schema = cast("dict[str, dict[str, Any]]", outcomes[1])  # put_rows's; the loop raised errors
+            # put_rows's field schema (the loop raised errors); only with tags stored may a
+            # claimer see the rows as produced.
+            schema = cast("dict[str, dict[str, Any]]", outcomes[-1]) if columns else {}
+            if self._ours:
+                await compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta, schema)
+            elif columns:
                 await compat.mark_produced(self._tq, bm, schema)
         except BaseException as error:
             if fresh:

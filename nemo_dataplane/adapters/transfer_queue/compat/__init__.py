@@ -72,8 +72,10 @@ The quirks:
    vanished meanwhile -> the claim looks its rows' keys up inside the controller in the same
    locked step that picked them, so none can be cleared in between.
 10. TransferQueue's own ``put`` marks rows produced before it writes their tags, so a claimer can
-   see a row without its tags -> :func:`put_rows` only writes rows; the adapter calls
-   :func:`mark_produced` after the tags are stored.
+   see a row without its tags -> :func:`put_rows` only writes rows; once they are written, the
+   adapter's :func:`set_tags` request to a controller of ours carries the production notice
+   too, which the controller subclass records after the tags, under its lock (one request);
+   on a store started elsewhere, :func:`mark_produced` follows :func:`set_tags`.
 11. A put through TransferQueue's ZMQ protocol serializes every row into frames and the unit
    deserializes them (two copies plus per-row work), and there is no way to hand a unit data that
    is already in Ray's object store -> with the units' handles, :func:`put_rows` ``ray.put``s each
@@ -176,6 +178,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     wire_keys,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    PRODUCED,
     chunk_of,
     field_schema,
     mark_produced,
@@ -189,6 +192,7 @@ __all__ = [
     "CLAIM_SAMPLER",
     "INLINE_MAX_BYTES",
     "LAYOUT_TAG",
+    "PRODUCED",
     "Located",
     "PutDone",
     "chunk_of",

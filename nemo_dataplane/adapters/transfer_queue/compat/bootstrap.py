@@ -30,6 +30,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     guard_stats,
     serve_authenticated,
 )
+from nemo_dataplane.adapters.transfer_queue.compat.writes import PRODUCED
 
 
 def base_config(num_storage_units: int) -> DictConfig:
@@ -131,6 +132,16 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
             done = super().update_production_status(*args, **kwargs)
             self.nd_produced.notify_all()
             return done
+
+    def _handle_set_custom_meta_request(self, request_msg: Any) -> Any:
+        """TransferQueue's SET_CUSTOM_META, then, when the body carries a production notice
+        (``writes.set_tags``), the NOTIFY_DATA_UPDATE work: tags before production (quirk 10),
+        one request. Runs on the request thread under ``nd_lock``."""
+        reply = super()._handle_set_custom_meta_request(request_msg)
+        notice = request_msg.body.get(PRODUCED)
+        if notice and not self.update_production_status(**notice):
+            raise RuntimeError(f"TransferQueue could not record production in partition {notice['partition_id']!r}")
+        return reply
 
     def reset_consumption(self, *args: Any, **kwargs: Any) -> Any:
         with self.nd_lock:

@@ -21,6 +21,8 @@ from nemo_dataplane.adapters.transfer_queue.compat.mapped import register
 from nemo_dataplane.rows import take_rows
 
 UNIT_GET_TIMEOUT_S = 300.0  # a unit's wait for a writer's object (local, or one transfer)
+# The SET_CUSTOM_META body entry our controller reads as a production notice (:func:`set_tags`).
+PRODUCED = "nd_produced"
 
 
 # Functions that run inside storage units (_storage_side_split, _unit_write here, _unit_read in
@@ -212,17 +214,35 @@ async def set_tags(
     partition_id: str,
     global_indexes: Sequence[int],
     tags: Sequence[dict[str, Any]],
+    produced: dict[str, dict[str, Any]] | None = None,
     socket: Any = None,
 ) -> None:
     """Store per-key tags (TransferQueue's ``custom_meta``), replacing each key's dict.
 
     The same SET_CUSTOM_META request ``client.async_set_custom_meta`` sends, minus its two
     deep copies of every key's tags and a ``BatchMeta`` rebuild per partition, which cost more
-    than the request itself for a 1024-key batch.
+    than the request itself for a 1024-key batch. With ``produced`` (a field schema from
+    :func:`put_rows`; only for a controller of ours, :class:`~.bootstrap._Controller`), the
+    same request then marks the rows produced for its fields: what :func:`mark_produced` does,
+    after the tags are stored (quirk 10), in one round trip.
     """
+    body: dict[str, Any] = {"partition_custom_meta": {partition_id: dict(zip(global_indexes, tags))}}
+    if produced:
+        gis = list(global_indexes)
+        body[PRODUCED] = {"partition_id": partition_id, "global_indexes": gis, "field_schema": by_index(produced, gis)}
     await client._request_controller(
         socket=socket,
         request_type=ZMQRequestType.SET_CUSTOM_META,
         response_type=ZMQRequestType.SET_CUSTOM_META_RESPONSE,
-        body={"partition_custom_meta": {partition_id: dict(zip(global_indexes, tags))}},
+        body=body,
     )
+
+
+def by_index(schema: dict[str, dict[str, Any]], gis: list[int]) -> dict[str, dict[str, Any]]:
+    """``schema`` with per-row shapes keyed by global index, as the controller stores them
+    (TransferQueue's storage manager does this before its NOTIFY_DATA_UPDATE request)."""
+    out = {}
+    for name, field in schema.items():
+        shapes = field.get("per_sample_shapes")
+        out[name] = {**field, "per_sample_shapes": dict(zip(gis, shapes))} if isinstance(shapes, list) else field
+    return out

@@ -559,3 +559,21 @@ def test_a_get_racing_a_clear_of_its_keys_returns_every_row_or_names_the_cleared
     asyncio.run(races())
     # Both orders happened (half the rounds start the clear first), so the race was run.
     assert seen["rows"] > 0 and seen["error"] > 0 and seen["rows"] + seen["error"] == 48
+
+
+def test_a_cancelled_claim_stops_waiting_and_takes_no_row(tq_client: TransferQueueClient, pid: str) -> None:
+    """An ``async_kv_claim`` cancelled while it waits (here by ``asyncio.wait_for``) tells the
+    controller, which ends that wait at once without taking rows: a row put afterwards goes to
+    the next claim, not to the caller that is gone."""
+
+    async def impatient() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(tq_client.async_kv_claim(pid, "t", ["x"], 1, 60), 0.3)
+
+    asyncio.run(impatient())
+    t0 = time.monotonic()
+    while _claim_stats(tq_client)["waiting"]:  # the cancelled claim leaves the controller
+        assert time.monotonic() - t0 < 30, "the cancelled claim is still waiting (its timeout is 60 s)"
+        time.sleep(0.01)
+    tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
+    assert tq_client.kv_claim(pid, "t", ["x"], 1, 0).keys == ("a",)

@@ -17,16 +17,18 @@ How it is shaped (polling mode, our sampler, the wait) is in :mod:`.compat` (qui
   again is claimable again; an upsert leaves consumption alone.
 * Order: oldest key first (insertion order of keys, not TransferQueue's global index order).
 
-Limits: a claim whose call is cancelled in flight (``op_timeout_s`` on a stalled controller, or
-a cancelled ``async_kv_claim``) keeps waiting in the controller until its deadline and may
-consume rows without returning them. Claims need a store started by this adapter
-(:func:`.compat.claims_unsupported`); ``kv_claim_status`` works on any TransferQueue store.
+Limits: a claim whose call is cancelled (``op_timeout_s`` on a stalled controller, or a cancelled
+``async_kv_claim``) tells the controller, where a claim still waiting then stops without taking
+rows; one that had already picked its rows consumes them without returning them. Claims need a
+store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` works on
+any TransferQueue store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -95,11 +97,15 @@ class TransferQueueClaims(DataPlaneClient):
     # ------------------------------------------------------------ bodies
     async def _claim(self, pid: str, task: str, names: list[str], batch_size: int, timeout_s: float) -> KVBatchMeta:
         now = time.time()
+        until, give_up, claim_id = now + timeout_s, now + timeout_s + self.cfg.op_timeout_s, uuid.uuid4().hex
         # It waits inside the controller, woken when rows are produced (no polling); the caller
         # stops waiting at the deadline plus op_timeout_s (the op's own bound, _run).
-        keys, tags = await compat.ask_claim(
-            self._control, pid, task, names, batch_size, now + timeout_s, now + timeout_s + self.cfg.op_timeout_s
-        )
+        try:
+            keys, tags = await compat.ask_claim(self._control, pid, task, names, batch_size, until, give_up, claim_id)
+        except asyncio.CancelledError:
+            # Its caller is gone (cancelled, or past op_timeout_s): it must not take rows now.
+            compat.cancel_claim(self._control, claim_id, give_up)
+            raise
         return KVBatchMeta(keys=tuple(keys), tags=tuple(tags), partition_id=pid, fields=tuple(names))
 
     async def _mark(self, keys: list[str], pid: str, task: str) -> None:

@@ -146,6 +146,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.claims import (
     ClaimSampler,
     ask_claim,
     ask_claim_stats,
+    cancel_claim,
     claims_unsupported,
     mark_rows,
 )
@@ -213,6 +214,7 @@ __all__ = [
     "base_config",
     "ask_claim",
     "ask_claim_stats",
+    "cancel_claim",
     "claims_unsupported",
     "column_from_rows",
     "create_controller",

@@ -112,6 +112,7 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
         self.nd_lock = threading.RLock()
         self.nd_produced = threading.Condition(self.nd_lock)
         self.nd_claims = {"waiting": 0, "scans": 0}  # claims waiting now, scans made (.claims)
+        self.nd_cancelled: dict[str, float] = {}  # claims whose callers gave up -> until when to keep the note
         self.nd_wire = wire  # handed to clients that attach (through Ray: ask_config)
         _listen_on(listen_host, self)
         serve_authenticated(self, wire)

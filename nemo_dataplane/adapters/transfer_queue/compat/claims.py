@@ -82,21 +82,53 @@ def claims_unsupported(conf: DictConfig) -> str | None:
 
 
 def ask_claim(
-    controller: Any, partition_id: str, task: str, fields: list[str], take: int, until: float, give_up: float
+    controller: Any,
+    partition_id: str,
+    task: str,
+    fields: list[str],
+    take: int,
+    until: float,
+    give_up: float,
+    claim_id: str,
 ) -> Any:
     """Ask ``controller`` (the actor handle) for a claim: a ref to :func:`wait_claim`'s answer.
 
     ``until``: the claim's deadline, ``give_up``: when its caller stops waiting for the answer
-    (both epochs, as ``time.time()``). It runs on one of the controller's :data:`WAIT_THREADS`
-    claim threads, never on the thread its other Ray calls (:mod:`.hosted`'s ops) run on.
+    (both epochs, as ``time.time()``); ``claim_id``: what :func:`cancel_claim` names it by. It
+    runs on one of the controller's :data:`WAIT_THREADS` claim threads, never on the thread its
+    other Ray calls (:mod:`.hosted`'s ops) run on.
     """
     return controller.__ray_call__.options(concurrency_group=WAIT_GROUP).remote(
-        wait_claim, partition_id, task, list(fields), take, until, give_up
+        wait_claim, partition_id, task, list(fields), take, until, give_up, claim_id
     )
 
 
+def cancel_claim(controller: Any, claim_id: str, give_up: float) -> Any:
+    """Tell ``controller`` that nobody waits for claim ``claim_id`` any more (its caller was
+    cancelled): if it is still waiting, or has not started, it returns without claiming. A ref
+    (fire and forget). A claim that has already picked its rows keeps them."""
+    return controller.__ray_call__.remote(_cancel, claim_id, give_up)
+
+
+def _cancel(controller: Any, claim_id: str, give_up: float) -> None:
+    with controller.nd_produced:
+        now = time.time()
+        # Kept until the claim's own give_up (a claim that never starts is refused by then).
+        for old in [c for c, until in controller.nd_cancelled.items() if until < now]:
+            del controller.nd_cancelled[old]
+        controller.nd_cancelled[claim_id] = give_up
+        controller.nd_produced.notify_all()
+
+
 def wait_claim(
-    controller: Any, partition_id: str, task: str, fields: list[str], take: int, until: float, give_up: float
+    controller: Any,
+    partition_id: str,
+    task: str,
+    fields: list[str],
+    take: int,
+    until: float,
+    give_up: float,
+    claim_id: str,
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """Runs inside the controller (:func:`ask_claim`): the keys and public tags of up to ``take``
     produced rows of ``fields`` that ``task`` has not consumed, claimed (marked consumed) as soon
@@ -107,8 +139,8 @@ def wait_claim(
     Each scan, pick and key lookup is one step under ``nd_lock``, the lock every ZMQ request
     and every op of :mod:`.hosted` holds, so concurrent claimers never share a row and a claimed
     row cannot be cleared before its key is read (quirk 9). A call that starts after
-    ``give_up`` (it queued behind other waiting claims until its caller stopped waiting) claims
-    nothing: nobody would receive the rows.
+    ``give_up`` (it queued behind other waiting claims until its caller stopped waiting), or
+    whose caller cancelled it (:func:`cancel_claim`), claims nothing: nobody would receive the rows.
     """
     if time.time() >= give_up:
         return [], []
@@ -118,6 +150,8 @@ def wait_claim(
         controller.nd_claims["waiting"] += 1
         try:
             while True:
+                if controller.nd_cancelled.pop(claim_id, None) is not None:
+                    return [], []
                 final = time.monotonic() >= deadline
                 # Before the deadline only a full batch is taken; at it, whatever is ready.
                 need = 1 if final else take

@@ -577,3 +577,27 @@ def test_a_cancelled_claim_stops_waiting_and_takes_no_row(tq_client: TransferQue
         time.sleep(0.01)
     tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
     assert tq_client.kv_claim(pid, "t", ["x"], 1, 0).keys == ("a",)
+
+
+def test_a_small_put_across_actors_rides_inside_the_units_calls(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to ``INLINE_MAX_BYTES`` a put's rows travel inside the units' calls, with no
+    ``ray.put``; a larger put is put once into the object store. Both read back bit-exact."""
+    monkeypatch.setattr(tq_client, "_hosted", None)
+    objects: list[int] = []
+    real_put_chunk = tq_compat.put_chunk
+
+    def spy(columns: Any) -> Any:
+        objects.append(sum(t.numel() * t.element_size() for t in columns.values()))
+        return real_put_chunk(columns)
+
+    monkeypatch.setattr(tq_compat, "put_chunk", spy)
+    small, big = torch.randn(4, 16), torch.randn(64, 1024)  # 256 B and 256 KiB
+    assert small.numel() * 4 <= tq_compat.INLINE_MAX_BYTES < big.numel() * 4
+    tq_client.kv_batch_put([f"s{i}" for i in range(4)], pid, {"x": small})
+    assert objects == []
+    tq_client.kv_batch_put([f"b{i}" for i in range(64)], pid, {"x": big})
+    assert objects == [big.numel() * 4]
+    assert torch.equal(tq_client.kv_batch_get(["s3", "s0"], ["x"], partition_id=pid)["x"], small[[3, 0]])
+    assert torch.equal(tq_client.kv_batch_get(["b9", "b63"], ["x"], partition_id=pid)["x"], big[[9, 63]])

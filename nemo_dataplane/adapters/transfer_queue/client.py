@@ -62,7 +62,7 @@ from nemo_dataplane.client import (
     check_select_fields,
     resolve_get_target,
 )
-from nemo_dataplane.codec import batch_nbytes, is_jagged
+from nemo_dataplane.codec import is_jagged
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.distributed.auth import job_secret
 from nemo_dataplane.meta import KVBatchMeta
@@ -169,7 +169,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     ) -> KVBatchMeta:
         if self._hosted is not None:
             return await self._put_hosted(keys, partition_id, columns, tag_list)
-        if columns and self._local_units:
+        if columns and self._local_units and compat.rides_inline(columns):
+            # A small put rides inside the units' calls.
+            bm, chunk = await self._retrieve(keys, partition_id, create=True), compat.chunk_of(columns)
+        elif columns and self._local_units:
             # The one copy of the rows into shared memory overlaps the controller's key lookup.
             bm, chunk = await asyncio.gather(
                 self._retrieve(keys, partition_id, create=True), asyncio.to_thread(compat.put_chunk, columns)
@@ -239,7 +242,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         if columns:
             # A small batch rides in the request itself; a large one is put once, and the unit
             # maps that object (quirk 11).
-            if batch_nbytes(columns) <= compat.INLINE_MAX_BYTES:
+            if compat.rides_inline(columns):
                 chunk = [compat.chunk_of(columns)]
             else:
                 chunk = [await asyncio.to_thread(compat.put_chunk, columns)]

@@ -82,7 +82,9 @@ The quirks:
    put once (:func:`put_chunk`) and asks each unit (``__ray_call__``) to map that object and store
    one view per row through the very ``storage_data.put_data`` call its PUT handler makes, so
    TransferQueue's own clients read the rows as usual; :mod:`.mapped` lets our reads find the
-   object again from a row's address and map it themselves (:func:`read_columns`).
+   object again from a row's address and map it themselves (:func:`read_columns`). A put up to
+   :data:`INLINE_MAX_BYTES` (:func:`rides_inline`) skips the object store: its rows travel
+   inside the unit's call, and the unit stacks them for reads.
 12. The controller and storage units bind their ZMQ sockets to the node's routable address (Ray's
    ``get_node_ip_address``, which never answers loopback), even when every client is on that
    node, and decode what they receive with ``pickle``: anyone who reaches the port runs code in
@@ -159,7 +161,6 @@ from nemo_dataplane.adapters.transfer_queue.compat.common import (
     quiet_logs,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.hosted import (
-    INLINE_MAX_BYTES,
     Located,
     PutDone,
     merged_tags,
@@ -179,12 +180,14 @@ from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     wire_keys,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    INLINE_MAX_BYTES,
     PRODUCED,
     chunk_of,
     field_schema,
     mark_produced,
     put_chunk,
     put_rows,
+    rides_inline,
     set_tags,
 )
 
@@ -230,6 +233,7 @@ __all__ = [
     "put_chunk",
     "put_rows",
     "quiet_logs",
+    "rides_inline",
     "read_columns",
     "server_info",
     "set_tags",

@@ -28,12 +28,6 @@ from nemo_dataplane.adapters.transfer_queue.compat.common import LAYOUT_TAG
 from nemo_dataplane.adapters.transfer_queue.compat.reads import _unit_read
 from nemo_dataplane.adapters.transfer_queue.compat.writes import UNIT_GET_TIMEOUT_S, _unit_write, by_index
 
-# A put up to this size travels inside its request; larger ones are put once into Ray's object
-# store and mapped by the unit (quirk 11), so reads can map them too. It is Ray's own default
-# limit for arguments passed inline (max_direct_call_object_size): an 8-row put of ~96 KiB takes
-# 4.0 ms inline against 7.7 ms through the object store (2-core machine).
-INLINE_MAX_BYTES = 100 * 1024
-
 
 def merged_tags(
     custom_meta: Sequence[Mapping[str, Any]],

@@ -34,6 +34,8 @@ Also measured:
 
 * tiny-batch latency: put + get of 8 rows by each method next to a plain Ray actor call (the
   floor of any hand-off to another process);
+* claim latency (stores): a reader's ``kv_claim`` of one row waits; the driver puts the row
+  0.2 s later; the time from the put's return (the row is produced) to the claim's return;
 * start-up after Ray: a fresh interpreter that has torch and a running Ray imports the backend
   and creates its store (``bootstrap=True``), then does a first put + get; for both backends,
   median of ``--startup-runs``; TransferQueue both on a plain Ray (``transfer_queue``) and on
@@ -157,6 +159,11 @@ class Reader:
 
     def raw_get(self, keys: list[str], pid: str, fields: list[str]) -> int:
         return touch(self.tq.kv_batch_get(keys=keys, partition_id=pid, select_fields=fields))
+
+    def claim(self, method: str, pid: str, fields: list[str], timeout_s: float) -> tuple[float, int]:
+        """One claim of one row, waiting up to ``timeout_s``: when it returned (epoch) and how many rows it got."""
+        meta = self.clients[method].kv_claim(pid, "bench", fields, 1, timeout_s)
+        return time.time(), len(meta.keys)
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -317,6 +324,38 @@ def _tiny_store(method: str, client: Any, reader: Any, repeats: int) -> tuple[fl
         client.kv_clear(None, pid)
 
 
+CLAIM_WAIT_S = 0.2  # how long a claim waits before the row it gets is put (past any short poll)
+
+
+def _claim_latency(method: str, client: Any, reader: Any, repeats: int) -> dict[str, float]:
+    """A waiting claim's latency: the reader starts a claim of one row, the driver puts that row
+    ``CLAIM_WAIT_S`` later; median and best seconds from the put's return (the row produced and
+    visible) and from its start to the claim's return."""
+    row = {k: v[:1] for k, v in make_batch(1, "dense").items()}
+    pid = f"claim-{uuid.uuid4().hex[:6]}"
+    after_put, after_start = [], []
+    try:
+        for i in range(repeats * 4 + 1):
+            ref = reader.claim.remote(method, pid, FIELDS, 30.0)
+            time.sleep(CLAIM_WAIT_S)  # the claim is waiting by now (a benchmark's pacing, not a condition)
+            t0 = time.time()
+            client.kv_batch_put([f"c{i}"], pid, row)
+            t1 = time.time()
+            returned, n = ray.get(ref, timeout=RAY_TIMEOUT_S)
+            if n != 1:
+                raise RuntimeError(f"{method}: the claim returned {n} rows for one put")
+            if i:  # the first is warm-up
+                after_put.append(returned - t1)
+                after_start.append(returned - t0)
+    finally:
+        client.kv_clear(None, pid)
+    return {
+        "from_put_return_median_s": statistics.median(after_put),
+        "from_put_return_best_s": min(after_put),
+        "from_put_start_median_s": statistics.median(after_start),
+    }
+
+
 def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from nemo_dataplane.adapters.ray_store.client import RayStoreClient
     from nemo_dataplane.config import RayStoreConfig
@@ -327,7 +366,10 @@ def bench_ray_store(sizes: list[int], readers: list[int], repeats: int) -> tuple
         actors = _readers(max(readers), ["ray_store"])
         rows = _bench_store("ray_store", client, actors, sizes, readers, repeats)
         rows += _bench_store("ray_store_zc_reads", client, actors, sizes, [1], repeats)
-        lat = {"ray_store": _tiny_store("ray_store", client, actors[0], repeats)}
+        lat = {
+            "ray_store": _tiny_store("ray_store", client, actors[0], repeats),
+            "claim_ray_store": _claim_latency("ray_store", client, actors[0], repeats),
+        }
         client.flush()
         stats = client.stats()
     finally:
@@ -369,7 +411,10 @@ def bench_tq(
                     repeats,
                 )
                 rows.append(_row("tq_raw", b, layout, 1, batch_nbytes(batch), put, get, best))
-        lat = {"tq_adapter": _tiny_store("tq_adapter", client, actors[0], repeats)}
+        lat = {
+            "tq_adapter": _tiny_store("tq_adapter", client, actors[0], repeats),
+            "claim_tq_adapter": _claim_latency("tq_adapter", client, actors[0], repeats),
+        }
     finally:
         try:
             if actors:

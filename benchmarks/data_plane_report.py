@@ -86,6 +86,15 @@ def report(
     for name, v in lat.items():
         if isinstance(v, (list, tuple)):
             print(f"  {name:>18}: {v[0] * 1e3:7.2f} / {v[1] * 1e3:7.2f}")
+    claims = {k: v for k, v in lat.items() if k.startswith("claim_")}
+    if claims:
+        print("\nWaiting claim of one row: from the put's return (row produced) to the claim's return, ms:")
+        for name, v in claims.items():
+            print(
+                f"  {name[len('claim_') :]:>18}: median {v['from_put_return_median_s'] * 1e3:7.2f}, best "
+                f"{v['from_put_return_best_s'] * 1e3:7.2f} (from the put's start: median "
+                f"{v['from_put_start_median_s'] * 1e3:.2f})"
+            )
     report_startup(start)
     return targets
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 from nemo_dataplane.adapters.transfer_queue import compat as tq_compat
@@ -381,14 +382,14 @@ def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Quirk 10: rows become produced only once their tags are stored, so a claimer waiting on
-    them never gets a row without the tags it was put with, however slow the tag write is."""
-    real_set_tags = tq_compat.set_tags
+    them never gets a row without the tags it was put with, however slow the row write is."""
+    real_put_rows = tq_compat.put_rows
 
-    async def slow_set_tags(*args: Any, **kwargs: Any) -> None:
+    async def slow_put_rows(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(0.5)
-        await real_set_tags(*args, **kwargs)
+        return await real_put_rows(*args, **kwargs)
 
-    monkeypatch.setattr(tq_compat, "set_tags", slow_set_tags)
+    monkeypatch.setattr(tq_compat, "put_rows", slow_put_rows)
     monkeypatch.setattr(tq_client, "_hosted", None)  # a one-request put is atomic (quirk 14)
     put = threading.Thread(
         target=tq_client.kv_batch_put, args=(["a", "b"], pid, {"x": torch.zeros(2)}, [{"g": 0}, {"g": 1}])
@@ -397,6 +398,35 @@ def test_claimed_rows_carry_the_tags_of_the_put_that_produced_them(
     meta = tq_client.kv_claim(pid, "t", ["x"], 2, 10)
     put.join(30)
     assert meta.keys == ("a", "b") and meta.tags == ({"g": 0}, {"g": 1})
+
+
+def test_a_put_across_actors_sends_tags_and_production_in_one_request_after_the_rows(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the unit apart from the controller, a put is the key lookup, the rows (the unit)
+    and one request that stores the tags and then marks the rows produced (quirk 10); a
+    tags-only put's second request stores its tags alone."""
+    monkeypatch.setattr(tq_client, "_hosted", None)
+    sent: list[tuple[Any, bool]] = []
+    real_request = tq_client._tq._request_controller
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        sent.append((kwargs["request_type"].name, tq_compat.PRODUCED in kwargs["body"]))
+        return await real_request(*args, **kwargs)
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a production notice of its own")
+
+    monkeypatch.setattr(tq_client._tq, "_request_controller", spy)
+    monkeypatch.setattr(tq_compat, "mark_produced", never)
+    x = torch.randn(3, 5)
+    tq_client.kv_batch_put(["a", "b", "c"], pid, {"x": x}, tags=[{"i": 0}, {"i": 1}, {"i": 2}])
+    assert sent == [("KV_RETRIEVE_META", False), ("SET_CUSTOM_META", True)]
+    tq_client.kv_batch_put(["b"], pid, None, tags=[{"i": -1}])
+    assert sent[2:] == [("KV_RETRIEVE_META", False), ("SET_CUSTOM_META", False)]
+    monkeypatch.setattr(tq_client._tq, "_request_controller", real_request)
+    assert torch.equal(tq_client.kv_batch_get(["c", "b"], ["x"], partition_id=pid)["x"], x[[2, 1]])
+    assert tq_client.kv_claim(pid, "t", ["x"], 3, 0).tags == ({"i": 0}, {"i": -1}, {"i": 2})
 
 
 def test_claims_need_a_store_started_by_this_adapter(
@@ -426,7 +456,7 @@ def test_a_claim_is_bounded_by_its_timeout_plus_op_timeout(pid: str, monkeypatch
     async def stalled(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(60)
 
-    monkeypatch.setattr(tq_compat, "claim_rows", stalled)
+    monkeypatch.setattr(tq_compat, "ask_claim", stalled)
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"kv_claim on partition '{pid}' \(4 keys\).*within 0\.5s"):
@@ -434,3 +464,140 @@ def test_a_claim_is_bounded_by_its_timeout_plus_op_timeout(pid: str, monkeypatch
         assert time.monotonic() - t0 < 5.5
     finally:
         impatient.close()
+
+
+def _claim_stats(client: TransferQueueClient) -> dict[str, int]:
+    stats: dict[str, int] = ray.get(tq_compat.ask_claim_stats(client._control), timeout=30)
+    return stats
+
+
+@pytest.mark.parametrize("hosted", [True, False], ids=["one_request_put", "zmq_put"])
+def test_a_waiting_claim_is_woken_by_the_put_that_produces_its_row(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch, hosted: bool
+) -> None:
+    """A claim waits inside the controller without polling: it scans once when it starts and
+    once more when a put produces rows (through the one-request put, or TransferQueue's ZMQ
+    notice), then returns the row, long before its timeout; the ops it waits for run meanwhile."""
+    if not hosted:
+        monkeypatch.setattr(tq_client, "_hosted", None)
+    got: list[Any] = []
+    claim = threading.Thread(target=lambda: got.append(tq_client.kv_claim(pid, "t", ["x"], 1, 60)))
+    t0 = time.monotonic()
+    claim.start()
+    while _claim_stats(tq_client)["waiting"] == 0:  # the claim is waiting in the controller
+        assert time.monotonic() - t0 < 30 and claim.is_alive()
+        time.sleep(0.01)
+    scans = _claim_stats(tq_client)["scans"]
+    tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)}, tags=[{"g": 7}])
+    claim.join(30)
+    assert not claim.is_alive() and time.monotonic() - t0 < 30  # not its 60 s timeout
+    assert got[0].keys == ("a",) and got[0].tags == ({"g": 7},)
+    stats = _claim_stats(tq_client)
+    assert stats == {"waiting": 0, "scans": scans + 1}
+
+
+def test_a_waiting_claim_takes_what_is_there_at_its_deadline_after_two_scans(
+    tq_client: TransferQueueClient, pid: str
+) -> None:
+    """Nothing produced while it waits: the claim scans when it starts and at its deadline (no
+    poll in between), then takes the one row there of the three it asked for; with none, none."""
+    tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
+    scans = _claim_stats(tq_client)["scans"]
+    t0 = time.monotonic()
+    meta = tq_client.kv_claim(pid, "t", ["x"], 3, 0.5)
+    assert time.monotonic() - t0 >= 0.5 and meta.keys == ("a",)
+    assert _claim_stats(tq_client)["scans"] == scans + 2
+    t0 = time.monotonic()
+    assert tq_client.kv_claim(pid, "t", ["x"], 1, 0.3).keys == ()
+    assert time.monotonic() - t0 >= 0.3
+
+
+# ------------------------------------------------------------------ gets racing clears
+@pytest.mark.parametrize("hosted", [True, False], ids=["one_request_ops", "zmq_ops"])
+def test_a_get_racing_a_clear_of_its_keys_returns_every_row_or_names_the_cleared_keys(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch, hosted: bool
+) -> None:
+    """TransferQueue has no lease on a read: a clear of the same keys may land before, during or
+    after a get. Whatever the interleaving (either op starts 0-5 ms after the other; rows
+    inline and through the object store), the get returns every row as put or raises a
+    ``KeyError`` naming keys it asked for; never a short or mixed batch."""
+    if not hosted:
+        monkeypatch.setattr(tq_client, "_hosted", None)
+    n = 16
+    keys = [f"r{i}" for i in range(n)]
+    seen: dict[str, int] = {"rows": 0, "error": 0}
+
+    async def after(delay_s: float, op: Any) -> Any:
+        await asyncio.sleep(delay_s)  # a jitter between the two ops, not a wait for anything
+        return await op
+
+    async def races() -> None:
+        for i in range(48):
+            width = 4 if i % 2 else 2048  # 256 B or 8 KiB a row: inside the request, or an object
+            x = torch.arange(n * width, dtype=torch.float32).view(n, width) + 1e6 * i
+            ids = jagged([1 + (i + r) % 7 for r in range(n)], seed=i)
+            await tq_client.async_kv_batch_put(keys, pid, {"x": x, "ids": ids})
+            # The clear 0-5 ms after the get starts, or the get up to 5 ms after the clear.
+            lag = (i // 2 % 6) * 1e-3
+            get = tq_client.async_kv_batch_get(keys, ["x", "ids"], partition_id=pid)
+            clear = tq_client.async_kv_clear(keys, pid)
+            got, _ = await asyncio.gather(
+                *((get, after(lag, clear)) if i % 4 < 2 else (after(lag, get), clear)), return_exceptions=True
+            )
+            if isinstance(got, BaseException) and not isinstance(got, KeyError):
+                raise got
+            if isinstance(got, KeyError):
+                assert any(repr(k) in str(got) for k in keys), got
+                seen["error"] += 1
+            else:
+                assert not isinstance(got, BaseException), got
+                assert torch.equal(got["x"], x)
+                assert_same_field("ids", got["ids"], ids)
+                seen["rows"] += 1
+            assert (await tq_client.async_kv_list(pid)).keys == ()  # the clear finished
+
+    asyncio.run(races())
+    # Both orders happened (half the rounds start the clear first), so the race was run.
+    assert seen["rows"] > 0 and seen["error"] > 0 and seen["rows"] + seen["error"] == 48
+
+
+def test_a_cancelled_claim_stops_waiting_and_takes_no_row(tq_client: TransferQueueClient, pid: str) -> None:
+    """An ``async_kv_claim`` cancelled while it waits (here by ``asyncio.wait_for``) tells the
+    controller, which ends that wait at once without taking rows: a row put afterwards goes to
+    the next claim, not to the caller that is gone."""
+
+    async def impatient() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(tq_client.async_kv_claim(pid, "t", ["x"], 1, 60), 0.3)
+
+    asyncio.run(impatient())
+    t0 = time.monotonic()
+    while _claim_stats(tq_client)["waiting"]:  # the cancelled claim leaves the controller
+        assert time.monotonic() - t0 < 30, "the cancelled claim is still waiting (its timeout is 60 s)"
+        time.sleep(0.01)
+    tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
+    assert tq_client.kv_claim(pid, "t", ["x"], 1, 0).keys == ("a",)
+
+
+def test_a_small_put_across_actors_rides_inside_the_units_calls(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to ``INLINE_MAX_BYTES`` a put's rows travel inside the units' calls, with no
+    ``ray.put``; a larger put is put once into the object store. Both read back bit-exact."""
+    monkeypatch.setattr(tq_client, "_hosted", None)
+    objects: list[int] = []
+    real_put_chunk = tq_compat.put_chunk
+
+    def spy(columns: Any) -> Any:
+        objects.append(sum(t.numel() * t.element_size() for t in columns.values()))
+        return real_put_chunk(columns)
+
+    monkeypatch.setattr(tq_compat, "put_chunk", spy)
+    small, big = torch.randn(4, 16), torch.randn(64, 1024)  # 256 B and 256 KiB
+    assert small.numel() * 4 <= tq_compat.INLINE_MAX_BYTES < big.numel() * 4
+    tq_client.kv_batch_put([f"s{i}" for i in range(4)], pid, {"x": small})
+    assert objects == []
+    tq_client.kv_batch_put([f"b{i}" for i in range(64)], pid, {"x": big})
+    assert objects == [big.numel() * 4]
+    assert torch.equal(tq_client.kv_batch_get(["s3", "s0"], ["x"], partition_id=pid)["x"], small[[3, 0]])
+    assert torch.equal(tq_client.kv_batch_get(["b9", "b63"], ["x"], partition_id=pid)["x"], big[[9, 63]])

@@ -1,14 +1,15 @@
 """Task-mediated claims for the TransferQueue adapter, on TransferQueue's own bookkeeping.
 
 The controller already tracks, per partition, which rows hold which fields (production status)
-and which rows each task has consumed. A claim is one ``fetch`` request to the controller, which
-scans, picks and marks the rows consumed in a single step on its one request thread; so
-concurrent claimers of a task, in any process, never get the same row. How the request is
-shaped (polling mode, our sampler) is in :mod:`.compat` (quirks 8-10).
+and which rows each task has consumed. A claim is one Ray call to the controller, which scans,
+picks, marks the rows consumed and looks their keys up in a single step under the lock its
+request thread holds; so concurrent claimers of a task, in any process, never get the same row.
+How it is shaped (polling mode, our sampler, the wait) is in :mod:`.compat` (quirks 8-10).
 
-* Waiting: the adapter polls with a short backoff (5 ms doubling to 50 ms) until ``batch_size``
-  rows are claimable or the deadline passes, then takes what is there. The whole call is
-  bounded by ``timeout_s + op_timeout_s``.
+* Waiting: the claim waits inside the controller until ``batch_size`` rows are claimable or the
+  deadline passes, then takes what is there. It is woken whenever rows are produced (by any
+  client, TransferQueue's own included), so it returns as soon as its rows are there; it never
+  polls. The whole call is bounded by ``timeout_s + op_timeout_s``.
 * Production: a row counts as produced for a field once this adapter (or TransferQueue's own
   put) has written it; a tags-only put produces nothing. Our puts store tags before they mark
   rows produced, so a claimed meta carries the tags of the put that produced it.
@@ -16,18 +17,20 @@ shaped (polling mode, our sampler) is in :mod:`.compat` (quirks 8-10).
   again is claimable again; an upsert leaves consumption alone.
 * Order: oldest key first (insertion order of keys, not TransferQueue's global index order).
 
-Limits: a claim whose request is cancelled in flight (``op_timeout_s`` on a stalled controller,
-or a cancelled ``async_kv_claim``) may consume rows without returning them; a row cleared
-between the claim and the key lookup that follows it is left out of the result. Claims need a
-store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` works
-on any TransferQueue store.
+Limits: a claim whose call is cancelled (``op_timeout_s`` on a stalled controller, or a cancelled
+``async_kv_claim``) tells the controller, where a claim still waiting then stops without taking
+rows; one that had already picked its rows consumes them without returning them. Claims need a
+store started by this adapter (:func:`.compat.claims_unsupported`); ``kv_claim_status`` works on
+any TransferQueue store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import (
@@ -44,17 +47,16 @@ from nemo_dataplane.meta import KVBatchMeta
 
 T = TypeVar("T")
 
-POLL_MIN_S = 0.005
-POLL_MAX_S = 0.05
-
 
 class TransferQueueClaims(DataPlaneClient):
     """The claim half of :class:`~.client.TransferQueueClient` (a mixin: it uses the
     adapter's TransferQueue client ``_tq``, its op runners and ``_claims_unsupported``)."""
 
-    # Provided by TransferQueueClient: its TransferQueue client, config, op runners (which take
-    # an optional limit_s replacing op_timeout_s) and why claims cannot run (None: they can).
+    # Provided by TransferQueueClient: its TransferQueue client, the controller's actor handle,
+    # config, op runners (which take an optional limit_s replacing op_timeout_s) and why claims
+    # cannot run (None: they can).
     _tq: Any
+    _control: Any
     cfg: Any
     _claims_unsupported: str | None
 
@@ -94,27 +96,17 @@ class TransferQueueClaims(DataPlaneClient):
 
     # ------------------------------------------------------------ bodies
     async def _claim(self, pid: str, task: str, names: list[str], batch_size: int, timeout_s: float) -> KVBatchMeta:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        delay = POLL_MIN_S
-        while True:
-            final = loop.time() >= deadline
-            # Before the deadline only a full batch is taken; at it, whatever is ready.
-            bm = await compat.claim_rows(self._tq, pid, task, names, batch_size, 1 if final else batch_size)
-            if bm.size or final:
-                break
-            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))
-            delay = min(delay * 2, POLL_MAX_S)
-        if not bm.size:
-            return KVBatchMeta(keys=(), tags=(), partition_id=pid, fields=tuple(names))
-        keys = await compat.keys_of(self._tq, pid, bm.global_indexes)
-        kept = [i for i, k in enumerate(keys) if k is not None]
-        return KVBatchMeta(
-            keys=tuple([cast(str, keys[i]) for i in kept]),  # kept: the keys that are not None
-            tags=tuple([compat.public_tags(bm.custom_meta[i]) for i in kept]),
-            partition_id=pid,
-            fields=tuple(names),
-        )
+        now = time.time()
+        until, give_up, claim_id = now + timeout_s, now + timeout_s + self.cfg.op_timeout_s, uuid.uuid4().hex
+        # It waits inside the controller, woken when rows are produced (no polling); the caller
+        # stops waiting at the deadline plus op_timeout_s (the op's own bound, _run).
+        try:
+            keys, tags = await compat.ask_claim(self._control, pid, task, names, batch_size, until, give_up, claim_id)
+        except asyncio.CancelledError:
+            # Its caller is gone (cancelled, or past op_timeout_s): it must not take rows now.
+            compat.cancel_claim(self._control, claim_id, give_up)
+            raise
+        return KVBatchMeta(keys=tuple(keys), tags=tuple(tags), partition_id=pid, fields=tuple(names))
 
     async def _mark(self, keys: list[str], pid: str, task: str) -> None:
         if keys:

@@ -42,7 +42,7 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.adapters.actor_store import Bootstrap
-from nemo_dataplane.adapters.transfer_queue import compat
+from nemo_dataplane.adapters.transfer_queue import compat, results
 from nemo_dataplane.adapters.transfer_queue.claims import TransferQueueClaims
 from nemo_dataplane.adapters.transfer_queue.store import (
     LIVENESS_EVERY_S,
@@ -62,12 +62,12 @@ from nemo_dataplane.client import (
     check_select_fields,
     resolve_get_target,
 )
-from nemo_dataplane.codec import batch_nbytes, is_jagged, make_batch
+from nemo_dataplane.codec import is_jagged
 from nemo_dataplane.config import DataPlaneConfig, TransferQueueConfig, config_section
 from nemo_dataplane.distributed.auth import job_secret
 from nemo_dataplane.meta import KVBatchMeta
 
-LAYOUT_TAG = compat.LAYOUT_TAG
+LAYOUT_TAG = results.LAYOUT_TAG
 DEFAULT_CONTROLLER = "TransferQueueController"  # TransferQueue's own names: tq.init() attaches
 DEFAULT_NAMESPACE = "transfer_queue"
 __all__ = [
@@ -131,6 +131,8 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         self._storage: dict[str, Any] = {}
         self._units: dict[str, Any] = {}
         self._hosted: Any = None
+        self._control: Any = None
+        self._ours = False
         self._local_units = False
         self._tq: Any = None
         self._claims_unsupported: str | None = None
@@ -167,7 +169,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     ) -> KVBatchMeta:
         if self._hosted is not None:
             return await self._put_hosted(keys, partition_id, columns, tag_list)
-        if columns and self._local_units:
+        if columns and self._local_units and compat.rides_inline(columns):
+            # A small put rides inside the units' calls.
+            bm, chunk = await self._retrieve(keys, partition_id, create=True), compat.chunk_of(columns)
+        elif columns and self._local_units:
             # The one copy of the rows into shared memory overlaps the controller's key lookup.
             bm, chunk = await asyncio.gather(
                 self._retrieve(keys, partition_id, create=True), asyncio.to_thread(compat.put_chunk, columns)
@@ -184,24 +189,27 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         # a failed upsert over such a key removes it too.
         fresh = [i for i, cm in enumerate(bm.custom_meta) if not cm]
         before_fields = list(bm.field_schema.keys())
-        layout = _layout_of(columns)
+        layout = results.layout_of(columns)
         new_meta = compat.merged_tags(bm.custom_meta, tag_list, layout)
         bm.custom_meta = new_meta
         try:
-            # Rows and tags go to different actors and do not depend on each other: send both
-            # at once (TransferQueue's own put does them one after the other).
-            jobs = [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
+            # Our controller takes the tags with the production notice, after the rows: one
+            # request (quirk 10). Another's takes them beside the rows (other actors), then it.
+            jobs = [] if self._ours else [compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta)]
             if columns:
-                jagged = _jagged_in(layout)
+                jagged = results.jagged_in(layout)
                 jobs.append(compat.put_rows(self._tq, bm, columns, jagged, self._units, chunk))
-            # Wait for both before judging: cleanup must not race a tag write still in flight.
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            for r in results:
+            # Wait for all before judging: cleanup must not race a tag write still in flight.
+            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+            for r in outcomes:
                 if isinstance(r, BaseException):
                     raise r
-            if columns:
-                # Only now, with tags stored, may a claimer see the rows as produced (quirk 10).
-                schema = cast("dict[str, dict[str, Any]]", results[1])  # put_rows's; the loop raised errors
+            # put_rows's field schema (the loop raised errors); only with tags stored may a
+            # claimer see the rows as produced.
+            schema = cast("dict[str, dict[str, Any]]", outcomes[-1]) if columns else {}
+            if self._ours:
+                await compat.set_tags(self._tq, partition_id, bm.global_indexes, new_meta, schema)
+            elif columns:
                 await compat.mark_produced(self._tq, bm, schema)
         except BaseException as error:
             if fresh:
@@ -219,7 +227,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                         f"{partition_id!r} (e.g. {keys[fresh[0]]!r}) also failed: {type(e).__name__}: {e}",
                     )
             raise
-        return _put_meta(keys, partition_id, columns, new_meta, before_fields)
+        return results.put_meta(keys, partition_id, columns, new_meta, before_fields)
 
     async def _put_hosted(
         self,
@@ -229,21 +237,21 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         tag_list: list[dict[str, Any]] | None,
     ) -> KVBatchMeta:
         """The whole put as one request to the controller holding the only unit (quirk 14)."""
-        layout = _layout_of(columns)
+        layout = results.layout_of(columns)
         chunk: list[Any] = []
         if columns:
             # A small batch rides in the request itself; a large one is put once, and the unit
             # maps that object (quirk 11).
-            if batch_nbytes(columns) <= compat.INLINE_MAX_BYTES:
+            if compat.rides_inline(columns):
                 chunk = [compat.chunk_of(columns)]
             else:
                 chunk = [await asyncio.to_thread(compat.put_chunk, columns)]
-        jagged = _jagged_in(layout)
+        jagged = results.jagged_in(layout)
         schema = compat.field_schema(len(keys), columns, jagged) if columns else {}
         done = await self._hosted.__ray_call__.remote(
             compat.hosted_put, partition_id, keys, tag_list, layout, schema, chunk
         )
-        return _put_meta(keys, partition_id, columns, done.tags, done.fields_before)
+        return results.put_meta(keys, partition_id, columns, done.tags, done.fields_before)
 
     def kv_batch_put(
         self,
@@ -274,41 +282,57 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         )
         return [k for k in keys if k not in present]
 
+    async def _unreadable(self, keys: list[str], partition_id: str, names: list[str]) -> list[str]:
+        """Those of ``keys`` gone from ``partition_id`` now, or whose rows lack one of ``names``
+        (a clear zeroes production before it removes keys)."""
+        bm = await self._retrieve(keys, partition_id, create=False)
+        if bm.size != len(keys):
+            return await self._missing_keys(keys, partition_id, bm)
+        gis, status = await self._tq.async_get_production_status(data_fields=names, partition_id=partition_id)
+        if gis is None or status is None:  # some field is stored nowhere in the partition now
+            return keys
+        ready = dict(zip(gis.tolist(), status.bool().all(dim=1).tolist()))
+        return [k for k, gi in zip(keys, bm.global_indexes) if not ready.get(gi, False)]
+
     async def _get(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
+        """All rows of ``keys`` as put, or ``KeyError``: nothing in between, even when a clear of
+        the same keys runs meanwhile (TransferQueue has no read lease): the error then names the
+        keys whose rows went while they were read."""
         if not keys:
             return TensorDict({}, batch_size=[0])
+        try:
+            return await self._read(keys, partition_id, names)
+        except (results.NotProduced, compat.StorageKeyNotFoundError):
+            gone = await self._unreadable(keys, partition_id, names)
+            raise results.cleared_meanwhile(gone or keys, partition_id) from None
+
+    async def _read(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
         if self._hosted is not None:
             # Lookup and the unit's answer in one request (quirk 14); rows it cannot stack
             # take TransferQueue's per-row protocol below.
             loc = await self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
             if loc.missing:
-                raise _not_there(loc.missing, partition_id)
-            _check_stored(names, loc.fields, keys, loc.tags, partition_id)
+                raise results.not_there(loc.missing, partition_id)
+            results.check_stored(names, loc.fields, keys, loc.tags, partition_id)
             if loc.reply is not None:
-                try:
-                    cols = await compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
-                except compat.StorageKeyNotFoundError as e:
-                    raise _cleared_meanwhile(e, partition_id) from None
+                cols = await compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
                 if cols is not None:
-                    return _columns_batch(cols, names, keys, loc.tags)
+                    return results.columns_batch(cols, names, keys, loc.tags)
         bm = await self._retrieve(keys, partition_id, create=False)
         if bm.size != len(keys):
             missing = await self._missing_keys(keys, partition_id, bm)
-            raise _not_there(missing, partition_id)
-        _check_stored(names, list(bm.field_schema.keys()), keys, bm.custom_meta, partition_id)
-        try:
-            cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
-            if cols is None:  # a store we cannot read in bulk: TransferQueue's per-row protocol
-                rows = await compat.get_rows(self._tq, bm, names)
-                cols = {}
-                for name in names:
-                    try:
-                        cols[name] = compat.column_from_rows(rows[name])
-                    except (TypeError, ValueError) as e:
-                        raise type(e)(f"field {name!r}: {e}") from None
-        except compat.StorageKeyNotFoundError as e:
-            raise _cleared_meanwhile(e, partition_id) from None
-        return _columns_batch(cols, names, keys, bm.custom_meta)
+            raise results.not_there(missing, partition_id)
+        results.check_stored(names, list(bm.field_schema.keys()), keys, bm.custom_meta, partition_id)
+        cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
+        if cols is None:  # a store we cannot read in bulk: TransferQueue's per-row protocol
+            rows = await compat.get_rows(self._tq, bm, names)
+            cols = {}
+            for name in names:
+                try:
+                    cols[name] = compat.column_from_rows(rows[name])
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"field {name!r}: {e}") from None
+        return results.columns_batch(cols, names, keys, bm.custom_meta)
 
     def kv_batch_get(
         self,
@@ -364,10 +388,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         fields: list[str] = []
         if keys:
             bm = await self._retrieve(keys, partition_id, create=False)
-            fields = _field_order(list(bm.field_schema.keys()), info[keys[0]])
+            fields = results.field_order(list(bm.field_schema.keys()), info[keys[0]])
         return KVBatchMeta(
             keys=tuple(keys),
-            tags=tuple([_public_tags(info[k]) for k in keys]),
+            tags=tuple([results.public_tags(info[k]) for k in keys]),
             partition_id=partition_id,
             fields=tuple(fields),
         )
@@ -395,103 +419,3 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
 # ---------------------------------------------------------------- helpers
 def _tq_config(config: Any) -> TransferQueueConfig:
     return TransferQueueConfig() if config is None else config_section(config, "transfer_queue", "config")
-
-
-def _field_order(fields: list[str], first_key_meta: Mapping[str, Any]) -> list[str]:
-    """``fields`` in the order they were first put on the first key (the reference client's
-    order); fields without a layout entry (written by other clients) keep their place at the end."""
-    layout = first_key_meta.get(LAYOUT_TAG, {})
-    common = set(fields)
-    return [f for f in layout if f in common] + [f for f in fields if f not in layout]
-
-
-_public_tags = compat.public_tags
-
-
-def _layout_of(columns: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return {name: ("jagged" if is_jagged(t) else "dense") for name, t in columns.items()}
-
-
-def _jagged_in(layout: Mapping[str, str]) -> set[str]:
-    return {name for name, how in layout.items() if how == "jagged"}
-
-
-def _put_meta(
-    keys: list[str],
-    partition_id: str,
-    columns: Mapping[str, torch.Tensor],
-    stored_tags: list[dict[str, Any]],
-    before_fields: list[str],
-) -> KVBatchMeta:
-    """What a put returns: the keys' public tags and every field they hold now."""
-    known = _field_order(before_fields + [f for f in columns if f not in before_fields], stored_tags[0])
-    return KVBatchMeta(
-        keys=tuple(keys),
-        tags=tuple([_public_tags(cm) for cm in stored_tags]),
-        partition_id=partition_id,
-        fields=tuple(known),
-    )
-
-
-def _not_there(missing: list[str], partition_id: str) -> KeyError:
-    return KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
-
-
-def _cleared_meanwhile(error: Exception, partition_id: str) -> KeyError:
-    return KeyError(f"keys of partition {partition_id!r} were cleared while being read: {error}")
-
-
-def _check_stored(
-    names: list[str], stored: list[str], keys: list[str], tags: Sequence[Mapping[str, Any]], partition_id: str
-) -> None:
-    """Raises ``KeyError`` naming the first of ``names`` not stored for every key."""
-    have = set(stored)
-    for name in names:
-        if name not in have:
-            lacking = [k for k, cm in zip(keys, tags) if name not in cm.get(LAYOUT_TAG, {})]
-            where = f"e.g. {lacking[:5]}" if lacking else "(some keys lack it)"
-            raise KeyError(
-                f"field {name!r} is not stored for {len(lacking) or 'some'} key(s) in partition "
-                f"{partition_id!r}, {where}"
-            )
-
-
-def _columns_batch(
-    cols: Mapping[str, compat.Column | torch.Tensor],
-    names: list[str],
-    keys: list[str],
-    tags: Sequence[Mapping[str, Any]],
-) -> TensorDict:
-    columns = {
-        name: col
-        if isinstance(col, torch.Tensor)  # already in the layout it was put with
-        else _assemble(name, col, [cm.get(LAYOUT_TAG, {}).get(name) for cm in tags])
-        for name, col in ((n, cols[n]) for n in names)
-    }
-    return make_batch(columns, len(keys))
-
-
-def _assemble(name: str, col: compat.Column, layouts: list[str | None]) -> torch.Tensor:
-    """One field in the layout it was put with, from a :class:`~.compat.Column` (no per-row ops).
-
-    Raises:
-        ValueError: dense rows of different shapes, or scalar rows asked to be jagged.
-    """
-    if any(lay == "jagged" for lay in layouts):
-        jagged = True
-    elif all(lay == "dense" for lay in layouts):
-        jagged = False
-    else:  # written by another TransferQueue client: TransferQueue's own rule (scalars dense)
-        jagged = not (col.lengths is None and col.values.dim() == 1)
-    if not jagged:
-        if col.lengths is not None:
-            raise ValueError(f"field {name!r}: rows have different shapes; put it as a jagged nested tensor")
-        return col.values
-    try:
-        rag = col.ragged()
-    except ValueError as e:
-        raise ValueError(f"field {name!r}: {e}") from None
-    assert rag.lengths is not None
-    offsets = torch.zeros(rag.lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(rag.lengths, 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(rag.values, offsets=offsets)

@@ -84,6 +84,8 @@ class TransferQueueStore(ActorBackedClient):
     _storage: dict[str, Any]
     _units: dict[str, Any]
     _hosted: Any  # the controller, when it holds the store's only unit; else None
+    _control: Any  # the controller's actor handle (created or found), once connected
+    _ours: bool  # the controller is compat's subclass (a store this adapter started)
     _local_units: bool
     _tq: Any
     _claims_unsupported: str | None
@@ -117,7 +119,10 @@ class TransferQueueStore(ActorBackedClient):
             # Units all on this node map one shared chunk per put; else each gets its rows.
             self._local_units = all(node == here for node in nodes.values())
         self._claims_unsupported = compat.claims_unsupported(conf)
-        controller = self._controller or self._find()
+        # Only compat's controller records the claim sampler; it also takes tags and production
+        # in one request (compat quirk 10).
+        self._ours = self._claims_unsupported is None
+        controller = self._control = self._controller or self._find()
         # A unit the controller holds (registered under the controller's name) dies with it: one
         # watch, named for both.
         hosted = [

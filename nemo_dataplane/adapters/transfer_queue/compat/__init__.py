@@ -62,20 +62,29 @@ The quirks:
    chosen rows consumed. -> :func:`create_controller` starts the controller with
    ``polling_mode=True`` and :class:`ClaimSampler`, which takes up to ``nd_take`` keyed rows in
    key-insertion order once ``nd_min`` are ready, or marks exactly ``nd_mark_keys``
-   (:func:`claim_rows`, :func:`mark_rows`). Stores made elsewhere (``tq.init()``) lack both:
+   (:func:`ask_claim`, :func:`mark_rows`). Polling mode returns at once when too few rows are
+   there; rather than asking again and again, a claim (:func:`ask_claim`) runs the very fetch
+   the GET_META handler runs inside the controller, on a thread of its own, and between tries
+   sleeps on a condition the controller subclass notifies whenever rows become produced, so it
+   returns as soon as its rows are there. Stores made elsewhere (``tq.init()``) lack all this:
    :func:`claims_unsupported` says why.
 9. A fetch returns global indexes, not keys, and ``kv_retrieve_keys`` raises when a partition
-   vanished meanwhile -> :func:`keys_of` maps indexes to keys, ``None`` for rows cleared since.
+   vanished meanwhile -> the claim looks its rows' keys up inside the controller in the same
+   locked step that picked them, so none can be cleared in between.
 10. TransferQueue's own ``put`` marks rows produced before it writes their tags, so a claimer can
-   see a row without its tags -> :func:`put_rows` only writes rows; the adapter calls
-   :func:`mark_produced` after the tags are stored.
+   see a row without its tags -> :func:`put_rows` only writes rows; once they are written, the
+   adapter's :func:`set_tags` request to a controller of ours carries the production notice
+   too, which the controller subclass records after the tags, under its lock (one request);
+   on a store started elsewhere, :func:`mark_produced` follows :func:`set_tags`.
 11. A put through TransferQueue's ZMQ protocol serializes every row into frames and the unit
    deserializes them (two copies plus per-row work), and there is no way to hand a unit data that
    is already in Ray's object store -> with the units' handles, :func:`put_rows` ``ray.put``s each
    put once (:func:`put_chunk`) and asks each unit (``__ray_call__``) to map that object and store
    one view per row through the very ``storage_data.put_data`` call its PUT handler makes, so
    TransferQueue's own clients read the rows as usual; :mod:`.mapped` lets our reads find the
-   object again from a row's address and map it themselves (:func:`read_columns`).
+   object again from a row's address and map it themselves (:func:`read_columns`). A put up to
+   :data:`INLINE_MAX_BYTES` (:func:`rides_inline`) skips the object store: its rows travel
+   inside the unit's call, and the unit stacks them for reads.
 12. The controller and storage units bind their ZMQ sockets to the node's routable address (Ray's
    ``get_node_ip_address``, which never answers loopback), even when every client is on that
    node, and decode what they receive with ``pickle``: anyone who reaches the port runs code in
@@ -137,9 +146,10 @@ from nemo_dataplane.adapters.transfer_queue.compat.bootstrap import (
 from nemo_dataplane.adapters.transfer_queue.compat.claims import (
     CLAIM_SAMPLER,
     ClaimSampler,
-    claim_rows,
+    ask_claim,
+    ask_claim_stats,
+    cancel_claim,
     claims_unsupported,
-    keys_of,
     mark_rows,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.common import (
@@ -151,7 +161,6 @@ from nemo_dataplane.adapters.transfer_queue.compat.common import (
     quiet_logs,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.hosted import (
-    INLINE_MAX_BYTES,
     Located,
     PutDone,
     merged_tags,
@@ -171,11 +180,14 @@ from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     wire_keys,
 )
 from nemo_dataplane.adapters.transfer_queue.compat.writes import (
+    INLINE_MAX_BYTES,
+    PRODUCED,
     chunk_of,
     field_schema,
     mark_produced,
     put_chunk,
     put_rows,
+    rides_inline,
     set_tags,
 )
 
@@ -184,6 +196,7 @@ __all__ = [
     "CLAIM_SAMPLER",
     "INLINE_MAX_BYTES",
     "LAYOUT_TAG",
+    "PRODUCED",
     "Located",
     "PutDone",
     "chunk_of",
@@ -202,14 +215,15 @@ __all__ = [
     "ask_server_info",
     "ask_wire_stats",
     "base_config",
-    "claim_rows",
+    "ask_claim",
+    "ask_claim_stats",
+    "cancel_claim",
     "claims_unsupported",
     "column_from_rows",
     "create_controller",
     "create_storage_units",
     "field_schema",
     "get_rows",
-    "keys_of",
     "loop_thread",
     "make_client",
     "mark_produced",
@@ -219,6 +233,7 @@ __all__ = [
     "put_chunk",
     "put_rows",
     "quiet_logs",
+    "rides_inline",
     "read_columns",
     "server_info",
     "set_tags",

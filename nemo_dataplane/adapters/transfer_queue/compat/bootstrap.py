@@ -21,7 +21,7 @@ from transfer_queue.client import AsyncTransferQueueClient
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.storage import SimpleStorageUnit
 
-from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, ClaimSampler
+from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, WAIT_GROUP, WAIT_THREADS, ClaimSampler
 from nemo_dataplane.adapters.transfer_queue.compat.common import BACKEND, quiet_logs
 from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     AuthenticatedStorageManager,
@@ -30,6 +30,7 @@ from nemo_dataplane.adapters.transfer_queue.compat.wire import (
     guard_stats,
     serve_authenticated,
 )
+from nemo_dataplane.adapters.transfer_queue.compat.writes import PRODUCED
 
 
 def base_config(num_storage_units: int) -> DictConfig:
@@ -91,6 +92,10 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
     admitting only clients holding ``wire``'s client key (quirk 15; ``None``: anyone, benchmarks
     only); with ``unit_config``, it also holds storage unit 0 in its process (``nd_unit``), which
     it then stands in for: what a unit's callers use (``storage_data``, ``shutdown``) is that unit's.
+
+    Claims wait inside it (:func:`.claims.wait_claim`) on ``nd_produced``, a condition on
+    ``nd_lock`` notified whenever rows become produced or consumption is reset, whoever asked
+    (a ZMQ request, or an op of :mod:`.hosted`).
     """
 
     def __init__(
@@ -105,6 +110,9 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
         # Held by every ZMQ request and every op of .hosted (quirk 14); before super() starts
         # the request thread.
         self.nd_lock = threading.RLock()
+        self.nd_produced = threading.Condition(self.nd_lock)
+        self.nd_claims = {"waiting": 0, "scans": 0}  # claims waiting now, scans made (.claims)
+        self.nd_cancelled: dict[str, float] = {}  # claims whose callers gave up -> until when to keep the note
         self.nd_wire = wire  # handed to clients that attach (through Ray: ask_config)
         _listen_on(listen_host, self)
         serve_authenticated(self, wire)
@@ -119,6 +127,28 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
     def _handle_request(self, request_msg: Any, monitor: Any) -> Any:
         with self.nd_lock:
             return super()._handle_request(request_msg, monitor)
+
+    def update_production_status(self, *args: Any, **kwargs: Any) -> Any:
+        with self.nd_lock:
+            done = super().update_production_status(*args, **kwargs)
+            self.nd_produced.notify_all()
+            return done
+
+    def _handle_set_custom_meta_request(self, request_msg: Any) -> Any:
+        """TransferQueue's SET_CUSTOM_META, then, when the body carries a production notice
+        (``writes.set_tags``), the NOTIFY_DATA_UPDATE work: tags before production (quirk 10),
+        one request. Runs on the request thread under ``nd_lock``."""
+        reply = super()._handle_set_custom_meta_request(request_msg)
+        notice = request_msg.body.get(PRODUCED)
+        if notice and not self.update_production_status(**notice):
+            raise RuntimeError(f"TransferQueue could not record production in partition {notice['partition_id']!r}")
+        return reply
+
+    def reset_consumption(self, *args: Any, **kwargs: Any) -> Any:
+        with self.nd_lock:
+            done = super().reset_consumption(*args, **kwargs)
+            self.nd_produced.notify_all()
+            return done
 
     @property
     def storage_data(self) -> Any:
@@ -166,7 +196,9 @@ class _StorageUnit(_RawStorageUnit):  # type: ignore[misc]  # as above
             names["time"] = real
 
 
-_ControllerActor: Any = ray.remote(_Controller)
+# Claims wait on threads of their own (.claims.ask_claim), so a waiting claim never holds up the
+# Ray calls every other op makes (.hosted).
+_ControllerActor: Any = ray.remote(concurrency_groups={WAIT_GROUP: WAIT_THREADS})(_Controller)  # type: ignore[call-overload]  # ray.remote's stubs lack it
 _StorageUnitActor: Any = ray.remote(_StorageUnit)
 
 

@@ -26,13 +26,7 @@ import torch
 
 from nemo_dataplane.adapters.transfer_queue.compat.common import LAYOUT_TAG
 from nemo_dataplane.adapters.transfer_queue.compat.reads import _unit_read
-from nemo_dataplane.adapters.transfer_queue.compat.writes import UNIT_GET_TIMEOUT_S, _unit_write
-
-# A put up to this size travels inside its request; larger ones are put once into Ray's object
-# store and mapped by the unit (quirk 11), so reads can map them too. It is Ray's own default
-# limit for arguments passed inline (max_direct_call_object_size): an 8-row put of ~96 KiB takes
-# 4.0 ms inline against 7.7 ms through the object store (2-core machine).
-INLINE_MAX_BYTES = 100 * 1024
+from nemo_dataplane.adapters.transfer_queue.compat.writes import UNIT_GET_TIMEOUT_S, _unit_write, by_index
 
 
 def merged_tags(
@@ -113,7 +107,7 @@ def put(
             if chunk:
                 _unit_write(controller.nd_unit, ids, None, chunk)
             controller.set_custom_meta({partition_id: dict(zip(ids, tags))})
-            if schema and not controller.update_production_status(partition_id, ids, _by_index(schema, ids)):
+            if schema and not controller.update_production_status(partition_id, ids, by_index(schema, ids)):
                 raise RuntimeError(f"TransferQueue could not record production in partition {partition_id!r}")
         except BaseException:
             if fresh:
@@ -168,16 +162,6 @@ def _held_by_all(part: Any, gis: list[int]) -> list[str]:
         return []
     complete = status[torch.as_tensor(gis, dtype=torch.long)].sum(dim=0) == len(gis)
     return [name for name, col in part.field_name_mapping.items() if col < complete.numel() and bool(complete[col])]
-
-
-def _by_index(schema: dict[str, dict[str, Any]], gis: list[int]) -> dict[str, dict[str, Any]]:
-    """``schema`` with per-row shapes keyed by global index, as the controller stores them
-    (TransferQueue's storage manager does this before its NOTIFY_DATA_UPDATE request)."""
-    out = {}
-    for name, field in schema.items():
-        shapes = field.get("per_sample_shapes")
-        out[name] = {**field, "per_sample_shapes": dict(zip(gis, shapes))} if isinstance(shapes, list) else field
-    return out
 
 
 def _drop(controller: Any, partition_id: str, gis: list[int]) -> None:

@@ -59,6 +59,7 @@ def _command(out: Path, args: argparse.Namespace, kills: int) -> list[str]:
         "logging.quiet=true",
         "logging.progress=false",
         "logging.plot=false",
+        "logging.overwrite=true",  # a soak's directories are its own, run after run
         "grpo.prompts_per_step=6",
         "generation.n=4",
         "data_plane.packing.micro_batch_size=6",

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.codec import is_jagged, make_batch
+from nemo_dataplane.errors import NemoDataplaneError
 from nemo_dataplane.meta import KVBatchMeta
 
 LAYOUT_TAG = compat.LAYOUT_TAG
@@ -58,7 +59,7 @@ def not_there(missing: list[str], partition_id: str) -> KeyError:
     return KeyError(f"{len(missing)} key(s) not in partition {partition_id!r}: {missing[:10]}")
 
 
-class NotProduced(KeyError):
+class NotProduced(NemoDataplaneError, KeyError):
     """Every key was put with the field, yet its rows are not produced now: a clear has begun
     (it zeroes production before it removes keys) or a put over them has not finished."""
 

@@ -180,11 +180,7 @@ class EnginePool:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             loss = EngineLoss(self.ids[i], step, first[:300], now, time.time())
             new.append(loss)
-            for actor in (self.collectors[i], self.generators[i]):
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            _kill(self.collectors[i], self.generators[i])
             del self.collectors[i], self.generators[i], self.ids[i]
             print(f"step {step}: {_loss_line(loss)}; the other engines go on", file=sys.stderr, flush=True)
         self.losses.extend(reversed(new))
@@ -226,11 +222,7 @@ class EnginePool:
             except StepError as e:
                 print(f"replacement engine {rid} did not start, left out: {e}", file=sys.stderr, flush=True)
                 self.left_out += 1
-                for actor in (sp.collector, sp.generator):
-                    try:
-                        ray.kill(actor, no_restart=True)
-                    except Exception:  # noqa: BLE001 - already gone
-                        pass
+                _kill(sp.collector, sp.generator)
                 continue
             self.generators.append(sp.generator)
             self.collectors.append(sp.collector)
@@ -308,6 +300,15 @@ class EnginePool:
             "replacements_left_out": self.left_out,
             "replacement_first_generation_s": self.first_generation_s,
         }
+
+
+def _kill(*actors: Any) -> None:
+    """Kill ``actors`` for good; one already gone is no error."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def _loss_line(loss: EngineLoss) -> str:

@@ -290,7 +290,8 @@ def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) 
     """After a failed refit: the receivers whose process died (Ray fails their call at once).
     When there are some, the senders leave the group first (so a live receiver still waiting in
     it fails at once instead of at its timeout) and every receiver's call is waited for."""
-    done, _ = ray.wait(list(recvs), num_returns=len(recvs), timeout=2.0)
+    # _refit_once's failure path already gave every receiver's call 2 s to end: look, do not wait.
+    done, _ = ray.wait(list(recvs), num_returns=len(recvs), timeout=0)
     if not any(_died(r) for r in done):
         return []  # a live peer that failed or never took part: the refit's own error stands
     try:

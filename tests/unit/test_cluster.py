@@ -235,7 +235,7 @@ def run_processes():
                 with open(f"/proc/{e}/environ", "rb") as f:
                     if TAG.encode() in f.read().split(b"\0"):
                         with open(f"/proc/{e}/cmdline", "rb") as g:
-                            found.append(g.read().replace(b"\0", b" ").decode()[:100])
+                            found.append(g.read().replace(b"\0", b" ").decode(errors="replace"))
             except OSError:
                 pass
     return found

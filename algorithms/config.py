@@ -58,6 +58,7 @@ __all__ = [
     "GenerationConfig",
     "LoggingConfig",
     "PolicyConfig",
+    "REFIT_GROUP",
     "RayConfig",
     "RefitConfig",
     "TaskConfig",
@@ -67,6 +68,10 @@ __all__ = [
     "check_devices",
     "load_config",
 ]
+
+# The refit group's name in its rendezvous store: its senders and receivers join under it, and
+# the driver posts its abort there (nemo_dataplane.distributed.abort).
+REFIT_GROUP = "refit"
 
 
 @dataclass(frozen=True)

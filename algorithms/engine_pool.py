@@ -35,9 +35,10 @@ from typing import Any
 
 import ray
 
-from algorithms.config import TrainerConfig
+from algorithms.config import REFIT_GROUP, TrainerConfig
 from algorithms.remote import StepError, gather, settle
 from algorithms.rollouts import Job
+from nemo_dataplane.distributed.abort import post_group_abort
 
 __all__ = ["CollectorPool", "EngineLoss", "EnginePool", "Spawned", "form_refit_group"]
 
@@ -90,11 +91,15 @@ def form_refit_group(
     local: bool,
     timeout_s: float,
     what: str = "refit group set-up",
-) -> None:
+) -> Callable[[str], bool]:
     """Form (or re-form) the refit group: ``senders`` are group ranks ``0..len(senders)-1``, the
     ``generators`` the ranks after them. ``host`` (policy rank 0) hosts a new rendezvous unless
     ``refit.port`` fixes one (then the first formation only). Members of an earlier group leave it
     first (their ``init_refit`` does), so this is also how the group shrinks and grows.
+
+    Returns ``abort(reason)``: posts ``reason`` as the formed group's abort, so every member
+    waiting in it stops at once (a member was found dead meanwhile); a formation that fails
+    posts its own before raising, so members still waiting in it stop too.
 
     Raises:
         StepError: a member failed or the set-up outlasted ``timeout_s`` (named).
@@ -108,15 +113,24 @@ def form_refit_group(
     names = [f"policy rank {r} (refit sender)" for r in range(len(senders))] + [
         f"generator {i} (refit receiver)" for i in range(len(generators))
     ]
-    gather(
-        [
-            *(s.init_refit.remote(addr, port, world, secret) for s in senders),
-            *(g.init_refit.remote(addr, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
-        ],
-        timeout_s,
-        what,
-        names,
-    )
+
+    def abort(reason: str) -> bool:
+        return post_group_abort(addr, port, reason, group_name=REFIT_GROUP, secret=secret)
+
+    try:
+        gather(
+            [
+                *(s.init_refit.remote(addr, port, world, secret) for s in senders),
+                *(g.init_refit.remote(addr, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
+            ],
+            timeout_s,
+            what,
+            names,
+        )
+    except StepError as e:
+        abort(str(e))
+        raise
+    return abort
 
 
 @dataclass

@@ -144,7 +144,7 @@ def make_pool(
         return Spawned(g, c, starting, time.perf_counter())
 
     def reform(generators: list[Any]) -> None:
-        form_refit_group(
+        workers.abort_refit = form_refit_group(
             cfg,
             workers.refit_senders,
             generators,
@@ -198,7 +198,9 @@ def connect(
         timeout,
         f"{transport.name} transport attach",
     )
-    form_refit_group(cfg, workers.refit_senders, generators, policy[0], secret, local=local, timeout_s=timeout)
+    workers.abort_refit = form_refit_group(
+        cfg, workers.refit_senders, generators, policy[0], secret, local=local, timeout_s=timeout
+    )
     layout = {
         "dp": cfg.trainer.dp_size,
         "tp": cfg.policy.tensor_parallel_size,

@@ -52,6 +52,8 @@ class Workers:
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
     refit_senders: list[Any] = field(default_factory=list)  # the ranks that send a refit; empty: policy rank 0
     pool: Any = None  # algorithms.engine_pool.EnginePool over generators/collectors; None: fixed
+    # Posts a reason as the current refit group's abort (algorithms.engine_pool.form_refit_group).
+    abort_refit: Callable[[str], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.dispatch is None:
@@ -292,8 +294,13 @@ def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) 
     it fails at once instead of at its timeout) and every receiver's call is waited for."""
     # _refit_once's failure path already gave every receiver's call 2 s to end: look, do not wait.
     done, _ = ray.wait(list(recvs), num_returns=len(recvs), timeout=0)
-    if not any(_died(r) for r in done):
+    dead = [i for i, r in enumerate(recvs) if r in done and _died(r)]
+    if not dead:
         return []  # a live peer that failed or never took part: the refit's own error stands
+    if workers.abort_refit is not None:
+        # Senders still waiting on the dead one inside the refit protocol (its handshake, a
+        # status) stop now instead of at refit.timeout_s; their leave_refit then runs at once.
+        workers.abort_refit(f"generator(s) {dead} (refit receivers) died during the refit")
     try:
         gather([s.leave_refit.remote() for s in workers.refit_senders], cfg.refit.timeout_s + 30, "refit group leave")
     except StepError as e:  # a sender lost: the step's error stands (the policy side is fail-fast)

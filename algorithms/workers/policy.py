@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.checkpoint import load_trusted, save_file
-from algorithms.config import TrainerConfig
+from algorithms.config import REFIT_GROUP, TrainerConfig
 from algorithms.engines.training import Prepared, TrainingEngine, build_training_engine
 from algorithms.engines.training.base import Which
 from algorithms.faults import maybe_fail
@@ -171,7 +171,7 @@ class PolicyWorker:
             world_size,
             backend=r.backend,
             timeout=r.timeout_s,
-            group_name="refit",
+            group_name=REFIT_GROUP,
             secret=secret,
             store=self._stores.pop("refit", None),  # hosted by host_rendezvous("refit", ...) if it ran
         )

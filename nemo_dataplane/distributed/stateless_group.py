@@ -38,6 +38,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
+from nemo_dataplane.distributed.abort import posted_abort
 from nemo_dataplane.distributed.auth import (
     AuthStore,
     StoreAuthError,
@@ -259,15 +260,30 @@ class StatelessProcessGroup:
     def _init_gloo(self) -> None:
         prefixed = dist.PrefixStore(self._key("gloo"), self.store)
         td = datetime.timedelta(seconds=self.timeout)
-        try:
-            if self._loopback:
-                # Every rank is on this host: gloo listens on loopback, whatever GLOO_SOCKET_IFNAME
-                # or the hostname would pick (docs/reliability.md, "Trust boundary").
-                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, gloo_options(self.host, td))
-            else:
-                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
-        except Exception as e:
-            raise self._error(StatelessGroupError, f"gloo group construction failed: {e}") from e
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                if self._loopback:
+                    # Every rank is on this host: gloo listens on loopback, whatever
+                    # GLOO_SOCKET_IFNAME or the hostname would pick (docs/reliability.md, "Trust boundary").
+                    box["pg"] = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, gloo_options(self.host, td))
+                else:
+                    box["pg"] = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
+            except Exception as e:  # noqa: BLE001 - raised below, on the caller's thread
+                box["error"] = e
+
+        # gloo waits in C++ for every peer's address until its own timeout; waiting for it here
+        # instead sees an abort posted meanwhile (abort.py). A thread left behind ends at gloo's
+        # timeout, a daemon that never holds up the interpreter's exit.
+        builder = threading.Thread(target=build, name=f"spg-gloo-{self.group_name}", daemon=True)
+        builder.start()
+        self._poll(
+            lambda: not builder.is_alive(), "gloo group construction", timeout=self.timeout + 5.0, max_sleep=0.01
+        )
+        if "error" in box:
+            raise self._error(StatelessGroupError, f"gloo group construction failed: {box['error']}") from box["error"]
+        self._pg = box["pg"]
 
     def _init_nccl(self) -> None:
         nccl = self._nccl
@@ -350,6 +366,9 @@ class StatelessProcessGroup:
             try:
                 if done():
                     return
+                now = time.monotonic()
+                # A member's death seen from outside (abort.py): stop now, not at the deadline.
+                aborted = posted_abort(self.store, self.prefix) if now >= next_watch else None
             except dist.DistError as e:
                 # The store host (rank 0) is gone, usually because it gave up first.
                 self._broken = True
@@ -357,13 +376,18 @@ class StatelessProcessGroup:
                 raise self._error(
                     StatelessGroupError, f"{what}: lost the rendezvous store hosted by rank 0 ({e}){extra}"
                 ) from e
-            now = time.monotonic()
+            if aborted is not None:
+                self._broken = True
+                if abort_on_timeout:
+                    self._abort()
+                raise self._error(StatelessGroupError, f"{what} stopped: the group was aborted: {aborted}")
             if watch is not None and now >= next_watch:
                 msg = watch()
                 if msg:
                     if abort_on_timeout:
                         self._abort()
                     raise self._error(StatelessGroupError, f"{what} stopped: {msg}")
+            if now >= next_watch:
                 next_watch = now + _WATCH_EVERY_S
             if now >= deadline:
                 if abort_on_timeout:

@@ -244,6 +244,26 @@ def join_then_idle(
             g.destroy()
 
 
+def wait_until_aborted(rank: int, world: int, port: int, stage: str, secret: str) -> dict[str, Any]:
+    """Wait on a peer that never comes, until an abort is posted from outside (timeouts 120 s).
+    ``stage``: "rendezvous" (``world`` counts a rank that never joins) or "barrier" (every rank
+    joins; rank 1 never enters the barrier and leaves once it sees the abort)."""
+    from nemo_dataplane.distributed.abort import posted_abort
+
+    t0 = time.monotonic()
+    try:
+        g = _group(rank, world, port, "gloo", 120.0, secret=secret)
+        if stage == "barrier" and rank == 1:
+            while posted_abort(g.store, g.prefix) is None:
+                time.sleep(0.01)
+            return {"error": None, "elapsed": time.monotonic() - t0}
+        t0 = time.monotonic()
+        g.barrier()
+        return {"error": None, "elapsed": time.monotonic() - t0}
+    except Exception as e:
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+
+
 def two_groups(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict[str, Any]:
     """Three groups in each of two processes: A, B sharing A's store, C with swapped ranks."""
     a = _group(rank, 2, ports[0], backend, group_name="a", gpu=rank)

@@ -91,6 +91,82 @@ def test_dead_peer_recv_times_out(pool: P.Pool) -> None:
     assert out["elapsed"] < timeout + 2.0
 
 
+def _abort_when_waiting(port: int, arrived: list[int], reason: str, secret: str) -> None:
+    """Post ``reason`` as the group's abort once ``arrived`` ranks reached its store: a driver
+    that saw a member die while the others wait on it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from nemo_dataplane.distributed.abort import post_group_abort
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            probe = dist.TCPStore(P.HOST, port, None, False, timeout=datetime.timedelta(seconds=5))
+        except Exception:  # noqa: BLE001 - rank 0 has not bound its store yet
+            time.sleep(0.02)
+            continue
+        while not probe.check([f"spg/default/arrived/{r}" for r in arrived]):
+            assert time.monotonic() < deadline, f"ranks {arrived} never reached the store"
+            time.sleep(0.02)
+        break
+    assert post_group_abort(P.HOST, port, reason, secret=secret)
+
+
+@pytest.mark.parametrize("stage", ["rendezvous", "barrier"])
+def test_an_abort_posted_from_outside_stops_every_wait_at_once(pool: P.Pool, stage: str) -> None:
+    """A member lost while the others wait on it through the store: the waits end within a
+    watch period of the abort, quoting its reason, not at the 120 s timeout."""
+    import threading
+
+    port, secret = P.free_port(), "job-secret"
+    world = 3 if stage == "rendezvous" else 2  # rendezvous: rank 2 never joins
+    reason = "generator 1 (refit rank 2) died: its process exited"
+    poster = threading.Thread(target=_abort_when_waiting, args=(port, [0, 1], reason, secret))
+    poster.start()
+    res = P.run_ranks(pool, P.wait_until_aborted, [0, 1], world=world, port=port, stage=stage, secret=secret)
+    poster.join()
+    waiting = [0, 1] if stage == "rendezvous" else [0]
+    for r in waiting:
+        out = res[r]
+        assert out["error"] == "StatelessGroupError" and f"rank {r} of world size {world}" in out["msg"], out
+        assert out["elapsed"] < 30.0, out  # the timeout is 120 s
+    # Rank 0 hosts the store and quotes the reason; a rank that polls after rank 0 returned (its
+    # process, the store's host, then ends) finds the store gone instead, as quickly.
+    assert f"the group was aborted: {reason}" in res[0]["msg"], res[0]
+    for r in waiting[1:]:
+        said = res[r]["msg"]
+        assert f"the group was aborted: {reason}" in said or "lost the rendezvous store" in said, res[r]
+    if stage == "barrier":
+        assert res[1]["error"] is None, res[1]
+
+
+def test_an_abort_without_the_job_secret_is_refused_by_name(pool: P.Pool) -> None:
+    port = P.free_port()
+    import threading
+
+    poster = threading.Thread(target=_abort_when_waiting, args=(port, [0, 1], "forged", "not-the-secret"))
+    poster.start()
+    res = P.run_ranks(pool, P.wait_until_aborted, [0, 1], world=3, port=port, stage="rendezvous", secret="job-secret")
+    poster.join()
+    # Whoever reads it first refuses it by name; a rank 0 that refused it takes its store along.
+    refused = [r for r in (0, 1) if res[r]["error"] == "StoreAuthError"]
+    assert refused and all("spg/default/abort" in res[r]["msg"] for r in refused), res
+    assert all(
+        res[r]["error"] == "StatelessGroupError" and "lost the rendezvous store" in res[r]["msg"]
+        for r in (0, 1)
+        if r not in refused
+    ), res
+
+
+def test_an_abort_for_a_store_that_is_gone_is_not_posted() -> None:
+    from nemo_dataplane.distributed.abort import post_group_abort
+
+    assert post_group_abort(P.HOST, P.free_port(), "late", timeout=1.0) is False
+
+
 def test_two_groups_in_one_process(pool: P.Pool) -> None:
     ports = (P.free_port(), P.free_port())
     res = P.run_ranks(pool, P.two_groups, [0, 1], ports=ports)

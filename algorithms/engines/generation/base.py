@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from algorithms.config import TrainerConfig
+from algorithms.config import REFIT_GROUP, TrainerConfig
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit import WeightTransferConfig
 
@@ -90,7 +90,7 @@ class RefitSpec:
             backend=self.backend,
             timeout=self.timeout_s,
             device=device if self.backend == "nccl" else None,
-            group_name="refit",
+            group_name=REFIT_GROUP,
             secret=self.secret,
         )
 

@@ -128,10 +128,14 @@ class GenerationConfig:
     # (algorithms/engine_pool.py).
     replace_lost: bool = True
     max_replacements: int = 4
+    # Several engines: an engine whose generator does not answer a heartbeat within this many
+    # seconds (process wedged or stopped), or draws no token for as long inside a generate call
+    # (hf; vLLM's is judged by its answers only), is killed and then dropped as a lost one. 0: off.
+    heartbeat_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines")
-        require_positive(self, "max_replacements", allow_zero=True)
+        require_positive(self, "max_replacements", "heartbeat_timeout_s", allow_zero=True)
         require_positive(self, "temperature", "val_temperature", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")

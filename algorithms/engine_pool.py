@@ -28,6 +28,7 @@ fail-fast: a lost policy rank ends the run.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -162,12 +163,71 @@ class EnginePool:
     _joined_at: dict[int, float] = field(default_factory=dict)  # replacement id -> spawn time
     _stale: bool = False  # a member was lost: the refit group must be re-formed first
     _to_start: list[Any] = field(default_factory=list)  # joined collectors, for on_join after the refit
+    _hung: dict[int, str] = field(default_factory=dict)  # engine id -> why the heartbeat killed it
 
     def __post_init__(self) -> None:
         if not self.ids:
             self.ids = list(range(len(self.generators)))
         self.size = self.size or len(self.generators)
         self._next_id = max(self.ids, default=-1) + 1
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    def start_heartbeat(self) -> None:
+        """Watch the engines' heartbeats (``generation.heartbeat_timeout_s``; 0: off) on a
+        daemon thread until :meth:`close`. An engine whose generator does not answer its
+        heartbeat within the timeout (its process wedged or stopped), or answers that it has
+        drawn nothing for longer inside a generate call, is killed: the call waiting on it then
+        fails as a dead engine's does, and it is dropped like one (:meth:`drop` records why)."""
+        timeout = self.cfg.generation.heartbeat_timeout_s
+        if timeout <= 0 or self._watchdog is not None:
+            return
+        self._watchdog = threading.Thread(target=self._watch, args=(timeout,), name="engine-heartbeat", daemon=True)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat watch (idempotent)."""
+        self._stop.set()
+
+    def _watch(self, timeout: float) -> None:
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            try:
+                self._check_heartbeats(timeout)
+            except Exception as e:  # noqa: BLE001 - a thread must not die of one bad round
+                if self._stop.is_set():
+                    return  # the run is shutting down (Ray may be gone)
+                print(f"engine heartbeat: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _check_heartbeats(self, timeout: float) -> None:
+        # A snapshot: the step's thread drops and adds engines meanwhile.
+        members = list(zip(self.ids, self.generators, self.collectors))
+        refs = [g.heartbeat.remote() for _, g, _ in members]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for (eid, generator, collector), ref in zip(members, refs):
+            if self._stop.is_set():
+                return
+            why = self._silence(ref, answered, timeout)
+            if why is None or eid in self._hung:
+                continue
+            self._hung[eid] = why
+            print(f"engine {eid}: {why}; killing it", file=sys.stderr, flush=True)
+            _kill(collector, generator)
+
+    @staticmethod
+    def _silence(ref: Any, answered: Sequence[Any], timeout: float) -> str | None:
+        """Why a heartbeat ``ref`` shows a hung engine, or ``None`` (answered in time and drew
+        recently, or dead: the loss path finds a dead one itself)."""
+        if ref not in answered:
+            return f"no heartbeat within generation.heartbeat_timeout_s={timeout:g}s"
+        try:
+            silent = ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - dead or failing: not a hang
+            return None
+        if silent is not None and silent > timeout:
+            return (
+                f"drew nothing for {silent:.1f}s inside a generate call (generation.heartbeat_timeout_s={timeout:g}s)"
+            )
+        return None
 
     def name(self, i: int) -> str:
         """Position ``i``'s engine in messages."""
@@ -192,7 +252,10 @@ class EnginePool:
         new = []
         for i, err in sorted(zip(positions, errors), key=lambda p: -p[0]):
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            loss = EngineLoss(self.ids[i], step, first[:300], now, time.time())
+            hung = self._hung.pop(self.ids[i], None)
+            if hung is not None:  # killed by the heartbeat watch: why comes first
+                first = f"hung, killed by the trainer: {hung} ({first})"
+            loss = EngineLoss(self.ids[i], step, first[:400], now, time.time())
             new.append(loss)
             _kill(self.collectors[i], self.generators[i])
             del self.collectors[i], self.generators[i], self.ids[i]

@@ -27,7 +27,7 @@ from algorithms.replicas import ReplicaDispatch
 from algorithms.step import Workers
 from algorithms.transports import Transport
 from algorithms.workers.collector import RolloutCollector
-from algorithms.workers.generator import GeneratorWorker
+from algorithms.workers.generator import HEALTH_GROUP, GeneratorWorker
 from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 
@@ -102,7 +102,8 @@ def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tup
     """Create engine ``index``'s generator and the collector that drives it (not waited for)."""
     env, gpu_env = _envs(cfg, owned_cluster)
     generator = (
-        ray.remote(GeneratorWorker)
+        # Its heartbeat runs on a thread of its own, beside a generation (workers/generator.py).
+        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)
         .options(
             num_cpus=cfg.ray.worker_num_cpus,
             num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,

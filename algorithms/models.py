@@ -346,6 +346,7 @@ def sample(
     ignore_eos: bool = False,
     should_stop: Callable[[], bool] | None = None,
     min_running: float = 0.0,
+    on_token: Callable[[], None] | None = None,
 ) -> Samples:
     """Sample ``n`` responses per prompt with a KV-cached loop; deterministic for a given ``generator`` state.
 
@@ -363,7 +364,7 @@ def sample(
     ``should_stop``: asked after every token; when it returns true the loop stops there and the
     unfinished responses come back as they are (``finished`` false). ``min_running``: the loop
     also stops once fewer than this fraction of the responses are still running. The model's
-    train/eval mode is restored on exit.
+    train/eval mode is restored on exit. ``on_token``: called after every token (a progress mark).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -430,6 +431,8 @@ def sample(
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
             out_tokens[:, step] = nxt
             lengths += (~finished).long()
+            if on_token is not None:
+                on_token()
             if not ignore_eos:
                 finished = finished | (nxt == eos_id)
             if limit is not None:

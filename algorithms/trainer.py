@@ -143,6 +143,7 @@ class Trainer:
             owned_cluster=self._ray_started,
             on_join=self._start_replacement,
         )
+        self.workers.pool.start_heartbeat()
         self.policy_params = placed.policy_params
         self.summary["worker_nodes"] = placed.nodes
         self.summary["policy_layout"] = placed.layout
@@ -390,6 +391,8 @@ class Trainer:
         # Workers that never answered (interrupted or failed start-up) have no groups to leave: their
         # clean-shutdown calls would only wait out their bounds behind the start-up. They are killed.
         graceful = self._workers_up
+        if self.workers is not None and self.workers.pool is not None:
+            self.workers.pool.close()  # no engine is judged hung while the run takes them down
         if self.workers is not None and ray.is_initialized() and graceful:
             # Producers stop first, so nothing is written after the store is emptied.
             try:

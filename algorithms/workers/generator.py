@@ -12,12 +12,19 @@ import random
 import time
 from collections.abc import Sequence
 
+import ray
 import torch
 
 from algorithms.config import TrainerConfig
 from algorithms.engines.generation import RefitSpec, Rollouts, SamplingSpec, build_engine
 from algorithms.faults import maybe_fail
 from algorithms.workers.gpus import worker_device
+
+__all__ = ["HEALTH_GROUP", "GeneratorWorker"]
+
+# The Ray concurrency group (one thread of its own) the heartbeat runs on: created with it by
+# algorithms.launch.engine_actors.
+HEALTH_GROUP = "health"
 
 
 class GeneratorWorker:
@@ -36,9 +43,23 @@ class GeneratorWorker:
         self.device = worker_device(cfg.generation.device)  # makes Ray's GPU current where all are visible
         self.engine = build_engine(cfg)
         self._jitter = random.Random(cfg.debug.jitter_seed)  # debug.generate_jitter_s's own stream
+        self._generating_since: float | None = None  # inside a generate call, past any version wait
 
     def ready(self) -> bool:
         return True
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def heartbeat(self) -> float | None:
+        """Seconds this generator has drawn nothing inside a generate call (since the call's start
+        or its engine's last token, whichever is later); ``None``: nothing to judge (no call in
+        flight, a refit holds the engine, or an engine that marks only a call's start and end).
+        Runs on its own thread (``HEALTH_GROUP``), so it answers while a generation runs; a
+        process that cannot answer it is wedged (the trainer's watch, ``algorithms.engine_pool``)."""
+        since = self._generating_since
+        if since is None or not self.engine.beats_per_token:
+            return None
+        refitting, last = self.engine.progress()
+        return None if refitting else time.monotonic() - max(since, last)
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int, secret: str | None = None) -> None:
         """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
@@ -106,30 +127,34 @@ class GeneratorWorker:
             time.sleep(self._jitter.uniform(0.0, d.generate_jitter_s))
         if version is not None:  # a wait, not busy time
             self.engine.wait_for_version(int(version), self.cfg.trainer.step_timeout_s)
-        t0 = time.perf_counter()
-        if d.generate_delay_s:
-            time.sleep(d.generate_delay_s)
-        g = self.cfg.generation
-        spec = SamplingSpec(
-            max_new_tokens=g.max_new_tokens,
-            temperature=float(g.temperature if temperature is None else temperature),
-            top_p=g.top_p,
-            seed=int(seed),
-            limits=None if limits is None else tuple(int(m) for m in limits),
-            ignore_eos=ignore_eos,
-            min_running=min_running,
-            row_seeds=None if row_seeds is None else tuple(int(s) for s in row_seeds),
-        )
-        out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible, version=version)
-        # fail_in=generator: inside the call, its tokens drawn and not returned
-        maybe_fail(
-            self.cfg.debug,
-            "generator",
-            step=out.version,
-            rank=self.index,
-            what=f"in the generator generating with weight version {out.version}",
-        )
-        return out, time.perf_counter() - t0
+        self._generating_since = time.monotonic()
+        try:
+            t0 = time.perf_counter()
+            if d.generate_delay_s:
+                time.sleep(d.generate_delay_s)
+            g = self.cfg.generation
+            spec = SamplingSpec(
+                max_new_tokens=g.max_new_tokens,
+                temperature=float(g.temperature if temperature is None else temperature),
+                top_p=g.top_p,
+                seed=int(seed),
+                limits=None if limits is None else tuple(int(m) for m in limits),
+                ignore_eos=ignore_eos,
+                min_running=min_running,
+                row_seeds=None if row_seeds is None else tuple(int(s) for s in row_seeds),
+            )
+            out = self.engine.generate(prompt_ids, n, spec, interruptible=interruptible, version=version)
+            # fail_in=generator: inside the call, its tokens drawn and not returned
+            maybe_fail(
+                self.cfg.debug,
+                "generator",
+                step=out.version,
+                rank=self.index,
+                what=f"in the generator generating with weight version {out.version}",
+            )
+            return out, time.perf_counter() - t0
+        finally:
+            self._generating_since = None
 
     def _current_device(self) -> None:
         # With partial rollouts calls arrive on several threads, and a new thread's current GPU

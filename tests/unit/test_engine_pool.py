@@ -83,3 +83,94 @@ def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_wit
     assert str(pool.no_engine_left(6, StepError("step 6 collect: z"))).startswith("step 6 collect: z (no generation")
     for a in [*pool.generators, *pool.collectors, *gens, *cols]:
         ray.kill(a, no_restart=True)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _Beating:
+    """An engine member whose heartbeat answers ``silent`` (seconds without progress), or
+    (``wedged``) never within the test."""
+
+    def __init__(self, silent: float | None, wedged: bool = False) -> None:
+        self.silent, self.wedged = silent, wedged
+
+    def ready(self) -> bool:
+        return True
+
+    def heartbeat(self) -> float | None:
+        if self.wedged:
+            time.sleep(60)
+        return self.silent
+
+
+def _dead(actor: Any, within_s: float = 30.0) -> bool:
+    """Whether ``actor`` is (or within ``within_s`` becomes) dead: its calls then fail at once."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_the_heartbeat_kills_an_engine_that_stops_drawing_or_stops_answering_and_its_loss_says_why(
+    ray_session: Any,
+) -> None:
+    cfg = load_config(
+        REPO / "examples" / "configs" / "grpo_tiny.yaml",
+        ["generation.heartbeat_timeout_s=1.0", "generation.max_replacements=0"],
+    )
+    # engine 0 draws (silent 0.2 s), 1 is idle (None), 2 drew nothing for 5 s, 3 never answers.
+    gens = [_Beating.remote(0.2), _Beating.remote(None), _Beating.remote(5.0), _Beating.remote(None, wedged=True)]
+    cols = [_Member.remote() for _ in gens]
+    ray.get([a.ready.remote() for a in gens + cols])
+    pool = EnginePool(cfg, gens, cols, lambda i: pytest.fail("no replacement is started"), lambda gs: None)
+    pool.start_heartbeat()
+    try:
+        assert _dead(gens[2]) and _dead(cols[2]) and _dead(gens[3]) and _dead(cols[3])
+        assert not any(_dead(a, within_s=1.5) for a in (*gens[:2], *cols[:2]))  # a watch period and more
+    finally:
+        pool.close()
+    assert [pool.is_lost(i) for i in range(4)] == [False, False, True, True]
+    losses = pool.drop([2, 3], 7, [StepError("step 7 collect: the collector died"), StepError("step 7: y")])
+    assert losses[0].error.startswith("hung, killed by the trainer: drew nothing for 5.0s inside a generate call")
+    assert losses[1].error.startswith(
+        "hung, killed by the trainer: no heartbeat within generation.heartbeat_timeout_s=1s"
+    )
+    assert losses[0].error.endswith("(step 7 collect: the collector died)")
+    for a in [*gens, *cols]:
+        ray.kill(a, no_restart=True)
+
+
+def test_a_generator_reports_its_silence_only_inside_a_generate_call_and_its_watch_kills_it(ray_session: Any) -> None:
+    """The real generator actor as the trainer creates it: its heartbeat answers on its own
+    thread while a generate call holds the actor, measures the time without a token, and is
+    ``None`` outside a call; a call that draws nothing past the timeout gets the engine killed."""
+    from algorithms.launch import engine_actors
+
+    cfg = load_config(
+        REPO / "examples" / "configs" / "grpo_tiny.yaml",
+        ["generation.heartbeat_timeout_s=1.5", "generation.max_replacements=0", "debug.generate_delay_s=20"],
+    )
+    generator, collector = engine_actors(cfg, 0, owned_cluster=False)
+    ray.get([generator.ready.remote(), collector.ready.remote()], timeout=240)
+    assert ray.get(generator.heartbeat.remote(), timeout=30) is None  # no call in flight
+    call = generator.generate.remote([[1, 2, 3]], 2, 0)  # sleeps 20 s before drawing: silent
+    deadline = time.monotonic() + 60
+    silent = None
+    while time.monotonic() < deadline and (silent is None or silent < 1.0):
+        silent = ray.get(generator.heartbeat.remote(), timeout=30)  # answered while the call runs
+    assert silent is not None and silent >= 1.0, silent
+    pool = EnginePool(cfg, [generator], [collector], lambda i: pytest.fail("no replacement"), lambda gs: None)
+    pool.start_heartbeat()
+    try:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(call, timeout=60)  # killed long before its 20 s were up
+        assert _dead(collector)
+    finally:
+        pool.close()
+    (loss,) = pool.drop([0], 3, [StepError("step 3 collect: generator died")])
+    assert "drew nothing for" in loss.error and "inside a generate call" in loss.error, loss.error

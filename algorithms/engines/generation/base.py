@@ -129,6 +129,10 @@ class GenerationEngine(ABC):
     ``_receive_weights`` and ``_shutdown``."""
 
     name: ClassVar[str]
+    #: Whether the engine marks its progress token by token (``_beat``) while it generates, so a
+    #: generation that stopped making progress shows in :meth:`progress`. ``False``: only the
+    #: start and end of a generation are marked.
+    beats_per_token: ClassVar[bool] = True
 
     def __init__(self) -> None:
         # One generation or refit at a time (_hold); a refit can interrupt a generation.
@@ -140,6 +144,18 @@ class GenerationEngine(ABC):
         self._version = -1
         self._refit_ready = False
         self._closed = False
+        self._refitting = False
+        self._progress_at = time.monotonic()  # the last token drawn, or a generation's start or end
+
+    def _beat(self) -> None:
+        """Mark progress: a token (or an engine step) was drawn."""
+        self._progress_at = time.monotonic()
+
+    def progress(self) -> tuple[bool, float]:
+        """``(refitting, monotonic time of the last progress)``: a refit holds the engine now
+        (bounded by the refit's own timeout), and when the engine last drew a token or started
+        or ended a generation. Safe from any thread."""
+        return self._refitting, self._progress_at
 
     @classmethod
     def check_config(cls, cfg: TrainerConfig) -> None:
@@ -171,11 +187,14 @@ class GenerationEngine(ABC):
                 if refit:
                     self._refits_waiting -= 1
             self._busy = True
+            self._refitting = refit
+        self._beat()
         try:
             yield
         finally:
+            self._beat()
             with self._cond:
-                self._busy = False
+                self._busy = self._refitting = False
                 self._cond.notify_all()
 
     def generate(

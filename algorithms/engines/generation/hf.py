@@ -103,6 +103,7 @@ class HFEngine(GenerationEngine):
             ignore_eos=spec.ignore_eos,
             should_stop=should_stop,
             min_running=spec.min_running if should_stop is not None else 0.0,
+            on_token=self._beat,
         )
         return out.tokens, out.logprobs, out.finished
 

@@ -73,6 +73,10 @@ class VLLMEngine(GenerationEngine):
     directory holds them quantized as the refit sends them, and vLLM runs FP8 weights);
     ``llm_kwargs``: further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
 
+    # ``LLM.generate`` runs a whole call without a hook between tokens: only its start and end
+    # are marked, so the heartbeat judges a vLLM engine by whether it answers.
+    beats_per_token = False
+
     name = "vllm"
 
     def __init__(
@@ -222,6 +226,7 @@ class VLLMEngine(GenerationEngine):
         while engine.has_unfinished_requests():
             for out in engine.step():
                 latest[out.request_id] = out
+            self._beat()
             running = [r for r in rids if not (r in latest and latest[r].finished)]
             if should_stop() or len(running) < spec.min_running * len(rids):
                 engine.abort_request(running)

@@ -103,7 +103,7 @@ def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tup
     env, gpu_env = _envs(cfg, owned_cluster)
     generator = (
         # Its heartbeat runs on a thread of its own, beside a generation (workers/generator.py).
-        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)
+        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)  # type: ignore[call-overload]  # ray's overloads omit concurrency_groups
         .options(
             num_cpus=cfg.ray.worker_num_cpus,
             num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,

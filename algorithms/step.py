@@ -272,9 +272,16 @@ def refit(cfg: TrainerConfig, workers: Workers, version: int) -> RefitTiming:
         if pool is not None:
             pool.before_refit(version - 1)
         recvs: list[Any] = []
+        tried = time.perf_counter()
         try:
             timing = _refit_once(cfg, workers, version, recvs)
         except StepError as e:
+            if time.perf_counter() - tried > 5.0:
+                print(
+                    f"refit of version {version} failed after {time.perf_counter() - tried:.1f}s: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             lost = _lost_receivers(cfg, workers, recvs) if pool is not None else []
             if pool is None or not lost:
                 raise
@@ -301,12 +308,22 @@ def _lost_receivers(cfg: TrainerConfig, workers: Workers, recvs: Sequence[Any]) 
         # Senders still waiting on the dead one inside the refit protocol (its handshake, a
         # status) stop now instead of at refit.timeout_s; their leave_refit then runs at once.
         workers.abort_refit(f"generator(s) {dead} (refit receivers) died during the refit")
+    t0 = time.perf_counter()
     try:
         gather([s.leave_refit.remote() for s in workers.refit_senders], cfg.refit.timeout_s + 30, "refit group leave")
     except StepError as e:  # a sender lost: the step's error stands (the policy side is fail-fast)
         print(f"refit: a sender could not leave the group: {e}", file=sys.stderr)
         return []
+    left = time.perf_counter() - t0
     ray.wait(list(recvs), num_returns=len(recvs), timeout=cfg.refit.timeout_s + 30)
+    ended = time.perf_counter() - t0
+    if ended > 5.0:  # a wait the abort should have cut short: say where the time went
+        print(
+            f"refit: after generator(s) {dead} died, the senders took {left:.1f}s to leave the group and "
+            f"the live receivers' calls {ended - left:.1f}s more to end",
+            file=sys.stderr,
+            flush=True,
+        )
     return [i for i, r in enumerate(recvs) if _died(r)]
 
 

@@ -238,8 +238,7 @@ def pad_batch(
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:
-    # Left padding: positions count real tokens only, so a padded prompt sees the same positions
-    # as the unpadded one.
+    # Left padding: positions count real tokens only, as in the same prompt unpadded.
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 

@@ -31,7 +31,7 @@ from algorithms.workers.generator import HEALTH_GROUP, GeneratorWorker
 from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 
-__all__ = ["Placed", "connect", "engine_actors", "launch", "make_pool"]
+__all__ = ["Placed", "connect", "engine_actors", "generator_actor", "launch", "make_pool"]
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,10 @@ def _envs(cfg: TrainerConfig, owned_cluster: bool) -> tuple[dict[str, Any] | Non
     return ({"env_vars": env_vars} if env_vars else None), ({"env_vars": gpu_vars} if gpu_vars else None)
 
 
-def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tuple[Any, Any]:
-    """Create engine ``index``'s generator and the collector that drives it (not waited for)."""
-    env, gpu_env = _envs(cfg, owned_cluster)
-    generator = (
+def generator_actor(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> Any:
+    """Create engine ``index``'s generator actor (not waited for), as every run creates it."""
+    _, gpu_env = _envs(cfg, owned_cluster)
+    return (
         # Its heartbeat runs on a thread of its own, beside a generation (workers/generator.py).
         ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)  # type: ignore[call-overload]  # ray's overloads omit concurrency_groups
         .options(
@@ -113,6 +113,12 @@ def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tup
         )
         .remote(cfg, index)
     )
+
+
+def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tuple[Any, Any]:
+    """Create engine ``index``'s generator and the collector that drives it (not waited for)."""
+    env, _ = _envs(cfg, owned_cluster)
+    generator = generator_actor(cfg, index, owned_cluster=owned_cluster)
     # Several concurrent calls: submit/poll/take while the producer thread generates.
     collector = (
         ray.remote(RolloutCollector)

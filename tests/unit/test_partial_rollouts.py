@@ -211,9 +211,9 @@ def generator_actor(ray_session: Any) -> Any:
             "async.partial_rollout=true",
         ],
     )
-    from algorithms.workers.generator import GeneratorWorker
+    from algorithms.launch import generator_actor
 
-    actor = ray_session.remote(GeneratorWorker).options(num_cpus=0, max_concurrency=2).remote(cfg)
+    actor = generator_actor(cfg, 0, owned_cluster=False)  # as a run creates it (partial: 2 calls at once)
     ray_session.get(actor.ready.remote(), timeout=120)
     yield cfg, actor
     ray_session.kill(actor)

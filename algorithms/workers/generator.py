@@ -23,7 +23,7 @@ from algorithms.workers.gpus import worker_device
 __all__ = ["HEALTH_GROUP", "GeneratorWorker"]
 
 # The Ray concurrency group (one thread of its own) the heartbeat runs on: created with it by
-# algorithms.launch.engine_actors.
+# algorithms.launch.generator_actor.
 HEALTH_GROUP = "health"
 
 

@@ -58,6 +58,7 @@ from nemo_dataplane.distributed.work import (
     _import_nccl,
     _try,
     call_with_deadline,
+    start_daemon,
     wire_view,
 )
 from nemo_dataplane.timeouts import check_timeout
@@ -260,30 +261,22 @@ class StatelessProcessGroup:
     def _init_gloo(self) -> None:
         prefixed = dist.PrefixStore(self._key("gloo"), self.store)
         td = datetime.timedelta(seconds=self.timeout)
-        box: dict[str, Any] = {}
 
-        def build() -> None:
-            try:
-                if self._loopback:
-                    # Every rank is on this host: gloo listens on loopback, whatever
-                    # GLOO_SOCKET_IFNAME or the hostname would pick (docs/reliability.md, "Trust boundary").
-                    box["pg"] = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, gloo_options(self.host, td))
-                else:
-                    box["pg"] = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
-            except Exception as e:  # noqa: BLE001 - raised below, on the caller's thread
-                box["error"] = e
+        def build() -> Any:
+            if self._loopback:
+                # Every rank is on this host: gloo listens on loopback, whatever GLOO_SOCKET_IFNAME
+                # or the hostname would pick (docs/reliability.md, "Trust boundary").
+                return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, gloo_options(self.host, td))
+            return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
 
         # gloo waits in C++ for every peer's address until its own timeout; waiting for it here
         # instead sees an abort posted meanwhile (abort.py). A thread left behind ends at gloo's
         # timeout, a daemon that never holds up the interpreter's exit.
-        builder = threading.Thread(target=build, name=f"spg-gloo-{self.group_name}", daemon=True)
-        builder.start()
-        self._poll(
-            lambda: not builder.is_alive(), "gloo group construction", timeout=self.timeout + 5.0, max_sleep=0.01
-        )
+        done, box = start_daemon(build, f"spg-gloo-{self.group_name}")
+        self._poll(done.is_set, "gloo group construction", timeout=self.timeout + 5.0, max_sleep=0.01)
         if "error" in box:
             raise self._error(StatelessGroupError, f"gloo group construction failed: {box['error']}") from box["error"]
-        self._pg = box["pg"]
+        self._pg = box["result"]
 
     def _init_nccl(self) -> None:
         nccl = self._nccl

@@ -78,16 +78,9 @@ def _try(fn: Callable[[], object]) -> None:
         fn()
 
 
-def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
-    """``fn()`` on a daemon thread; its result, or its exception re-raised, within ``timeout``.
-
-    Raises:
-        TimeoutError: ``fn`` did not return within ``timeout`` seconds. The thread is left
-            running (a blocked C call cannot be interrupted) but, being a daemon, it never keeps
-            the interpreter from exiting, unlike a ``ThreadPoolExecutor`` worker, which is
-            joined at exit.
-    """
-    timeout = check_timeout(timeout, "timeout")
+def start_daemon(fn: Callable[[], Any], name: str) -> tuple[threading.Event, dict[str, Any]]:
+    """Run ``fn()`` on a daemon thread; returns ``(done, box)``: ``done`` is set once it ended,
+    with its result in ``box["result"]`` or its exception in ``box["error"]``."""
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -100,6 +93,20 @@ def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
             done.set()
 
     threading.Thread(target=run, name=name, daemon=True).start()
+    return done, box
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout: float, name: str) -> Any:
+    """``fn()`` on a daemon thread; its result, or its exception re-raised, within ``timeout``.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within ``timeout`` seconds. The thread is left
+            running (a blocked C call cannot be interrupted) but, being a daemon, it never keeps
+            the interpreter from exiting, unlike a ``ThreadPoolExecutor`` worker, which is
+            joined at exit.
+    """
+    timeout = check_timeout(timeout, "timeout")
+    done, box = start_daemon(fn, name)
     if not done.wait(timeout):
         raise TimeoutError(f"{name}: did not finish within {timeout:g}s")
     if "error" in box:

@@ -117,7 +117,8 @@ class TrainerConfig:
         """``refit.mode`` resolved: ``reshard`` or ``packed``."""
         if self.refit.mode != "auto":
             return self.refit.mode
-        return "reshard" if self.policy.tensor_parallel_size > 1 or self.fully_sharded else "packed"
+        sharded = self.policy.tensor_parallel_size > 1 or self.fully_sharded or self.generation.tensor_parallel_size > 1
+        return "reshard" if sharded else "packed"
 
     @property
     def refit_senders(self) -> int:
@@ -241,6 +242,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
             "(the torch worker is data-parallel only)"
         )
     _check_sharding(cfg)
+    _check_generation_tp(cfg)
     if cfg.policy.backend == "megatron":
         if cfg.policy.device != "cuda":
             raise ConfigError("policy.backend=megatron needs policy.device=cuda")
@@ -290,6 +292,39 @@ def _check_sharding(cfg: TrainerConfig) -> None:
             f"policy.sharding=fsdp needs refit.mode=reshard (or auto), not refit.mode={cfg.refit.mode}: the packed "
             "refit sends whole weights from one rank, which holds 1/trainer.dp_size of them"
         )
+
+
+def _check_generation_tp(cfg: TrainerConfig) -> None:
+    """``generation.tensor_parallel_size`` against the engine, its GPUs, the refit and the model."""
+    g = cfg.generation
+    tp = g.tensor_parallel_size
+    if tp == 1:
+        return
+    key = f"generation.tensor_parallel_size={tp}"
+    if g.backend != "vllm" or g.device != "cuda":
+        raise ConfigError(
+            f"{key} needs generation.backend=vllm and generation.device=cuda (vLLM's own tensor parallelism)"
+        )
+    if g.num_gpus != tp:
+        raise ConfigError(f"{key} needs generation.num_gpus={tp} (one GPU per TP rank), got {g.num_gpus:g}")
+    if cfg.refit_mode != "reshard":
+        raise ConfigError(
+            f"{key} needs refit.mode=reshard (or auto), not refit.mode={cfg.refit.mode}: each TP rank "
+            "receives only its shards, which the packed refit cannot address"
+        )
+    if g.vllm.quantization is not None:
+        raise ConfigError(
+            f"{key} with generation.vllm.quantization={g.vllm.quantization}: an FP8 refit is installed "
+            "through vLLM's loader from whole tensors; use tensor_parallel_size=1 for FP8 generation"
+        )
+    hf = cfg.policy.model.get("hf_config") or {}
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        val = hf.get(name, hf.get("num_attention_heads") if name == "num_key_value_heads" else None)
+        if val is not None and int(val) % tp:
+            raise ConfigError(
+                f"policy.model.hf_config.{name}={val} is not divisible by {key}: each TP rank holds "
+                "an equal share of it"
+            )
 
 
 def _check_max_rows(cfg: TrainerConfig) -> None:

@@ -132,9 +132,13 @@ class GenerationConfig:
     # seconds (process wedged or stopped), or draws no token for as long inside a generate call
     # (hf; vLLM's is judged by its answers only), is killed and then dropped as a lost one. 0: off.
     heartbeat_timeout_s: float = 120.0
+    # backend=vllm on cuda: each engine is vLLM with this tensor parallelism, one GPU per TP rank
+    # (num_gpus must equal it); every TP rank receives only its shards of each refit, written
+    # into vLLM's own parameters (refit.mode=reshard; docs/generation.md, "Tensor parallelism").
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines")
+        require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines", "tensor_parallel_size")
         require_positive(self, "max_replacements", "heartbeat_timeout_s", allow_zero=True)
         require_positive(self, "temperature", "val_temperature", allow_zero=True)
         if not 0 < self.top_p <= 1:

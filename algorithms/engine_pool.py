@@ -94,7 +94,8 @@ def form_refit_group(
     what: str = "refit group set-up",
 ) -> Callable[[str], bool]:
     """Form (or re-form) the refit group: ``senders`` are group ranks ``0..len(senders)-1``, the
-    ``generators`` the ranks after them. ``host`` (policy rank 0) hosts a new rendezvous unless
+    ``generators`` the ranks after them (``generation.tensor_parallel_size`` consecutive ranks
+    each). ``host`` (policy rank 0) hosts a new rendezvous unless
     ``refit.port`` fixes one (then the first formation only). Members of an earlier group leave it
     first (their ``init_refit`` does), so this is also how the group shrinks and grows.
 
@@ -105,7 +106,8 @@ def form_refit_group(
     Raises:
         StepError: a member failed or the set-up outlasted ``timeout_s`` (named).
     """
-    world = len(senders) + len(generators)
+    width = cfg.generation.tensor_parallel_size
+    world = len(senders) + len(generators) * width
     if cfg.refit.port:
         addr, port = cfg.refit.host, cfg.refit.port
     else:
@@ -122,7 +124,10 @@ def form_refit_group(
         gather(
             [
                 *(s.init_refit.remote(addr, port, world, secret) for s in senders),
-                *(g.init_refit.remote(addr, port, world, len(senders) + i, secret) for i, g in enumerate(generators)),
+                *(
+                    g.init_refit.remote(addr, port, world, len(senders) + i * width, secret)
+                    for i, g in enumerate(generators)
+                ),
             ],
             timeout_s,
             what,

@@ -88,11 +88,17 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     return workers, [*policy, *generators, *collectors]
 
 
-def _envs(cfg: TrainerConfig, owned_cluster: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The ``runtime_env`` of CPU-side and GPU-side actors (``None``: the cluster's own)."""
+def _envs(
+    cfg: TrainerConfig, owned_cluster: bool, *, generator: bool = False
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The ``runtime_env`` of CPU-side and GPU-side actors (``None``: the cluster's own);
+    ``generator``: the GPU-side one is a generator's."""
     env_vars = {} if owned_cluster else worker_env(cfg)
     gpu_vars = env_vars
-    if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda":
+    # vLLM's TP workers are processes of their own that take GPUs 0..tp-1 of what they see: only
+    # Ray's narrowing puts them on the generator's GPUs (the refit then goes over NCCL, p2p).
+    narrowed = generator and cfg.generation.tensor_parallel_size > 1
+    if cfg.reshard_may_use_ipc and cfg.policy.device == cfg.generation.device == "cuda" and not narrowed:
         # CUDA IPC across GPUs: senders must see the generator's GPU (algorithms/workers/gpus.py).
         gpu_vars = {**env_vars, ALL_GPUS_ENV: "1"}
     return ({"env_vars": env_vars} if env_vars else None), ({"env_vars": gpu_vars} if gpu_vars else None)
@@ -100,7 +106,7 @@ def _envs(cfg: TrainerConfig, owned_cluster: bool) -> tuple[dict[str, Any] | Non
 
 def generator_actor(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> Any:
     """Create engine ``index``'s generator actor (not waited for), as every run creates it."""
-    _, gpu_env = _envs(cfg, owned_cluster)
+    _, gpu_env = _envs(cfg, owned_cluster, generator=True)
     return (
         # Its heartbeat runs on a thread of its own, beside a generation (workers/generator.py).
         ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)  # type: ignore[call-overload]  # ray's overloads omit concurrency_groups

@@ -62,7 +62,8 @@ class GeneratorWorker:
         return None if refitting else time.monotonic() - max(since, last)
 
     def init_refit(self, host: str, port: int, world_size: int, rank: int, secret: str | None = None) -> None:
-        """Join the refit group as its receiver ``rank`` (collective with the policy's senders,
+        """Join the refit group as its receiver ``rank`` (with ``generation.tensor_parallel_size`` > 1
+        its TP ranks are ``rank`` and the ones after it; collective with the policy's senders,
         group ranks ``0..refit_senders-1``); ``secret``: the job secret, handed over in memory
         (``None``: ``$NEMO_DATAPLANE_SECRET``). A member of an earlier refit group leaves it
         first: this is how the group is re-formed after an engine was lost."""
@@ -82,6 +83,7 @@ class GeneratorWorker:
                 transfer=c.weight_transfer,
                 senders=c.refit_senders,
                 secret=secret,
+                tensor_parallel=c.generation.tensor_parallel_size,
             ),
         )
 

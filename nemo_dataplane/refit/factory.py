@@ -35,6 +35,7 @@ from nemo_dataplane.refit.config import PACKED_TRANSPORTS, RESHARD_TRANSPORTS, W
 from nemo_dataplane.refit.packed import facade as _packed
 from nemo_dataplane.refit.protocol import NamedTensors, WeightReceiver, WeightSender
 from nemo_dataplane.refit.reshard import facade as _reshard
+from nemo_dataplane.refit.reshard.layout import Layout
 
 __all__ = [
     "FullShapes",
@@ -78,6 +79,7 @@ class ReceiverFactory(Protocol):
         *,
         senders: int,
         device: Device,
+        shards: Layout | None = None,
     ) -> WeightReceiver: ...
 
 
@@ -205,13 +207,21 @@ def build_weight_receiver(
     *,
     senders: int = 1,
     device: Device = None,
+    shards: Layout | None = None,
 ) -> WeightReceiver:
     """The receiver of ``config.family`` on this rank of ``group`` (a rank from ``senders`` on),
     writing into ``named_tensors`` (whole tensors) in place. Arguments and errors as
-    ``build_weight_sender``; every rank must pass the same ``config`` and ``senders``."""
+    ``build_weight_sender``; every rank must pass the same ``config`` and ``senders``.
+
+    ``shards``: receivers that hold shards (tensor-parallel generators) pass the whole receiving
+    side's layout (identical on each of them; e.g. ``build_layout`` over a ``dp x tp`` mesh with
+    ``fusions``); ``named_tensors`` are then this rank's local tensors under it. Only families
+    that reshard take it (``reshard``; ``packed`` raises ``ConfigError``), and a family's
+    receiver is called with it only when it is given."""
     cfg, family = _resolve(config)
     _check_ranks(group, senders, sending=False)
-    receiver = family.receiver(cfg, group, named_tensors, senders=senders, device=device)
+    extra = {} if shards is None else {"shards": shards}
+    receiver = family.receiver(cfg, group, named_tensors, senders=senders, device=device, **extra)
     if not isinstance(receiver, WeightReceiver):
         raise TypeError(f"family {cfg.family!r} built a {type(receiver).__name__}, not a WeightReceiver")
     return receiver

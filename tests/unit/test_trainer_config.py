@@ -585,3 +585,32 @@ def test_help_names_where_keys_are_documented_and_each_section_in_a_whole_senten
     assert [line.split()[0] for line in sections] == [k for k in TrainerConfig().to_dict()]
     for line in sections:
         assert line.rstrip().endswith((".", ")")) and "``" not in line and ":mod:" not in line, line
+
+
+_VLLM_GPU = ["policy.device=cuda", "generation.device=cuda", "generation.backend=vllm", "refit.backend=nccl"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["generation.tensor_parallel_size=0"], "generation.tensor_parallel_size must be > 0"),
+        (["generation.tensor_parallel_size=2"], "needs generation.backend=vllm and generation.device=cuda"),
+        ([*_VLLM_GPU, "generation.tensor_parallel_size=2"], r"needs generation.num_gpus=2 \(one GPU per TP rank\)"),
+        (
+            [*_VLLM_GPU, "generation.tensor_parallel_size=2", "generation.num_gpus=2", "refit.mode=packed"],
+            "needs refit.mode=reshard",
+        ),
+        (
+            [*_VLLM_GPU, "generation.tensor_parallel_size=3", "generation.num_gpus=3"],
+            "policy.model.hf_config.num_attention_heads=4 is not divisible by generation.tensor_parallel_size=3",
+        ),
+    ],
+)
+def test_generation_tensor_parallelism_is_checked_naming_the_key(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(YAML, overrides)
+
+
+def test_generation_tensor_parallelism_resolves_the_refit_to_reshard() -> None:
+    cfg = load_config(YAML, [*_VLLM_GPU, "generation.tensor_parallel_size=2", "generation.num_gpus=2"])
+    assert cfg.refit_mode == "reshard" and cfg.weight_transfer.family == "reshard" and cfg.refit_senders == 1

@@ -71,13 +71,16 @@ class RefitSpec:
     (``timeout_s``), the weight-transfer options (``transfer``: the family and its transport),
     and how many group ranks send (``senders``: ranks ``0..senders-1``; the engine is one of the
     others). ``secret``: the job secret the group's records are authenticated with, carried in
-    memory only (``None``: ``$NEMO_DATAPLANE_SECRET``); never shown in a repr."""
+    memory only (``None``: ``$NEMO_DATAPLANE_SECRET``); never shown in a repr.
+    ``tensor_parallel``: group ranks per engine (its TP ranks, from the rank it joins as; every
+    engine of the group has as many)."""
 
     backend: str
     timeout_s: float
     transfer: WeightTransferConfig
     senders: int
     secret: str | None = dataclasses.field(default=None, repr=False)
+    tensor_parallel: int = 1
 
     def join(self, host: str, port: int, world_size: int, rank: int, device: Any = None) -> StatelessProcessGroup:
         """Join the refit group at ``host:port`` as ``rank`` (collective): this spec's backend,
@@ -108,6 +111,7 @@ class RefitSpec:
             transfer=WeightTransferConfig.from_dict(data["transfer"]),
             senders=int(data["senders"]),
             secret=data.get("secret"),
+            tensor_parallel=int(data.get("tensor_parallel", 1)),
         )
 
 

@@ -71,7 +71,9 @@ class VLLMEngine(GenerationEngine):
     trainer's weights (the directory vLLM loads; the engine computes in ``engine.dtype``, default
     the same); ``weights``: the refit's form (default: the trainer's weights as they are; FP8: the
     directory holds them quantized as the refit sends them, and vLLM runs FP8 weights);
-    ``llm_kwargs``: further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``)."""
+    ``llm_kwargs``: further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``);
+    ``tensor_parallel_size``: vLLM's TP ranks (GPU; each a process on a GPU of its own, receiving
+    only its shards of each refit)."""
 
     # ``LLM.generate`` runs a whole call without a hook between tokens: only its start and end
     # are marked, so the heartbeat judges a vLLM engine by whether it answers.
@@ -92,6 +94,7 @@ class VLLMEngine(GenerationEngine):
         dtype: torch.dtype = torch.float32,
         weights: RefitWeights | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__()
         args = engine or VLLMEngineConfig()
@@ -119,7 +122,12 @@ class VLLMEngine(GenerationEngine):
                     f"generation.vllm.quantization: this GPU (compute capability "
                     f"{torch.cuda.get_device_capability()}) has no FP8 support; FP8 generation needs 8.9 or later"
                 )
-            self.llm = _start_llm(self._model_dir, device, args, engine_dtype, dict(llm_kwargs or {}), self.settings)
+            kwargs = dict(llm_kwargs or {})
+            if tensor_parallel_size > 1:
+                # vLLM's TP workers as processes of vLLM's multiprocessing executor (the engine core
+                # stays in-process; docs/generation.md, "Tensor parallelism").
+                kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+            self.llm = _start_llm(self._model_dir, device, args, engine_dtype, kwargs, self.settings)
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             raise
@@ -138,6 +146,7 @@ class VLLMEngine(GenerationEngine):
             engine=g.vllm,
             dtype=precision_of(cfg).dtype,
             weights=refit_weights(cfg),
+            tensor_parallel_size=g.tensor_parallel_size,
         )
 
     @classmethod

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from nemo_dataplane.config import ConfigError
 from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.config import WeightTransferConfig
 from nemo_dataplane.refit.packed.endpoints import RefitReceiver, RefitSender
@@ -51,8 +52,14 @@ def build_receiver(
     *,
     senders: int = 1,
     device: torch.device | str | int | None = None,
+    shards: object | None = None,
 ) -> RefitReceiver:
     """A ``RefitReceiver`` into ``named_tensors`` from group rank 0 (it follows the sender's options)."""
     del config, device
+    if shards is not None:
+        raise ConfigError(
+            "the packed refit sends whole tensors to every receiver; receivers that hold shards "
+            "(tensor-parallel generators) need family='reshard'"
+        )
     _one_sender(senders)
     return RefitReceiver(group, named_tensors, src=0)

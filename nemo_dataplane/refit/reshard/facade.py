@@ -17,7 +17,7 @@ from nemo_dataplane.distributed.stateless_group import StatelessProcessGroup
 from nemo_dataplane.refit.config import WeightTransferConfig
 from nemo_dataplane.refit.protocol import NamedTensors, current_tensors, reusable
 from nemo_dataplane.refit.reshard.endpoints import ReshardReceiver, ReshardSender
-from nemo_dataplane.refit.reshard.layout import Mesh
+from nemo_dataplane.refit.reshard.layout import Layout, Mesh
 from nemo_dataplane.refit.reshard.rules import build_layout
 
 __all__ = ["FSDP_RULES", "build_receiver", "build_sender"]
@@ -78,10 +78,21 @@ def build_receiver(
     *,
     senders: int = 1,
     device: torch.device | str | int | None = None,
+    shards: Layout | None = None,
 ) -> ReshardReceiver:
-    """A ``ReshardReceiver`` into ``named_tensors`` (whole tensors), one replica of the receiving
-    side: every rank from ``senders`` on holds the same whole tensors."""
+    """A ``ReshardReceiver`` into ``named_tensors``. Without ``shards``: whole tensors, one
+    replica of the receiving side (every rank from ``senders`` on holds the same whole tensors).
+    With it: the receiving side's layout, whose mesh must be ranks ``senders..world-1``, and
+    ``named_tensors`` this rank's local tensors under it."""
     named_tensors = reusable(named_tensors)
     receivers = list(range(senders, group.world_size))
-    layout = build_layout(Mesh.of(receivers, dp=len(receivers), tp=1), _shapes(named_tensors))
+    if shards is None:
+        layout = build_layout(Mesh.of(receivers, dp=len(receivers), tp=1), _shapes(named_tensors))
+    else:
+        if sorted(shards.mesh.ranks) != receivers:
+            raise ValueError(
+                f"the receiving layout's mesh holds group ranks {sorted(shards.mesh.ranks)}, but the "
+                f"receivers are ranks {receivers[0] if receivers else '-'}..{group.world_size - 1}"
+            )
+        layout = shards
     return ReshardReceiver(group, named_tensors, layout, device=device, ipc_done=config.ipc_done)

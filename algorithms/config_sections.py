@@ -128,6 +128,10 @@ class GenerationConfig:
     # (algorithms/engine_pool.py).
     replace_lost: bool = True
     max_replacements: int = 4
+    # When a replacement joins: "ready", at the first refit after its start-up finished (training
+    # goes on with the survivors meanwhile; a vLLM engine takes tens of seconds to start); "wait",
+    # at the first refit after the loss, which waits for it (the engine count is back at once).
+    replacement_join: Literal["ready", "wait"] = "ready"
     # Several engines: an engine whose generator does not answer a heartbeat within this many
     # seconds (process wedged or stopped), or draws no token for as long inside a generate call
     # (hf; vLLM's is judged by its answers only), is killed and then dropped as a lost one. 0: off.

@@ -15,10 +15,12 @@ process), the pool:
   equal to an undisturbed one;
 * with ``generation.replace_lost`` (and ``generation.max_replacements`` left), starts a
   replacement at once, without waiting for it;
-* before the next refit re-forms the refit group without the lost rank and with the ready
-  replacements (a new group instance at a new rendezvous; the old group's records are refused
-  by the new one), so that refit gives every member, replacements first of all, the current
-  weights before they generate (an async replacement starts producing after it).
+* before the next refit re-forms the refit group without the lost rank and with the
+  replacements that are up (``generation.replacement_join``: ``ready`` joins each at the first
+  refit after its start-up, training going on meanwhile; ``wait`` holds that refit for them;
+  a new group instance at a new rendezvous, whose records the old group's refuse), so that
+  refit gives every member, replacements first of all, the current weights before they
+  generate (an async replacement starts producing after it).
 
 A failure that is not a loss (a collector that raised, a store error) is the step's error, as
 with one engine. With no engine left the step fails naming each loss. The policy side stays
@@ -289,18 +291,29 @@ class EnginePool:
         return StepError(f"{error}{tail}")
 
     def before_refit(self, step: int) -> int:
-        """Re-form the refit group if a member was lost, taking in the replacements that started
-        (each bounded by ``trainer.startup_timeout_s``; one that failed to start is reported and
-        left out). The refit that follows gives them the current weights. A member that died
-        meanwhile is dropped and the group formed again. Returns how many replacements joined.
-        ``step``: the step the refit ends (for the loss records)."""
-        if not self._stale:
+        """Re-form the refit group if a member was lost or a replacement is ready to join, taking
+        in the replacements ``generation.replacement_join`` admits: ``ready`` (default) those
+        whose start-up has finished, without waiting for the others (they join at a later
+        refit); ``wait`` all of them, waiting for each. Either way a replacement not up within
+        ``trainer.startup_timeout_s`` of its start, or whose start-up failed, is reported and
+        left out. The refit that follows gives the joined ones the current weights. A member
+        that died meanwhile is dropped and the group formed again. Returns how many replacements
+        joined. ``step``: the step the refit ends (for the loss records)."""
+        timeout = self.cfg.trainer.startup_timeout_s
+        wait = self.cfg.generation.replacement_join == "wait"
+        admitted: list[tuple[int, Spawned]] = []
+        still: list[tuple[int, Spawned]] = []
+        for rid, sp in self._waiting:
+            done, _ = ray.wait(sp.pending, num_returns=len(sp.pending), timeout=0)
+            late = time.perf_counter() - sp.started_at > timeout
+            (admitted if wait or len(done) == len(sp.pending) or late else still).append((rid, sp))
+        if not self._stale and not admitted:
             return 0
         joined = 0
-        timeout = self.cfg.trainer.startup_timeout_s
-        for rid, sp in self._waiting:
+        for rid, sp in admitted:
+            left = max(0.0, timeout - (time.perf_counter() - sp.started_at))
             try:
-                gather(sp.pending, timeout, f"replacement engine {rid} start-up", [f"engine {rid}"] * len(sp.pending))
+                gather(sp.pending, left, f"replacement engine {rid} start-up", [f"engine {rid}"] * len(sp.pending))
             except StepError as e:
                 print(f"replacement engine {rid} did not start, left out: {e}", file=sys.stderr, flush=True)
                 self.left_out += 1
@@ -314,7 +327,7 @@ class EnginePool:
             self.replaced += 1
             joined += 1
             print(f"engine {rid} replaces a lost engine: it joins the refit group now", file=sys.stderr, flush=True)
-        self._waiting = []
+        self._waiting = still
         while True:
             try:
                 self.reform(self.generators)
@@ -327,7 +340,8 @@ class EnginePool:
                 self.drop(dead, step, [e] * len(dead))
                 if not self.generators:
                     raise self.no_engine_left(step, e) from e
-        self._stale = bool(self._waiting)  # replacements started meanwhile join at the next refit
+        # Replacements started or still starting meanwhile: each joins at a refit once it is up.
+        self._stale = False
         return joined
 
     def after_refit(self) -> None:

@@ -251,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         "--linger", type=float, default=150.0, help="watch orphans this long after the exit before killing them"
     )
     out_side.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    out_side.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engines per trial (generation.num_engines / async.num_collectors); >= 2: a generator or "
+        "collector signalled must be survived without a restart",
+    )
     args = ap.parse_args(argv)
     name = "soak_outside" if args.outside_kills else "soak"
     args.dir = args.dir or str(REPO / "runs" / name)

@@ -25,6 +25,11 @@ first, or its victim was gone) is *not tried*, counted apart, and fails the soak
   ``foreign``, not counted.
 * optionally (``--resume``), a run with ``checkpoint.resume=latest`` trains at least one step past
   the latest checkpoint (none yet: ``n/a``).
+* with ``--engines N`` (N >= 2: ``generation.num_engines`` or ``async.num_collectors``), a
+  signalled generator or collector must not end the run: it trains :data:`TRAIN_ON_STEPS` more
+  steps within ``--exit-bound`` without a restart (the lost engine dropped, its groups requeued,
+  a replacement started), then the soak ends it with a Ctrl-C (exit 130); ``summary.json``'s
+  engines lost and replaced are recorded. No resume for these trials.
 
 Writes a table on stdout and JSON (``--out``) after every trial, so a time-bounded
 (``--minutes``) or interrupted run still leaves its trials.
@@ -32,6 +37,7 @@ Writes a table on stdout and JSON (``--out``) after every trial, so a time-bound
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -74,6 +80,10 @@ NAMES: dict[str, str] = {
     "gcs_server": rf"{LOST}|GCS|gcs",
 }
 SIGNALS: dict[str, int] = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+# With several engines (--engines), losing one engine's process must not end the run: it trains
+# on, at least this many steps after the signal, within --exit-bound (docs/reliability.md).
+ENGINE_KINDS = ("generator", "collector")
+TRAIN_ON_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -178,14 +188,21 @@ def verdict(
     survived: bool,
     resumed: bool | None,
     not_tried: str = "",
+    trained_on: int | None = None,
 ) -> str:
     """A trial's outcome (``ok...``, ``not tried: ...`` or why not), orphans aside; ``error`` is
     the driver's error line, ``survived``: the signalled process outlived ``--exit-bound`` and the
-    soak stopped the run with a Ctrl-C (``code`` is that exit)."""
+    soak stopped the run with a Ctrl-C (``code`` is that exit). ``trained_on``: for an engine's
+    process signalled in a run of several engines (which must go on without a restart), the steps
+    it trained after the signal before the soak's Ctrl-C ended it (``None``: not such a trial)."""
     if not_tried:
         return f"{NOT_TRIED}: {not_tried}"
     if code is None:
         return "no exit within the bound"
+    if trained_on is not None:
+        if trained_on >= TRAIN_ON_STEPS and code == 130:
+            return f"ok (trained on {trained_on} steps after the signal, no restart; the soak's Ctrl-C ended it)"
+        return f"the run did not train on after losing an engine ({trained_on} steps after the signal, exit {code})"
     if resumed is False:
         return "resume failed"
     if victim == "driver":
@@ -294,6 +311,9 @@ class Trial:
     foreign_ray: int = 0
     resume_from: int | None = None
     resumed_ok: bool | None = None
+    trained_on: int | None = None  # an engine's process in a run of several: steps trained after the signal
+    engines_lost: int | None = None  # summary.json's generators_lost_total, for such a trial
+    engines_replaced: int | None = None
     verdict: str = ""
     wall_s: float = 0.0
 
@@ -361,8 +381,24 @@ def run_trial(
     else:
         trial.not_tried = f"the run ended before its moment (exit {proc.returncode}), after {_metric_lines(out)} steps"
     # ---- the exit
+    survivable = getattr(args, "engines", 1) > 1 and trial.victim_kind in ENGINE_KINDS
     if t_kill is None:  # not tried: end the run the way a user would, then clean up as for any trial
         trial.exit_code = _stop(proc, sid, args.exit_bound)
+    elif survivable:
+        # It must train on: wait for steps after the signal, then end it the way a user would.
+        at = trial.moment_step or 0
+        while (
+            proc.poll() is None and time.time() - t_kill < args.exit_bound and _metric_lines(out) < at + TRAIN_ON_STEPS
+        ):
+            time.sleep(0.2)
+        trial.trained_on = _metric_lines(out) - at
+        trial.exit_code = _stop(proc, sid, args.exit_bound) if proc.poll() is None else proc.returncode
+        try:
+            summary = json.loads((out / "summary.json").read_text())
+            trial.engines_lost = summary.get("generators_lost_total")
+            trial.engines_replaced = summary.get("generators_replaced_total")
+        except (OSError, ValueError):
+            pass
     else:
         try:
             proc.wait(timeout=args.exit_bound)
@@ -407,7 +443,7 @@ def run_trial(
                 except ProcessLookupError:
                     pass
     # ---- resume
-    if args.resume and trial.exit_code not in (0, None) and t_kill is not None:
+    if args.resume and trial.exit_code not in (0, None) and t_kill is not None and not survivable:
         from soak import _latest_step, _rows, _segment
 
         latest = _latest_step(out)
@@ -426,6 +462,7 @@ def run_trial(
         trial.survived,
         trial.resumed_ok,
         trial.not_tried,
+        trial.trained_on if survivable and t_kill is not None else None,
     )
     if trial.orphans:
         fates = [
@@ -527,6 +564,9 @@ def main(args: Any) -> int:
             f"logging.output_dir={out}",
             "logging.overwrite=true",
         ]
+        if args.engines > 1:
+            key = "async.num_collectors" if args.trainer == "grpo_async" else "generation.num_engines"
+            cmd.append(f"{key}={args.engines}")
         trial = run_trial(i, plan, rng, out, cmd, trainer_env(), args.victims, args)
         trials.append(trial)
         print(_row(trial), flush=True)

@@ -41,7 +41,14 @@ BASE = (
 KEYS = ("loss", "pg_loss", "kl", "reward", "grad_norm")
 # The reference run at max_staleness 2 loses collector 1's generator (SIGKILL inside its generate
 # call with weight version 2) and goes on without a restart (algorithms/engine_pool.py).
-LOSE_ENGINE_1 = ("debug.fail_in=generator", "debug.fail_at_step=2", "debug.fail_rank=1", "debug.fail_mode=sigkill")
+LOSE_ENGINE_1 = (
+    "debug.fail_in=generator",
+    "debug.fail_at_step=2",
+    "debug.fail_rank=1",
+    "debug.fail_mode=sigkill",
+    # The replacement joins at the first refit after the loss (it is asserted there), not when it is up.
+    "generation.replacement_join=wait",
+)
 
 
 def _weights_sha256(out: Path) -> str:

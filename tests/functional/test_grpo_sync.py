@@ -78,7 +78,14 @@ ENGINES = ("grpo.prompts_per_step=6", "generation.n=4", "data_plane.packing.micr
 
 
 # Engine 1 of 3 SIGKILLs itself inside its generate call with weight version 1 (step 1).
-LOSE_ENGINE_1 = ("debug.fail_in=generator", "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_mode=sigkill")
+LOSE_ENGINE_1 = (
+    "debug.fail_in=generator",
+    "debug.fail_at_step=1",
+    "debug.fail_rank=1",
+    "debug.fail_mode=sigkill",
+    # The replacement joins at the first refit after the loss (it is asserted there), not when it is up.
+    "generation.replacement_join=wait",
+)
 
 
 def _marker(runs_dir: Path) -> str:

@@ -5,6 +5,7 @@ real engines (SIGKILL mid-generate, bitwise steps) is tests/functional/test_grpo
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ def test_a_lost_part_is_split_over_the_survivors_and_the_parts_rebuild_the_step_
 def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_with_the_replacement(
     ray_session: Any,
 ) -> None:
-    cfg = load_config(REPO / "examples" / "configs" / "grpo_tiny.yaml", ["generation.max_replacements=1"])
+    # replacement_join=wait: the refit after the loss takes the replacement in, waiting for it.
+    overrides = ["generation.max_replacements=1", "generation.replacement_join=wait"]
+    cfg = load_config(REPO / "examples" / "configs" / "grpo_tiny.yaml", overrides)
     gens = [_Member.remote() for _ in range(3)]
     cols = [_Member.remote() for _ in range(3)]
     ray.get([a.ready.remote() for a in gens + cols])
@@ -82,6 +85,64 @@ def test_a_dead_member_is_a_loss_a_live_one_is_not_and_the_group_is_reformed_wit
     assert s["generators_lost_total"] == 2 and s["generators_replaced_total"] == 1
     assert str(pool.no_engine_left(6, StepError("step 6 collect: z"))).startswith("step 6 collect: z (no generation")
     for a in [*pool.generators, *pool.collectors, *gens, *cols]:
+        ray.kill(a, no_restart=True)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _Gated:
+    """A replacement member whose start-up (``ready``) finishes only once ``release`` is called."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def ready(self) -> bool:
+        if not self.go.wait(120):
+            raise TimeoutError("never released")
+        return True
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def test_by_default_a_replacement_joins_once_it_is_up_and_one_past_its_start_up_bound_is_left_out(
+    ray_session: Any,
+) -> None:
+    """``generation.replacement_join=ready``: the refit after a loss re-forms the group without
+    the lost member and without waiting for the replacement still starting; the first refit after
+    the replacement is up takes it in. A replacement not up within ``trainer.startup_timeout_s``
+    of its start is left out at the next refit."""
+    cfg = load_config(REPO / "examples" / "configs" / "grpo_tiny.yaml", ["generation.max_replacements=2"])
+    gens = [_Member.remote() for _ in range(3)]
+    cols = [_Member.remote() for _ in range(3)]
+    ray.get([a.ready.remote() for a in gens + cols])
+    started: list[tuple[Any, Any]] = []
+    reformed: list[list[Any]] = []
+
+    def spawn(i: int) -> Spawned:
+        g, c = _Gated.remote(), _Gated.remote()
+        started.append((g, c))
+        # The second replacement started long ago, as far as the pool can tell: past its bound.
+        at = time.perf_counter() - (0 if len(started) == 1 else 10 * cfg.trainer.startup_timeout_s)
+        return Spawned(g, c, [g.ready.remote(), c.ready.remote()], at)
+
+    g0, g1, g2 = gens  # the pool changes its lists in place
+    members = [*gens, *cols]
+    pool = EnginePool(cfg, gens, cols, spawn, lambda gs: reformed.append(list(gs)))
+    ray.kill(g1, no_restart=True)
+    pool.drop([1], 3, [StepError("step 3 collect: gone")])
+    assert pool.before_refit(3) == 0, "the replacement is still starting: nothing joins"
+    assert reformed == [[g0, g2]] and pool.left_out == 0
+    assert pool.before_refit(4) == 0 and len(reformed) == 1, "nothing changed: the group stays"
+    g, c = started[0]
+    ray.get([g.release.remote(), c.release.remote()])
+    ray.get(pool._waiting[0][1].pending)  # its start-up calls have returned
+    assert pool.before_refit(5) == 1
+    assert reformed[-1] == [g0, g2, g] and pool.ids == [0, 2, 3]
+    ray.kill(g2, no_restart=True)
+    pool.drop([1], 6, [StepError("step 6 collect: gone")])
+    assert pool.before_refit(6) == 0 and pool.left_out == 1, "past its start-up bound: left out"
+    assert reformed[-1] == [g0, g] and pool._waiting == []
+    for a in [*members, *(x for pair in started for x in pair)]:
         ray.kill(a, no_restart=True)
 
 

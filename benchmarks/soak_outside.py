@@ -26,10 +26,10 @@ first, or its victim was gone) is *not tried*, counted apart, and fails the soak
 * optionally (``--resume``), a run with ``checkpoint.resume=latest`` trains at least one step past
   the latest checkpoint (none yet: ``n/a``).
 * with ``--engines N`` (N >= 2: ``generation.num_engines`` or ``async.num_collectors``), a
-  signalled generator or collector must not end the run: it trains :data:`TRAIN_ON_STEPS` more
-  steps within ``--exit-bound`` without a restart (the lost engine dropped, its groups requeued,
-  a replacement started), then the soak ends it with a Ctrl-C (exit 130); ``summary.json``'s
-  engines lost and replaced are recorded. No resume for these trials.
+  signalled generator or collector must not end the run: within ``--exit-bound`` it trains
+  :data:`TRAIN_ON_STEPS` more steps and a replacement joins, without a restart (the lost engine
+  dropped, its groups requeued), then the soak ends it with a Ctrl-C (exit 130);
+  ``summary.json``'s engines lost and replaced are recorded. No resume for these trials.
 
 Writes a table on stdout and JSON (``--out``) after every trial, so a time-bounded
 (``--minutes``) or interrupted run still leaves its trials.
@@ -189,20 +189,27 @@ def verdict(
     resumed: bool | None,
     not_tried: str = "",
     trained_on: int | None = None,
+    replaced: int | None = None,
 ) -> str:
     """A trial's outcome (``ok...``, ``not tried: ...`` or why not), orphans aside; ``error`` is
     the driver's error line, ``survived``: the signalled process outlived ``--exit-bound`` and the
     soak stopped the run with a Ctrl-C (``code`` is that exit). ``trained_on``: for an engine's
     process signalled in a run of several engines (which must go on without a restart), the steps
-    it trained after the signal before the soak's Ctrl-C ended it (``None``: not such a trial)."""
+    it trained after the signal before the soak's Ctrl-C ended it (``None``: not such a trial), and
+    ``replaced``: the engines that replaced a lost one meanwhile (``summary.json``)."""
     if not_tried:
         return f"{NOT_TRIED}: {not_tried}"
     if code is None:
         return "no exit within the bound"
     if trained_on is not None:
-        if trained_on >= TRAIN_ON_STEPS and code == 130:
-            return f"ok (trained on {trained_on} steps after the signal, no restart; the soak's Ctrl-C ended it)"
-        return f"the run did not train on after losing an engine ({trained_on} steps after the signal, exit {code})"
+        if trained_on < TRAIN_ON_STEPS or code != 130:
+            return f"the run did not train on after losing an engine ({trained_on} steps after the signal, exit {code})"
+        if not replaced:
+            return f"trained on {trained_on} steps after the signal, but no replacement joined within the bound"
+        return (
+            f"ok (trained on {trained_on} steps after the signal and a replacement joined, no restart; "
+            "the soak's Ctrl-C ended it)"
+        )
     if resumed is False:
         return "resume failed"
     if victim == "driver":
@@ -386,11 +393,14 @@ def run_trial(
         trial.exit_code = _stop(proc, sid, args.exit_bound)
     elif survivable:
         # It must train on: wait for steps after the signal, then end it the way a user would.
+        from soak import _rows
+
         at = trial.moment_step or 0
-        while (
-            proc.poll() is None and time.time() - t_kill < args.exit_bound and _metric_lines(out) < at + TRAIN_ON_STEPS
-        ):
-            time.sleep(0.2)
+        while proc.poll() is None and time.time() - t_kill < args.exit_bound:
+            after = _rows(out / "metrics.jsonl")[at:]
+            if len(after) >= TRAIN_ON_STEPS and any(r.get("generators_replaced", 0) for r in after):
+                break
+            time.sleep(0.5)
         trial.trained_on = _metric_lines(out) - at
         trial.exit_code = _stop(proc, sid, args.exit_bound) if proc.poll() is None else proc.returncode
         try:
@@ -463,6 +473,7 @@ def run_trial(
         trial.resumed_ok,
         trial.not_tried,
         trial.trained_on if survivable and t_kill is not None else None,
+        trial.engines_replaced,
     )
     if trial.orphans:
         fates = [

@@ -82,6 +82,10 @@ _POLL_MAX_S = 0.02
 _EVENT_SPIN_S = 0.05
 # Watch callbacks cost a store round trip; run them at most this often.
 _WATCH_EVERY_S = 0.1
+# How long an NCCL abort may block before a daemon thread carries it on (it can wait on a kernel).
+_ABORT_JOIN_S = 10.0
+# The same for a broken gloo group's release: nothing waits for it, a healthy one ends at once.
+_RELEASE_JOIN_S = 0.5
 
 
 class StatelessProcessGroup:
@@ -435,7 +439,7 @@ class StatelessProcessGroup:
             # turn a bounded wait into a hang: give it a few seconds on a daemon thread.
             t = threading.Thread(target=_try, args=(comm.abort,), name=f"spg-abort-{self.group_name}", daemon=True)
             t.start()
-            t.join(timeout=min(10.0, self.timeout))
+            t.join(timeout=min(_ABORT_JOIN_S, self.timeout))
         if self._pg is not None and hasattr(self._pg, "abort"):
             with contextlib.suppress(Exception):
                 self._pg.abort()
@@ -681,7 +685,22 @@ class StatelessProcessGroup:
                 failed.append(f"communicator {how}: {type(e).__name__}: {e}")
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            if hasattr(pg, "shutdown"):
+            if self._broken or abort:
+                # gloo's release (its destructor joins its worker threads) waits for work pending on
+                # a peer that is gone, until gloo's own timeout: the last reference is dropped on a
+                # daemon thread, which carries the wait on if it outlasts a few seconds.
+                box = [pg]
+                del pg
+
+                def release() -> None:
+                    if hasattr(box[0], "shutdown"):
+                        _try(box[0].shutdown)
+                    box.clear()
+
+                t = threading.Thread(target=release, name=f"spg-release-{self.group_name}", daemon=True)
+                t.start()
+                t.join(timeout=_RELEASE_JOIN_S)
+            elif hasattr(pg, "shutdown"):
                 try:
                     pg.shutdown()
                 except Exception as e:  # noqa: BLE001 - reported below

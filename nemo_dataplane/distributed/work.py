@@ -201,13 +201,8 @@ class Work:
             return
         g = self._group
         timeout = g.timeout if timeout is None else check_timeout(timeout, "timeout")
-        if self._gloo_work is not None and watch is None:
-            try:
-                self._gloo_work.wait(datetime.timedelta(seconds=timeout))
-            except Exception as e:  # gloo reports timeouts and peer loss as RuntimeError
-                raise self._gloo_failure(e, timeout) from e
-            self._done = True
-            return
+        # gloo too is polled, never waited on directly: a peer that died leaves gloo blocked until its
+        # timeout, and only the poll sees the group's abort (abort.py) posted meanwhile.
         g._poll(
             self.is_completed,
             self._what,

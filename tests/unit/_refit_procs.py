@@ -52,9 +52,11 @@ class Pool:
     call queue) and the test hung to its limit.
     """
 
-    def __init__(self, workers: int = 0) -> None:  # ``workers``: kept for the fixtures' call sites
+    def __init__(self, workers: int = 0, preload: tuple[str, ...] = ()) -> None:
+        """``workers``: kept for the fixtures' call sites; ``preload``: further modules the fork
+        server imports once (a task module that imports more than torch)."""
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload([__name__])
+        self._ctx.set_forkserver_preload([__name__, *preload])
         self._live: list[Any] = []
 
     def start(self, fn: Callable[..., Any], rank: int, after: float, kw: dict[str, Any]) -> tuple[Any, Any]:
@@ -262,6 +264,37 @@ def wait_until_aborted(rank: int, world: int, port: int, stage: str, secret: str
         return {"error": None, "elapsed": time.monotonic() - t0}
     except Exception as e:
         return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+
+
+def collective_until_aborted(rank: int, world: int, port: int, secret: str, flags: str) -> dict[str, Any]:
+    """Ranks 0 and 1 enter a gloo all_reduce that rank 2 (alive, in the group) never enters, until
+    an abort is posted from outside (timeouts 120 s); each then leaves the group
+    (``destroy(abort=True)``) with the all_reduce still pending in gloo, and marks ``flags/r``.
+    Rank 2 stays alive until both marks are there (so gloo's op stays pending throughout)."""
+    from pathlib import Path
+
+    from nemo_dataplane.distributed.abort import posted_abort
+
+    g = _group(rank, world, port, "gloo", 120.0, secret=secret)
+    if rank == 2:
+        while posted_abort(g.store, g.prefix) is None:
+            time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while not all((Path(flags) / str(r)).exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"error": None}
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        g.all_reduce(torch.ones(4))
+    except Exception as e:
+        out.update(error=type(e).__name__, msg=str(e))
+    out["elapsed"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    g.destroy(abort=True)
+    out["destroy_s"] = time.monotonic() - t1
+    (Path(flags) / str(rank)).write_text("done")
+    return out
 
 
 def two_groups(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict[str, Any]:

@@ -121,9 +121,11 @@ def test_verdict() -> None:
     assert not so.verdict("raylet", "SIGINT", 1, "", True, None).startswith("ok")
     # The driver itself: -9, or its own shutdown's 130 (Ctrl-C) and 143 (SIGTERM); Ray's -6 or -15 is not.
     # An engine's process in a run of several engines: the run must train on, then the soak's Ctrl-C ends it.
-    assert so.verdict("generator", "SIGKILL", 130, "", False, None, trained_on=3).startswith("ok (trained on 3 steps")
+    ok = so.verdict("generator", "SIGKILL", 130, "", False, None, trained_on=3, replaced=1)
+    assert ok.startswith("ok (trained on 3 steps after the signal and a replacement joined")
     assert so.verdict("collector", "SIGKILL", 1, err, False, None, trained_on=0).startswith("the run did not train on")
-    assert not so.verdict("generator", "SIGTERM", 130, "", False, None, trained_on=1).startswith("ok")
+    assert not so.verdict("generator", "SIGTERM", 130, "", False, None, trained_on=1, replaced=1).startswith("ok")
+    assert "no replacement joined" in so.verdict("collector", "SIGTERM", 130, "", False, None, trained_on=5, replaced=0)
     assert so.verdict("driver", "SIGKILL", -signal.SIGKILL, "", False, None) == "ok"
     assert so.verdict("driver", "SIGINT", 130, "", False, True) == "ok"
     assert so.verdict("driver", "SIGTERM", 143, "", False, None) == "ok"

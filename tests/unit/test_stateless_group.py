@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -141,6 +142,29 @@ def test_an_abort_posted_from_outside_stops_every_wait_at_once(pool: P.Pool, sta
         assert f"the group was aborted: {reason}" in said or "lost the rendezvous store" in said, res[r]
     if stage == "barrier":
         assert res[1]["error"] is None, res[1]
+
+
+def test_an_abort_stops_a_gloo_collective_blocked_on_a_member_and_leaving_does_not_wait_for_gloo(
+    pool: P.Pool, tmp_path: Path
+) -> None:
+    """A refit sender blocked in a gloo collective on a member that never takes part (it died, or
+    hangs) stops at the posted abort, not at the group's timeout (120 s here), and its
+    ``destroy(abort=True)`` returns while gloo still holds the op (gloo's release would wait for it)."""
+    port, secret = P.free_port(), "job-secret"
+    reason = "generator 1 (refit rank 2) died: its process exited"
+    poster = threading.Thread(target=_abort_when_waiting, args=(port, [0, 1, 2], reason, secret))
+    poster.start()
+    res = P.run_ranks(
+        pool, P.collective_until_aborted, [0, 1, 2], world=3, port=port, secret=secret, flags=str(tmp_path)
+    )
+    poster.join()
+    for r in (0, 1):
+        out = res[r]
+        assert not isinstance(out, BaseException), P.format_exc(out)
+        assert out["error"] == "StatelessGroupError" and "all_reduce" in out["msg"], out
+        assert out["elapsed"] < 30.0 and out["destroy_s"] < 5.0, out
+    assert f"the group was aborted: {reason}" in res[0]["msg"], res[0]
+    assert res[2] == {"error": None}, res[2]
 
 
 def test_an_abort_without_the_job_secret_is_refused_by_name(pool: P.Pool) -> None:

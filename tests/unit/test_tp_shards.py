@@ -20,7 +20,7 @@ from algorithms.engines.generation.tp_shards import shard_targets  # noqa: E402
 
 @pytest.fixture(scope="module")
 def pool():  # type: ignore[no-untyped-def]
-    ex = P.Pool()
+    ex = P.Pool(preload=("_tp_procs",))  # transformers imported once, not in every rank
     yield ex
     ex.kill()
 

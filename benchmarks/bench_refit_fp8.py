@@ -26,14 +26,22 @@ import multiprocessing as mp
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
-from generation_cases import GPU_SIZES, _copy_ceiling, _free_port, gpu_prompts, gpu_vocab  # noqa: E402
+from generation_cases import (  # noqa: E402
+    GPU_SIZES,
+    _copy_ceiling,
+    _free_port,
+    bf16_refit_engine,
+    gpu_prompts,
+    gpu_vocab,
+    logprob_mismatch,
+    timed_refits,
+)
 
 FORMS = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8_block"}
 
@@ -92,26 +100,12 @@ def _sender(size: str, form: str, port: int, versions: int, go: Any, errors: Any
 def run_form(size: str, form: str, repeats: int) -> dict[str, Any]:
     import torch
 
-    from algorithms.config import VLLMEngineConfig
     from algorithms.engines.generation import RefitSpec, SamplingSpec
-    from algorithms.engines.generation.vllm import VLLMEngine
-    from algorithms.models import pad_batch, sequence_logprobs
     from nemo_dataplane.refit import TensorSpec, WeightTransferConfig
 
     torch.set_num_threads(8)
     v = gpu_vocab(size)
-    t0 = time.perf_counter()
-    engine = VLLMEngine(
-        _model_cfg(size, 0),
-        device="cuda",
-        engine=VLLMEngineConfig(kv_cache_memory_bytes=4 << 30, max_num_seqs=256),
-        dtype=torch.bfloat16,
-        weights=_form(form),
-        # The KV cache is sized above; vLLM still checks this share of the GPU is free at start-up.
-        llm_kwargs={"gpu_memory_utilization": 0.5},
-        **v,
-    )
-    startup = time.perf_counter() - t0
+    engine, startup = bf16_refit_engine(size, weights=_form(form))
     nbytes = sum(TensorSpec(n, tuple(s), d).nbytes for n, s, d in engine.param_specs)
     ctx = mp.get_context("spawn")
     go, errors = ctx.Queue(), ctx.Queue()
@@ -120,17 +114,7 @@ def run_form(size: str, form: str, repeats: int) -> dict[str, Any]:
     proc.start()
     try:
         engine.init_refit("127.0.0.1", port, 2, 1, RefitSpec("nccl", 300, WeightTransferConfig(), senders=1))
-        times = []
-        for ver in range(repeats + 1):
-            s = time.perf_counter()
-            go.put(ver)
-            if engine.receive_weights() != ver:
-                raise RuntimeError(f"{form}: installed another version than {ver}")
-            times.append(time.perf_counter() - s)
-        engine.close_refit()
-        proc.join(120)
-        if not errors.empty():
-            raise RuntimeError(f"{form}: the trainer process failed: {errors.get()}")
+        times, _ = timed_refits(engine, go, repeats + 1, proc, errors)
         prompts = gpu_prompts(size, 64)
         out = engine.generate(prompts, 4, SamplingSpec(max_new_tokens=128, temperature=1.0, seed=0, ignore_eos=True))
     finally:
@@ -140,20 +124,7 @@ def run_form(size: str, form: str, repeats: int) -> dict[str, Any]:
     ceiling = _copy_ceiling(nbytes, "cuda:1", "cuda:0")
     # The bf16 trainer's forward of the weights it sent, on GPU 1.
     trainer = _trainer_model(size, 1).eval()
-    rows = [p for p in prompts for _ in range(4)]
-    deltas = []
-    with torch.no_grad():
-        for i in range(0, len(rows), 32):
-            chunk, toks = rows[i : i + 32], out.tokens[i : i + 32]
-            ids, attn = pad_batch([p + t for p, t in zip(chunk, toks)], v["pad_id"])
-            resp = torch.zeros_like(ids)
-            for j, (p, t) in enumerate(zip(chunk, toks)):
-                resp[j, len(p) : len(p) + len(t)] = 1
-            lp = sequence_logprobs(trainer, ids.cuda(1), attn.cuda(1), resp.cuda(1), temperature=1.0).float().cpu()
-            for j, (p, t) in enumerate(zip(chunk, toks)):
-                ref = lp[j, len(p) - 1 : len(p) - 1 + len(t)]
-                deltas.append((ref - torch.tensor(out.logprobs[i + j])).abs())
-    d = torch.cat(deltas)
+    d = logprob_mismatch(trainer, prompts, 4, out, v["pad_id"], "cuda:1")
     del trainer
     torch.cuda.empty_cache()
     warm = statistics.median(times[1:])

@@ -29,7 +29,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
-from generation_cases import GPU_SIZES, _free_port, gpu_prompts, gpu_vocab  # noqa: E402
+from generation_cases import (  # noqa: E402
+    GPU_SIZES,
+    _free_port,
+    bf16_refit_engine,  # noqa: E402
+    gpu_prompts,
+    gpu_vocab,
+    logprob_mismatch,
+    timed_refits,
+)
 
 TRANSFER = {"family": "reshard", "transport": "p2p"}
 
@@ -103,26 +111,11 @@ def _aggregate_copy(shares: list[int], src_gpu: int, iters: int = 5) -> float:
 
 
 def run(size: str, tp: int, repeats: int) -> dict[str, Any]:
-    import torch
-
-    from algorithms.config import VLLMEngineConfig
     from algorithms.engines.generation import RefitSpec, SamplingSpec
-    from algorithms.engines.generation.vllm import VLLMEngine
-    from algorithms.models import pad_batch, sequence_logprobs
     from nemo_dataplane.refit import TensorSpec, WeightTransferConfig
 
     v = gpu_vocab(size)
-    t0 = time.perf_counter()
-    engine = VLLMEngine(
-        _model_cfg(size, 0),
-        device="cuda",
-        engine=VLLMEngineConfig(kv_cache_memory_bytes=4 << 30, max_num_seqs=256),
-        dtype=torch.bfloat16,
-        llm_kwargs={"gpu_memory_utilization": 0.5},
-        tensor_parallel_size=tp,
-        **v,
-    )
-    startup = time.perf_counter() - t0
+    engine, startup = bf16_refit_engine(size, tensor_parallel_size=tp)
     whole = sum(TensorSpec(n, tuple(s), d).nbytes for n, s, d in engine.param_specs)
     ctx = mp.get_context("spawn")
     go, done, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -133,18 +126,7 @@ def run(size: str, tp: int, repeats: int) -> dict[str, Any]:
         spec = RefitSpec("nccl", 300, WeightTransferConfig.from_dict(TRANSFER), senders=1, tensor_parallel=tp)
         engine.init_refit("127.0.0.1", port, 1 + tp, 1, spec)
         shares = [int(b) for b in engine.llm.collective_rpc("ndp_refit_received", timeout=60)]
-        times, send_times = [], []
-        for ver in range(repeats + 1):
-            s = time.perf_counter()
-            go.put(ver)
-            if engine.receive_weights() != ver:
-                raise RuntimeError(f"installed another version than {ver}")
-            times.append(time.perf_counter() - s)
-            send_times.append(float(done.get(timeout=60)))
-        engine.close_refit()
-        proc.join(120)
-        if not errors.empty():
-            raise RuntimeError(f"the trainer process failed: {errors.get()}")
+        times, send_times = timed_refits(engine, go, repeats + 1, proc, errors, done)
         prompts = gpu_prompts(size, 64)
         out = engine.generate(prompts, 4, SamplingSpec(max_new_tokens=64, temperature=1.0, seed=0, ignore_eos=True))
     finally:
@@ -153,21 +135,7 @@ def run(size: str, tp: int, repeats: int) -> dict[str, Any]:
         engine.shutdown()
     ceiling = _aggregate_copy(shares, tp)
     trainer = _trainer_model(size, tp).eval()
-    rows = [p for p in prompts for _ in range(4)]
-    deltas = []
-    with torch.no_grad():
-        for i in range(0, len(rows), 32):
-            chunk, toks = rows[i : i + 32], out.tokens[i : i + 32]
-            ids, attn = pad_batch([p + t for p, t in zip(chunk, toks)], v["pad_id"])
-            resp = torch.zeros_like(ids)
-            for j, (p, t) in enumerate(zip(chunk, toks)):
-                resp[j, len(p) : len(p) + len(t)] = 1
-            dev = f"cuda:{tp}"
-            lp = sequence_logprobs(trainer, ids.to(dev), attn.to(dev), resp.to(dev), temperature=1.0).float().cpu()
-            for j, (p, t) in enumerate(zip(chunk, toks)):
-                ref = lp[j, len(p) - 1 : len(p) - 1 + len(t)]
-                deltas.append((ref - torch.tensor(out.logprobs[i + j])).abs())
-    d = torch.cat(deltas)
+    d = logprob_mismatch(trainer, prompts, 4, out, v["pad_id"], f"cuda:{tp}")
     warm = statistics.median(times[1:])
     return {
         "size": size,

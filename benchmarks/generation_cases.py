@@ -154,6 +154,76 @@ def gpu_prompts(size: str, prompts: int) -> list[list[int]]:
     return out
 
 
+def bf16_refit_engine(size: str, **kw: Any) -> tuple[Any, float]:
+    """A bf16 vLLM engine on the size's random-init weights (seed 0), a 4 GiB KV cache, up to 256
+    sequences, on the first GPU(s) this process sees, and its start-up seconds. ``kw``: further
+    ``VLLMEngine`` arguments (``weights``, ``tensor_parallel_size``)."""
+    import torch
+
+    from algorithms.config import VLLMEngineConfig
+    from algorithms.engines.generation.vllm import VLLMEngine
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(
+        {**GPU_SIZES[size], "seed": 0},
+        device="cuda",
+        engine=VLLMEngineConfig(kv_cache_memory_bytes=4 << 30, max_num_seqs=256),
+        dtype=torch.bfloat16,
+        # The KV cache is sized above; vLLM still checks this share of the GPU is free at start-up.
+        llm_kwargs={"gpu_memory_utilization": 0.5},
+        **gpu_vocab(size),
+        **kw,
+    )
+    return engine, time.perf_counter() - t0
+
+
+def timed_refits(engine: Any, go: Any, count: int, proc: Any, errors: Any, done: Any = None) -> list[list[float]]:
+    """Refits ``0..count-1`` into ``engine`` (joined to the sender process ``proc``'s group): each
+    version is put on ``go`` for the sender, then received. Leaves the group and waits for the
+    sender, whose first error (on ``errors``) is raised. Returns the engine-side seconds of each
+    refit and, with ``done`` (the sender puts its own seconds there), the sender-side ones."""
+    times: list[float] = []
+    sent: list[float] = []
+    for ver in range(count):
+        s = time.perf_counter()
+        go.put(ver)
+        if engine.receive_weights() != ver:
+            raise RuntimeError(f"installed another version than {ver}")
+        times.append(time.perf_counter() - s)
+        if done is not None:
+            sent.append(float(done.get(timeout=60)))
+    engine.close_refit()
+    proc.join(120)
+    if not errors.empty():
+        raise RuntimeError(f"the trainer process failed: {errors.get()}")
+    return [times, sent]
+
+
+def logprob_mismatch(trainer: Any, prompts: list[list[int]], n: int, out: Any, pad_id: int, device: str) -> Any:
+    """|engine log-prob - ``trainer``'s forward log-prob| of every token the engine sampled
+    (``out``: ``n`` responses per prompt, group-major), in fp32 on the CPU, one tensor; the
+    trainer's forward runs on ``device`` at temperature 1, 32 rows at a time."""
+    import torch
+
+    from algorithms.models import pad_batch, sequence_logprobs
+
+    rows = [p for p in prompts for _ in range(n)]
+    deltas = []
+    with torch.no_grad():
+        for i in range(0, len(rows), 32):
+            chunk, toks = rows[i : i + 32], out.tokens[i : i + 32]
+            ids, attn = pad_batch([p + t for p, t in zip(chunk, toks)], pad_id)
+            resp = torch.zeros_like(ids)
+            for j, (p, t) in enumerate(zip(chunk, toks)):
+                resp[j, len(p) : len(p) + len(t)] = 1
+            lp = sequence_logprobs(trainer, ids.to(device), attn.to(device), resp.to(device), temperature=1.0)
+            lp = lp.float().cpu()
+            for j, (p, t) in enumerate(zip(chunk, toks)):
+                ref = lp[j, len(p) - 1 : len(p) - 1 + len(t)]
+                deltas.append((ref - torch.tensor(out.logprobs[i + j])).abs())
+    return torch.cat(deltas)
+
+
 def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
     """K and V of one token over all layers."""
     hf = GPU_SIZES[size]["hf_config"]

@@ -228,9 +228,12 @@ class DataPlaneSink(RolloutSink):
         keys = rollout_keys(version, [j.group_id for j in jobs], self.n)
         try:
             # debug.fail_in=put: half of the write lands, then the put fails (tests the rollback).
+            # The half lacks input_ids, so no claim can take those rows in the moment before the
+            # rollback clears them: a trainer that did would fail its step reading cleared keys.
             if self.debug.fail_in == "put" and self.debug.fail_at_group in {j.group_id for j in jobs}:
                 half = len(keys) // 2
-                self.store.kv_batch_put(keys[:half], ROLLOUTS, select_rows(batch, range(half)), tags=tags[:half])
+                partial = select_rows(batch, range(half)).exclude("input_ids")
+                self.store.kv_batch_put(keys[:half], ROLLOUTS, partial, tags=tags[:half])
                 raise InjectedFailure(f"debug.fail_in=put: injected failure putting group {self.debug.fail_at_group}")
             return self.store.kv_batch_put(keys, ROLLOUTS, batch, tags=tags)
         except BaseException:

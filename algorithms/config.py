@@ -65,13 +65,19 @@ __all__ = [
     "TrainerConfig",
     "TrainerSection",
     "VLLMEngineConfig",
+    "COLOCATED_SHARE",
     "check_devices",
+    "check_sync_only",
     "load_config",
 ]
 
 # The refit group's name in its rendezvous store: its senders and receivers join under it, and
 # the driver posts its abort there (nemo_dataplane.distributed.abort).
 REFIT_GROUP = "refit"
+
+# generation.placement=colocated: the share of one GPU Ray gives a policy rank and its engine
+# each (one placement-group bundle of one GPU holds both; algorithms/launch.py).
+COLOCATED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class TrainerConfig:
         if self.refit.mode != "auto":
             return self.refit.mode
         sharded = self.policy.tensor_parallel_size > 1 or self.fully_sharded or self.generation.tensor_parallel_size > 1
-        return "reshard" if sharded else "packed"
+        return "reshard" if sharded or self.colocated else "packed"
 
     @property
     def refit_senders(self) -> int:
@@ -145,11 +151,24 @@ class TrainerConfig:
         """A resharding refit whose transport may be CUDA IPC (``ipc``, or ``auto`` on one host)."""
         return self.refit_mode == "reshard" and self.refit.transport != "p2p"
 
+    @property
+    def colocated(self) -> bool:
+        """``generation.placement=colocated``: engine ``i`` shares policy rank ``i``'s GPU."""
+        return self.generation.placement == "colocated"
+
     def policy_gpus_per_rank(self) -> float:
-        """GPUs Ray gives each policy rank (0 on CPU)."""
+        """GPUs Ray gives each policy rank (0 on CPU; colocated: half its GPU, the engine has the other)."""
         if self.policy.device != "cuda":
             return 0.0
+        if self.colocated:
+            return COLOCATED_SHARE
         return self.policy.gpus_per_rank if self.policy.gpus_per_rank is not None else 1.0 / self.policy_ranks
+
+    def generator_gpus(self) -> float:
+        """GPUs Ray gives each generator actor (0 on CPU; colocated: half of its policy rank's GPU)."""
+        if self.generation.device != "cuda":
+            return 0.0
+        return COLOCATED_SHARE if self.colocated else self.generation.num_gpus
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerConfig:
@@ -201,6 +220,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
     ):
         raise ConfigError(f"debug.fail_in={cfg.debug.fail_in} needs data_plane.enabled and backend=transfer_queue")
     _check_max_rows(cfg)
+    _check_placement(cfg)  # before the refit checks: its error names the placement
     if cfg.refit.backend == "nccl" and (cfg.policy.device != "cuda" or cfg.generation.device != "cuda"):
         raise ConfigError("refit.backend=nccl needs policy.device=cuda and generation.device=cuda")
     reshard_ipc = cfg.reshard_may_use_ipc
@@ -257,6 +277,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         and cfg.policy.device == "cuda"
         and cfg.policy_ranks > 1
         and cfg.policy_gpus_per_rank() <= 0.5
+        and not cfg.colocated  # each rank has a GPU of its own, shared with an engine only
     ):
         # NCCL refuses two ranks of one communicator on one device; above half a GPU each, Ray
         # cannot put two policy ranks on one.
@@ -327,6 +348,54 @@ def _check_generation_tp(cfg: TrainerConfig) -> None:
             )
 
 
+def _check_placement(cfg: TrainerConfig) -> None:
+    """``generation.placement=colocated`` against the devices, the engine, the engine count and
+    the refit (grpo_async refuses it itself: :func:`check_sync_only`)."""
+    if not cfg.colocated:
+        return
+    g, key = cfg.generation, "generation.placement=colocated"
+    if cfg.policy.device != "cuda" or g.device != "cuda" or g.backend != "vllm":
+        raise ConfigError(
+            f"{key} needs policy.device=cuda, generation.device=cuda and generation.backend=vllm "
+            "(vLLM's sleep mode hands the GPU's memory to the trainer between generations)"
+        )
+    if g.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"{key} with generation.tensor_parallel_size={g.tensor_parallel_size}: each policy rank's "
+            "GPU holds one whole engine; use tensor_parallel_size=1"
+        )
+    if g.num_engines != cfg.policy_ranks:
+        raise ConfigError(
+            f"{key} puts one engine on each policy rank's GPU: set generation.num_engines="
+            f"{cfg.policy_ranks} (the policy's ranks), got {g.num_engines}"
+        )
+    if cfg.policy.gpus_per_rank is not None or g.num_gpus != 1.0:
+        raise ConfigError(
+            f"{key} gives each policy rank and its engine half of one GPU: leave policy.gpus_per_rank "
+            "and generation.num_gpus unset"
+        )
+    if cfg.refit.backend != "gloo" or cfg.refit_mode != "reshard" or cfg.refit.transport == "p2p":
+        raise ConfigError(
+            f"{key} refits over CUDA IPC on the shared GPU, with a gloo group carrying control only (NCCL "
+            "refuses two ranks on one GPU): use refit.backend=gloo, refit.mode=reshard (or auto) and "
+            "refit.transport=ipc (or auto)"
+        )
+    if g.vllm.quantization is not None:
+        raise ConfigError(
+            f"{key} with generation.vllm.quantization={g.vllm.quantization}: an FP8 refit is installed "
+            "through vLLM's loader from the packed refit; use placement=split for FP8 generation"
+        )
+
+
+def check_sync_only(cfg: TrainerConfig) -> None:
+    """What only ``grpo_sync`` runs, refused by ``grpo_async`` at config load, naming the key."""
+    if cfg.colocated:
+        raise ConfigError(
+            "generation.placement=colocated runs with grpo_sync only: asynchronous GRPO generates while "
+            "the trainer trains, so each needs its own GPUs (use placement=split)"
+        )
+
+
 def _check_max_rows(cfg: TrainerConfig) -> None:
     """``data_plane.max_rows`` must hold one step's batch, or no step could ever be stored.
     (``grpo_async`` needs a little more: :func:`async_min_rows`, checked by its trainer.)"""
@@ -392,13 +461,13 @@ def check_devices(cfg: TrainerConfig, cuda_devices: int | None = None, generator
     if cfg.refit.backend == "nccl" and cuda_devices < 1:
         raise ConfigError("refit.backend=nccl needs CUDA devices; this machine has none")
     need = cfg.policy_ranks * cfg.policy_gpus_per_rank()
-    need += generators * cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0.0
+    need += generators * cfg.generator_gpus()
     if need > cuda_devices + 1e-9:
         raise ConfigError(
             f"policy.device={cfg.policy.device} and generation.device={cfg.generation.device} need "
             f"{math.ceil(need - 1e-9)} CUDA devices ({cfg.policy_ranks} policy rank(s) x policy.gpus_per_rank="
             f"{cfg.policy_gpus_per_rank():g} + {generators} generator(s) x generation.num_gpus="
-            f"{cfg.generation.num_gpus:g}); this machine has "
+            f"{cfg.generator_gpus():g}); this machine has "
             f"{cuda_devices}"
         )
 

@@ -98,6 +98,10 @@ class VLLMEngineConfig:
     # per 128 x 128 block; about half a bf16 refit's bytes) and the engine runs FP8 weights; GPU
     # only, computing in bf16 or fp16 (algorithms/refit_weights.py, docs/generation.md).
     quantization: Literal["fp8", "fp8_block"] | None = None
+    # generation.placement=colocated: what vLLM's sleep mode frees while the trainer works. 1: the
+    # KV cache is freed and the weights are kept in host memory (restored before each refit);
+    # 2: both freed (nothing copied; the refit rewrites every weight before the engine generates).
+    sleep_level: Literal[1, 2] = 1
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_cache_memory_bytes", "max_num_seqs")
@@ -140,6 +144,11 @@ class GenerationConfig:
     # (num_gpus must equal it); every TP rank receives only its shards of each refit, written
     # into vLLM's own parameters (refit.mode=reshard; docs/generation.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
+    # split: generators on GPUs of their own (generation.num_gpus each). colocated (grpo_sync,
+    # backend=vllm): engine i shares policy rank i's GPU (num_engines = the policy's ranks; Ray gives
+    # each half of that GPU); vLLM sleeps while the trainer works and wakes for the refit, which
+    # is CUDA IPC on the same GPU (docs/generation.md, "Colocated placement").
+    placement: Literal["split", "colocated"] = "split"
 
     def __post_init__(self) -> None:
         require_positive(self, "n", "max_new_tokens", "num_gpus", "num_engines", "tensor_parallel_size")

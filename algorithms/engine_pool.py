@@ -236,6 +236,11 @@ class EnginePool:
             )
         return None
 
+    @property
+    def holding(self) -> list[int]:
+        """Ids of the engines alive or starting (replacements not yet joined)."""
+        return [*self.ids, *(rid for rid, _ in self._waiting)]
+
     def name(self, i: int) -> str:
         """Position ``i``'s engine in messages."""
         return f"engine {self.ids[i]}"

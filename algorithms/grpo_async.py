@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from algorithms.cli import main as _main
-from algorithms.config import ConfigError, TrainerConfig, async_min_rows
+from algorithms.config import ConfigError, TrainerConfig, async_min_rows, check_sync_only
 from algorithms.engine_pool import CollectorPool
 from algorithms.faults import maybe_kill_store
 from algorithms.metrics import PhaseTimer
@@ -53,6 +53,7 @@ class AsyncTrainer(Trainer):
         capacity it can progress with; refused before anything is written or started (the
         CLI's exit 2)."""
         self.transport.require_claims()
+        check_sync_only(self.cfg)
         if self.cfg.generation.num_engines != 1:
             raise ConfigError(
                 f"generation.num_engines={self.cfg.generation.num_engines} sets grpo_sync's engines; grpo_async "

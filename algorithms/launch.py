@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -31,7 +31,7 @@ from algorithms.workers.generator import HEALTH_GROUP, GeneratorWorker
 from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 
-__all__ = ["Placed", "connect", "engine_actors", "generator_actor", "launch", "make_pool"]
+__all__ = ["Colocation", "Placed", "connect", "engine_actors", "generator_actor", "launch", "make_pool"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,40 @@ def _node_id(actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+@dataclass
+class Colocation:
+    """``generation.placement=colocated``: a Ray placement group of one bundle per policy rank, each
+    one GPU; policy rank ``i`` and the engine in slot ``i`` take half of bundle ``i`` each, so Ray
+    puts both on that bundle's GPU. ``slots``: engine id -> bundle (a replacement takes the slot
+    of the engine it replaces: the one no live engine holds)."""
+
+    group: Any  # ray.util.placement_group.PlacementGroup
+    slots: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def reserve(cls, cfg: TrainerConfig) -> Colocation:
+        from ray.util.placement_group import placement_group  # colocated runs only
+
+        cpus = 2 * cfg.ray.worker_num_cpus  # the rank's and its engine's
+        bundle = {"GPU": 1.0, **({"CPU": cpus} if cpus else {})}
+        return cls(placement_group([dict(bundle) for _ in range(cfg.policy_ranks)], strategy="PACK"))
+
+    def strategy(self, bundle: int) -> Any:
+        """Ray's scheduling strategy that places an actor in ``bundle``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
+
+    def take(self, engine: int, live: list[int]) -> int:
+        """The bundle of engine ``engine``: the lowest one no engine in ``live`` holds."""
+        held = {self.slots[i] for i in live if i in self.slots}
+        free = [b for b in range(self.group.bundle_count) if b not in held]
+        if not free:
+            raise RuntimeError(f"engine {engine}: every GPU of the colocated placement already holds an engine")
+        self.slots[engine] = free[0]
+        return free[0]
+
+
 def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> tuple[Workers, list[Any]]:
     """Create the actors; returns the run's :class:`~algorithms.step.Workers` and every actor
     (policy ranks, generators, collectors, in that order). ``owned_cluster``: the run started
@@ -58,16 +92,24 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     cpus = cfg.ray.worker_num_cpus
     ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
     _, gpu_env = _envs(cfg, owned_cluster)
+    colocation = Colocation.reserve(cfg) if cfg.colocated else None
     policy_cls = ray.remote(PolicyWorker)
     policy = [
-        policy_cls.options(num_cpus=cpus, num_gpus=cfg.policy_gpus_per_rank(), runtime_env=gpu_env, name=None).remote(
-            r, ranks, cfg
-        )
+        policy_cls.options(
+            num_cpus=cpus,
+            num_gpus=cfg.policy_gpus_per_rank(),
+            runtime_env=gpu_env,
+            name=None,
+            scheduling_strategy=None if colocation is None else colocation.strategy(r),
+        ).remote(r, ranks, cfg)
         for r in range(ranks)
     ]
-    # One generator per collector (its own GPU, a GPU fraction, or CPU); every one receives
-    # every refit.
-    engines = [engine_actors(cfg, i, owned_cluster=owned_cluster) for i in range(num_collectors)]
+    # One generator per collector (its own GPU, a GPU fraction, or CPU; colocated: its policy
+    # rank's GPU); every one receives every refit.
+    engines = [
+        engine_actors(cfg, i, owned_cluster=owned_cluster, colocation=colocation, live=list(range(i)))
+        for i in range(num_collectors)
+    ]
     generators = [g for g, _ in engines]
     collectors = [c for _, c in engines]
     dispatch: Any = make_dispatcher(
@@ -83,7 +125,12 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     # rank of a fully sharded policy.
     senders = policy[: cfg.refit_senders]
     workers = Workers(
-        policy=policy, generators=generators, collectors=collectors, dispatch=dispatch, refit_senders=senders
+        policy=policy,
+        generators=generators,
+        collectors=collectors,
+        dispatch=dispatch,
+        refit_senders=senders,
+        colocation=colocation,
     )
     return workers, [*policy, *generators, *collectors]
 
@@ -104,16 +151,18 @@ def _envs(
     return ({"env_vars": env_vars} if env_vars else None), ({"env_vars": gpu_vars} if gpu_vars else None)
 
 
-def generator_actor(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> Any:
-    """Create engine ``index``'s generator actor (not waited for), as every run creates it."""
+def generator_actor(cfg: TrainerConfig, index: int, *, owned_cluster: bool, strategy: Any = None) -> Any:
+    """Create engine ``index``'s generator actor (not waited for), as every run creates it;
+    ``strategy``: Ray's scheduling strategy (colocated: its policy rank's bundle)."""
     _, gpu_env = _envs(cfg, owned_cluster, generator=True)
     return (
         # Its heartbeat runs on a thread of its own, beside a generation (workers/generator.py).
         ray.remote(concurrency_groups={HEALTH_GROUP: 1})(GeneratorWorker)  # type: ignore[call-overload]  # ray's overloads omit concurrency_groups
         .options(
             num_cpus=cfg.ray.worker_num_cpus,
-            num_gpus=cfg.generation.num_gpus if cfg.generation.device == "cuda" else 0,
+            num_gpus=cfg.generator_gpus(),
             runtime_env=gpu_env,
+            scheduling_strategy=strategy,
             # A refit must reach a generator that generates (partial) or waits for a version.
             max_concurrency=2 if cfg.async_.partial_rollout or cfg.async_.mode != "free" else 1,
         )
@@ -121,10 +170,19 @@ def generator_actor(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> A
     )
 
 
-def engine_actors(cfg: TrainerConfig, index: int, *, owned_cluster: bool) -> tuple[Any, Any]:
-    """Create engine ``index``'s generator and the collector that drives it (not waited for)."""
+def engine_actors(
+    cfg: TrainerConfig,
+    index: int,
+    *,
+    owned_cluster: bool,
+    colocation: Colocation | None = None,
+    live: list[int] | None = None,
+) -> tuple[Any, Any]:
+    """Create engine ``index``'s generator and the collector that drives it (not waited for);
+    colocated, the generator goes to the GPU no engine of ``live`` (engine ids) holds."""
     env, _ = _envs(cfg, owned_cluster)
-    generator = generator_actor(cfg, index, owned_cluster=owned_cluster)
+    strategy = None if colocation is None else colocation.strategy(colocation.take(index, live or []))
+    generator = generator_actor(cfg, index, owned_cluster=owned_cluster, strategy=strategy)
     # Several concurrent calls: submit/poll/take while the producer thread generates.
     collector = (
         ray.remote(RolloutCollector)
@@ -151,7 +209,8 @@ def make_pool(
     ``on_join(collector)``: after the refit that gave a replacement its weights (async: start it)."""
 
     def spawn(index: int) -> Spawned:
-        g, c = engine_actors(cfg, index, owned_cluster=owned_cluster)
+        live = pool.holding if workers.colocation is not None else []  # the lost one is dropped first
+        g, c = engine_actors(cfg, index, owned_cluster=owned_cluster, colocation=workers.colocation, live=live)
         actors.extend([g, c])
         starting = [g.ready.remote(), c.ready.remote(), c.attach.remote(transport.sink())]
         return Spawned(g, c, starting, time.perf_counter())
@@ -170,7 +229,8 @@ def make_pool(
             what="refit group re-formed",
         )
 
-    return EnginePool(cfg, workers.generators, workers.collectors, spawn, reform, on_join)
+    pool = EnginePool(cfg, workers.generators, workers.collectors, spawn, reform, on_join)
+    return pool
 
 
 def connect(

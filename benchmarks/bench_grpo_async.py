@@ -1,11 +1,12 @@
 """Async vs sync GRPO at the same config and seed: throughput against the ideal overlap bound.
 
     python benchmarks/bench_grpo_async.py [--profile toy|longtail|longtail-mild] [--steps 40]
-        [--runs async:1 partial:1 det:1 ...] [--engines hf vllm] [--config FILE] [dotted.key=value ...]
+        [--runs async:1 partial:1 det:1 colocated ...] [--engines hf vllm] [--config FILE] [dotted.key=value ...]
 
 Runs ``grpo_sync`` once, then ``grpo_async`` once per ``--runs`` entry ``variant:staleness``
 (``async``: the default async config, free mode; ``partial``: with ``async.partial_rollout=true``;
-``det``: ``async.mode=deterministic``; the staleness is ``async.max_staleness``), one after another, each
+``det``: ``async.mode=deterministic``; the staleness is ``async.max_staleness``; ``colocated``: ``grpo_sync``
+with ``generation.placement=colocated`` over 2 GPUs, policy rank and vLLM engine on each), one after another, each
 alone on the machine, from one config (``--config``; default the tiny async config, whose
 ``async`` section the sync trainer ignores) with the data plane on and every override passed to
 every run. ``--profile`` adds the task: ``toy`` (the config's own), ``longtail`` /
@@ -51,6 +52,17 @@ PROFILES: dict[str, list[str]] = {
     "longtail": ["task.name=longtail"],
     "longtail-mild": ["task.name=longtail-mild"],
 }
+# --runs colocated: grpo_sync with a policy rank and a vLLM engine on each of 2 GPUs (vLLM sleeps
+# while the trainer works; docs/generation.md "Colocated placement"), against the config's split
+# sync run (policy on one GPU, generator on the other): the same 2 GPUs.
+COLOCATED = [
+    "generation.placement=colocated",
+    "trainer.dp_size=2",
+    "generation.num_engines=2",
+    "policy.dist_backend=nccl",
+    "refit.backend=gloo",
+    "refit.mode=auto",
+]
 PHASES = ("wait", "generate", "advantages", "preshard", "logprobs", "train", "release", "refit")
 
 
@@ -129,9 +141,12 @@ def main() -> int:
     ]
     variants: list[tuple[str, str, list[str]]] = [("sync", "grpo_sync", [])]
     for spec in args.runs:
+        if spec == "colocated":
+            variants.append(("sync colocated", "grpo_sync", COLOCATED))
+            continue
         v, _, s = spec.partition(":")
         if v not in ("async", "partial", "det") or not s.isdigit():
-            ap.error(f"--runs {spec!r}: expected async:N, partial:N or det:N")
+            ap.error(f"--runs {spec!r}: expected async:N, partial:N, det:N or colocated")
         partial = "true" if v == "partial" else "false"
         mode = "deterministic" if v == "det" else "free"
         variants.append(

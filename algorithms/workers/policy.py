@@ -350,6 +350,11 @@ class PolicyWorker:
                 "no optimizer step ran"
             )
         metrics = self.engine.train_step(prepared, max(float(counts[0].item()), 1.0), behaviour)
+        if self.cfg.colocated:
+            # The engine sharing this GPU wakes its KV cache next: hand back the blocks the step
+            # cached (activations, gradients' scratch) instead of keeping them for the next step.
+            prepared.clear()
+            torch.cuda.empty_cache()
         return {
             **metrics,
             "tokens": float(local_tokens),

@@ -86,12 +86,13 @@ def make_engine(
     model: dict[str, Any] | None = None,
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    sleep_level: int | None = None,
     **llm_kwargs: Any,
 ) -> Any:
     """An in-process engine on the test model (``model``: another; a small KV cache, 32-token
     blocks; ``dtype``: the trainer's weights and the engine's compute dtype; ``quantization``:
     the refit's form, as ``generation.vllm.quantization``; ``tensor_parallel_size``: vLLM's TP
-    ranks, on the first GPUs this process sees)."""
+    ranks, on the first GPUs this process sees; ``sleep_level``: sleeps after each generation at it)."""
     from algorithms.engines.generation.vllm import VLLMEngine  # imports no vLLM until it starts
 
     return VLLMEngine(
@@ -106,6 +107,7 @@ def make_engine(
         llm_kwargs={"block_size": 32, **llm_kwargs},
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
+        sleep_level=sleep_level,
     )
 
 

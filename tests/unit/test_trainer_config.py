@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from algorithms.config import ConfigError, TrainerConfig, load_config
+from algorithms.config import ConfigError, TrainerConfig, check_devices, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "examples" / "configs" / "grpo_tiny.yaml"
@@ -614,3 +614,75 @@ def test_generation_tensor_parallelism_is_checked_naming_the_key(overrides: list
 def test_generation_tensor_parallelism_resolves_the_refit_to_reshard() -> None:
     cfg = load_config(YAML, [*_VLLM_GPU, "generation.tensor_parallel_size=2", "generation.num_gpus=2"])
     assert cfg.refit_mode == "reshard" and cfg.weight_transfer.family == "reshard" and cfg.refit_senders == 1
+
+
+_COLOCATED = [
+    "policy.device=cuda",
+    "generation.device=cuda",
+    "generation.backend=vllm",
+    "generation.placement=colocated",
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["generation.placement=colocated"],
+            "needs policy.device=cuda, generation.device=cuda and generation.backend=vllm",
+        ),
+        (_COLOCATED, r"set generation.num_engines=2 \(the policy's ranks\), got 1"),
+        ([*_COLOCATED, "generation.num_engines=2", "refit.backend=nccl"], "NCCL refuses two ranks on one GPU"),
+        ([*_COLOCATED, "generation.num_engines=2", "refit.mode=packed"], "refit.mode=reshard"),
+        ([*_COLOCATED, "generation.num_engines=2", "refit.transport=p2p"], "refit.transport=ipc"),
+        ([*_COLOCATED, "generation.num_engines=2", "generation.num_gpus=0.5"], "leave policy.gpus_per_rank"),
+        (
+            [*_COLOCATED, "generation.num_engines=2", "generation.tensor_parallel_size=2", "generation.num_gpus=2"],
+            "use tensor_parallel_size=1",
+        ),
+        (
+            [*_COLOCATED, "generation.num_engines=2", "generation.vllm.sleep_level=3"],
+            r"sleep_level must be one of \[1, 2\]",
+        ),
+    ],
+)
+def test_the_colocated_placement_is_checked_naming_the_key(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(YAML, overrides)
+
+
+def test_the_colocated_placement_halves_each_gpu_and_refits_over_ipc_with_gloo_control() -> None:
+    cfg = load_config(YAML, [*_COLOCATED, "generation.num_engines=2", "policy.dist_backend=nccl"])
+    assert cfg.colocated and cfg.policy_gpus_per_rank() == cfg.generator_gpus() == 0.5
+    assert cfg.refit_mode == "reshard" and cfg.refit.backend == "gloo" and cfg.weight_transfer.transport == "auto"
+    check_devices(cfg, cuda_devices=2, generators=2)  # two ranks and two engines on two GPUs
+    with pytest.raises(ConfigError, match="need 2 CUDA devices"):
+        check_devices(cfg, cuda_devices=1, generators=2)
+    split = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl"])
+    assert not split.colocated and split.refit_mode == "packed" and split.generator_gpus() == 1.0
+
+
+def test_grpo_async_refuses_the_colocated_placement_at_config_load(capsys: pytest.CaptureFixture[str]) -> None:
+    from algorithms.cli import main
+    from algorithms.grpo_async import AsyncTrainer
+
+    # ray.address set: the devices are the remote cluster's, so the placement is what is refused
+    args = [*_COLOCATED, "generation.num_engines=2", "ray.address=127.0.0.1:1", "logging.output_dir=/nonexistent/x"]
+    assert main(AsyncTrainer, ["--config", str(YAML), *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "generation.placement=colocated runs with grpo_sync only" in line
+
+
+def test_a_colocated_engine_takes_the_gpu_no_live_engine_holds() -> None:
+    from algorithms.launch import Colocation
+
+    class Group:
+        bundle_count = 3
+
+    c = Colocation(Group())
+    assert [c.take(i, list(range(i))) for i in range(3)] == [0, 1, 2]
+    # engine 1 lost: its replacement (id 3) takes GPU 1; then engine 0 lost while 3 starts: id 4 takes 0
+    assert c.take(3, [0, 2]) == 1
+    assert c.take(4, [2, 3]) == 0
+    with pytest.raises(RuntimeError, match="engine 5: every GPU of the colocated placement already holds an engine"):
+        c.take(5, [2, 3, 4])

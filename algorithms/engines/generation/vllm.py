@@ -73,7 +73,9 @@ class VLLMEngine(GenerationEngine):
     directory holds them quantized as the refit sends them, and vLLM runs FP8 weights);
     ``llm_kwargs``: further ``vllm.LLM`` arguments (tests and benchmarks, e.g. ``block_size``);
     ``tensor_parallel_size``: vLLM's TP ranks (GPU; each a process on a GPU of its own, receiving
-    only its shards of each refit)."""
+    only its shards of each refit); ``sleep_level`` (colocated placement, GPU): vLLM's sleep mode
+    is on and the engine sleeps at that level after every generation, wakes its weights for a
+    refit and its KV cache for the next generation (None: never sleeps)."""
 
     # ``LLM.generate`` runs a whole call without a hook between tokens: only its start and end
     # are marked, so the heartbeat judges a vLLM engine by whether it answers.
@@ -95,9 +97,13 @@ class VLLMEngine(GenerationEngine):
         weights: RefitWeights | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
         tensor_parallel_size: int = 1,
+        sleep_level: int | None = None,
     ) -> None:
         super().__init__()
         args = engine or VLLMEngineConfig()
+        self.sleep_level = sleep_level
+        self._asleep: list[str] = []  # vLLM's memory tags freed now ("weights", "kv_cache")
+        self._weights_discarded = False  # level 2 freed them and no refit has rewritten them yet
         self.eos_id = int(eos_id)
         self.llm: Any = None
         self._rpc_timeout_s = 600.0
@@ -127,6 +133,12 @@ class VLLMEngine(GenerationEngine):
                 # vLLM's TP workers as processes of vLLM's multiprocessing executor (the engine core
                 # stays in-process; docs/generation.md, "Tensor parallelism").
                 kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+            if sleep_level is not None:
+                # The KV cache is sized by kv_cache_memory_bytes; vLLM still refuses to start
+                # while less than gpu_memory_utilization of the GPU is free, which a trainer
+                # sharing the GPU may already hold: ask only for what the engine takes.
+                kwargs.setdefault("enable_sleep_mode", True)
+                kwargs.setdefault("gpu_memory_utilization", _colocated_utilization(args.kv_cache_memory_bytes))
             self.llm = _start_llm(self._model_dir, device, args, engine_dtype, kwargs, self.settings)
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
@@ -147,6 +159,7 @@ class VLLMEngine(GenerationEngine):
             dtype=precision_of(cfg).dtype,
             weights=refit_weights(cfg),
             tensor_parallel_size=g.tensor_parallel_size,
+            sleep_level=g.vllm.sleep_level if cfg.colocated else None,
         )
 
     @classmethod
@@ -199,7 +212,38 @@ class VLLMEngine(GenerationEngine):
             raise RuntimeError(f"vLLM returned no log-prob for some sampled token of {what}")
         return ids, [float(step[t].logprob) for t, step in zip(ids, completion.logprobs)]
 
+    def _sleep(self) -> None:
+        """Free the engine's GPU memory for the trainer (colocated): vLLM's sleep at ``sleep_level``."""
+        if self.sleep_level is None or self._asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = ["weights", "kv_cache"]
+        self._weights_discarded = self.sleep_level == 2
+
+    def _wake(self, tags: list[str]) -> None:
+        """Re-allocate what ``tags`` name of the memory :meth:`_sleep` freed (no-op when awake)."""
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep = [t for t in self._asleep if t not in tags]
+
     def _generate(
+        self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        if self.sleep_level is None:
+            return self._sample(prompts, n, spec, should_stop)
+        if self._weights_discarded:
+            raise RuntimeError(
+                "generation.vllm.sleep_level=2 discarded the engine's weights after its last generation and no "
+                "refit has rewritten them since; this engine cannot generate before the next refit"
+            )
+        self._wake(["weights", "kv_cache"])
+        try:
+            return self._sample(prompts, n, spec, should_stop)
+        finally:
+            self._sleep()
+
+    def _sample(
         self, prompts: list[list[int]], n: int, spec: SamplingSpec, should_stop: Callable[[], bool] | None
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         if should_stop is not None:
@@ -261,7 +305,9 @@ class VLLMEngine(GenerationEngine):
         )
 
     def _receive_weights(self) -> int:
+        self._wake(["weights"])  # the KV cache stays free until the next generation
         (version, *others) = self.llm.collective_rpc("ndp_refit_receive", timeout=self._rpc_timeout_s)
+        self._weights_discarded = False
         if any(v != version for v in others):
             raise RuntimeError(f"vLLM workers installed different refit versions: {[version, *others]}")
         # KV blocks cached under the old weights must not serve prompts after the refit.
@@ -316,6 +362,13 @@ def _to_refit_form(model_dir: str, weights: RefitWeights) -> None:
     config["quantization_config"] = qcfg
     with open(path, "w") as fh:
         json.dump(config, fh, indent=2)
+
+
+def _colocated_utilization(kv_cache_bytes: int) -> float:
+    """The GPU share a sleeping engine asks vLLM for: its KV cache plus a margin for weights and
+    activations (at least 5 %), as a fraction of this GPU's memory."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return min(0.9, max(0.05, 2 * kv_cache_bytes / total))
 
 
 def _head_size(hf_config: Any) -> int:

@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -104,6 +105,7 @@ class VLLMEngine(GenerationEngine):
         self.sleep_level = sleep_level
         self._asleep: list[str] = []  # vLLM's memory tags freed now ("weights", "kv_cache")
         self._weights_discarded = False  # level 2 freed them and no refit has rewritten them yet
+        self._slept = False  # whether the first sleep's handover was reported
         self.eos_id = int(eos_id)
         self.llm: Any = None
         self._rpc_timeout_s = 600.0
@@ -216,9 +218,18 @@ class VLLMEngine(GenerationEngine):
         """Free the engine's GPU memory for the trainer (colocated): vLLM's sleep at ``sleep_level``."""
         if self.sleep_level is None or self._asleep:
             return
+        before = _gpu_used()
         self.llm.sleep(level=self.sleep_level)
         self._asleep = ["weights", "kv_cache"]
         self._weights_discarded = self.sleep_level == 2
+        if not self._slept:  # the handover, once per engine (the GPU's whole use, every process on it)
+            self._slept = True
+            print(
+                f"vLLM engine asleep (level {self.sleep_level}): GPU memory in use {before / 2**30:.2f} GiB "
+                f"generating -> {_gpu_used() / 2**30:.2f} GiB asleep",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _wake(self, tags: list[str]) -> None:
         """Re-allocate what ``tags`` name of the memory :meth:`_sleep` freed (no-op when awake)."""
@@ -362,6 +373,11 @@ def _to_refit_form(model_dir: str, weights: RefitWeights) -> None:
     config["quantization_config"] = qcfg
     with open(path, "w") as fh:
         json.dump(config, fh, indent=2)
+
+
+def _gpu_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
 
 
 def _colocated_utilization(kv_cache_bytes: int) -> float:

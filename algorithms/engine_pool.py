@@ -38,12 +38,11 @@ from typing import Any
 
 import ray
 
-from algorithms.config import REFIT_GROUP, TrainerConfig
+from algorithms.config import TrainerConfig
 from algorithms.remote import StepError, gather, settle
 from algorithms.rollouts import Job
-from nemo_dataplane.distributed.abort import post_group_abort
 
-__all__ = ["CollectorPool", "EngineLoss", "EnginePool", "Spawned", "form_refit_group"]
+__all__ = ["CollectorPool", "EngineLoss", "EnginePool", "Spawned"]
 
 # How long a liveness probe of a failed engine's actors waits: a dead actor answers at once
 # (Ray knows), a live one answers its trivial ``ready`` within it.
@@ -63,8 +62,9 @@ class Spawned:
 
 @dataclass
 class EngineLoss:
-    """One lost engine: its id, the step it was lost in, the error seen, and the seconds from
-    the failure being seen to the step's generation going on without it (requeued)."""
+    """One lost engine: its id, the step it was lost in, the error seen, the seconds from the
+    failure being seen to the step's generation going on without it (requeued), and when the
+    trainer next finished a step (``trained_at``, wall clock: training went on)."""
 
     engine: int
     step: int
@@ -72,6 +72,7 @@ class EngineLoss:
     seen_at: float  # perf_counter
     seen_wall: float  # time.time(), for a fault's own clock
     resumed_s: float | None = None
+    trained_at: float | None = None  # time.time() at the end of the first step after the loss
 
     def record(self) -> dict[str, Any]:
         return {
@@ -81,64 +82,8 @@ class EngineLoss:
             "seen_at": self.seen_wall,
             "resumed_at": None if self.resumed_s is None else self.seen_wall + self.resumed_s,
             "resumed_s": self.resumed_s,
+            "trained_at": self.trained_at,
         }
-
-
-def form_refit_group(
-    cfg: TrainerConfig,
-    senders: Sequence[Any],
-    generators: Sequence[Any],
-    host: Any,
-    secret: str,
-    *,
-    local: bool,
-    timeout_s: float,
-    what: str = "refit group set-up",
-) -> Callable[[str], bool]:
-    """Form (or re-form) the refit group: ``senders`` are group ranks ``0..len(senders)-1``, the
-    ``generators`` the ranks after them (``generation.tensor_parallel_size`` consecutive ranks
-    each). ``host`` (policy rank 0) hosts a new rendezvous unless
-    ``refit.port`` fixes one (then the first formation only). Members of an earlier group leave it
-    first (their ``init_refit`` does), so this is also how the group shrinks and grows.
-
-    Returns ``abort(reason)``: posts ``reason`` as the formed group's abort, so every member
-    waiting in it stops at once (a member was found dead meanwhile); a formation that fails
-    posts its own before raising, so members still waiting in it stop too.
-
-    Raises:
-        StepError: a member failed or the set-up outlasted ``timeout_s`` (named).
-    """
-    width = cfg.generation.tensor_parallel_size
-    world = len(senders) + len(generators) * width
-    if cfg.refit.port:
-        addr, port = cfg.refit.host, cfg.refit.port
-    else:
-        (at,) = gather([host.host_rendezvous.remote("refit", world, local)], timeout_s, f"{what}: rendezvous")
-        addr, port = at
-    names = [f"policy rank {r} (refit sender)" for r in range(len(senders))] + [
-        f"generator {i} (refit receiver)" for i in range(len(generators))
-    ]
-
-    def abort(reason: str) -> bool:
-        return post_group_abort(addr, port, reason, group_name=REFIT_GROUP, secret=secret)
-
-    try:
-        gather(
-            [
-                *(s.init_refit.remote(addr, port, world, secret) for s in senders),
-                *(
-                    g.init_refit.remote(addr, port, world, len(senders) + i * width, secret)
-                    for i, g in enumerate(generators)
-                ),
-            ],
-            timeout_s,
-            what,
-            names,
-        )
-    except StepError as e:
-        abort(str(e))
-        raise
-    return abort
 
 
 @dataclass
@@ -149,7 +94,7 @@ class EnginePool:
     Args:
         spawn: creates engine ``id``'s actors (not waited for; its collector attached to the
             run's sink) and records them with the run's actors, so shutdown reaches them.
-        reform: re-forms the refit group over the given generators (:func:`form_refit_group`
+        reform: re-forms the refit group over the given generators (:func:`algorithms.refit_group.form_refit_group`
             bound to the run's senders, rendezvous host and secret).
     """
 
@@ -287,6 +232,14 @@ class EnginePool:
         now = time.perf_counter()
         for loss in losses:
             loss.resumed_s = now - loss.seen_at
+
+    def stepped(self) -> None:
+        """The trainer finished a step: losses without one since are stamped ``trained_at`` (in
+        async runs the generation resumes at once, so this is when training is seen to go on)."""
+        now = time.time()
+        for loss in self.losses:
+            if loss.trained_at is None:
+                loss.trained_at = now
 
     def no_engine_left(self, step: int, error: StepError) -> StepError:
         """The error of a step that lost its last engine: the last failure as a single engine's

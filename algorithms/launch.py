@@ -21,7 +21,8 @@ import ray
 from algorithms.cluster import worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
-from algorithms.engine_pool import EnginePool, Spawned, form_refit_group
+from algorithms.engine_pool import EnginePool, Spawned
+from algorithms.refit_group import form_refit_group
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
 from algorithms.step import Workers
@@ -66,7 +67,8 @@ class Colocation:
 
         cpus = 2 * cfg.ray.worker_num_cpus  # the rank's and its engine's
         bundle = {"GPU": 1.0, **({"CPU": cpus} if cpus else {})}
-        return cls(placement_group([dict(bundle) for _ in range(cfg.policy_ranks)], strategy="PACK"))
+        # STRICT_PACK: one node, so every sender reaches every engine over CUDA IPC.
+        return cls(placement_group([dict(bundle) for _ in range(cfg.policy_ranks)], strategy="STRICT_PACK"))
 
     def strategy(self, bundle: int) -> Any:
         """Ray's scheduling strategy that places an actor in ``bundle``."""

@@ -52,7 +52,7 @@ class Workers:
     dispatch: Any = None  # the per-rank calls (algorithms.dispatch); None: plain actor calls
     refit_senders: list[Any] = field(default_factory=list)  # the ranks that send a refit; empty: policy rank 0
     pool: Any = None  # algorithms.engine_pool.EnginePool over generators/collectors; None: fixed
-    # Posts a reason as the current refit group's abort (algorithms.engine_pool.form_refit_group).
+    # Posts a reason as the current refit group's abort (algorithms.refit_group.form_refit_group).
     abort_refit: Callable[[str], bool] | None = None
     # generation.placement=colocated: which GPU bundle each engine shares (algorithms.launch.Colocation).
     colocation: Any = None

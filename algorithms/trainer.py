@@ -348,6 +348,7 @@ class Trainer:
                 )
             row["time/validate"] = time.perf_counter() - t
         if self.workers.pool is not None:  # the step's share of the pool's totals (validation's too)
+            self.workers.pool.stepped()
             totals = self.workers.pool.counts()
             row.update({k: v - self._pool_logged.get(k, 0) for k, v in totals.items()})
             self._pool_logged = totals

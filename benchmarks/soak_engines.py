@@ -78,6 +78,14 @@ def _live(sid: int, tag: str, kind: str) -> list[Any]:
     return [p for p in soak_outside.snapshot(sid, tag) if p.ours and re.search(KINDS[kind], p.cmdline)]
 
 
+def _full_strength(rows: list[dict[str, Any]], live: int, args: argparse.Namespace) -> bool:
+    """Every engine lost so far replaced by one that joined the refit group, and that many
+    generator processes up."""
+    lost = sum(int(r.get("generators_lost") or 0) for r in rows)
+    joined = sum(int(r.get("generators_replaced") or 0) for r in rows)
+    return joined >= lost and live >= args.engines
+
+
 def _run(out: Path, args: argparse.Namespace, kills: int, rng: random.Random) -> dict[str, Any]:
     """One run, SIGKILLing ``kills`` engine processes once it trains."""
     out.mkdir(parents=True, exist_ok=True)
@@ -96,10 +104,11 @@ def _run(out: Path, args: argparse.Namespace, kills: int, rng: random.Random) ->
     while proc.poll() is None and not _rows(out) and time.time() - t0 < args.startup_timeout:
         time.sleep(0.2)
     for _ in range(kills):
-        # Paced: the pool back at full strength (a replacement's process up) and a step trained
-        # since, then a random moment: every kill is survivable by design (one engine dies at a
-        # time), and lands in whatever phase the run is in.
-        while proc.poll() is None and len(_live(proc.pid, tag, "generator")) < args.engines:
+        # Paced: the pool back at full strength (every replacement joined: a replacement joins
+        # at the first refit after its start-up, generation.replacement_join=ready) and a step
+        # trained since, then a random moment: every kill is survivable by design (one engine
+        # dies at a time), and lands in whatever phase the run is in.
+        while proc.poll() is None and not _full_strength(_rows(out), len(_live(proc.pid, tag, "generator")), args):
             time.sleep(0.2)
         seen = len(_rows(out))
         while proc.poll() is None and len(_rows(out)) <= seen:

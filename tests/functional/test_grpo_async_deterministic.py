@@ -77,7 +77,11 @@ def runs(tmp_path_factory, run_trainers_concurrently, trainer_command, sigkill_a
     first = run_trainers_concurrently(
         [
             (d / "det1", (*det[1], "debug.jitter_seed=1"), "grpo_async"),
-            (d / "det2", (*det[2], "debug.jitter_seed=1", *LOSE_ENGINE_1), "grpo_async"),
+            (
+                d / "det2",
+                (*det[2], "debug.jitter_seed=1", *LOSE_ENGINE_1, f"debug.fault_marker={d / 'engine1.killed'}"),
+                "grpo_async",
+            ),
             (d / "free_a", (*free, "debug.jitter_seed=1"), "grpo_async"),
         ],
         timeout=900,
@@ -103,6 +107,7 @@ def runs(tmp_path_factory, run_trainers_concurrently, trainer_command, sigkill_a
     for name, run in out.items():
         assert run.returncode == 0, f"{name}: {run.explain()}"
     out["kill_at"] = kill_at
+    out["engine1_killed_at"] = float((d / "engine1.killed").read_text())
     return out
 
 
@@ -137,6 +142,9 @@ def test_a_deterministic_run_that_loses_an_engine_goes_on_unchanged(runs: dict[s
     (loss,) = s["generator_losses"]
     assert loss["engine"] == 1 and "generator died" in loss["error"], loss
     assert loss["resumed_at"] - loss["seen_at"] < 5.0
+    # Training went on after the kill (the fault's own clock): seen, requeued, then a step trained.
+    # The seconds are measured alone in docs/reliability.md; two other runs share the cores here.
+    assert runs["engine1_killed_at"] <= loss["seen_at"] <= loss["resumed_at"] <= loss["trained_at"], loss
     assert s["generators_lost_total"] == 1 and s["generators_replaced_total"] == 1
     assert s["groups_requeued_lost_total"] >= 1
     assert s["generator_versions"] == [STEPS, STEPS]  # the survivor and the replacement

@@ -309,6 +309,9 @@ DECISIONS = {
     # launch: the summary's layout only (the config's fully_sharded answers everyone else).
     ("policy", "sharding"): {"algorithms/engines/training/__init__.py", "algorithms/launch.py"},
     ("vllm", "quantization"): {"algorithms/refit_weights.py"},
+    # Read only through TrainerConfig.colocated (its consequences: launch's GPU bundles, the
+    # engine's sleep level and GPU order, the policy's cache release).
+    ("generation", "placement"): set(),
 }
 
 

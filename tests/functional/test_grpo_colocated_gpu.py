@@ -54,11 +54,17 @@ def test_colocated_sync_on_two_gpus_learns_the_toy_task(run_trainer: Any, tmp_pa
 
 def test_a_lost_colocated_engine_is_replaced_on_its_gpu(run_trainer: Any, tmp_path: Path) -> None:
     kill = ("debug.fail_in=generator", "debug.fail_at_step=4", "debug.fail_rank=1", "debug.fail_mode=sigkill")
-    run = run_trainer(tmp_path / "lose", *COLOCATED, "trainer.steps=40", "refit.timeout_s=60", *kill, timeout=420)
+    # The replacement joins once its vLLM engine is up (generation.replacement_join=ready, about
+    # 25 s on a GPU): enough steps for it to join and generate.
+    run = run_trainer(tmp_path / "lose", *COLOCATED, "trainer.steps=120", "refit.timeout_s=60", *kill, timeout=420)
     assert run.returncode == 0, run.explain()
     s = run.summary
     print({k: s.get(k) for k in ("generators_lost_total", "generators_replaced_total", "groups_requeued_lost_total")})
     print("replacement first generation s:", s.get("replacement_first_generation_s"))
-    assert [r["step"] for r in run.rows] == list(range(40)), "every step trained, no resume"
+    assert [r["step"] for r in run.rows] == list(range(120)), "every step trained, no resume"
     assert s["generators_lost_total"] == 1 and s["generators_replaced_total"] == 1, s
+    assert len(s["replacement_first_generation_s"]) == 1, "the replacement generated on the GPU it took"
+    (loss,) = s["generator_losses"]
+    trained_s = loss["trained_at"] - loss["seen_at"]
+    print(f"loss seen -> generation going on {loss['resumed_s']:.2f} s; -> a step trained {trained_s:.2f} s")
     assert "every GPU of the colocated placement already holds an engine" not in run.stderr

@@ -170,6 +170,10 @@ class GeneratorWorker:
         """Whether a generation or a refit holds the engine now."""
         return self.engine.busy
 
+    def memory_handover(self) -> tuple[int, int] | None:
+        """The engine's GPU bytes in use generating and asleep at its first sleep (colocated), or None."""
+        return self.engine.memory_handover
+
     def weight_version(self) -> int:
         """The version of the last refit installed (``-1``: the initial weights)."""
         return self.engine.weight_version

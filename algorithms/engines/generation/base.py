@@ -148,6 +148,9 @@ class GenerationEngine(ABC):
         self._version = -1
         self._refit_ready = False
         self._closed = False
+        # An engine that hands its GPU memory over between generations (colocated vLLM): the GPU's
+        # bytes in use while it generated and once it slept, at its first sleep; None otherwise.
+        self.memory_handover: tuple[int, int] | None = None
         self._refitting = False
         self._progress_at = time.monotonic()  # the last token drawn, or a generation's start or end
 

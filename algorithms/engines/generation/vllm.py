@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -105,7 +104,6 @@ class VLLMEngine(GenerationEngine):
         self.sleep_level = sleep_level
         self._asleep: list[str] = []  # vLLM's memory tags freed now ("weights", "kv_cache")
         self._weights_discarded = False  # level 2 freed them and no refit has rewritten them yet
-        self._slept = False  # whether the first sleep's handover was reported
         self.eos_id = int(eos_id)
         self.llm: Any = None
         self._rpc_timeout_s = 600.0
@@ -222,14 +220,8 @@ class VLLMEngine(GenerationEngine):
         self.llm.sleep(level=self.sleep_level)
         self._asleep = ["weights", "kv_cache"]
         self._weights_discarded = self.sleep_level == 2
-        if not self._slept:  # the handover, once per engine (the GPU's whole use, every process on it)
-            self._slept = True
-            print(
-                f"vLLM engine asleep (level {self.sleep_level}): GPU memory in use {before / 2**30:.2f} GiB "
-                f"generating -> {_gpu_used() / 2**30:.2f} GiB asleep",
-                file=sys.stderr,
-                flush=True,
-            )
+        if self.memory_handover is None:  # once per engine (the GPU's whole use, every process on it)
+            self.memory_handover = (before, _gpu_used())
 
     def _wake(self, tags: list[str]) -> None:
         """Re-allocate what ``tags`` name of the memory :meth:`_sleep` freed (no-op when awake)."""

@@ -65,3 +65,17 @@ def test_tensordict_imports_without_dynamo_and_gets_the_same_marks_once_dynamo_l
     assert alone["allowed"] and alone["constant"], alone
     assert deferred["allowed"] == alone["allowed"]
     assert deferred["constant"] == alone["constant"]
+
+
+def test_a_worker_module_loaded_by_name_as_ray_loads_an_actor_class_keeps_dynamo_out() -> None:
+    # Ray imports an actor's module by its name, before anything else of ours: the collector's
+    # module imports tensordict at its top, so without ``algorithms`` importing nemo_dataplane
+    # first every collector process paid torch._dynamo's import.
+    probe = (
+        "import sys, importlib; importlib.import_module(sys.argv[1]); "
+        "print([m for m in sys.modules if m.startswith('torch._dynamo')][:1])"
+    )
+    for module in ("algorithms.workers.collector", "algorithms.workers.policy", "algorithms.workers.generator"):
+        out = subprocess.run([sys.executable, "-c", probe, module], capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines()[-1] == "[]", f"{module} loaded torch._dynamo"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import sys
 import threading
 import time
@@ -141,11 +142,11 @@ def test_partial_selection_fetches_only_the_selected_fields(
     fetched: list[set[str]] = []
     bulk, per_row = tq_compat.read_columns, tq_compat.get_rows
 
-    async def spy_bulk(client: Any, units: Any, meta: Any, fields: Any, first: Any = None) -> Any:
+    def spy_bulk(client: Any, units: Any, meta: Any, fields: Any, first: Any = None) -> Any:
         asked.append(("bulk", list(fields)))
         if first is not None:  # the controller's one-request answer (quirk 14) has only those too
             fetched.append(set(first[0]))
-        out = await bulk(client, units, meta, fields, first)
+        out = yield from bulk(client, units, meta, fields, first)
         fetched.append(set(out))
         return out
 
@@ -601,3 +602,66 @@ def test_a_small_put_across_actors_rides_inside_the_units_calls(
     assert objects == [big.numel() * 4]
     assert torch.equal(tq_client.kv_batch_get(["s3", "s0"], ["x"], partition_id=pid)["x"], small[[3, 0]])
     assert torch.equal(tq_client.kv_batch_get(["b9", "b63"], ["x"], partition_id=pid)["x"], big[[9, 63]])
+
+
+def test_a_sync_op_of_a_store_with_its_unit_in_the_controller_never_waits_on_the_clients_loop(
+    tq_client: TransferQueueClient, pid: str
+) -> None:
+    # The op body runs in the caller's thread (ray.get there), so a put (inline and through the
+    # object store), a get and a clear all finish while the client's event loop is held busy.
+    assert tq_client._hosted is not None and tq_client._loop is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(120)
+
+    tq_client._loop.call_soon_threadsafe(hold)
+    done: dict[str, Any] = {}
+
+    def ops() -> None:
+        small = tq_client.kv_batch_put(["a", "b"], pid, {"x": torch.arange(2)}, tags=[{"t": 1}, {"t": 2}])
+        big = tq_client.kv_batch_put(["c"], pid, {"x": torch.arange(1), "y": torch.ones(1, 64 * 1024)})
+        done["x"] = tq_client.kv_batch_get(small, ["x"])["x"].tolist()
+        done["y"] = float(tq_client.kv_batch_get(big, ["y"])["y"].sum())
+        tq_client.kv_clear(["a", "b", "c"], pid)
+        done["ok"] = True
+
+    try:
+        assert held.wait(30)
+        worker = threading.Thread(target=ops, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert done.get("ok"), f"sync ops did not finish while the loop was held: {done}"
+        assert done["x"] == [0, 1] and done["y"] == 64 * 1024
+    finally:
+        release.set()
+    assert tq_client.kv_list(pid).keys == ()
+
+
+@ray.remote(num_cpus=0)
+class _Busy:
+    def hold(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_a_sync_op_that_cannot_finish_raises_at_its_op_timeout_naming_op_partition_and_keys(
+    tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's answer never comes in time (its one-request handle is an actor busy for 60 s):
+    # the caller's ray.get is bounded by op_timeout_s; the store itself stays alive and usable.
+    busy = _Busy.remote()
+    try:
+        blocker = busy.hold.remote(60)
+        monkeypatch.setattr(tq_client, "_hosted", busy)
+        monkeypatch.setattr(tq_client, "cfg", dataclasses.replace(tq_client.cfg, op_timeout_s=1.5))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"kv_batch_get on partition '{pid}' \(2 keys\).*op_timeout_s=1.5s"):
+            tq_client.kv_batch_get(["a", "b"], ["x"], pid)
+        assert time.monotonic() - started < 10
+        monkeypatch.undo()
+        tq_client.kv_batch_put(["a"], pid, {"x": torch.ones(1)})
+        assert tq_client.kv_batch_get(["a"], ["x"], pid)["x"].tolist() == [1.0]
+        del blocker
+    finally:
+        ray.kill(busy)

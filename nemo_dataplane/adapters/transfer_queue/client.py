@@ -34,6 +34,7 @@ Each adapter instance therefore owns its client and, if it created the store, th
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -42,6 +43,7 @@ import torch
 from tensordict import TensorDict
 
 from nemo_dataplane.adapters.actor_store import Bootstrap
+from nemo_dataplane.adapters.steps import Blocking, Steps, drive
 from nemo_dataplane.adapters.transfer_queue import compat, results
 from nemo_dataplane.adapters.transfer_queue.claims import TransferQueueClaims
 from nemo_dataplane.adapters.transfer_queue.store import (
@@ -160,15 +162,27 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         columns = {k: (v.detach() if is_jagged(v) else v.detach().contiguous()) for k, v in columns.items()}
         return keys, partition_id, columns, tag_list
 
-    async def _put(
+    def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        columns: dict[str, torch.Tensor],
+        tag_list: list[dict[str, Any]] | None,
+    ) -> Steps[KVBatchMeta]:
+        if self._hosted is not None:
+            return (yield from self._put_hosted(keys, partition_id, columns, tag_list))
+        meta: KVBatchMeta = yield self._put_apart(keys, partition_id, columns, tag_list)
+        return meta
+
+    async def _put_apart(
         self,
         keys: list[str],
         partition_id: str,
         columns: dict[str, torch.Tensor],
         tag_list: list[dict[str, Any]] | None,
     ) -> KVBatchMeta:
-        if self._hosted is not None:
-            return await self._put_hosted(keys, partition_id, columns, tag_list)
+        """A put across actors: the key lookup, the rows to the units, the tags with the
+        production notice (quirk 10); a failure removes the keys it created."""
         if columns and self._local_units and compat.rides_inline(columns):
             # A small put rides inside the units' calls.
             bm, chunk = await self._retrieve(keys, partition_id, create=True), compat.chunk_of(columns)
@@ -229,13 +243,13 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             raise
         return results.put_meta(keys, partition_id, columns, new_meta, before_fields)
 
-    async def _put_hosted(
+    def _put_hosted(
         self,
         keys: list[str],
         partition_id: str,
         columns: dict[str, torch.Tensor],
         tag_list: list[dict[str, Any]] | None,
-    ) -> KVBatchMeta:
+    ) -> Steps[KVBatchMeta]:
         """The whole put as one request to the controller holding the only unit (quirk 14)."""
         layout = results.layout_of(columns)
         chunk: list[Any] = []
@@ -245,10 +259,10 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
             if compat.rides_inline(columns):
                 chunk = [compat.chunk_of(columns)]
             else:
-                chunk = [await asyncio.to_thread(compat.put_chunk, columns)]
+                chunk = [(yield Blocking(functools.partial(compat.put_chunk, columns)))]
         jagged = results.jagged_in(layout)
         schema = compat.field_schema(len(keys), columns, jagged) if columns else {}
-        done = await self._hosted.__ray_call__.remote(
+        done = yield self._hosted.__ray_call__.remote(
             compat.hosted_put, partition_id, keys, tag_list, layout, schema, chunk
         )
         return results.put_meta(keys, partition_id, columns, done.tags, done.fields_before)
@@ -261,7 +275,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys, pid, columns, tag_list = self._prepare_put(keys, partition_id, fields, tags)
-        return self._run("kv_batch_put", pid, len(keys), self._put(keys, pid, columns, tag_list))
+        return self._run_steps("kv_batch_put", pid, len(keys), self._put(keys, pid, columns, tag_list))
 
     async def async_kv_batch_put(
         self,
@@ -271,7 +285,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         keys, pid, columns, tag_list = self._prepare_put(keys, partition_id, fields, tags)
-        return await self._run_async("kv_batch_put", pid, len(keys), self._put(keys, pid, columns, tag_list))
+        return await self._run_async("kv_batch_put", pid, len(keys), drive(self._put(keys, pid, columns, tag_list)))
 
     # ------------------------------------------------------------------- get
     async def _missing_keys(self, keys: list[str], partition_id: str, bm: Any) -> list[str]:
@@ -294,38 +308,38 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         ready = dict(zip(gis.tolist(), status.bool().all(dim=1).tolist()))
         return [k for k, gi in zip(keys, bm.global_indexes) if not ready.get(gi, False)]
 
-    async def _get(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
+    def _get(self, keys: list[str], partition_id: str, names: list[str]) -> Steps[TensorDict]:
         """All rows of ``keys`` as put, or ``KeyError``: nothing in between, even when a clear of
         the same keys runs meanwhile (TransferQueue has no read lease): the error then names the
         keys whose rows went while they were read."""
         if not keys:
             return TensorDict({}, batch_size=[0])
         try:
-            return await self._read(keys, partition_id, names)
+            return (yield from self._read(keys, partition_id, names))
         except (results.NotProduced, compat.StorageKeyNotFoundError):
-            gone = await self._unreadable(keys, partition_id, names)
+            gone = yield self._unreadable(keys, partition_id, names)
             raise results.cleared_meanwhile(gone or keys, partition_id) from None
 
-    async def _read(self, keys: list[str], partition_id: str, names: list[str]) -> TensorDict:
+    def _read(self, keys: list[str], partition_id: str, names: list[str]) -> Steps[TensorDict]:
         if self._hosted is not None:
             # Lookup and the unit's answer in one request (quirk 14); rows it cannot stack
             # take TransferQueue's per-row protocol below.
-            loc = await self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
+            loc = yield self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
             if loc.missing:
                 raise results.not_there(loc.missing, partition_id)
             results.check_stored(names, loc.fields, keys, loc.tags, partition_id)
             if loc.reply is not None:
-                cols = await compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
+                cols = yield from compat.read_columns(self._tq, self._units, loc, names, first=[loc.reply])
                 if cols is not None:
                     return results.columns_batch(cols, names, keys, loc.tags)
-        bm = await self._retrieve(keys, partition_id, create=False)
+        bm = yield self._retrieve(keys, partition_id, create=False)
         if bm.size != len(keys):
-            missing = await self._missing_keys(keys, partition_id, bm)
+            missing = yield self._missing_keys(keys, partition_id, bm)
             raise results.not_there(missing, partition_id)
         results.check_stored(names, list(bm.field_schema.keys()), keys, bm.custom_meta, partition_id)
-        cols = await compat.read_columns(self._tq, self._units, bm, names) if self._units else None
+        cols = (yield from compat.read_columns(self._tq, self._units, bm, names)) if self._units else None
         if cols is None:  # a store we cannot read in bulk: TransferQueue's per-row protocol
-            rows = await compat.get_rows(self._tq, bm, names)
+            rows = yield compat.get_rows(self._tq, bm, names)
             cols = {}
             for name in names:
                 try:
@@ -342,7 +356,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     ) -> TensorDict:
         keys, pid = resolve_get_target(meta_or_keys, partition_id)
         names = check_select_fields(select_fields)
-        return self._run("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
+        return self._run_steps("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
 
     async def async_kv_batch_get(
         self,
@@ -352,21 +366,21 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     ) -> TensorDict:
         keys, pid = resolve_get_target(meta_or_keys, partition_id)
         names = check_select_fields(select_fields)
-        return await self._run_async("kv_batch_get", pid, len(keys), self._get(keys, pid, names))
+        return await self._run_async("kv_batch_get", pid, len(keys), drive(self._get(keys, pid, names)))
 
     # --------------------------------------------------- clear / list / partitions
-    async def _clear(self, keys: list[str] | None, partition_id: str) -> None:
-        if keys is None and self._hosted is not None:
-            await self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, None)
-            return
+    def _clear(self, keys: list[str] | None, partition_id: str) -> Steps[None]:
+        if self._hosted is not None and (keys is None or keys):
+            yield self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, keys)
+        else:
+            yield self._clear_apart(keys, partition_id)
+
+    async def _clear_apart(self, keys: list[str] | None, partition_id: str) -> None:
         if keys is None:
             if partition_id in await self._tq.async_get_partition_list():
                 await self._tq.async_clear_partition(partition_id)
             return
         if not keys:
-            return
-        if self._hosted is not None:
-            await self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, keys)
             return
         bm = await self._retrieve(keys, partition_id, create=False)
         if bm.size:
@@ -375,12 +389,13 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         pid = check_partition(partition_id)
         key_list = None if keys is None else check_keys(keys, allow_empty=True)
-        self._run("kv_clear", pid, -1 if key_list is None else len(key_list), self._clear(key_list, pid))
+        self._run_steps("kv_clear", pid, -1 if key_list is None else len(key_list), self._clear(key_list, pid))
 
     async def async_kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         pid = check_partition(partition_id)
         key_list = None if keys is None else check_keys(keys, allow_empty=True)
-        await self._run_async("kv_clear", pid, -1 if key_list is None else len(key_list), self._clear(key_list, pid))
+        n = -1 if key_list is None else len(key_list)
+        await self._run_async("kv_clear", pid, n, drive(self._clear(key_list, pid)))
 
     async def _list(self, partition_id: str) -> KVBatchMeta:
         info = (await self._tq.async_kv_list(partition_id)).get(partition_id, {})

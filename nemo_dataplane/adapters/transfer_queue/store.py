@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import ray
 
 from nemo_dataplane.adapters.actor_store import ActorBackedClient
+from nemo_dataplane.adapters.steps import OpEnded, Steps, SyncDriver
 from nemo_dataplane.adapters.transfer_queue import compat
 from nemo_dataplane.client import DataPlaneError
 from nemo_dataplane.distributed.auth import new_job_secret
@@ -326,17 +327,22 @@ class TransferQueueStore(ActorBackedClient):
                 raise DataPlaneError("TransferQueueClient is closed")
             raise StoreLostError(f"the TransferQueue store is gone: {self._lost}")
 
-    async def _lost_actor(self) -> str | None:
-        """The first watched actor found dead (``None``: all alive, or too busy to tell)."""
-        if not self._watched:
+    def _lost_actor_now(self) -> str | None:
+        """The first watched actor found dead (``None``: all alive, or too busy to tell); blocks
+        up to ``LIVENESS_PING_S``."""
+        pings = {h.__ray_ready__.remote(): what for what, h in self._watched if h}
+        if not pings:
             return None
-        pings = {asyncio.wrap_future(h.__ray_ready__.remote().future()): what for what, h in self._watched if h}
-        done, _ = await asyncio.wait(pings, timeout=LIVENESS_PING_S)
-        for fut in done:
-            err = fut.exception()
-            if isinstance(err, ray.exceptions.RayActorError):
-                return f"{pings[fut]} died or was lost ({type(err).__name__})"
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=LIVENESS_PING_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return f"{pings[ref]} died or was lost ({type(err).__name__})"
         return None
+
+    async def _lost_actor(self) -> str | None:
+        return await asyncio.to_thread(self._lost_actor_now) if self._watched else None
 
     # ----------------------------------------------------------- op plumbing
     def _timeout_error(self, op: str, partition_id: str, n_keys: int, limit_s: float | None) -> TimeoutError:
@@ -392,6 +398,47 @@ class TransferQueueStore(ActorBackedClient):
             except concurrent.futures.TimeoutError:
                 fut.cancel()
                 raise self._timeout_error(op, partition_id, n_keys, limit_s) from None
+
+    def _run_steps(self, op: str, partition_id: str, n_keys: int, steps: Steps[T], limit_s: float | None = None) -> T:
+        """Run the op body ``steps`` in the calling thread (:class:`~..steps.SyncDriver`): its
+        Ray waits are ``ray.get`` here, only its awaitables go to the client's loop; bounded
+        like :meth:`_run` (one deadline for the whole op, the same liveness watch)."""
+        self._check_open(steps)
+        deadline = time.monotonic() + (self.cfg.op_timeout_s if limit_s is None else limit_s)
+
+        def wait_refs(refs: Any) -> Any:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OpEnded(self._timeout_error(op, partition_id, n_keys, limit_s))
+                try:
+                    return ray.get(refs, timeout=min(LIVENESS_EVERY_S, left))
+                except ray.exceptions.GetTimeoutError:
+                    dead = self._lost_actor_now()
+                    if dead is not None:
+                        self._lost = dead
+                        what = f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys)"
+                        raise OpEnded(StoreLostError(f"{what} cannot finish: {dead}")) from None
+                except ray.exceptions.RayActorError as err:  # a call to a dead controller or unit
+                    self._lost = self._lost_actor_now() or f"a TransferQueue actor died or was lost ({err})"
+                    lost = StoreLostError(
+                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {self._lost}"
+                    )
+                    lost.__cause__ = err
+                    raise OpEnded(lost) from None
+
+        def run_awaitable(awaitable: Awaitable[Any]) -> Any:
+            try:
+                return self._run(op, partition_id, n_keys, awaitable, max(deadline - time.monotonic(), 1e-3))
+            except StoreLostError as e:
+                raise OpEnded(e) from None
+            except TimeoutError as e:
+                if time.monotonic() < deadline:  # the body's own, not the op's bound
+                    raise
+                raise OpEnded(self._timeout_error(op, partition_id, n_keys, limit_s)) from e
+
+        with compat.preserve_torch_threads():
+            return SyncDriver(wait_refs, run_awaitable)(steps)
 
     async def _run_async(
         self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None = None

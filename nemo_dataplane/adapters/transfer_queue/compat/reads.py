@@ -19,6 +19,7 @@ from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleSt
 
 from nemo_dataplane.adapters.chunks import assemble, decode
 from nemo_dataplane.adapters.locate import where_of
+from nemo_dataplane.adapters.steps import Steps
 from nemo_dataplane.adapters.transfer_queue.compat.mapped import locate
 from nemo_dataplane.dtypes import check_lengths, view_bytes
 
@@ -157,14 +158,15 @@ def _permute(col: Column, order: torch.Tensor) -> Column:
     return Column(col.values.index_select(0, gather), sel_len)
 
 
-async def read_columns(
+def read_columns(
     client: AsyncTransferQueueClient,
     units: Mapping[str, Any],
     meta: Any,
     fields: Sequence[str],
     first: list[Any] | None = None,
-) -> dict[str, Column | torch.Tensor] | None:
-    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order.
+) -> Steps[dict[str, Column | torch.Tensor] | None]:
+    """Each field of ``meta``'s rows, in ``meta.global_indexes`` order (an op body of Ray waits
+    only: :mod:`~nemo_dataplane.adapters.steps`).
 
     A field whose rows are all views we stored (quirk 11) comes back as the finished tensor, in
     the layout it was put with: this process maps the writers' objects and copies the rows out
@@ -185,30 +187,30 @@ async def read_columns(
         return None
     if first is not None and len(first) != len(groups):
         raise ValueError(f"{len(first)} unit replies for {len(groups)} units")
-    replies = first if first is not None else await _unit_reads(units, groups, list(fields), stack=False)
+    replies = first if first is not None else (yield from _unit_reads(units, groups, list(fields), stack=False))
     if replies is None:
         return None
     out: dict[str, Column | torch.Tensor] = {}
     direct = [f for f in fields if all(r[f][0] == "chunks" for r in replies)]
     if direct:
         try:
-            out.update(await _assemble_from_objects(direct, groups, replies, meta.size))
+            out.update((yield from _assemble_from_objects(direct, groups, replies, meta.size)))
         except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
             direct = []  # a writer died: its rows live on in the units, read them from there
     rest = [f for f in fields if f not in out]
     if rest:
         if direct or any(r[f][0] == "chunks" for r in replies for f in rest):
-            replies = await _unit_reads(units, groups, rest, stack=True)
+            replies = yield from _unit_reads(units, groups, rest, stack=True)
             if replies is None:
                 return None
         out.update(_merge_stacked(rest, groups, replies))
     return out
 
 
-async def _unit_reads(units: Mapping[str, Any], groups: list[Any], fields: list[str], stack: bool) -> list[Any] | None:
+def _unit_reads(units: Mapping[str, Any], groups: list[Any], fields: list[str], stack: bool) -> Steps[list[Any] | None]:
     refs = [units[su].__ray_call__.remote(_unit_read, g.global_indexes, fields, stack) for su, g in groups]
     try:
-        replies = await asyncio.gather(*refs)
+        replies = yield refs
     except ray.exceptions.RayTaskError as e:
         if isinstance(e, KeyError) or isinstance(getattr(e, "cause", None), KeyError):
             raise StorageKeyNotFoundError(str(getattr(e, "cause", e))) from None
@@ -216,9 +218,9 @@ async def _unit_reads(units: Mapping[str, Any], groups: list[Any], fields: list[
     return None if any(r is None for r in replies) else replies
 
 
-async def _assemble_from_objects(
+def _assemble_from_objects(
     fields: list[str], groups: list[Any], replies: list[Any], n: int
-) -> dict[str, torch.Tensor]:
+) -> Steps[dict[str, torch.Tensor]]:
     refs: list[Any] = []
     index: dict[bytes, int] = {}
     located = {f: (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)) for f in fields}
@@ -235,7 +237,7 @@ async def _assemble_from_objects(
                 remap[j] = index[key]
             located[f][0][at] = remap[chunks]
             located[f][1][at] = rows
-    objs = await asyncio.gather(*refs)
+    objs = yield refs
     return {f: assemble(f, where_of(*located[f]), lambda c, name: decode(objs[c][name]), copy=True) for f in fields}
 
 

@@ -644,6 +644,9 @@ class _Busy:
     def hold(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def nd_locate(self, *args: Any) -> None:  # what a get asks the controller; queued behind hold
+        return None
+
 
 def test_a_sync_op_that_cannot_finish_raises_at_its_op_timeout_naming_op_partition_and_keys(
     tq_client: TransferQueueClient, pid: str, monkeypatch: pytest.MonkeyPatch

@@ -262,9 +262,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
                 chunk = [(yield Blocking(functools.partial(compat.put_chunk, columns)))]
         jagged = results.jagged_in(layout)
         schema = compat.field_schema(len(keys), columns, jagged) if columns else {}
-        done = yield self._hosted.__ray_call__.remote(
-            compat.hosted_put, partition_id, keys, tag_list, layout, schema, chunk
-        )
+        done = yield self._hosted.nd_put.remote(partition_id, keys, tag_list, layout, schema, chunk)
         return results.put_meta(keys, partition_id, columns, done.tags, done.fields_before)
 
     def kv_batch_put(
@@ -324,7 +322,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
         if self._hosted is not None:
             # Lookup and the unit's answer in one request (quirk 14); rows it cannot stack
             # take TransferQueue's per-row protocol below.
-            loc = yield self._hosted.__ray_call__.remote(compat.hosted_locate, partition_id, keys, names)
+            loc = yield self._hosted.nd_locate.remote(partition_id, keys, names)
             if loc.missing:
                 raise results.not_there(loc.missing, partition_id)
             results.check_stored(names, loc.fields, keys, loc.tags, partition_id)
@@ -371,7 +369,7 @@ class TransferQueueClient(TransferQueueClaims, TransferQueueStore):
     # --------------------------------------------------- clear / list / partitions
     def _clear(self, keys: list[str] | None, partition_id: str) -> Steps[None]:
         if self._hosted is not None and (keys is None or keys):
-            yield self._hosted.__ray_call__.remote(compat.hosted_clear, partition_id, keys)
+            yield self._hosted.nd_clear.remote(partition_id, keys)
         else:
             yield self._clear_apart(keys, partition_id)
 

@@ -103,7 +103,9 @@ The quirks:
    forgets (three); none is atomic against another client's -> when the controller holds the
    store's only unit (``unit_in_controller``), :mod:`.hosted` runs the very controller and unit
    methods those requests run inside the controller's process, one Ray call per op
-   (:func:`hosted_put`, :func:`hosted_locate`, :func:`hosted_clear`); the controller subclass
+   (:func:`hosted_put`, :func:`hosted_locate`, :func:`hosted_clear`, called as the controller
+   subclass's methods ``nd_put``/``nd_locate``/``nd_clear``, which a sync caller waits on in
+   its own thread: :mod:`nemo_dataplane.adapters.steps`); the controller subclass
    takes one lock around each ZMQ request it serves and each of those ops, so they are atomic
    against each other and against TransferQueue's own clients.
 15. Quirk 12 keeps a one-node store off the network, but any process of the host, and with

@@ -21,6 +21,7 @@ from transfer_queue.client import AsyncTransferQueueClient
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.storage import SimpleStorageUnit
 
+from nemo_dataplane.adapters.transfer_queue.compat import hosted
 from nemo_dataplane.adapters.transfer_queue.compat.claims import CLAIM_SAMPLER, WAIT_GROUP, WAIT_THREADS, ClaimSampler
 from nemo_dataplane.adapters.transfer_queue.compat.common import BACKEND, quiet_logs
 from nemo_dataplane.adapters.transfer_queue.compat.wire import (
@@ -123,6 +124,17 @@ class _Controller(_RawController):  # type: ignore[misc]  # TransferQueue's clas
         self.nd_unit = (
             None if unit_config is None else _StorageUnit(config=unit_config, listen_host=listen_host, wire=wire)
         )
+
+    # The one-request ops of .hosted as methods: a method call costs ~0.5 ms less than the same
+    # function through ``__ray_call__`` (measured on 2 shared cores: 1.1-1.4 against 1.7-2.1 ms).
+    def nd_put(self, *args: Any) -> hosted.PutDone:
+        return hosted.put(self, *args)
+
+    def nd_locate(self, *args: Any) -> hosted.Located:
+        return hosted.locate_rows(self, *args)
+
+    def nd_clear(self, *args: Any) -> None:
+        hosted.clear(self, *args)
 
     def _handle_request(self, request_msg: Any, monitor: Any) -> Any:
         with self.nd_lock:

@@ -7,7 +7,7 @@ round trips, not the bytes, are the op. When the controller's process also holds
 one unit (``unit_in_controller``), the functions here run the very controller and unit methods
 those requests run (``kv_retrieve_meta``, ``storage_data.put_data``, ``set_custom_meta``,
 ``update_production_status``, ...) inside that process, through one Ray actor call
-(``__ray_call__``), so an op costs one round trip.
+(the controller's ``nd_put``/``nd_locate``/``nd_clear``), so an op costs one round trip.
 
 They run on the actor's own thread while the controller's ZMQ thread keeps serving every other
 client (TransferQueue's own, claims), so both hold the controller's ``nd_lock``
@@ -81,7 +81,7 @@ def put(
     schema: dict[str, dict[str, Any]],
     chunk: list[Any],
 ) -> PutDone:
-    """Runs inside the controller (``__ray_call__``): create or find ``keys``, store the rows of
+    """Runs inside the controller (``nd_put``): create or find ``keys``, store the rows of
     ``chunk`` (see :func:`~.writes._unit_write`; empty: tags only), their tags and their
     production, in that order (quirk 10) and atomically. Keys this put created are removed
     again if any step fails."""

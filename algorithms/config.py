@@ -37,6 +37,7 @@ from algorithms.config_sections import (
     TrainerSection,
     VLLMEngineConfig,
 )
+from algorithms.placement import Placement, placement_of
 from algorithms.rewards import BUILTIN_REWARDS
 from algorithms.tasks import DATASET_FORMATS
 from nemo_dataplane.config import (
@@ -65,7 +66,6 @@ __all__ = [
     "TrainerConfig",
     "TrainerSection",
     "VLLMEngineConfig",
-    "COLOCATED_SHARE",
     "check_devices",
     "check_sync_only",
     "load_config",
@@ -74,10 +74,6 @@ __all__ = [
 # The refit group's name in its rendezvous store: its senders and receivers join under it, and
 # the driver posts its abort there (nemo_dataplane.distributed.abort).
 REFIT_GROUP = "refit"
-
-# generation.placement=colocated: the share of one GPU Ray gives a policy rank and its engine
-# each (one placement-group bundle of one GPU holds both; algorithms/launch.py).
-COLOCATED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ class TrainerConfig:
         if self.refit.mode != "auto":
             return self.refit.mode
         sharded = self.policy.tensor_parallel_size > 1 or self.fully_sharded or self.generation.tensor_parallel_size > 1
-        return "reshard" if sharded or self.colocated else "packed"
+        return "reshard" if sharded or self.placement.needs_reshard else "packed"
 
     @property
     def refit_senders(self) -> int:
@@ -152,23 +148,17 @@ class TrainerConfig:
         return self.refit_mode == "reshard" and self.refit.transport != "p2p"
 
     @property
-    def colocated(self) -> bool:
-        """``generation.placement=colocated``: engine ``i`` shares policy rank ``i``'s GPU."""
-        return self.generation.placement == "colocated"
+    def placement(self) -> Placement:
+        """``generation.placement`` as the object everyone asks (:mod:`algorithms.placement`)."""
+        return placement_of(self.generation)
 
     def policy_gpus_per_rank(self) -> float:
-        """GPUs Ray gives each policy rank (0 on CPU; colocated: half its GPU, the engine has the other)."""
-        if self.policy.device != "cuda":
-            return 0.0
-        if self.colocated:
-            return COLOCATED_SHARE
-        return self.policy.gpus_per_rank if self.policy.gpus_per_rank is not None else 1.0 / self.policy_ranks
+        """GPUs Ray gives each policy rank (0 on CPU)."""
+        return self.placement.policy_gpus(self.policy, self.policy_ranks) if self.policy.device == "cuda" else 0.0
 
     def generator_gpus(self) -> float:
-        """GPUs Ray gives each generator actor (0 on CPU; colocated: half of its policy rank's GPU)."""
-        if self.generation.device != "cuda":
-            return 0.0
-        return COLOCATED_SHARE if self.colocated else self.generation.num_gpus
+        """GPUs Ray gives each generator actor (0 on CPU)."""
+        return self.placement.generator_gpus(self.generation) if self.generation.device == "cuda" else 0.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerConfig:
@@ -277,7 +267,7 @@ def _cross_checks(cfg: TrainerConfig) -> None:
         and cfg.policy.device == "cuda"
         and cfg.policy_ranks > 1
         and cfg.policy_gpus_per_rank() <= 0.5
-        and not cfg.colocated  # each rank has a GPU of its own, shared with an engine only
+        and cfg.generation.placement != "colocated"  # each rank has a GPU of its own, shared with an engine only
     ):
         # NCCL refuses two ranks of one communicator on one device; above half a GPU each, Ray
         # cannot put two policy ranks on one.
@@ -351,7 +341,7 @@ def _check_generation_tp(cfg: TrainerConfig) -> None:
 def _check_placement(cfg: TrainerConfig) -> None:
     """``generation.placement=colocated`` against the devices, the engine, the engine count and
     the refit (grpo_async refuses it itself: :func:`check_sync_only`)."""
-    if not cfg.colocated:
+    if cfg.generation.placement != "colocated":
         return
     g, key = cfg.generation, "generation.placement=colocated"
     if cfg.policy.device != "cuda" or g.device != "cuda" or g.backend != "vllm":
@@ -389,7 +379,7 @@ def _check_placement(cfg: TrainerConfig) -> None:
 
 def check_sync_only(cfg: TrainerConfig) -> None:
     """What only ``grpo_sync`` runs, refused by ``grpo_async`` at config load, naming the key."""
-    if cfg.colocated:
+    if cfg.generation.placement == "colocated":
         raise ConfigError(
             "generation.placement=colocated runs with grpo_sync only: asynchronous GRPO generates while "
             "the trainer trains, so each needs its own GPUs (use placement=split)"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,6 +22,7 @@ from algorithms.cluster import worker_env
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import make_dispatcher
 from algorithms.engine_pool import EnginePool, Spawned
+from algorithms.placement import Slots
 from algorithms.refit_group import form_refit_group
 from algorithms.remote import gather
 from algorithms.replicas import ReplicaDispatch
@@ -32,7 +33,7 @@ from algorithms.workers.generator import HEALTH_GROUP, GeneratorWorker
 from algorithms.workers.gpus import ALL_GPUS_ENV
 from algorithms.workers.policy import PolicyWorker
 
-__all__ = ["Colocation", "Placed", "connect", "engine_actors", "generator_actor", "launch", "make_pool"]
+__all__ = ["Placed", "connect", "engine_actors", "generator_actor", "launch", "make_pool"]
 
 
 @dataclass(frozen=True)
@@ -51,41 +52,6 @@ def _node_id(actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-@dataclass
-class Colocation:
-    """``generation.placement=colocated``: a Ray placement group of one bundle per policy rank, each
-    one GPU; policy rank ``i`` and the engine in slot ``i`` take half of bundle ``i`` each, so Ray
-    puts both on that bundle's GPU. ``slots``: engine id -> bundle (a replacement takes the slot
-    of the engine it replaces: the one no live engine holds)."""
-
-    group: Any  # ray.util.placement_group.PlacementGroup
-    slots: dict[int, int] = field(default_factory=dict)
-
-    @classmethod
-    def reserve(cls, cfg: TrainerConfig) -> Colocation:
-        from ray.util.placement_group import placement_group  # colocated runs only
-
-        cpus = 2 * cfg.ray.worker_num_cpus  # the rank's and its engine's
-        bundle = {"GPU": 1.0, **({"CPU": cpus} if cpus else {})}
-        # STRICT_PACK: one node, so every sender reaches every engine over CUDA IPC.
-        return cls(placement_group([dict(bundle) for _ in range(cfg.policy_ranks)], strategy="STRICT_PACK"))
-
-    def strategy(self, bundle: int) -> Any:
-        """Ray's scheduling strategy that places an actor in ``bundle``."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
-
-    def take(self, engine: int, live: list[int]) -> int:
-        """The bundle of engine ``engine``: the lowest one no engine in ``live`` holds."""
-        held = {self.slots[i] for i in live if i in self.slots}
-        free = [b for b in range(self.group.bundle_count) if b not in held]
-        if not free:
-            raise RuntimeError(f"engine {engine}: every GPU of the colocated placement already holds an engine")
-        self.slots[engine] = free[0]
-        return free[0]
-
-
 def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> tuple[Workers, list[Any]]:
     """Create the actors; returns the run's :class:`~algorithms.step.Workers` and every actor
     (policy ranks, generators, collectors, in that order). ``owned_cluster``: the run started
@@ -94,7 +60,7 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
     cpus = cfg.ray.worker_num_cpus
     ranks = cfg.policy_ranks  # dp * tp, TP innermost (algorithms.replicas)
     _, gpu_env = _envs(cfg, owned_cluster)
-    colocation = Colocation.reserve(cfg) if cfg.colocated else None
+    slots = cfg.placement.slots(ranks, cpus)
     policy_cls = ray.remote(PolicyWorker)
     policy = [
         policy_cls.options(
@@ -102,14 +68,14 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
             num_gpus=cfg.policy_gpus_per_rank(),
             runtime_env=gpu_env,
             name=None,
-            scheduling_strategy=None if colocation is None else colocation.strategy(r),
+            scheduling_strategy=slots.policy(r),
         ).remote(r, ranks, cfg)
         for r in range(ranks)
     ]
     # One generator per collector (its own GPU, a GPU fraction, or CPU; colocated: its policy
     # rank's GPU); every one receives every refit.
     engines = [
-        engine_actors(cfg, i, owned_cluster=owned_cluster, colocation=colocation, live=list(range(i)))
+        engine_actors(cfg, i, owned_cluster=owned_cluster, slots=slots, live=list(range(i)))
         for i in range(num_collectors)
     ]
     generators = [g for g, _ in engines]
@@ -132,7 +98,7 @@ def launch(cfg: TrainerConfig, num_collectors: int, *, owned_cluster: bool) -> t
         collectors=collectors,
         dispatch=dispatch,
         refit_senders=senders,
-        colocation=colocation,
+        slots=slots,
     )
     return workers, [*policy, *generators, *collectors]
 
@@ -177,13 +143,14 @@ def engine_actors(
     index: int,
     *,
     owned_cluster: bool,
-    colocation: Colocation | None = None,
+    slots: Slots | None = None,
     live: list[int] | None = None,
 ) -> tuple[Any, Any]:
     """Create engine ``index``'s generator and the collector that drives it (not waited for);
-    colocated, the generator goes to the GPU no engine of ``live`` (engine ids) holds."""
+    ``slots`` (the run's, from its placement) place the generator, knowing ``live`` (the engine ids
+    up or starting)."""
     env, _ = _envs(cfg, owned_cluster)
-    strategy = None if colocation is None else colocation.strategy(colocation.take(index, live or []))
+    strategy = (slots or Slots()).engine(index, live or [])
     generator = generator_actor(cfg, index, owned_cluster=owned_cluster, strategy=strategy)
     # Several concurrent calls: submit/poll/take while the producer thread generates.
     collector = (
@@ -211,8 +178,8 @@ def make_pool(
     ``on_join(collector)``: after the refit that gave a replacement its weights (async: start it)."""
 
     def spawn(index: int) -> Spawned:
-        live = pool.holding if workers.colocation is not None else []  # the lost one is dropped first
-        g, c = engine_actors(cfg, index, owned_cluster=owned_cluster, colocation=workers.colocation, live=live)
+        # pool.holding: the lost engine is dropped first, so its slot is free.
+        g, c = engine_actors(cfg, index, owned_cluster=owned_cluster, slots=workers.slots, live=pool.holding)
         actors.extend([g, c])
         starting = [g.ready.remote(), c.ready.remote(), c.attach.remote(transport.sink())]
         return Spawned(g, c, starting, time.perf_counter())

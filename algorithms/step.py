@@ -54,8 +54,8 @@ class Workers:
     pool: Any = None  # algorithms.engine_pool.EnginePool over generators/collectors; None: fixed
     # Posts a reason as the current refit group's abort (algorithms.refit_group.form_refit_group).
     abort_refit: Callable[[str], bool] | None = None
-    # generation.placement=colocated: which GPU bundle each engine shares (algorithms.launch.Colocation).
-    colocation: Any = None
+    # Where Ray puts each engine, replacements included (algorithms.placement.Slots); None: anywhere.
+    slots: Any = None
 
     def __post_init__(self) -> None:
         if self.dispatch is None:

@@ -277,10 +277,10 @@ class Trainer:
             summary["generator_versions"] = gather(
                 [g.weight_version.remote() for g in self.workers.generators], 60, "generator versions"
             )
-            if cfg.colocated:  # each engine's GPU memory generating and asleep (docs/generation.md)
-                summary["generator_memory_handover"] = gather(
-                    [g.memory_handover.remote() for g in self.workers.generators], 60, "generator memory"
-                )
+            # Each engine's GPU memory generating and asleep, from engines that sleep (docs/generation.md).
+            handover = gather([g.memory_handover.remote() for g in self.workers.generators], 60, "generator memory")
+            if any(h is not None for h in handover):
+                summary["generator_memory_handover"] = handover
             polls = gather([c.poll.remote() for c in self.workers.collectors], 60, "collector counters")
             summary["groups_per_engine"] = [int(p.get("groups_written", 0)) for p in polls]
             summary["workers_data_plane_modules"] = self._worker_modules()

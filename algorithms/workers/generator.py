@@ -42,7 +42,7 @@ class GeneratorWorker:
         torch.set_num_threads(cfg.trainer.num_threads)
         # Makes Ray's GPU current where all are visible; colocated, that GPU becomes cuda:0, the
         # one vLLM's in-process worker takes, and the policy's GPUs stay visible (IPC events).
-        self.device = worker_device(cfg.generation.device, own_first=cfg.colocated)
+        self.device = worker_device(cfg.generation.device, own_first=cfg.placement.engine_gpu_first)
         self.engine = build_engine(cfg)
         self._jitter = random.Random(cfg.debug.jitter_seed)  # debug.generate_jitter_s's own stream
         self._generating_since: float | None = None  # inside a generate call, past any version wait

@@ -350,11 +350,7 @@ class PolicyWorker:
                 "no optimizer step ran"
             )
         metrics = self.engine.train_step(prepared, max(float(counts[0].item()), 1.0), behaviour)
-        if self.cfg.colocated:
-            # The engine sharing this GPU wakes its KV cache next: hand back the blocks the step
-            # cached (activations, gradients' scratch) instead of keeping them for the next step.
-            prepared.clear()
-            torch.cuda.empty_cache()
+        self.cfg.placement.after_train_step(prepared)
         return {
             **metrics,
             "tokens": float(local_tokens),

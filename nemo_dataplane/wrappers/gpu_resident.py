@@ -4,7 +4,7 @@ A put of a field named in ``fields`` whose tensor is on a CUDA device, in a clus
 stores no bytes of it: the store gets, under ``<name>@cuda``, one fixed-size record per row (a
 dense int64 row of ``RECORD_WIDTH``, so the store keeps no per-row shapes): where the row lies in
 the put's tensor, its shape, and the CUDA IPC handle of that tensor (torch's own handle in a
-compact binary form, ``refit.cuda.ipc.export_compact``: nothing is executed on read). Records
+compact binary form, ``refit.cuda.compact``: nothing is executed on read). Records
 are built and parsed with tensor ops, not per row. The putting process keeps that tensor alive
 until every key of the put has left the store: keys it clears itself are let go at once; keys
 cleared by other clients are found by a listing of the partition that each put starts in a
@@ -167,7 +167,7 @@ class GpuResidentClient(ForwardingClient):
 
     def _handles(self, name: str, t: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The records of ``t``'s rows (CUDA) and the flat tensor they point into."""
-        from nemo_dataplane.refit.cuda.ipc import export_compact
+        from nemo_dataplane.refit.cuda.compact import export_compact
 
         if is_jagged(t):
             flat = t.values().detach().contiguous()
@@ -270,7 +270,7 @@ class GpuResidentClient(ForwardingClient):
 
     def _open(self, name: str, records: torch.Tensor) -> torch.Tensor:
         """The rows ``records`` point at, copied onto this process's current CUDA device."""
-        from nemo_dataplane.refit.cuda.ipc import open_compact
+        from nemo_dataplane.refit.cuda.compact import open_compact
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"field {name!r} is held on a GPU (put with gpu_fields) and this process has no GPU")

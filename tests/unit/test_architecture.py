@@ -309,8 +309,9 @@ DECISIONS = {
     # launch: the summary's layout only (the config's fully_sharded answers everyone else).
     ("policy", "sharding"): {"algorithms/engines/training/__init__.py", "algorithms/launch.py"},
     ("vllm", "quantization"): {"algorithms/refit_weights.py"},
-    # Read only through TrainerConfig.colocated (its consequences: launch's GPU bundles, the
-    # engine's sleep level and GPU order, the policy's cache release).
+    # Read only by algorithms.placement.placement_of, from the section TrainerConfig.placement
+    # hands it: launch's GPU shares and slots, the engine's sleep level and GPU order and the
+    # policy's cache release ask the Placement it returns (no `cfg.generation.placement` anywhere).
     ("generation", "placement"): set(),
 }
 

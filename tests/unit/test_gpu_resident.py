@@ -25,7 +25,7 @@ import torch
 from nemo_dataplane.adapters.memory import InMemoryClient
 from nemo_dataplane.client import DataPlaneClient
 from nemo_dataplane.factory import build_data_plane_client
-from nemo_dataplane.refit.cuda import ipc
+from nemo_dataplane.refit.cuda import compact as ipc
 from nemo_dataplane.testing.conformance import DataPlaneConformance
 from nemo_dataplane.testing.fields import assert_same_field, jagged
 from nemo_dataplane.wrappers.gpu_resident import (

@@ -653,13 +653,16 @@ def test_the_colocated_placement_is_checked_naming_the_key(overrides: list[str],
 
 def test_the_colocated_placement_halves_each_gpu_and_refits_over_ipc_with_gloo_control() -> None:
     cfg = load_config(YAML, [*_COLOCATED, "generation.num_engines=2", "policy.dist_backend=nccl"])
-    assert cfg.colocated and cfg.policy_gpus_per_rank() == cfg.generator_gpus() == 0.5
+    assert cfg.placement.name == "colocated" and cfg.policy_gpus_per_rank() == cfg.generator_gpus() == 0.5
+    assert cfg.placement.engine_gpu_first and cfg.placement.sleep_level(cfg.generation) == 1
     assert cfg.refit_mode == "reshard" and cfg.refit.backend == "gloo" and cfg.weight_transfer.transport == "auto"
     check_devices(cfg, cuda_devices=2, generators=2)  # two ranks and two engines on two GPUs
     with pytest.raises(ConfigError, match="need 2 CUDA devices"):
         check_devices(cfg, cuda_devices=1, generators=2)
     split = load_config(YAML, ["policy.device=cuda", "generation.device=cuda", "refit.backend=nccl"])
-    assert not split.colocated and split.refit_mode == "packed" and split.generator_gpus() == 1.0
+    assert split.placement.name == "split" and split.refit_mode == "packed" and split.generator_gpus() == 1.0
+    assert not split.placement.engine_gpu_first and split.placement.sleep_level(split.generation) is None
+    assert split.placement.slots(2, 0.0).engine(0, []) is None  # Ray chooses
 
 
 def test_grpo_async_refuses_the_colocated_placement_at_config_load(capsys: pytest.CaptureFixture[str]) -> None:
@@ -674,7 +677,7 @@ def test_grpo_async_refuses_the_colocated_placement_at_config_load(capsys: pytes
 
 
 def test_a_colocated_engine_takes_the_gpu_no_live_engine_holds() -> None:
-    from algorithms.launch import Colocation
+    from algorithms.placement import Colocation
 
     class Group:
         bundle_count = 3

@@ -159,7 +159,7 @@ class VLLMEngine(GenerationEngine):
             dtype=precision_of(cfg).dtype,
             weights=refit_weights(cfg),
             tensor_parallel_size=g.tensor_parallel_size,
-            sleep_level=g.vllm.sleep_level if cfg.colocated else None,
+            sleep_level=cfg.placement.sleep_level(g),
         )
 
     @classmethod

@@ -18,6 +18,7 @@ driver; a body holds none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -54,25 +55,40 @@ async def _await_step(step: Any) -> Any:
     return await step
 
 
+class _Body(Generic[T]):
+    """A body under way: ``step`` is what it waits on now, until ``done`` (then ``result``)."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self.steps = steps
+        self.done = False
+        self.result: Any = None
+        self.step: Any = None
+        self.resume(None)
+
+    def resume(self, value: Any, error: BaseException | None = None) -> None:
+        """Hand the body its step's result (or throw ``error`` in at its ``yield``)."""
+        try:
+            self.step = self.steps.throw(error) if error is not None else self.steps.send(value)
+        except StopIteration as stop:
+            self.done, self.result = True, stop.value
+
+
+async def _settled(step: Any) -> tuple[Any, Exception | None]:
+    try:
+        return await _await_step(step), None
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the body decides what its step's error means
+        return None, e
+
+
 async def drive(steps: Steps[T]) -> T:
     """Run ``steps`` on the running event loop. Cancelling this closes the body."""
-    value: Any = None
-    error: BaseException | None = None
-    try:
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            value, error = None, None
-            try:
-                value = await _await_step(step)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the body decides what its step's error means
-                error = e
-    finally:
-        steps.close()
+    with contextlib.closing(steps):
+        body = _Body(steps)
+        while not body.done:
+            body.resume(*await _settled(body.step))
+        return body.result  # type: ignore[no-any-return]
 
 
 class SyncDriver:
@@ -89,29 +105,27 @@ class SyncDriver:
         self.wait_refs = wait_refs
         self.run_awaitable = run_awaitable
 
-    def __call__(self, steps: Steps[T]) -> T:
-        value: Any = None
-        error: BaseException | None = None
+    def _wait(self, step: Any) -> Any:
+        if isinstance(step, Blocking):
+            return step.fn()
+        if is_refs(step):
+            return self.wait_refs(step)
+        return self.run_awaitable(step)
+
+    def _settled(self, step: Any) -> tuple[Any, Exception | None]:
         try:
-            while True:
-                try:
-                    step = steps.throw(error) if error is not None else steps.send(value)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                value, error = None, None
-                try:
-                    if isinstance(step, Blocking):
-                        value = step.fn()
-                    elif is_refs(step):
-                        value = self.wait_refs(step)
-                    else:
-                        value = self.run_awaitable(step)
-                except OpEnded as ended:
-                    raise ended.error from ended.error.__cause__
-                except Exception as e:  # noqa: BLE001 - the body decides what its step's error means
-                    error = e
-        finally:
-            steps.close()
+            return self._wait(step), None
+        except OpEnded as ended:
+            raise ended.error from ended.error.__cause__
+        except Exception as e:  # noqa: BLE001 - the body decides what its step's error means
+            return None, e
+
+    def __call__(self, steps: Steps[T]) -> T:
+        with contextlib.closing(steps):
+            body = _Body(steps)
+            while not body.done:
+                body.resume(*self._settled(body.step))
+            return body.result  # type: ignore[no-any-return]
 
 
 class OpEnded(Exception):

@@ -178,9 +178,14 @@ class GRPOConfig:
     # no gradient, so a token the policy has all but ruled out cannot swamp the step
     # (algorithms/grpo.py, policy_loss). null: unclamped.
     kl_clamp: float | None = 10.0
+    # The policy loss and the advantage estimator by name (algorithms/losses.py: grpo | dapo |
+    # gspo; grpo | rloo). clip_eps_high: dapo's upper clip width (null: clip_eps).
+    loss: Literal["grpo", "dapo", "gspo"] = "grpo"
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    clip_eps_high: float | None = None
 
     def __post_init__(self) -> None:
-        require_positive(self, "prompts_per_step", "clip_eps", "epochs", "kl_clamp")
+        require_positive(self, "prompts_per_step", "clip_eps", "epochs", "kl_clamp", "clip_eps_high")
         require_positive(self, "kl_coef", allow_zero=True)
 
 

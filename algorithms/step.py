@@ -34,7 +34,8 @@ import torch
 from algorithms.config import TrainerConfig
 from algorithms.dispatch import ActorDispatch
 from algorithms.finite import refuse_nonfinite_groups
-from algorithms.grpo import dynamic_sampling_mask, group_advantages
+from algorithms.grpo import dynamic_sampling_mask
+from algorithms.losses import make_advantage
 from algorithms.metrics import PhaseTimer, payload_bytes
 from algorithms.remote import StepError, gather
 from algorithms.rollouts import RolloutBatch
@@ -140,7 +141,7 @@ def train_on_batch(
             if len(keep_idx) < dp:
                 trained = False  # every group had equal rewards: no learning signal this step
             else:
-                adv = group_advantages(rewards[keep_idx], n, normalize_std=cfg.grpo.normalize_std)
+                adv = make_advantage(cfg.grpo)(rewards[keep_idx], n)
                 refuse_nonfinite_groups(
                     f"step {step}: advantage", adv, n, batch.group_ids, batch.prompts, rows=keep_idx
                 )

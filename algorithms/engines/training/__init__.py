@@ -16,6 +16,7 @@ from algorithms.engines.training.base import Prepared, TrainingEngine
 from algorithms.engines.training.fsdp import FSDPTrainingEngine
 from algorithms.engines.training.hf import HFTrainingEngine
 from algorithms.engines.training.megatron import MegatronEngine
+from algorithms.losses import loss_of
 
 __all__ = ["Prepared", "TrainingEngine", "build_training_engine"]
 
@@ -32,4 +33,4 @@ def build_training_engine(
         engine = FSDPTrainingEngine
     else:
         engine = HFTrainingEngine
-    return engine(cfg, device, vocab_size=vocab_size, pad_id=pad_id, rank=rank)
+    return engine(cfg, device, vocab_size=vocab_size, pad_id=pad_id, rank=rank, loss=loss_of(cfg))

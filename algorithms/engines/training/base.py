@@ -24,7 +24,8 @@ from tensordict import TensorDict
 from algorithms.checkpoint import load_trusted, save_file
 from algorithms.config import TrainerConfig
 from algorithms.finite import Decode, NonFiniteError, nonfinite_message
-from algorithms.grpo import masked_sum, policy_loss
+from algorithms.grpo import masked_sum
+from algorithms.losses import PolicyLoss, loss_of
 from algorithms.precision import Precision, TrainedWeights, precision_of
 from algorithms.replicas import replica_of
 
@@ -59,8 +60,10 @@ class TrainingEngine(ABC):
     optimizer: torch.optim.Optimizer
     trained: TrainedWeights
 
-    def __init__(self, cfg: TrainerConfig, device: torch.device, rank: int = 0) -> None:
+    def __init__(self, cfg: TrainerConfig, device: torch.device, rank: int = 0, loss: PolicyLoss | None = None) -> None:
         self.cfg = cfg
+        # The policy loss this engine minimises (algorithms.losses; None: the run's grpo.loss).
+        self.loss: PolicyLoss = loss if loss is not None else loss_of(cfg)
         self.device = device
         self.precision: Precision = precision_of(cfg)
         self.temperature = cfg.generation.temperature or 1.0
@@ -128,7 +131,7 @@ class TrainingEngine(ABC):
                 the gradients zeroed, so the weights keep their values (earlier epochs of a
                 ``grpo.epochs > 1`` step have stepped already).
         """
-        g, a = self.cfg.grpo, self.cfg.async_
+        g = self.cfg.grpo
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         if behaviour:
             sums.update(is_truncated_frac=0.0, behaviour_kl=0.0)
@@ -142,20 +145,8 @@ class TrainingEngine(ABC):
                 # Kept, not raised: the other ranks learn of it in the gradient all-reduce, so
                 # no rank steps while another refuses.
                 bad = bad or nonfinite_message("current log-prob", lp, p.mb, mask=p.mask, decode=self.decode)
-                loss, m = policy_loss(
-                    lp,
-                    p.old,
-                    p.ref,
-                    p.adv,
-                    p.mask,
-                    clip_eps=g.clip_eps,
-                    kl_coef=g.kl_coef,
-                    loss_agg=g.loss_agg,
-                    global_token_count=global_tokens,
-                    behaviour_logprobs=p.behaviour,
-                    is_cap=a.is_cap,
-                    is_mode=a.is_mode,
-                    kl_clamp=g.kl_clamp,
+                loss, m = self.loss(
+                    lp, p.old, p.ref, p.adv, p.mask, global_token_count=global_tokens, behaviour_logprobs=p.behaviour
                 )
                 loss.backward()
                 if last:

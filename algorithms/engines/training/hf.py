@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from algorithms.config import TrainerConfig
 from algorithms.engines.training.base import Scored, TrainingEngine, Which
+from algorithms.losses import PolicyLoss
 from algorithms.models import build_model, pad_batch, save_pretrained_dir, sequence_logprobs
 from nemo_dataplane.codec import jagged_rows
 
@@ -35,9 +36,16 @@ class HFTrainingEngine(TrainingEngine):
     name = "torch"
 
     def __init__(
-        self, cfg: TrainerConfig, device: torch.device, *, vocab_size: int, pad_id: int, rank: int = 0
+        self,
+        cfg: TrainerConfig,
+        device: torch.device,
+        *,
+        vocab_size: int,
+        pad_id: int,
+        rank: int = 0,
+        loss: PolicyLoss | None = None,
     ) -> None:
-        super().__init__(cfg, device, rank)
+        super().__init__(cfg, device, rank, loss)
         self.pad_id = pad_id
         self.model = build_model(cfg.policy.model, vocab_size=vocab_size, device=device)
         if cfg.policy.activation_checkpointing:

@@ -25,6 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import ray
 
+from nemo_dataplane.errors import NemoDataplaneError
+
 T = TypeVar("T")
 R = TypeVar("R")
 Steps = Generator[Any, Any, T]
@@ -128,9 +130,10 @@ class SyncDriver:
             return body.result  # type: ignore[no-any-return]
 
 
-class OpEnded(Exception):
+class OpEnded(NemoDataplaneError):
     """Raised by a :class:`SyncDriver`'s waits for an error that ends the op (its timeout, a lost
-    store): it reaches the caller as ``error`` without passing through the body."""
+    store): it reaches the caller as ``error`` without passing through the body (never raised
+    out of the driver itself)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))

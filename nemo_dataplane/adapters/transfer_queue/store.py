@@ -351,6 +351,17 @@ class TransferQueueStore(ActorBackedClient):
             f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) did not finish within {limit}"
         )
 
+    def _store_lost(
+        self, op: str, partition_id: str, n_keys: int, why: str, err: BaseException | None = None
+    ) -> StoreLostError:
+        """Record the store as lost and the error naming the op it ended: ``err`` (a call to a
+        dead actor) failed it, else a liveness check found ``why`` while it was pending."""
+        self._lost = why if err is None else why or f"a TransferQueue actor died or was lost ({err})"
+        what = f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys)"
+        lost = StoreLostError(f"{what} {'cannot finish' if err is None else 'failed'}: {self._lost}")
+        lost.__cause__ = err
+        return lost
+
     async def _bounded(self, op: str, partition_id: str, n_keys: int, coro: Awaitable[T], limit_s: float | None) -> T:
         """``coro`` within ``op_timeout_s`` (or ``limit_s``); while it is pending, every
         ``LIVENESS_EVERY_S`` the store's actors are checked, and a dead one fails the op at once.
@@ -368,20 +379,13 @@ class TransferQueueStore(ActorBackedClient):
                     raise self._timeout_error(op, partition_id, n_keys, limit_s)
                 done, _ = await asyncio.wait({task}, timeout=min(LIVENESS_EVERY_S, left))
                 if done:
-                    if isinstance(task.exception(), ray.exceptions.RayActorError):  # a call to a dead unit
-                        err = task.exception()
-                        lost = await self._lost_actor() or f"a TransferQueue actor died or was lost ({err})"
-                        self._lost = lost
-                        raise StoreLostError(
-                            f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {lost}"
-                        ) from err
+                    err = task.exception()
+                    if isinstance(err, ray.exceptions.RayActorError):  # a call to a dead unit
+                        raise self._store_lost(op, partition_id, n_keys, await self._lost_actor() or "", err)
                     return task.result()
                 dead = await self._lost_actor()
                 if dead is not None:
-                    self._lost = dead
-                    raise StoreLostError(
-                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) cannot finish: {dead}"
-                    )
+                    raise self._store_lost(op, partition_id, n_keys, dead)
         finally:
             if not task.done():
                 task.cancel()
@@ -416,15 +420,9 @@ class TransferQueueStore(ActorBackedClient):
                 except ray.exceptions.GetTimeoutError:
                     dead = self._lost_actor_now()
                     if dead is not None:
-                        self._lost = dead
-                        what = f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys)"
-                        raise OpEnded(StoreLostError(f"{what} cannot finish: {dead}")) from None
+                        raise OpEnded(self._store_lost(op, partition_id, n_keys, dead)) from None
                 except ray.exceptions.RayActorError as err:  # a call to a dead controller or unit
-                    self._lost = self._lost_actor_now() or f"a TransferQueue actor died or was lost ({err})"
-                    lost = StoreLostError(
-                        f"TransferQueue {op} on partition {partition_id!r} ({n_keys} keys) failed: {self._lost}"
-                    )
-                    lost.__cause__ = err
+                    lost = self._store_lost(op, partition_id, n_keys, self._lost_actor_now() or "", err)
                     raise OpEnded(lost) from None
 
         def run_awaitable(awaitable: Awaitable[Any]) -> Any:

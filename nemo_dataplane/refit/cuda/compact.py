@@ -112,11 +112,9 @@ def open_compact(blob: bytes) -> torch.Tensor:
         if not found:
             raise RuntimeError(f"GPU {uuid.UUID(bytes=gpu)} is not visible to this process")
         dev = found[0]
-    at, values = 18, []
-    for _ in _rebuild_params():
-        v, at = _unpack(blob, at)
-        values.append(v)
-    kw = dict(zip(_rebuild_params(), values))
+    at, kw = 18, {}
+    for name in _rebuild_params():
+        kw[name], at = _unpack(blob, at)
     kw["storage_device"] = dev
     kw["requires_grad"] = False
     _check_view(kw)
